@@ -1,0 +1,199 @@
+"""Wire contracts between Meridian's processes (pydantic v2).
+
+Everything that crosses a process boundary between the control plane, the geo router
+and the data-plane nodes is defined here, so that no plane imports another.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Region names are "<provider>:<location>", e.g. "aws:us-east-1", "onprem:tokyo-1".
+REGION_PATTERN = r"^(aws|gcp|onprem):[a-z0-9][a-z0-9-]{0,62}$"
+NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+# Residency zones are short lowercase names; "global" means "may be served anywhere".
+ZONE_PATTERN = r"^[a-z][a-z0-9-]{0,31}$"
+GLOBAL_ZONE = "global"
+
+# Response headers the router sets so a client can see where it was served.
+HEADER_REGION = "x-meridian-region"
+HEADER_NODE = "x-meridian-node"
+HEADER_REQUEST_ID = "x-request-id"
+HEADER_OVERHEAD_MS = "x-meridian-overhead-ms"
+
+RegionName = Annotated[str, Field(pattern=REGION_PATTERN)]
+NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
+ZoneName = Annotated[str, Field(pattern=ZONE_PATTERN)]
+ModelName = Annotated[str, Field(min_length=1, max_length=200)]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeStatus(StrEnum):
+    """Lifecycle of a data-plane node as the control plane sees it."""
+
+    STARTING = "starting"  # registered, runtime still loading weights
+    READY = "ready"  # serving; routers may send traffic
+    DRAINING = "draining"  # finishing in-flight requests; routers send nothing new
+    LOST = "lost"  # heartbeats stopped; kept for a while so status can show it
+
+
+class NodeLoad(_Wire):
+    """Load figures a node reports with each heartbeat (vLLM's metric semantics)."""
+
+    running: int = Field(0, ge=0)
+    waiting: int = Field(0, ge=0)
+    kv_cache_usage: float = Field(0.0, ge=0.0, le=1.0)
+
+
+class NodeRegistration(_Wire):
+    """What a node sends when it (re)starts: who it is, where, what it serves."""
+
+    node_id: NodeId
+    region: RegionName
+    url: str = Field(description="Base URL routers use to reach the node, e.g. http://10.0.0.5:8000")
+    models: list[ModelName] = Field(default_factory=list, max_length=64)
+    engine: Literal["torch", "vllm"] = "torch"
+    version: str = Field("", max_length=64)
+    status: NodeStatus = NodeStatus.STARTING
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^\s/]+(:\d+)?/?$", v):
+            raise ValueError("url must be http(s)://host[:port]")
+        return v.rstrip("/")
+
+
+class NodeRegistered(_Wire):
+    """Control plane's answer to a registration: how often to heartbeat."""
+
+    node_id: NodeId
+    heartbeat_interval_s: float
+    ttl_s: float
+
+
+class NodeHeartbeat(_Wire):
+    """Periodic liveness + load report from a node."""
+
+    status: NodeStatus
+    load: NodeLoad = NodeLoad()
+    models: list[ModelName] = Field(default_factory=list, max_length=64)
+
+
+class HeartbeatAck(_Wire):
+    routing_version: int
+
+
+class RegionInfo(_Wire):
+    """A region as routers see it: where it is and which residency zones it belongs to."""
+
+    name: RegionName
+    provider: Literal["aws", "gcp", "onprem"]
+    location: str
+    zones: list[ZoneName]
+    latitude: float = Field(ge=-90, le=90)
+    longitude: float = Field(ge=-180, le=180)
+
+
+class RoutingNode(_Wire):
+    """One node in the routing table. Load is not here: it changes every heartbeat and
+    would make every snapshot a new version; routers learn load from nodes directly."""
+
+    node_id: NodeId
+    region: RegionName
+    url: str
+    models: list[ModelName]
+    status: NodeStatus
+    engine: str = "torch"
+
+
+class TenantEntry(_Wire):
+    """An inference API key as routers need it: hash only, never the key itself."""
+
+    key_hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+    key_prefix: str
+    tenant: str
+    zone: ZoneName
+    models: list[ModelName] | None = Field(None, description="None means every model")
+
+
+class RoutingTable(_Wire):
+    """Versioned snapshot routers poll (ETag = version). Routers keep using the last
+    one they have when the control plane is unreachable (static stability)."""
+
+    version: int = Field(ge=0)
+    generated_at: datetime
+    regions: list[RegionInfo]
+    nodes: list[RoutingNode]
+    tenants: list[TenantEntry]
+
+
+class NodeView(_Wire):
+    """A node as the admin API and `meridian status` show it."""
+
+    node_id: NodeId
+    region: RegionName
+    provider: str
+    url: str
+    models: list[str]
+    engine: str
+    version: str
+    status: NodeStatus
+    load: NodeLoad
+    registered_at: datetime
+    last_heartbeat: datetime
+
+
+# --- OpenAI-compatible listing and errors ---------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "meridian"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    """The body OpenAI's API (and its clients) expect on every error."""
+
+    error: OpenAIErrorDetail
+
+
+def openai_error(
+    message: str, type_: str = "invalid_request_error", code: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    """Build an OpenAI error JSON body."""
+    return OpenAIErrorBody(
+        error=OpenAIErrorDetail(message=message, type=type_, code=code, param=param)
+    ).model_dump()
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details: the one error body of the admin API."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str | None = None
+    errors: list[dict[str, Any]] | None = None

@@ -1,0 +1,101 @@
+"""All of Meridian's settings, in one place (pydantic-settings, env prefix `MERIDIAN_`).
+
+Each process reads its own class: `MERIDIAN_CP_*` for the control plane,
+`MERIDIAN_ROUTER_*` for the geo router, `MERIDIAN_NODE_*` for a data-plane node.
+`MERIDIAN_CLUSTER_TOKEN` is shared: nodes and routers present it to the control plane.
+CLI flags override the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_CLUSTER_TOKEN = Field(
+    validation_alias=AliasChoices("MERIDIAN_CLUSTER_TOKEN", "cluster_token"),
+    description="Shared secret nodes and routers present to the control plane.",
+)
+
+
+class ControlPlaneSettings(BaseSettings):
+    """Settings of `meridian control-plane serve`."""
+
+    model_config = SettingsConfigDict(env_prefix="MERIDIAN_CP_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8081, ge=0, le=65535)
+    database_url: str = "sqlite:///./meridian-state.db"
+    cluster_token: SecretStr = _CLUSTER_TOKEN
+    # Hash of this key is ensured at start-up as an admin-scoped key, so a fresh
+    # deployment can create its first tenants. Unset in steady state.
+    bootstrap_admin_key: SecretStr | None = None
+    heartbeat_interval_s: float = Field(2.0, gt=0)
+    # A node whose last heartbeat is older than this is marked lost and leaves the table.
+    node_ttl_s: float = Field(10.0, gt=0)
+    # Lost nodes are forgotten after this long.
+    lost_node_retention_s: float = Field(3600.0, gt=0)
+    reaper_interval_s: float = Field(1.0, gt=0)
+    max_long_poll_s: float = Field(30.0, gt=0)
+    max_request_bytes: int = Field(1_000_000, gt=0)
+    onprem_inventory: Path | None = None
+
+
+class RouterSettings(BaseSettings):
+    """Settings of `meridian router serve`."""
+
+    model_config = SettingsConfigDict(env_prefix="MERIDIAN_ROUTER_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    control_plane_url: str = "http://127.0.0.1:8081"
+    cluster_token: SecretStr = _CLUSTER_TOKEN
+    # Header an edge proxy you trust sets to the client's location ("lat,lon" or a
+    # region name such as "aws:us-east-1"). Strip it at the edge from client requests.
+    client_location_header: str = "x-meridian-client-location"
+    # Where clients are assumed to be when no trusted header says otherwise.
+    default_client_location: str = "aws:us-east-1"
+    # Last routing table is kept here so a restarted router can serve while the
+    # control plane is down.
+    snapshot_path: Path | None = None
+    table_poll_timeout_s: float = Field(20.0, gt=0)
+    connect_timeout_s: float = Field(2.0, gt=0)
+    # Upper bound on a whole upstream request (generation can be long).
+    request_timeout_s: float = Field(300.0, gt=0)
+    # Longest silence allowed between two chunks of a streamed answer.
+    read_timeout_s: float = Field(60.0, gt=0)
+    max_attempts: int = Field(3, ge=1, le=10)
+    # A node that failed is skipped for this long (doubling on repeated failures).
+    ejection_base_s: float = Field(5.0, gt=0)
+    ejection_max_s: float = Field(60.0, gt=0)
+    max_request_bytes: int = Field(1_000_000, gt=0)
+
+
+class NodeSettings(BaseSettings):
+    """Settings of `meridian node run`."""
+
+    model_config = SettingsConfigDict(env_prefix="MERIDIAN_NODE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    node_id: str = ""
+    region: str = ""
+    # URL routers use to reach this node; defaults to http://host:port.
+    advertise_url: str | None = None
+    control_plane_url: str | None = "http://127.0.0.1:8081"
+    cluster_token: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("MERIDIAN_CLUSTER_TOKEN", "cluster_token")
+    )
+    model_dir: Path | None = None
+    # Name the model is served under; defaults to the checkpoint directory's name.
+    model_name: str | None = None
+    engine: str = "torch"
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: int = Field(2048, gt=0)
+    max_tokens_limit: int = Field(1024, gt=0)
+    max_request_bytes: int = Field(1_000_000, gt=0)
+    max_waiting_requests: int = Field(256, ge=1)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    control_plane_timeout_s: float = Field(5.0, gt=0)
