@@ -99,3 +99,13 @@ class NodeSettings(BaseSettings):
     max_waiting_requests: int = Field(256, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0)
     control_plane_timeout_s: float = Field(5.0, gt=0)
+
+
+class CLISettings(BaseSettings):
+    """Settings of the operator CLI (`meridian status`, `meridian keys …`)."""
+
+    model_config = SettingsConfigDict(env_prefix="MERIDIAN_", extra="ignore")
+
+    control_plane_url: str = "http://127.0.0.1:8081"
+    api_key: SecretStr | None = None
+    timeout_s: float = Field(10.0, gt=0)

@@ -1,0 +1,3 @@
+from meridian.cli.main import app
+
+app(prog_name="meridian")

@@ -1,0 +1,1 @@
+"""The `meridian` command line."""

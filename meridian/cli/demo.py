@@ -1,0 +1,63 @@
+"""`meridian demo`: a three-region fabric on embedded defaults, stopped by Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import time
+from pathlib import Path
+from types import FrameType
+
+from rich.console import Console
+from rich.panel import Panel
+
+from meridian.cli.admin_client import AdminClient
+from meridian.cli.status_view import status_table
+from meridian.contracts import HEADER_REGION
+from meridian.localfabric import DEMO_MODEL, FabricSpec, LocalFabric
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def run_demo(work_dir: Path, router_port: int, console: Console) -> None:
+    """Start the fabric, print how to use it, and stop everything on Ctrl-C or SIGTERM."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    spec = FabricSpec(work_dir=work_dir, router_port=router_port, control_plane_port=8081)
+    progress = console.status("starting the fabric…")
+    fabric = LocalFabric(spec, on_step=progress.update)
+    try:
+        with progress:
+            info = fabric.start()
+        key = info.keys["global"]
+        body = json.dumps({"model": DEMO_MODEL, "max_tokens": 16,
+                           "messages": [{"role": "user", "content": "Hello!"}]})
+        curl = (f"curl -sS -D - {info.router_url}/v1/chat/completions "
+                f"-H 'authorization: Bearer {key}' -H 'content-type: application/json' -d {shlex.quote(body)}")
+        console.print(Panel.fit(
+            f"[bold]endpoint[/bold]  {info.router_url}/v1  (OpenAI-compatible)\n"
+            f"[bold]model[/bold]     {DEMO_MODEL}\n"
+            f"[bold]keys[/bold]      global, eu, us, apac in {work_dir / 'fabric.json'} (mode 0600)\n"
+            f"[bold]admin[/bold]     control plane {info.control_plane_url}\n"
+            f"[bold]logs[/bold]      {work_dir / 'logs'}\n\n"
+            f"try:\n{curl}\n\n"
+            f"the {HEADER_REGION} header says which region served it.\n"
+            f"status:  MERIDIAN_API_KEY={info.admin_key} meridian status --control-plane {info.control_plane_url}",
+            title="Meridian demo is up", border_style="green"))
+        with AdminClient(info.control_plane_url, info.admin_key) as admin:
+            console.print(status_table(admin.regions(), admin.nodes()))
+        console.print("[dim]Ctrl-C drains and stops every process.[/dim]")
+        warned: set[str] = set()
+        while True:
+            time.sleep(1.0)
+            for p in fabric.processes:
+                if p.popen.poll() is not None and p.name not in warned:
+                    warned.add(p.name)
+                    console.print(f"[yellow]{p.name} exited ({p.popen.returncode}); see {p.log}[/yellow]")
+    except KeyboardInterrupt:
+        console.print("\n[bold]stopping:[/bold] draining nodes, then router and control plane…")
+    finally:
+        fabric.stop(on_stopped=lambda name: console.print(f"  stopped {name}"))
+    console.print("[green]all processes stopped[/green]")

@@ -1,0 +1,177 @@
+"""`meridian`: run each component, manage the fabric, and start a local demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from meridian.cli.admin_client import AdminAPIError, AdminClient
+from meridian.cli.status_view import status_table
+from meridian.settings import CLISettings, ControlPlaneSettings, NodeSettings, RouterSettings
+
+app = typer.Typer(no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
+control_plane_app = typer.Typer(no_args_is_help=True, help="The control plane (admin API, state, reconciler).")
+router_app = typer.Typer(no_args_is_help=True, help="The geo router (global OpenAI-compatible endpoint).")
+node_app = typer.Typer(no_args_is_help=True, help="A data-plane node (runtime + node agent).")
+model_app = typer.Typer(no_args_is_help=True, help="Model checkpoints.")
+keys_app = typer.Typer(no_args_is_help=True, help="Tenants' API keys (admin scope).")
+app.add_typer(control_plane_app, name="control-plane")
+app.add_typer(router_app, name="router")
+app.add_typer(node_app, name="node")
+app.add_typer(model_app, name="model")
+app.add_typer(keys_app, name="keys")
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+T = TypeVar("T")
+
+
+def _settings(cls: type[T], **overrides: Any) -> T:
+    """Environment first, then CLI flags that were given; a clear message when invalid."""
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return cls(**given)
+    except ValidationError as e:
+        err_console.print(f"[red]invalid settings for {cls.__name__}:[/red]")
+        for err in e.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            err_console.print(f"  {loc}: {err['msg']}")
+        raise typer.Exit(2) from None
+
+
+# --- components -----------------------------------------------------------------------
+
+
+@control_plane_app.command("serve")
+def control_plane_serve(
+    host: Annotated[str | None, typer.Option(help="Bind address [MERIDIAN_CP_HOST]")] = None,
+    port: Annotated[int | None, typer.Option(help="Port [MERIDIAN_CP_PORT]")] = None,
+    database_url: Annotated[
+        str | None, typer.Option(help="sqlite:///path or postgresql://… [MERIDIAN_CP_DATABASE_URL]")
+    ] = None,
+) -> None:
+    """Run the control plane; applies database migrations at start-up."""
+    from control_plane.app import serve
+
+    serve(_settings(ControlPlaneSettings, host=host, port=port, database_url=database_url))
+
+
+@router_app.command("serve")
+def router_serve(
+    host: Annotated[str | None, typer.Option(help="Bind address [MERIDIAN_ROUTER_HOST]")] = None,
+    port: Annotated[int | None, typer.Option(help="Port [MERIDIAN_ROUTER_PORT]")] = None,
+    control_plane_url: Annotated[str | None, typer.Option(help="[MERIDIAN_ROUTER_CONTROL_PLANE_URL]")] = None,
+    snapshot_path: Annotated[
+        Path | None, typer.Option(help="Keep the last routing table here [MERIDIAN_ROUTER_SNAPSHOT_PATH]")
+    ] = None,
+    default_client_location: Annotated[
+        str | None, typer.Option(help="Region name or 'lat,lon' [MERIDIAN_ROUTER_DEFAULT_CLIENT_LOCATION]")
+    ] = None,
+) -> None:
+    """Run the geo router, the global inference endpoint."""
+    from geo_router.app import serve
+
+    serve(_settings(RouterSettings, host=host, port=port, control_plane_url=control_plane_url,
+                    snapshot_path=snapshot_path, default_client_location=default_client_location))
+
+
+@node_app.command("run")
+def node_run(
+    model_dir: Annotated[Path | None, typer.Option(help="Checkpoint directory [MERIDIAN_NODE_MODEL_DIR]")] = None,
+    model_name: Annotated[str | None, typer.Option(help="Served model name [MERIDIAN_NODE_MODEL_NAME]")] = None,
+    region: Annotated[str | None, typer.Option(help="e.g. aws:us-east-1 [MERIDIAN_NODE_REGION]")] = None,
+    node_id: Annotated[str | None, typer.Option(help="[MERIDIAN_NODE_NODE_ID]")] = None,
+    host: Annotated[str | None, typer.Option(help="[MERIDIAN_NODE_HOST]")] = None,
+    port: Annotated[int | None, typer.Option(help="[MERIDIAN_NODE_PORT]")] = None,
+    advertise_url: Annotated[str | None, typer.Option(help="URL routers use [MERIDIAN_NODE_ADVERTISE_URL]")] = None,
+    control_plane_url: Annotated[str | None, typer.Option(help="[MERIDIAN_NODE_CONTROL_PLANE_URL]")] = None,
+    engine: Annotated[str | None, typer.Option(help="torch or vllm [MERIDIAN_NODE_ENGINE]")] = None,
+) -> None:
+    """Run a data-plane node: load the model, serve it, register with the control plane."""
+    from data_plane.node import serve
+
+    serve(_settings(NodeSettings, model_dir=model_dir, model_name=model_name, region=region,
+                    node_id=node_id, host=host, port=port, advertise_url=advertise_url,
+                    control_plane_url=control_plane_url, engine=engine))
+
+
+@model_app.command("make-tiny")
+def model_make_tiny(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into")],
+    seed: Annotated[int, typer.Option(help="Same seed, same bytes")] = 0,
+) -> None:
+    """Write a tiny Llama-architecture checkpoint (config, safetensors, tokenizer)."""
+    from data_plane.model.make_tiny import make_tiny_checkpoint
+
+    make_tiny_checkpoint(out_dir, seed=seed)
+    console.print(f"wrote tiny Llama checkpoint to [bold]{out_dir}[/bold] (seed {seed})")
+
+
+# --- operating the fabric ---------------------------------------------------------------
+
+ControlPlaneOpt = Annotated[str | None, typer.Option("--control-plane", help="[MERIDIAN_CONTROL_PLANE_URL]")]
+ApiKeyOpt = Annotated[str | None, typer.Option("--api-key", help="[MERIDIAN_API_KEY]")]
+
+
+def _admin(control_plane: str | None, api_key: str | None) -> AdminClient:
+    s = _settings(CLISettings, control_plane_url=control_plane)
+    key = api_key or (s.api_key.get_secret_value() if s.api_key else None)
+    if not key:
+        err_console.print("[red]an API key is needed: --api-key or MERIDIAN_API_KEY[/red]")
+        raise typer.Exit(2)
+    return AdminClient(s.control_plane_url, key, s.timeout_s)
+
+
+@app.command("status")
+def status(control_plane: ControlPlaneOpt = None, api_key: ApiKeyOpt = None) -> None:
+    """Show regions, nodes, health and models as a table."""
+    try:
+        with _admin(control_plane, api_key) as admin:
+            console.print(status_table(admin.regions(), admin.nodes()))
+    except AdminAPIError as e:
+        err_console.print(f"[red]{e}[/red]")
+        raise typer.Exit(1) from None
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="Tenant the key belongs to")],
+    zone: Annotated[str, typer.Option(help="Residency zone (eu, us, …) or global")] = "global",
+    scope: Annotated[list[str] | None, typer.Option(help="admin, operator, read-only, inference")] = None,
+    model: Annotated[list[str] | None, typer.Option(help="Allowed models (default: all)")] = None,
+    name: Annotated[str | None, typer.Option(help="Label for the key")] = None,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Create an API key; the key is printed once and never stored."""
+    try:
+        with _admin(control_plane, api_key) as admin:
+            k = admin.create_key(name=name or tenant, tenant=tenant, zone=zone,
+                                 scopes=scope or ["inference"], models=model or None)
+    except AdminAPIError as e:
+        err_console.print(f"[red]{e}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"key id {k['id']} for tenant {k['tenant']} (zone {k['zone']}, scopes {', '.join(k['scopes'])})")
+    console.print("[bold]store it now; it is not shown again:[/bold]")
+    print(k["key"])
+
+
+@app.command("demo")
+def demo(
+    work_dir: Annotated[Path, typer.Option(help="Where state, logs and the model go")] = Path(".meridian/demo"),
+    port: Annotated[int, typer.Option(help="Router port (a free one if taken)")] = 8080,
+) -> None:
+    """Start a three-region local fabric on embedded defaults; Ctrl-C stops it."""
+    from meridian.cli.demo import run_demo
+
+    run_demo(work_dir, port, console)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,44 @@
+"""The `meridian status` table: regions, nodes, health, models."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from rich.table import Table
+
+from meridian.contracts import NodeStatus, NodeView, RegionInfo
+
+_STATUS_STYLE = {
+    NodeStatus.READY: "green",
+    NodeStatus.STARTING: "yellow",
+    NodeStatus.DRAINING: "yellow",
+    NodeStatus.LOST: "red",
+}
+
+
+def status_table(regions: list[RegionInfo], nodes: list[NodeView], now: datetime | None = None) -> Table:
+    """One row per node, plus one row per region that has no node but was asked about."""
+    now = now or datetime.now(UTC)
+    by_region = {r.name: r for r in regions}
+    table = Table(title="Meridian fabric", header_style="bold")
+    for col in ("Region", "Zones", "Node", "Health", "Models", "Running", "Waiting", "KV", "Heartbeat"):
+        table.add_column(col, justify="right" if col in ("Running", "Waiting", "KV", "Heartbeat") else "left")
+    for n in sorted(nodes, key=lambda n: (n.region, n.node_id)):
+        region = by_region.get(n.region)
+        zones = ",".join(region.zones) if region else "?"
+        age = max(0.0, (now - n.last_heartbeat).total_seconds())
+        style = _STATUS_STYLE.get(n.status, "")
+        table.add_row(
+            n.region,
+            zones,
+            n.node_id,
+            f"[{style}]{n.status.value}[/{style}]" if style else n.status.value,
+            ", ".join(n.models) or "-",
+            str(n.load.running),
+            str(n.load.waiting),
+            f"{n.load.kv_cache_usage:.0%}",
+            f"{age:.0f}s ago",
+        )
+    if not nodes:
+        table.add_row("-", "-", "(no nodes registered)", "-", "-", "-", "-", "-", "-")
+    return table

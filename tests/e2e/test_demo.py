@@ -1,0 +1,61 @@
+"""`meridian demo` starts the fabric and Ctrl-C leaves nothing running."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meridian.localfabric import free_port
+
+pytestmark = pytest.mark.e2e
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it has exited but not been reaped.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
+    work = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meridian", "demo", "--work-dir", str(work), "--port", str(free_port())],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "COLUMNS": "200"},
+        start_new_session=True,
+    )
+    out: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line.decode(errors="replace"))
+            if "Ctrl-C drains" in out[-1] or time.monotonic() > deadline:
+                break
+        text = "".join(out)
+        assert "Meridian demo is up" in text, text
+        assert "curl" in text and "/v1/chat/completions" in text
+        for region in ("aws:us-east-1", "gcp:europe-west4", "onprem:tokyo-1"):
+            assert region in text
+        pids = json.loads((work / "fabric.json").read_text())["pids"]
+        assert len(pids) == 5 and all(_alive(p) for p in pids.values())
+
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0
+        assert "all processes stopped" in rest.decode()
+        assert not [name for name, pid in pids.items() if _alive(pid)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

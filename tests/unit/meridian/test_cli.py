@@ -1,0 +1,61 @@
+from datetime import UTC, datetime, timedelta
+
+from rich.console import Console
+from typer.testing import CliRunner
+
+from meridian.cli.main import app
+from meridian.cli.status_view import status_table
+from meridian.contracts import NodeLoad, NodeStatus, NodeView
+from meridian.localfabric import free_port
+from providers.regions import region_catalog
+
+runner = CliRunner()
+
+
+def test_status_needs_an_api_key(monkeypatch):
+    monkeypatch.delenv("MERIDIAN_API_KEY", raising=False)
+    r = runner.invoke(app, ["status"])
+    assert r.exit_code == 2
+    assert "API key" in r.output
+
+
+def test_status_reports_unreachable_control_plane():
+    url = f"http://127.0.0.1:{free_port()}"
+    r = runner.invoke(app, ["status", "--api-key", "k", "--control-plane", url])
+    assert r.exit_code == 1
+    assert "unreachable" in r.output and "Traceback" not in r.output
+
+
+def test_invalid_flag_value_is_a_clear_error():
+    r = runner.invoke(app, ["control-plane", "serve", "--port", "70000"])
+    assert r.exit_code == 2
+    assert "port" in r.output and "Traceback" not in r.output
+
+
+def _node(node_id: str, region: str, status: NodeStatus, age_s: float, now: datetime) -> NodeView:
+    return NodeView(
+        node_id=node_id, region=region, provider=region.split(":")[0], url="http://h:1",
+        models=["tiny-llama"], engine="torch", version="0.1.0", status=status,
+        load=NodeLoad(running=2, waiting=1, kv_cache_usage=0.25),
+        registered_at=now - timedelta(minutes=5), last_heartbeat=now - timedelta(seconds=age_s),
+    )
+
+
+def test_status_table_shows_region_zone_health_model():
+    now = datetime.now(UTC)
+    nodes = [_node("n-eu", "gcp:europe-west4", NodeStatus.READY, 1, now),
+             _node("n-us", "aws:us-east-1", NodeStatus.LOST, 42, now)]
+    console = Console(width=200, record=True)
+    console.print(status_table(list(region_catalog().values()), nodes, now=now))
+    text = console.export_text()
+    eu_line = next(line for line in text.splitlines() if "n-eu" in line)
+    us_line = next(line for line in text.splitlines() if "n-us" in line)
+    assert "gcp:europe-west4" in eu_line and "eu" in eu_line and "ready" in eu_line
+    assert "tiny-llama" in eu_line and "25%" in eu_line
+    assert "lost" in us_line and "42s ago" in us_line
+
+
+def test_status_table_with_no_nodes_says_so():
+    console = Console(width=200, record=True)
+    console.print(status_table([], []))
+    assert "no nodes registered" in console.export_text()

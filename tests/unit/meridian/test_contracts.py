@@ -1,0 +1,36 @@
+from datetime import UTC, datetime
+
+import pytest
+from pydantic import ValidationError
+
+from meridian.contracts import NodeRegistration, RoutingTable, TenantEntry, openai_error
+
+
+def test_registration_validates_region_and_url():
+    reg = NodeRegistration(node_id="n1", region="aws:us-east-1", url="http://10.0.0.1:8000/", models=["m"])
+    assert reg.url == "http://10.0.0.1:8000"
+    with pytest.raises(ValidationError):
+        NodeRegistration(node_id="n1", region="azure:westeurope", url="http://h:1")
+    with pytest.raises(ValidationError):
+        NodeRegistration(node_id="n1", region="aws:us-east-1", url="ftp://h:1")
+    with pytest.raises(ValidationError):
+        NodeRegistration(node_id="Bad Id", region="aws:us-east-1", url="http://h:1")
+
+
+def test_unknown_fields_are_rejected_not_ignored():
+    with pytest.raises(ValidationError):
+        NodeRegistration(node_id="n1", region="aws:us-east-1", url="http://h:1", zone="eu")
+
+
+def test_routing_table_round_trips_through_json():
+    table = RoutingTable(
+        version=3, generated_at=datetime.now(UTC), regions=[], nodes=[],
+        tenants=[TenantEntry(key_hash="a" * 64, key_prefix="mrd_abc", tenant="t", zone="eu")],
+    )
+    assert RoutingTable.model_validate_json(table.model_dump_json()) == table
+
+
+def test_openai_error_shape():
+    body = openai_error("nope", code="model_not_found", param="model")
+    assert body == {"error": {"message": "nope", "type": "invalid_request_error",
+                              "param": "model", "code": "model_not_found"}}
