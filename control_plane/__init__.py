@@ -1,0 +1,1 @@
+"""Meridian's control plane: node registry, API keys and the versioned routing table."""

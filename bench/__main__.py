@@ -1,0 +1,12 @@
+"""`python -m bench` (`make bench`): every benchmark in its quick form, JSON lines out."""
+
+from bench import router_overhead
+
+
+def main() -> None:
+    for fig in router_overhead.run(requests=100):
+        print(fig.json_line(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Shared output format of every benchmark (see DESIGN.md, "Benchmark output")."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured figure: ours against a baseline measured in the same run."""
+
+    bench: str
+    metric: str
+    ours: float
+    baseline: float
+    baseline_name: str
+    goal: str
+    unit: str
+
+    @property
+    def ratio(self) -> float:
+        return self.ours / self.baseline if self.baseline else float("inf")
+
+    def json_line(self) -> str:
+        d = asdict(self)
+        d["ratio"] = round(self.ratio, 4)
+        d["ours"], d["baseline"] = round(self.ours, 4), round(self.baseline, 4)
+        return json.dumps(d)
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]

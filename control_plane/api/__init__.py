@@ -1,0 +1,1 @@
+"""HTTP routes of the control plane, one module per responsibility."""

@@ -1,0 +1,26 @@
+"""Liveness: answers only when the database does."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+
+from control_plane.auth import Ctx
+from control_plane.errors import ServiceUnavailable
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+@router.get("/health")
+def health(ctx: Ctx) -> dict[str, str]:
+    try:
+        with ctx.read() as session:
+            session.execute(text("SELECT 1"))
+    except SQLAlchemyError as e:
+        log.warning("health check: database unreachable: %s", e)
+        raise ServiceUnavailable("database unreachable") from e
+    return {"status": "ok"}

@@ -1,0 +1,68 @@
+"""Node lifecycle (cluster token) and the fleet views of the admin API (API key)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Response
+from sqlalchemy.exc import IntegrityError
+
+from control_plane import node_registry
+from control_plane.auth import Ctx, require_cluster_token, require_scopes
+from control_plane.errors import Conflict
+from control_plane.scopes import FLEET_READERS
+from meridian.contracts import (
+    NODE_ID_PATTERN,
+    HeartbeatAck,
+    NodeHeartbeat,
+    NodeRegistered,
+    NodeRegistration,
+    NodeView,
+    RegionInfo,
+)
+
+router = APIRouter(prefix="/v1")
+internal = [Depends(require_cluster_token)]
+fleet_readers = [Depends(require_scopes(FLEET_READERS))]
+NodeIdParam = Annotated[str, Path(pattern=NODE_ID_PATTERN)]
+
+
+@router.post("/nodes/register", dependencies=internal)
+def register_node(ctx: Ctx, body: NodeRegistration) -> NodeRegistered:
+    try:
+        with ctx.write() as session:
+            node_registry.register(session, body, ctx.regions, datetime.now(UTC))
+    except IntegrityError as e:
+        # Two first registrations of one id raced; the node's retry will update the row.
+        raise Conflict(f"node {body.node_id!r} was registered concurrently; retry") from e
+    return NodeRegistered(
+        node_id=body.node_id,
+        heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
+        ttl_s=ctx.settings.node_ttl_s,
+    )
+
+
+@router.post("/nodes/{node_id}/heartbeat", dependencies=internal)
+def node_heartbeat(ctx: Ctx, node_id: NodeIdParam, body: NodeHeartbeat) -> HeartbeatAck:
+    with ctx.write() as session:
+        version = node_registry.heartbeat(session, node_id, body, datetime.now(UTC))
+    return HeartbeatAck(routing_version=version)
+
+
+@router.delete("/nodes/{node_id}", dependencies=internal, status_code=204)
+def deregister_node(ctx: Ctx, node_id: NodeIdParam) -> Response:
+    with ctx.write() as session:
+        node_registry.deregister(session, node_id)
+    return Response(status_code=204)
+
+
+@router.get("/nodes", dependencies=fleet_readers)
+def list_nodes(ctx: Ctx) -> list[NodeView]:
+    with ctx.read() as session:
+        return node_registry.list_nodes(session)
+
+
+@router.get("/regions", dependencies=fleet_readers)
+def list_regions(ctx: Ctx) -> list[RegionInfo]:
+    return sorted(ctx.regions.values(), key=lambda r: r.name)

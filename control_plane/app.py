@@ -1,0 +1,131 @@
+"""The control plane's FastAPI app and its uvicorn runner."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+
+import uvicorn
+from fastapi import FastAPI
+from sqlalchemy.exc import IntegrityError
+
+from control_plane import keystore
+from control_plane.api import health, keys, nodes, routing
+from control_plane.body_limit import BodyLimitMiddleware
+from control_plane.context import AppContext
+from control_plane.db import migrate
+from control_plane.db.engine import make_engine, make_sessionmakers
+from control_plane.errors import register_error_handlers
+from control_plane.reaper import run_reaper
+from control_plane.routing_table import current_version
+from control_plane.version_watch import VersionWatch
+from meridian.settings import ControlPlaneSettings
+from providers.regions import region_catalog
+
+log = logging.getLogger(__name__)
+
+# In-flight requests (long-polls included) get this long to finish on SIGTERM; routers
+# and nodes keep their last snapshot and retry, so cutting a long-poll short is harmless.
+GRACEFUL_SHUTDOWN_S = 5
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _ensure_bootstrap_key(ctx: AppContext) -> None:
+    secret = ctx.settings.bootstrap_admin_key
+    if secret is None:
+        return
+    try:
+        with ctx.write() as session:
+            added = keystore.ensure_bootstrap_key(session, secret.get_secret_value(), datetime.now(UTC))
+    except IntegrityError:
+        # Another control plane starting on the same database added it first.
+        added = False
+    if added:
+        log.info("bootstrap admin key added")
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    settings: ControlPlaneSettings = app.state.settings
+    await asyncio.to_thread(migrate.upgrade, settings.database_url)
+    regions = await asyncio.to_thread(region_catalog, settings.onprem_inventory)
+    engine = make_engine(settings.database_url)
+    try:
+        reads, writes = make_sessionmakers(engine)
+
+        def read_version() -> int:
+            with reads() as session:
+                return current_version(session)
+
+        ctx = AppContext(
+            settings=settings,
+            engine=engine,
+            read_sessions=reads,
+            write_sessions=writes,
+            regions=regions,
+            watch=VersionWatch(read_version, asyncio.get_running_loop()),
+        )
+        await asyncio.to_thread(_ensure_bootstrap_key, ctx)
+        app.state.ctx = ctx
+        stop = asyncio.Event()
+        reaper = asyncio.create_task(run_reaper(ctx, stop), name="meridian-reaper")
+        try:
+            yield
+        finally:
+            stop.set()
+            await reaper
+    finally:
+        engine.dispose()
+
+
+def create_app(settings: ControlPlaneSettings) -> FastAPI:
+    """The control plane's ASGI app; start-up migrates the database and starts the reaper."""
+    app = FastAPI(title="Meridian control plane", version="0.1.0", lifespan=_lifespan)
+    app.state.settings = settings
+    register_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    for module in (health, nodes, routing, keys):
+        app.include_router(module.router)
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, minus re-raising SIGTERM/SIGINT after a graceful shutdown.
+
+    uvicorn re-raises the signal once it has drained, which kills the process with it
+    (or raises KeyboardInterrupt); a control plane that shut down cleanly exits 0.
+    """
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in _STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def serve(settings: ControlPlaneSettings) -> None:
+    """Run the control plane under uvicorn until SIGTERM/SIGINT (blocking)."""
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        lifespan="on",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        access_log=False,
+    )
+    server = _Server(config)
+    server.run()
+    if not server.started:
+        raise SystemExit("control plane failed to start; see the log above")

@@ -1,0 +1,69 @@
+"""Authentication of the control plane's callers: cluster token and scoped API keys."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from control_plane.context import AppContext
+from control_plane.errors import Forbidden, Unauthorized
+from control_plane.keystore import find_active_key
+from control_plane.scopes import Scope
+from meridian.security import bearer_token, constant_time_equals
+
+_KNOWN_SCOPES = frozenset(s.value for s in Scope)
+
+
+def get_ctx(request: Request) -> AppContext:
+    ctx: AppContext = request.app.state.ctx
+    return ctx
+
+
+Ctx = Annotated[AppContext, Depends(get_ctx)]
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """The caller behind an API key."""
+
+    key_id: str
+    name: str
+    tenant: str
+    scopes: frozenset[Scope]
+
+
+async def require_cluster_token(ctx: Ctx, authorization: Annotated[str | None, Header()] = None) -> None:
+    """Nodes and routers present the shared cluster token."""
+    token = bearer_token(authorization)
+    expected = ctx.settings.cluster_token.get_secret_value()
+    if token is None or not constant_time_equals(token, expected):
+        raise Unauthorized("a valid cluster token is required")
+
+
+def require_scopes(allowed: Iterable[Scope]) -> Callable[..., Principal]:
+    """Dependency: an unrevoked API key holding at least one of `allowed`."""
+    wanted = frozenset(allowed)
+
+    def dependency(ctx: Ctx, authorization: Annotated[str | None, Header()] = None) -> Principal:
+        token = bearer_token(authorization)
+        if token is None:
+            raise Unauthorized("an API key is required (Authorization: Bearer <key>)")
+        with ctx.read() as session:
+            row = find_active_key(session, token)
+            if row is None:
+                raise Unauthorized("unknown or revoked API key")
+            principal = Principal(
+                key_id=row.id,
+                name=row.name,
+                tenant=row.tenant,
+                scopes=frozenset(Scope(s) for s in row.scopes if s in _KNOWN_SCOPES),
+            )
+        if not principal.scopes & wanted:
+            needed = ", ".join(sorted(s.value for s in wanted))
+            raise Forbidden(f"this key lacks a required scope (one of: {needed})")
+        return principal
+
+    return dependency

@@ -1,0 +1,41 @@
+"""Per-app state of a running control plane: settings, database, region catalog, watchers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from control_plane.routing_table import BUMPED
+from control_plane.version_watch import VersionWatch
+from meridian.contracts import RegionInfo
+from meridian.settings import ControlPlaneSettings
+
+
+@dataclass
+class AppContext:
+    settings: ControlPlaneSettings
+    engine: Engine
+    read_sessions: sessionmaker[Session]
+    write_sessions: sessionmaker[Session]
+    regions: dict[str, RegionInfo]
+    watch: VersionWatch
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A session for reads; its transaction is rolled back when it closes."""
+        with self.read_sessions() as session:
+            yield session
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """One transaction, committed at the end or rolled back on error; wakes long-polls
+        after a commit that bumped the routing version."""
+        with self.write_sessions() as session:
+            with session.begin():
+                yield session
+            if session.info.pop(BUMPED, False):
+                self.watch.notify()

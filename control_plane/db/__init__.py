@@ -1,0 +1,1 @@
+"""Persistence of the control plane: SQLAlchemy models, engine and Alembic migrations."""

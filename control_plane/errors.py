@@ -1,0 +1,115 @@
+"""Typed errors of the control plane and the one place they become problem+json bodies."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from meridian.contracts import Problem
+
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+log = logging.getLogger(__name__)
+
+
+class ControlPlaneError(Exception):
+    """Base of every error the API answers on purpose; status decides the HTTP code."""
+
+    status: int = 500
+
+    def __init__(self, detail: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(detail or HTTPStatus(self.status).phrase)
+        self.detail = detail
+        self.headers = headers
+
+
+class BadRequest(ControlPlaneError):
+    status = 400
+
+
+class Unauthorized(ControlPlaneError):
+    status = 401
+
+    def __init__(self, detail: str | None = None) -> None:
+        super().__init__(detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+class Forbidden(ControlPlaneError):
+    status = 403
+
+
+class NotFound(ControlPlaneError):
+    status = 404
+
+
+class Conflict(ControlPlaneError):
+    status = 409
+
+
+class PayloadTooLarge(ControlPlaneError):
+    status = 413
+
+
+class ServiceUnavailable(ControlPlaneError):
+    status = 503
+
+
+def problem_response(
+    status: int,
+    detail: str | None = None,
+    *,
+    errors: list[dict[str, Any]] | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """A problem+json response (RFC 9457) with the standard title for `status`."""
+    body = Problem(title=HTTPStatus(status).phrase, status=status, detail=detail, errors=errors)
+    return JSONResponse(
+        body.model_dump(exclude_none=True),
+        status_code=status,
+        media_type=PROBLEM_MEDIA_TYPE,
+        headers=dict(headers) if headers else None,
+    )
+
+
+def _validation_errors(exc: RequestValidationError) -> list[dict[str, Any]]:
+    # Drop "input" and "ctx": they echo the request back and may not be JSON-serialisable.
+    return [
+        {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
+        for e in exc.errors()
+    ]
+
+
+async def _on_control_plane_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ControlPlaneError)
+    return problem_response(exc.status, exc.detail, headers=exc.headers)
+
+
+async def _on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return problem_response(422, "request failed validation", errors=_validation_errors(exc))
+
+
+async def _on_http_exception(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    detail = exc.detail if isinstance(exc.detail, str) else None
+    return problem_response(exc.status_code, detail, headers=exc.headers)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return problem_response(500, "internal error; see the control plane's log")
+
+
+def register_error_handlers(app: FastAPI) -> None:
+    """Map every error to a problem+json body; nothing leaks a traceback to a client."""
+    app.add_exception_handler(ControlPlaneError, _on_control_plane_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(Exception, _on_unexpected)

@@ -1,0 +1,118 @@
+"""API keys at rest: creation, lookup by hash, revocation and the bootstrap admin key."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane.db.models import ApiKey
+from control_plane.errors import NotFound
+from control_plane.routing_table import bump_version
+from control_plane.scopes import Scope
+from meridian.security import generate_api_key, hash_api_key, key_prefix
+
+BOOTSTRAP_KEY_NAME = "bootstrap-admin"
+BOOTSTRAP_TENANT = "meridian"
+
+
+def _in_routing_table(key: ApiKey) -> bool:
+    return Scope.INFERENCE.value in key.scopes
+
+
+def _insert(
+    session: Session,
+    plaintext: str,
+    *,
+    name: str,
+    tenant: str,
+    zone: str,
+    scopes: Sequence[Scope],
+    models: Sequence[str] | None,
+    now: datetime,
+) -> ApiKey:
+    row = ApiKey(
+        id=str(uuid.uuid4()),
+        name=name,
+        tenant=tenant,
+        zone=zone,
+        scopes=sorted({s.value for s in scopes}),
+        models=list(models) if models is not None else None,
+        key_hash=hash_api_key(plaintext),
+        key_prefix=key_prefix(plaintext),
+        created_at=now,
+        revoked_at=None,
+    )
+    session.add(row)
+    session.flush()
+    if _in_routing_table(row):
+        bump_version(session)
+    return row
+
+
+def create_key(
+    session: Session,
+    *,
+    name: str,
+    tenant: str,
+    zone: str,
+    scopes: Sequence[Scope],
+    models: Sequence[str] | None,
+    now: datetime,
+) -> tuple[ApiKey, str]:
+    """Store a new key's hash; returns the row and the plaintext, which is never stored."""
+    plaintext = generate_api_key()
+    row = _insert(
+        session, plaintext, name=name, tenant=tenant, zone=zone, scopes=scopes, models=models, now=now
+    )
+    return row, plaintext
+
+
+def find_active_key(session: Session, plaintext: str) -> ApiKey | None:
+    """The unrevoked key whose hash matches, if any."""
+    return session.scalars(
+        select(ApiKey).where(ApiKey.key_hash == hash_api_key(plaintext), ApiKey.revoked_at.is_(None))
+    ).one_or_none()
+
+
+def list_keys(session: Session, *, include_revoked: bool = False) -> list[ApiKey]:
+    query = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
+    if not include_revoked:
+        query = query.where(ApiKey.revoked_at.is_(None))
+    return list(session.scalars(query).all())
+
+
+def revoke_key(session: Session, key_id: str, now: datetime) -> None:
+    """Revoke a key (idempotent); NotFound when no key has this id."""
+    row = session.get(ApiKey, key_id, with_for_update=True)
+    if row is None:
+        raise NotFound(f"no API key with id {key_id!r}")
+    if row.revoked_at is not None:
+        return
+    row.revoked_at = now
+    if _in_routing_table(row):
+        bump_version(session)
+
+
+def ensure_bootstrap_key(session: Session, plaintext: str, now: datetime) -> bool:
+    """Make sure the configured bootstrap key exists as an admin key; True if it was added.
+
+    A bootstrap key that an admin revoked stays revoked: start-up must not undo that.
+    """
+    existing = session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_api_key(plaintext))).one_or_none()
+    if existing is not None:
+        return False
+    _insert(
+        session,
+        plaintext,
+        name=BOOTSTRAP_KEY_NAME,
+        tenant=BOOTSTRAP_TENANT,
+        zone="global",
+        scopes=[Scope.ADMIN],
+        models=None,
+        now=now,
+    )
+    return True

@@ -1,0 +1,108 @@
+"""Nodes at rest: registration, heartbeats and deregistration."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane.db.models import Node
+from control_plane.errors import BadRequest, NotFound
+from control_plane.routing_table import bump_version, current_version
+from meridian.contracts import (
+    NodeHeartbeat,
+    NodeLoad,
+    NodeRegistration,
+    NodeStatus,
+    NodeView,
+    RegionInfo,
+)
+
+
+def _routing_fields(node: Node) -> tuple[object, ...]:
+    """What routers see of a node; a change here is a new routing version."""
+    return (node.region, node.url, tuple(node.models), node.engine, node.status)
+
+
+def register(session: Session, reg: NodeRegistration, regions: dict[str, RegionInfo], now: datetime) -> None:
+    """Create or refresh a node (a restarted node registers again under the same id)."""
+    region = regions.get(reg.region)
+    if region is None:
+        raise BadRequest(f"unknown region {reg.region!r}")
+    if reg.status == NodeStatus.LOST:
+        raise BadRequest("a node cannot register as lost")
+    node = session.get(Node, reg.node_id, with_for_update=True)
+    before = _routing_fields(node) if node is not None else None
+    if node is None:
+        node = Node(node_id=reg.node_id)
+        session.add(node)
+    node.region = reg.region
+    node.provider = region.provider
+    node.url = reg.url
+    node.models = list(reg.models)
+    node.engine = reg.engine
+    node.version = reg.version
+    node.status = reg.status.value
+    node.load = NodeLoad(running=0, waiting=0, kv_cache_usage=0.0).model_dump()
+    node.registered_at = now
+    node.last_heartbeat = now
+    session.flush()
+    if _routing_fields(node) != before:
+        bump_version(session)
+
+
+def heartbeat(session: Session, node_id: str, hb: NodeHeartbeat, now: datetime) -> int:
+    """Record liveness and load; returns the routing version. NotFound if unknown or lost.
+
+    An empty model list means "unchanged", so a heartbeat that omits it never pulls a
+    node's models out of the table.
+    """
+    if hb.status == NodeStatus.LOST:
+        raise BadRequest("a node cannot report itself lost")
+    # Row lock on Postgres: the reaper cannot mark the node lost under this heartbeat.
+    node = session.get(Node, node_id, with_for_update=True)
+    if node is None or node.status == NodeStatus.LOST.value:
+        raise NotFound(f"node {node_id!r} is not registered; register again")
+    before = _routing_fields(node)
+    node.status = hb.status.value
+    if hb.models:
+        node.models = list(hb.models)
+    node.load = hb.load.model_dump()
+    node.last_heartbeat = now
+    session.flush()
+    if _routing_fields(node) != before:
+        return bump_version(session)
+    return current_version(session)
+
+
+def deregister(session: Session, node_id: str) -> None:
+    """Forget a node that finished draining (idempotent)."""
+    node = session.get(Node, node_id, with_for_update=True)
+    if node is None:
+        return
+    was_routed = node.status != NodeStatus.LOST.value
+    session.delete(node)
+    session.flush()
+    if was_routed:
+        bump_version(session)
+
+
+def list_nodes(session: Session) -> list[NodeView]:
+    nodes = session.scalars(select(Node).order_by(Node.region, Node.node_id)).all()
+    return [
+        NodeView(
+            node_id=n.node_id,
+            region=n.region,
+            provider=n.provider,
+            url=n.url,
+            models=list(n.models),
+            engine=n.engine,
+            version=n.version,
+            status=NodeStatus(n.status),
+            load=NodeLoad.model_validate(n.load),
+            registered_at=n.registered_at,
+            last_heartbeat=n.last_heartbeat,
+        )
+        for n in nodes
+    ]

@@ -1,0 +1,66 @@
+"""Background task that expires nodes whose heartbeats stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from sqlalchemy import delete, update
+
+from control_plane.context import AppContext
+from control_plane.db.models import Node
+from control_plane.routing_table import bump_version
+from meridian.contracts import NodeStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ReapResult:
+    lost: tuple[str, ...]
+    forgotten: tuple[str, ...]
+
+
+def reap_once(ctx: AppContext, now: datetime | None = None) -> ReapResult:
+    """Mark silent nodes lost (bumping the version) and forget long-lost ones, in one transaction."""
+    now = now or datetime.now(UTC)
+    ttl = timedelta(seconds=ctx.settings.node_ttl_s)
+    retention = timedelta(seconds=ctx.settings.lost_node_retention_s)
+    with ctx.write() as session:
+        lost = session.scalars(
+            update(Node)
+            .where(Node.status != NodeStatus.LOST.value, Node.last_heartbeat < now - ttl)
+            .values(status=NodeStatus.LOST.value)
+            .returning(Node.node_id)
+            .execution_options(synchronize_session=False)
+        ).all()
+        if lost:
+            bump_version(session)
+        # A node becomes lost about ttl after its last heartbeat; keep it `retention` more.
+        deleted = session.scalars(
+            delete(Node)
+            .where(Node.status == NodeStatus.LOST.value, Node.last_heartbeat < now - ttl - retention)
+            .returning(Node.node_id)
+            .execution_options(synchronize_session=False)
+        ).all()
+    if lost:
+        log.warning("nodes lost (no heartbeat for %.1fs): %s", ctx.settings.node_ttl_s, ", ".join(lost))
+    if deleted:
+        log.info("lost nodes forgotten: %s", ", ".join(deleted))
+    return ReapResult(lost=tuple(lost), forgotten=tuple(deleted))
+
+
+async def run_reaper(ctx: AppContext, stop: asyncio.Event) -> None:
+    """Reap every reaper_interval_s until `stop` is set; errors are logged, not fatal."""
+    while not stop.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), ctx.settings.reaper_interval_s)
+        if stop.is_set():
+            return
+        try:
+            await asyncio.to_thread(reap_once, ctx)
+        except Exception:
+            log.exception("reaper pass failed; retrying next interval")

@@ -1,0 +1,69 @@
+"""The versioned routing table: building a snapshot and bumping its version."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from control_plane.db.models import ApiKey, Node, RoutingState
+from control_plane.scopes import Scope
+from meridian.contracts import NodeStatus, RegionInfo, RoutingNode, RoutingTable, TenantEntry
+
+# Set on a session whose transaction bumped the version, so the caller can wake
+# long-polls once it commits.
+BUMPED = "meridian_routing_bumped"
+
+
+def current_version(session: Session) -> int:
+    """The routing version as this transaction sees it."""
+    return session.execute(select(RoutingState.version).where(RoutingState.id == 1)).scalar_one()
+
+
+def bump_version(session: Session) -> int:
+    """Increment the routing version inside the caller's transaction; returns the new one."""
+    # The UPDATE row-locks on Postgres, so concurrent bumps serialise and none is lost.
+    session.execute(update(RoutingState).where(RoutingState.id == 1).values(version=RoutingState.version + 1))
+    session.info[BUMPED] = True
+    return current_version(session)
+
+
+def build_routing_table(session: Session, regions: dict[str, RegionInfo]) -> RoutingTable:
+    """Snapshot of what routers need: regions, live nodes and inference keys."""
+    # Read the version first: under READ COMMITTED the rows read afterwards are at least
+    # as new as it, so a snapshot is never labelled newer than its content.
+    version = current_version(session)
+    nodes = session.scalars(
+        select(Node).where(Node.status != NodeStatus.LOST.value).order_by(Node.node_id)
+    ).all()
+    keys = session.scalars(
+        select(ApiKey).where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.created_at, ApiKey.id)
+    ).all()
+    return RoutingTable(
+        version=version,
+        generated_at=datetime.now(UTC),
+        regions=sorted(regions.values(), key=lambda r: r.name),
+        nodes=[
+            RoutingNode(
+                node_id=n.node_id,
+                region=n.region,
+                url=n.url,
+                models=list(n.models),
+                status=NodeStatus(n.status),
+                engine=n.engine,
+            )
+            for n in nodes
+        ],
+        tenants=[
+            TenantEntry(
+                key_hash=k.key_hash,
+                key_prefix=k.key_prefix,
+                tenant=k.tenant,
+                zone=k.zone,
+                models=list(k.models) if k.models is not None else None,
+            )
+            for k in keys
+            if Scope.INFERENCE.value in k.scopes
+        ],
+    )

@@ -1,0 +1,52 @@
+"""Wakes routing-table long-polls when the routing version moves."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+# Another control-plane process on the same database cannot notify this one, so
+# waiters also re-read the version this often.
+DEFAULT_RECHECK_S = 1.0
+
+
+class VersionWatch:
+    """Long-poll support: in-process bumps wake waiters at once; others are seen on re-check."""
+
+    def __init__(
+        self,
+        read_version: Callable[[], int],
+        loop: asyncio.AbstractEventLoop,
+        recheck_s: float = DEFAULT_RECHECK_S,
+    ) -> None:
+        self._read_version = read_version
+        self._loop = loop
+        self._recheck_s = recheck_s
+        self._changed = asyncio.Event()
+
+    def notify(self) -> None:
+        """Tell waiters the version may have changed; safe to call from any thread."""
+        self._loop.call_soon_threadsafe(self._wake)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def current(self) -> int:
+        """The committed routing version, read off the event loop."""
+        return await asyncio.to_thread(self._read_version)
+
+    async def wait_for_change(self, since: int, timeout_s: float) -> int:
+        """Return the version once it differs from `since`, or the same one after `timeout_s`."""
+        deadline = self._loop.time() + timeout_s
+        while True:
+            # Take the event before reading, so a bump between the read and the wait
+            # still wakes us.
+            changed = self._changed
+            version = await self.current()
+            remaining = deadline - self._loop.time()
+            if version != since or remaining <= 0:
+                return version
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(remaining, self._recheck_s))

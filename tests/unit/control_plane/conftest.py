@@ -1,0 +1,55 @@
+"""A real control plane (migrated database, lifespan, reaper) behind an in-process client.
+
+Every test here runs once on SQLite and once on Postgres.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from cp_harness import ADMIN_KEY, CLUSTER_TOKEN, ControlPlane
+from pydantic import SecretStr
+
+from control_plane.app import create_app
+from meridian.settings import ControlPlaneSettings
+
+
+@pytest.fixture(
+    params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)],
+)
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'control-plane.db'}"
+    url: str = request.getfixturevalue("postgres_url")
+    return url
+
+
+@pytest.fixture
+def settings_overrides() -> dict[str, Any]:
+    """Override in a test module to change the control plane's settings."""
+    return {}
+
+
+@pytest.fixture
+def settings(database_url: str, settings_overrides: dict[str, Any]) -> ControlPlaneSettings:
+    values: dict[str, Any] = {
+        "database_url": database_url,
+        "cluster_token": SecretStr(CLUSTER_TOKEN),
+        "bootstrap_admin_key": SecretStr(ADMIN_KEY),
+        "max_long_poll_s": 5.0,
+        **settings_overrides,
+    }
+    return ControlPlaneSettings(**values)
+
+
+@pytest.fixture
+async def cp(settings: ControlPlaneSettings) -> AsyncIterator[ControlPlane]:
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://cp.test") as http:
+            yield ControlPlane(app=app, http=http, settings=settings)

@@ -1,0 +1,111 @@
+"""API keys: shown once, stored as hashes, scoped, and published to routers as tenants."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from cp_harness import ADMIN_KEY, ControlPlane
+
+from control_plane.db.engine import make_engine
+from meridian.security import hash_api_key
+
+
+def _api_key_rows(cp: ControlPlane) -> list[dict[str, object]]:
+    engine = make_engine(cp.settings.database_url)
+    try:
+        with engine.connect() as conn:
+            return [dict(r._mapping) for r in conn.execute(sa.text("SELECT * FROM api_keys"))]
+    finally:
+        engine.dispose()
+
+
+async def test_created_key_is_shown_once_and_stored_as_a_hash(cp: ControlPlane) -> None:
+    r = await cp.create_key(name="web", tenant="acme", zone="eu", scopes=["inference"], models=["tiny-llama"])
+    assert r.status_code == 201
+    created = r.json()
+    key = created["key"]
+    assert key.startswith("mrd_")
+    assert key.startswith(created["key_prefix"])
+    assert created["zone"] == "eu"
+    assert created["models"] == ["tiny-llama"]
+
+    listed = (await cp.http.get("/v1/api-keys", headers=cp.admin)).json()
+    mine = [k for k in listed if k["id"] == created["id"]]
+    assert len(mine) == 1
+    assert "key" not in mine[0]
+    assert key not in str(listed)
+
+    rows = _api_key_rows(cp)
+    assert all(key not in str(row) for row in rows)
+    assert all(ADMIN_KEY not in str(row) for row in rows)
+    assert {row["key_hash"] for row in rows} == {hash_api_key(key), hash_api_key(ADMIN_KEY)}
+
+
+async def test_inference_keys_are_published_as_tenants_until_revoked(cp: ControlPlane) -> None:
+    v = await cp.version()
+    created = (await cp.create_key(tenant="acme", zone="eu", scopes=["inference"])).json()
+    table = (await cp.table()).json()
+    assert table["version"] == v + 1
+    assert table["tenants"] == [
+        {
+            "key_hash": hash_api_key(created["key"]),
+            "key_prefix": created["key_prefix"],
+            "tenant": "acme",
+            "zone": "eu",
+            "models": None,
+        }
+    ]
+
+    r = await cp.http.delete(f"/v1/api-keys/{created['id']}", headers=cp.admin)
+    assert r.status_code == 204
+    table = (await cp.table()).json()
+    assert table["tenants"] == []
+    assert table["version"] == v + 2
+    listed = (await cp.http.get("/v1/api-keys", headers=cp.admin)).json()
+    assert created["id"] not in {k["id"] for k in listed}
+    listed = (await cp.http.get("/v1/api-keys?include_revoked=true", headers=cp.admin)).json()
+    assert [k["revoked_at"] is not None for k in listed if k["id"] == created["id"]] == [True]
+
+    cp.assert_problem(await cp.http.delete("/v1/api-keys/no-such-key", headers=cp.admin), 404)
+
+
+async def test_admin_only_keys_are_not_tenants(cp: ControlPlane) -> None:
+    await cp.create_key(scopes=["operator"])
+    assert (await cp.table()).json()["tenants"] == []
+
+
+async def test_scopes_are_enforced(cp: ControlPlane) -> None:
+    reader = (await cp.create_key(name="ro", scopes=["read-only"])).json()["key"]
+    inference = (await cp.create_key(name="app", scopes=["inference"])).json()["key"]
+    as_reader = {"authorization": f"Bearer {reader}"}
+    as_inference = {"authorization": f"Bearer {inference}"}
+
+    assert (await cp.http.get("/v1/nodes", headers=as_reader)).status_code == 200
+    regions = await cp.http.get("/v1/regions", headers=as_reader)
+    assert regions.status_code == 200
+    assert "onprem:tokyo-1" in {r["name"] for r in regions.json()}
+
+    body = cp.assert_problem(await cp.create_key(headers=as_reader), 403)
+    assert "admin" in body["detail"]
+    cp.assert_problem(await cp.http.get("/v1/api-keys", headers=as_reader), 403)
+    cp.assert_problem(await cp.http.get("/v1/nodes", headers=as_inference), 403)
+
+    cp.assert_problem(await cp.http.get("/v1/nodes"), 401)
+    cp.assert_problem(await cp.http.get("/v1/nodes", headers={"authorization": "Bearer mrd_nope"}), 401)
+    # The cluster token is not an API key.
+    cp.assert_problem(await cp.http.get("/v1/nodes", headers=cp.internal), 401)
+
+
+async def test_revoked_key_no_longer_authenticates(cp: ControlPlane) -> None:
+    created = (await cp.create_key(scopes=["admin"])).json()
+    as_new_admin = {"authorization": f"Bearer {created['key']}"}
+    assert (await cp.http.get("/v1/api-keys", headers=as_new_admin)).status_code == 200
+    await cp.http.delete(f"/v1/api-keys/{created['id']}", headers=cp.admin)
+    cp.assert_problem(await cp.http.get("/v1/api-keys", headers=as_new_admin), 401)
+
+
+async def test_invalid_key_requests(cp: ControlPlane) -> None:
+    body = cp.assert_problem(await cp.create_key(zone="mars"), 400)
+    assert "mars" in body["detail"]
+    body = cp.assert_problem(await cp.create_key(scopes=["superuser"]), 422)
+    assert body["errors"][0]["loc"][:2] == ["body", "scopes"]
+    cp.assert_problem(await cp.create_key(scopes=[]), 422)

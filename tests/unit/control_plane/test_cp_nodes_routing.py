@@ -1,0 +1,200 @@
+"""Node lifecycle and the routing table as routers and nodes see them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+from cp_harness import ControlPlane
+
+from control_plane.app import create_app
+from meridian.settings import ControlPlaneSettings
+
+
+async def test_register_heartbeat_and_routing_table(cp: ControlPlane) -> None:
+    v0 = await cp.version()
+
+    r = await cp.register("node-a", region="gcp:europe-west4", version="0.1.0")
+    assert r.status_code == 200
+    assert r.json() == {
+        "node_id": "node-a",
+        "heartbeat_interval_s": cp.settings.heartbeat_interval_s,
+        "ttl_s": cp.settings.node_ttl_s,
+    }
+
+    r = await cp.heartbeat("node-a", load={"running": 1, "waiting": 0, "kv_cache_usage": 0.5})
+    assert r.status_code == 200
+    v_ready = r.json()["routing_version"]
+    assert v_ready > v0
+
+    r = await cp.table()
+    assert r.status_code == 200
+    table = r.json()
+    assert r.headers["etag"] == f'"{table["version"]}"'
+    assert table["version"] == v_ready
+    assert table["nodes"] == [
+        {
+            "node_id": "node-a",
+            "region": "gcp:europe-west4",
+            "url": "http://node-a.test:8000",
+            "models": ["tiny-llama"],
+            "status": "ready",
+            "engine": "torch",
+        }
+    ]
+    region_names = {reg["name"] for reg in table["regions"]}
+    assert {"aws:us-east-1", "gcp:europe-west4", "onprem:tokyo-1"} <= region_names
+
+    r = await cp.table(**{"if-none-match": r.headers["etag"]})
+    assert r.status_code == 304
+    assert r.headers["etag"] == f'"{v_ready}"'
+    assert r.content == b""
+
+    r = await cp.table(**{"if-none-match": f'"{v0}"'})
+    assert r.status_code == 200
+
+
+async def test_load_only_heartbeats_keep_the_version(cp: ControlPlane) -> None:
+    await cp.register("node-a", status="ready")
+    v = await cp.version()
+    for running in range(3):
+        r = await cp.heartbeat("node-a", load={"running": running, "waiting": 2, "kv_cache_usage": 0.1})
+        assert r.json()["routing_version"] == v
+    assert await cp.version() == v
+
+    nodes = (await cp.http.get("/v1/nodes", headers=cp.admin)).json()
+    assert nodes[0]["load"] == {"running": 2, "waiting": 2, "kv_cache_usage": 0.1}
+
+    r = await cp.heartbeat("node-a", status="draining")
+    assert r.json()["routing_version"] == v + 1
+    r = await cp.heartbeat("node-a", status="draining", models=["tiny-llama", "other"])
+    assert r.json()["routing_version"] == v + 2
+    table = (await cp.table()).json()
+    assert table["nodes"][0]["status"] == "draining"
+    assert table["nodes"][0]["models"] == ["tiny-llama", "other"]
+
+
+async def test_reregistration_updates_the_node(cp: ControlPlane) -> None:
+    await cp.register("node-a", status="ready")
+    v = await cp.version()
+    r = await cp.register("node-a", url="http://moved.test:9000", status="starting")
+    assert r.status_code == 200
+    table = (await cp.table()).json()
+    assert table["version"] == v + 1
+    assert [(n["url"], n["status"]) for n in table["nodes"]] == [("http://moved.test:9000", "starting")]
+
+
+async def test_deregistered_node_leaves_the_table(cp: ControlPlane) -> None:
+    await cp.register("node-a")
+    v = await cp.version()
+    r = await cp.http.delete("/v1/nodes/node-a", headers=cp.internal)
+    assert r.status_code == 204
+    table = (await cp.table()).json()
+    assert table["nodes"] == []
+    assert table["version"] == v + 1
+    # Deleting again is harmless: a retried shutdown must not fail.
+    r = await cp.http.delete("/v1/nodes/node-a", headers=cp.internal)
+    assert r.status_code == 204
+    assert await cp.version() == v + 1
+
+
+async def test_long_poll_returns_when_a_node_registers(cp: ControlPlane) -> None:
+    etag = (await cp.table()).headers["etag"]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    poll = asyncio.create_task(
+        cp.http.get("/v1/routing-table", params={"wait": 5}, headers={**cp.internal, "if-none-match": etag})
+    )
+    await asyncio.sleep(0.3)
+    assert not poll.done()
+    await cp.register("node-a")
+    r = await asyncio.wait_for(poll, 3)
+    assert loop.time() - started < 3
+    assert r.status_code == 200
+    assert r.headers["etag"] != etag
+    assert [n["node_id"] for n in r.json()["nodes"]] == ["node-a"]
+
+
+async def test_long_poll_without_change_ends_with_304(cp: ControlPlane) -> None:
+    etag = (await cp.table()).headers["etag"]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    r = await cp.http.get(
+        "/v1/routing-table", params={"wait": 0.5}, headers={**cp.internal, "if-none-match": etag}
+    )
+    assert r.status_code == 304
+    assert r.headers["etag"] == etag
+    assert 0.4 < loop.time() - started < 3
+
+
+async def test_unknown_region_is_a_400_problem(cp: ControlPlane) -> None:
+    r = await cp.register("node-a", region="aws:mars-north-1")
+    body = cp.assert_problem(r, 400)
+    assert "aws:mars-north-1" in body["detail"]
+    assert (await cp.table()).json()["nodes"] == []
+
+
+async def test_internal_endpoints_need_the_cluster_token(cp: ControlPlane) -> None:
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic abc"}):
+        r = await cp.http.get("/v1/routing-table", headers=headers)
+        cp.assert_problem(r, 401)
+        assert r.headers["www-authenticate"] == "Bearer"
+        r = await cp.http.post(
+            "/v1/nodes/register",
+            json={"node_id": "n", "region": "aws:us-east-1", "url": "http://n:1"},
+            headers=headers,
+        )
+        cp.assert_problem(r, 401)
+    # An admin API key is not the cluster token.
+    cp.assert_problem(await cp.http.get("/v1/routing-table", headers=cp.admin), 401)
+
+
+async def test_heartbeat_of_unknown_node_is_404(cp: ControlPlane) -> None:
+    r = await cp.heartbeat("ghost")
+    body = cp.assert_problem(r, 404)
+    assert "register" in body["detail"]
+
+
+async def test_invalid_registration_is_a_422_problem(cp: ControlPlane) -> None:
+    r = await cp.register("Not_A_Valid_Id", url="ftp://x")
+    body = cp.assert_problem(r, 422)
+    fields = {tuple(e["loc"]) for e in body["errors"]}
+    assert ("body", "node_id") in fields
+    assert ("body", "url") in fields
+
+
+async def test_concurrent_writes_lose_no_version_bump(cp: ControlPlane) -> None:
+    v = await cp.version()
+    registered = await asyncio.gather(*(cp.register(f"node-{i}") for i in range(12)))
+    assert [r.status_code for r in registered] == [200] * 12
+    beats = await asyncio.gather(*(cp.heartbeat(f"node-{i}") for i in range(12)))
+    assert [r.status_code for r in beats] == [200] * 12
+    table = (await cp.table()).json()
+    assert len(table["nodes"]) == 12
+    # One bump per registration and one per starting -> ready transition.
+    assert table["version"] == v + 24
+
+
+async def test_long_poll_sees_changes_made_by_another_control_plane(
+    cp: ControlPlane, settings: ControlPlaneSettings
+) -> None:
+    """Two control-plane processes on one database: a bump on one wakes polls on the other."""
+    other = create_app(settings)
+    async with other.router.lifespan_context(other):
+        transport = httpx.ASGITransport(app=other)
+        async with httpx.AsyncClient(transport=transport, base_url="http://other.test") as http:
+            etag = (await cp.table()).headers["etag"]
+            poll = asyncio.create_task(
+                cp.http.get(
+                    "/v1/routing-table",
+                    params={"wait": 5},
+                    headers={**cp.internal, "if-none-match": etag},
+                )
+            )
+            await asyncio.sleep(0.2)
+            body = {"node_id": "elsewhere", "region": "aws:us-east-1", "url": "http://e:1"}
+            r = await http.post("/v1/nodes/register", json=body, headers=cp.internal)
+            assert r.status_code == 200
+            r = await asyncio.wait_for(poll, 4)
+            assert r.status_code == 200
+            assert [n["node_id"] for n in r.json()["nodes"]] == ["elsewhere"]
