@@ -70,6 +70,10 @@ class RouterSettings(BaseSettings):
     ejection_base_s: float = Field(5.0, gt=0)
     ejection_max_s: float = Field(60.0, gt=0)
     max_request_bytes: int = Field(1_000_000, gt=0)
+    # Name of the RoutingPolicy (geo_router.selection registry) that orders replicas.
+    routing_policy: str = "nearest"
+    # Size of the one pooled HTTP client the router uses to reach every node.
+    max_upstream_connections: int = Field(512, gt=0)
 
 
 class NodeSettings(BaseSettings):
@@ -97,6 +101,8 @@ class NodeSettings(BaseSettings):
     max_tokens_limit: int = Field(1024, gt=0)
     max_request_bytes: int = Field(1_000_000, gt=0)
     max_waiting_requests: int = Field(256, ge=1)
+    # Sequences decoded concurrently (vLLM's max_num_seqs); the rest wait in the queue.
+    max_num_seqs: int = Field(8, ge=1)
     drain_timeout_s: float = Field(30.0, ge=0)
     control_plane_timeout_s: float = Field(5.0, gt=0)
 

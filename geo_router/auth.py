@@ -1,0 +1,25 @@
+"""Who is calling: the tenant (and with it the residency zone) behind a Bearer API key."""
+
+from __future__ import annotations
+
+from meridian.contracts import TenantEntry
+from meridian.security import bearer_token, hash_api_key
+
+from .errors import InvalidApiKey
+from .table import LoadedTable
+
+
+def authenticate(table: LoadedTable, authorization: str | None) -> TenantEntry:
+    """The tenant whose key is in `authorization`; InvalidApiKey when there is none.
+
+    The tenant's residency zone comes from this entry only: no request header can change it.
+    """
+    key = bearer_token(authorization)
+    if key is None:
+        raise InvalidApiKey("Missing API key: send `Authorization: Bearer <key>`.")
+    # A dict lookup by digest is safe against timing attacks: the attacker controls the key,
+    # not its SHA-256, so timing reveals nothing usable about stored digests.
+    tenant = table.tenants.get(hash_api_key(key))
+    if tenant is None:
+        raise InvalidApiKey("Incorrect API key provided.")
+    return tenant

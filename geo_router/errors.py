@@ -1,0 +1,173 @@
+"""The router's typed errors and the one place they become OpenAI error bodies."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from meridian.contracts import HEADER_REQUEST_ID, openai_error
+
+log = logging.getLogger(__name__)
+
+
+class RouterError(Exception):
+    """An error the router answers itself, in OpenAI's error shape."""
+
+    status: int = 500
+    type_: str = "server_error"
+    code: str | None = None
+    param: str | None = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+            self.type_ = "invalid_request_error" if status < 500 else "server_error"
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+
+class BadRequest(RouterError):
+    status = 400
+    type_ = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class InvalidApiKey(RouterError):
+    status = 401
+    type_ = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def __init__(self, message: str = "Incorrect or missing API key.") -> None:
+        super().__init__(message, headers={"www-authenticate": "Bearer"})
+
+
+class ModelNotFound(RouterError):
+    status = 404
+    type_ = "invalid_request_error"
+    code = "model_not_found"
+    param = "model"
+
+    def __init__(self, model: str) -> None:
+        # Same answer for "served nowhere" and "not allowed for you": a tenant must not
+        # learn which models other tenants use.
+        super().__init__(f"The model `{model}` does not exist or you do not have access to it.")
+
+
+class RequestTooLarge(RouterError):
+    status = 413
+    type_ = "invalid_request_error"
+    code = "request_too_large"
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"Request body is larger than the limit of {limit} bytes.")
+
+
+class NoReplicaInZone(RouterError):
+    status = 503
+    code = "no_replica_in_zone"
+
+    def __init__(self, model: str, zone: str) -> None:
+        super().__init__(
+            f"No healthy replica of model `{model}` is available in residency zone `{zone}`; "
+            f"requests of this API key are never served outside zone `{zone}`. Retry later."
+        )
+
+
+class NoHealthyReplica(RouterError):
+    status = 503
+    code = "no_healthy_replica"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"No healthy replica of model `{model}` is available. Retry later.")
+
+
+class UpstreamTimeout(RouterError):
+    status = 504
+    code = "upstream_timeout"
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(f"The model did not answer within {timeout_s:g} seconds.")
+
+
+class RouterOverloaded(RouterError):
+    status = 503
+    code = "router_overloaded"
+
+    def __init__(self) -> None:
+        super().__init__("The router has no free upstream connection. Retry later.")
+
+
+class RoutingTableUnavailable(RouterError):
+    status = 503
+    code = "routing_table_unavailable"
+
+    def __init__(self) -> None:
+        super().__init__("The router has not loaded a routing table yet. Retry later.")
+
+
+def error_response(exc: RouterError, request_id: str | None = None) -> JSONResponse:
+    """Render a RouterError as OpenAI's error JSON."""
+    headers = dict(exc.headers)
+    if request_id:
+        headers[HEADER_REQUEST_ID] = request_id
+    return JSONResponse(
+        openai_error(exc.message, type_=exc.type_, code=exc.code, param=exc.param),
+        status_code=exc.status,
+        headers=headers,
+    )
+
+
+def _request_id(request: Request) -> str | None:
+    return getattr(request.state, "request_id", None)
+
+
+async def _router_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RouterError)
+    return error_response(exc, _request_id(request))
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    err = RouterError(
+        str(exc.detail),
+        status=exc.status_code,
+        code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
+        headers=dict(exc.headers or {}),
+    )
+    return error_response(err, _request_id(request))
+
+
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
+    return error_response(BadRequest(f"Invalid request: {exc}"), _request_id(request))
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    # The traceback goes to the log, never to the client.
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    err = RouterError("The router hit an internal error.", status=500, code="internal_error")
+    return error_response(err, _request_id(request))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register every exception-to-body mapping of the router on `app`."""
+    app.add_exception_handler(RouterError, _router_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected_error)

@@ -1,0 +1,57 @@
+"""The router's Prometheus metrics, in a registry owned by one app."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class RouterMetrics:
+    """Counters and histograms of one router app."""
+
+    def __init__(self, table_version: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "meridian_router_requests",
+            "Inference requests answered, by serving region/node ('' when the router answered).",
+            ["region", "node", "status"],
+            registry=self.registry,
+        )
+        self.failovers = Counter(
+            "meridian_router_failovers",
+            "Retries on another replica after a failure before the first byte.",
+            ["from_region", "to_region"],
+            registry=self.registry,
+        )
+        self.upstream_failures = Counter(
+            "meridian_router_upstream_failures",
+            "Node failures seen by this router (connect, timeout, 5xx, midstream...).",
+            ["region", "node", "reason"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "meridian_router_request_duration_seconds",
+            "Time from request received to last byte sent, by serving region.",
+            ["region"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.overhead = Histogram(
+            "meridian_router_overhead_seconds",
+            "Time spent in the router itself before the upstream request (upstream waits excluded).",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=self.registry,
+        )
+        version = Gauge(
+            "meridian_router_routing_table_version",
+            "Version of the routing table in use (-1 before one is loaded).",
+            registry=self.registry,
+        )
+        version.set_function(table_version)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

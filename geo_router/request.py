@@ -1,0 +1,69 @@
+"""What the router reads from an inference request: a bounded body, `model` and `stream`.
+
+Everything else in the body is the node's business and is forwarded byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from .errors import BadRequest, RequestTooLarge
+
+_SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+@dataclass(frozen=True, slots=True)
+class InferenceRequest:
+    body: bytes
+    model: str
+    stream: bool
+    payload: dict[str, Any]
+
+
+def request_id_for(client_value: str | None) -> str:
+    """The client's x-request-id when it is a sane token, else a fresh uuid4 hex."""
+    if client_value and _SANE_REQUEST_ID.match(client_value):
+        return client_value
+    return uuid.uuid4().hex
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing (413) anything over `limit` bytes without buffering it."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_inference_request(body: bytes) -> InferenceRequest:
+    """Check the body is a JSON object naming a model; 400 otherwise."""
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("Request body is nested too deeply.") from None
+    if not isinstance(payload, dict):
+        raise BadRequest("Request body must be a JSON object.")
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("You must provide a model parameter.", param="model")
+    stream = payload.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("`stream` must be a boolean.", param="stream")
+    return InferenceRequest(body=body, model=model, stream=stream, payload=payload)

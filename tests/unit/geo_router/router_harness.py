@@ -1,0 +1,307 @@
+"""Real HTTP peers for router tests: stand-in nodes and a stand-in control plane under uvicorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import SecretStr
+
+from geo_router.table import StaticTableSource
+from meridian.contracts import (
+    NodeStatus,
+    RegionInfo,
+    RoutingNode,
+    RoutingTable,
+    TenantEntry,
+    openai_error,
+)
+from meridian.security import hash_api_key
+from meridian.settings import RouterSettings
+
+MODEL = "tiny-llama"
+CLUSTER_TOKEN = "cluster-secret"
+GLOBAL_KEY = "mrd_global-tenant-key"
+EU_KEY = "mrd_eu-tenant-key"
+LIMITED_KEY = "mrd_limited-tenant-key"  # global, but only allowed "other-model"
+
+REGIONS = {
+    "us": RegionInfo(name="aws:us-east-1", provider="aws", location="us-east-1", zones=["us"],
+                     latitude=38.9, longitude=-77.4),
+    "eu": RegionInfo(name="gcp:europe-west4", provider="gcp", location="europe-west4",
+                     zones=["eu"], latitude=53.4, longitude=6.8),
+    "apac": RegionInfo(name="onprem:tokyo-1", provider="onprem", location="tokyo-1",
+                       zones=["apac"], latitude=35.7, longitude=139.7),
+}
+
+
+def tenants() -> list[TenantEntry]:
+    return [
+        TenantEntry(key_hash=hash_api_key(GLOBAL_KEY), key_prefix=GLOBAL_KEY[:10], tenant="acme",
+                    zone="global"),
+        TenantEntry(key_hash=hash_api_key(EU_KEY), key_prefix=EU_KEY[:10], tenant="eurobank",
+                    zone="eu"),
+        TenantEntry(key_hash=hash_api_key(LIMITED_KEY), key_prefix=LIMITED_KEY[:10],
+                    tenant="limited", zone="global", models=["other-model"]),
+    ]
+
+
+def node(name: str, url: str, *, region: str | None = None, status: NodeStatus = NodeStatus.READY,
+         models: list[str] | None = None) -> RoutingNode:
+    """A node `<name>-1` in REGIONS[region or name]."""
+    return RoutingNode(node_id=f"{name}-1", region=REGIONS[region or name].name, url=url,
+                       models=models if models is not None else [MODEL], status=status)
+
+
+def make_table(nodes: list[RoutingNode], version: int = 1) -> RoutingTable:
+    return RoutingTable(version=version, generated_at=datetime.now(UTC),
+                        regions=list(REGIONS.values()), nodes=nodes, tenants=tenants())
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    """Wait until `condition()` holds (AssertionError after `timeout_s`)."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met in time")
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of sample `name` with exactly `labels` in Prometheus text; 0 when absent."""
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return sample.value
+    return 0.0
+
+
+# --- stand-in node ---------------------------------------------------------------------
+
+
+@dataclass
+class NodeBehaviour:
+    """How a stand-in node answers; tests flip `mode` between requests.
+
+    ok: answer; error500: 500 before any byte; error400: 400 (client's fault);
+    die_early: stream headers then close before any event; break: two events then close;
+    slow: stream many events slowly (for client-disconnect tests).
+    """
+
+    name: str
+    mode: str = "ok"
+    hits: int = 0
+    request_ids: list[str] = field(default_factory=list)
+    bodies: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    stream_closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def _chunk(name: str, i: int) -> str:
+    body = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+            "choices": [{"index": 0, "delta": {"content": f"{name}{i} "}, "finish_reason": None}]}
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def node_app(b: NodeBehaviour) -> FastAPI:
+    app = FastAPI()
+
+    async def answer(request: Request) -> Response:
+        b.hits += 1
+        b.request_ids.append(request.headers.get("x-request-id", ""))
+        b.headers.append(dict(request.headers))
+        body = await request.json()
+        b.bodies.append(body)
+        if b.mode == "error500":
+            return JSONResponse(openai_error("engine crashed", "server_error"), status_code=500)
+        if b.mode == "error400":
+            return JSONResponse(openai_error("temperature must be <= 2", param="temperature"),
+                                status_code=400)
+        if body.get("stream"):
+            return StreamingResponse(_events(b), media_type="text/event-stream")
+        return JSONResponse({
+            "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hi from {b.name}"},
+                         "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6},
+        })
+
+    app.post("/v1/chat/completions")(answer)
+    app.post("/v1/completions")(answer)
+    return app
+
+
+async def _events(b: NodeBehaviour) -> AsyncIterator[str]:
+    try:
+        if b.mode == "die_early":
+            raise RuntimeError("node died during prefill")
+        count = 200 if b.mode == "slow" else 3
+        for i in range(count):
+            yield _chunk(b.name, i)
+            if b.mode == "break" and i == 1:
+                # Half an event, then the connection drops.
+                yield 'data: {"id": "chatcmpl-1", "choi'
+                raise RuntimeError("node crashed mid-stream")
+            await asyncio.sleep(0.05 if b.mode == "slow" else 0)
+        yield "data: [DONE]\n\n"
+    finally:
+        b.stream_closed.set()
+
+
+# --- stand-in control plane --------------------------------------------------------------
+
+
+class StandInControlPlane:
+    """Serves GET /v1/routing-table with the control plane's ETag / long-poll semantics."""
+
+    def __init__(self, table: RoutingTable) -> None:
+        self.table = table
+        self.requests: list[tuple[str | None, str | None]] = []  # (if-none-match, wait)
+        self.answers: list[int] = []
+        self._changed = asyncio.Event()
+        self.app = FastAPI()
+        self.app.get("/v1/routing-table")(self._routing_table)
+
+    @contextlib.asynccontextmanager
+    async def serving(self, sock: socket.socket | None = None) -> AsyncIterator[str]:
+        """Run under uvicorn; pending long-polls are answered before it stops."""
+        async with running(self.app, sock) as url:
+            try:
+                yield url
+            finally:
+                self._changed.set()
+
+    def publish(self, table: RoutingTable) -> None:
+        self.table = table
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _routing_table(self, request: Request) -> Response:
+        inm = request.headers.get("if-none-match")
+        wait = request.query_params.get("wait")
+        self.requests.append((inm, wait))
+        if request.headers.get("authorization") != f"Bearer {CLUSTER_TOKEN}":
+            self.answers.append(401)
+            return JSONResponse({"title": "Unauthorized", "status": 401}, status_code=401)
+        if inm == f'"{self.table.version}"' and wait:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), float(wait))
+        etag = f'"{self.table.version}"'
+        if inm == etag:
+            self.answers.append(304)
+            return Response(status_code=304, headers={"etag": etag})
+        self.answers.append(200)
+        return Response(self.table.model_dump_json(), media_type="application/json",
+                        headers={"etag": etag})
+
+
+# --- running apps ------------------------------------------------------------------------
+
+
+def reserve_port() -> socket.socket:
+    """A bound, not-yet-listening socket: connecting to it is refused until it is served."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+class ServerGroup:
+    """uvicorn servers in this event loop, stopped together (shutdown is ~0.2 s each)."""
+
+    def __init__(self) -> None:
+        self._running: list[tuple[uvicorn.Server, asyncio.Task[None], socket.socket]] = []
+
+    async def start(self, app: FastAPI, sock: socket.socket | None = None) -> str:
+        """Serve `app` (on `sock` when given); returns its base URL once it accepts requests."""
+        sock = sock or reserve_port()
+        config = uvicorn.Config(app, lifespan="on", log_level="warning",
+                                timeout_graceful_shutdown=2)
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        self._running.append((server, task, sock))
+        deadline = time.monotonic() + 10
+        while not server.started:
+            if task.done():
+                task.result()
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start")
+            await asyncio.sleep(0.01)
+        return url_of(sock)
+
+    async def stop(self) -> None:
+        for server, _, _ in self._running:
+            server.should_exit = True
+        await asyncio.wait_for(asyncio.gather(*(t for _, t, _ in self._running)), 10)
+        for _, _, sock in self._running:
+            sock.close()
+        self._running.clear()
+
+
+@contextlib.asynccontextmanager
+async def running(app: FastAPI, sock: socket.socket | None = None) -> AsyncIterator[str]:
+    """Serve `app` under uvicorn in this event loop; yields its base URL."""
+    group = ServerGroup()
+    try:
+        yield await group.start(app, sock)
+    finally:
+        await group.stop()
+
+
+# --- a router in front of stand-in nodes ---------------------------------------------
+
+
+def router_settings(**overrides: Any) -> RouterSettings:
+    values: dict[str, Any] = {
+        "cluster_token": SecretStr(CLUSTER_TOKEN),
+        "default_client_location": "aws:us-east-1",
+        # Long enough that an ejected node stays ejected for the whole test.
+        "ejection_base_s": 30.0,
+        "ejection_max_s": 120.0,
+        "connect_timeout_s": 1.0,
+        "read_timeout_s": 5.0,
+        "request_timeout_s": 10.0,
+        "max_request_bytes": 10_000,
+    }
+    values.update(overrides)
+    return RouterSettings(**values)
+
+
+@dataclass
+class Fabric:
+    """A router under test and the stand-in nodes behind it."""
+
+    router_url: str
+    behaviours: dict[str, NodeBehaviour]
+    node_urls: dict[str, str]
+    source: StaticTableSource
+    app: FastAPI
+    clients: list[httpx.AsyncClient] = field(default_factory=list)
+
+    def client(self, key: str | None = GLOBAL_KEY, **kwargs: Any) -> httpx.AsyncClient:
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        c = httpx.AsyncClient(base_url=self.router_url, headers=headers, timeout=10, **kwargs)
+        self.clients.append(c)
+        return c
+
+    def set_nodes(self, nodes: list[RoutingNode]) -> None:
+        self.source.set(make_table(nodes, version=self.source.current().version + 1))
+
+    def nodes(self) -> list[RoutingNode]:
+        return [node(name, url) for name, url in self.node_urls.items()]

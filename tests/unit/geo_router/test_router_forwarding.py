@@ -1,0 +1,214 @@
+"""A real router in front of real stand-in nodes: routing, failover, passthrough, errors."""
+
+from __future__ import annotations
+
+import re
+
+from router_harness import (
+    EU_KEY,
+    LIMITED_KEY,
+    MODEL,
+    Fabric,
+    make_table,
+    metric,
+    node,
+    reserve_port,
+    router_settings,
+    running,
+    url_of,
+)
+
+from geo_router import create_app
+from geo_router.selection import register_policy
+from geo_router.table import StaticTableSource
+from meridian.contracts import HEADER_NODE, HEADER_OVERHEAD_MS, HEADER_REGION, HEADER_REQUEST_ID
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def hits(fabric: Fabric) -> dict[str, int]:
+    return {name: b.hits for name, b in fabric.behaviours.items()}
+
+
+async def test_served_by_the_nearest_region_with_routing_headers(fabric: Fabric):
+    client = fabric.client()
+    r = await client.post("/v1/chat/completions", json=CHAT | {"temperature": 0.5})
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["message"]["content"] == "hi from us"
+    assert r.headers[HEADER_REGION] == "aws:us-east-1"
+    assert r.headers[HEADER_NODE] == "us-1"
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers[HEADER_REQUEST_ID])
+    assert 0 <= float(r.headers[HEADER_OVERHEAD_MS]) < 1000
+    # The node gets the body untouched, the same request id, and never the client's key.
+    us = fabric.behaviours["us"]
+    assert us.bodies == [CHAT | {"temperature": 0.5}]
+    assert us.request_ids == [r.headers[HEADER_REQUEST_ID]]
+    assert "authorization" not in us.headers[0]
+
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
+                          headers={HEADER_REQUEST_ID: "client-id.42"})
+    assert r.status_code == 200 and r.headers[HEADER_REQUEST_ID] == "client-id.42"
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
+                          headers={HEADER_REQUEST_ID: "bad id\twith junk"})
+    assert r.headers[HEADER_REQUEST_ID] != "bad id\twith junk"
+
+
+async def test_trusted_location_header_moves_the_client(fabric: Fabric):
+    client = fabric.client()
+    r = await client.post("/v1/chat/completions", json=CHAT,
+                          headers={"x-meridian-client-location": "35.6,139.7"})
+    assert r.headers[HEADER_REGION] == "onprem:tokyo-1"
+    r = await client.post("/v1/chat/completions", json=CHAT,
+                          headers={"x-meridian-client-location": "gcp:europe-west4"})
+    assert r.headers[HEADER_REGION] == "gcp:europe-west4"
+
+
+async def test_5xx_fails_over_to_the_next_region_and_ejects_the_node(fabric: Fabric):
+    fabric.behaviours["us"].mode = "error500"
+    client = fabric.client()
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200
+    assert r.headers[HEADER_REGION] == "gcp:europe-west4" and r.headers[HEADER_NODE] == "eu-1"
+    assert hits(fabric) == {"us": 1, "eu": 1, "apac": 0}
+    # Ejected: the next request does not even try the US node.
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.headers[HEADER_REGION] == "gcp:europe-west4"
+    assert hits(fabric) == {"us": 1, "eu": 2, "apac": 0}
+
+    text = (await client.get("/metrics")).text
+    assert metric(text, "meridian_router_failovers_total",
+                  from_region="aws:us-east-1", to_region="gcp:europe-west4") == 1
+    assert metric(text, "meridian_router_upstream_failures_total",
+                  region="aws:us-east-1", node="us-1", reason="5xx") == 1
+    assert metric(text, "meridian_router_requests_total",
+                  region="gcp:europe-west4", node="eu-1", status="200") == 2
+
+
+async def test_refused_connection_fails_over(fabric: Fabric):
+    dead = reserve_port()  # bound, never listening: connections are refused
+    try:
+        fabric.set_nodes([node("us", url_of(dead)), node("eu", fabric.node_urls["eu"]),
+                          node("apac", fabric.node_urls["apac"])])
+        r = await fabric.client().post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 200 and r.headers[HEADER_REGION] == "gcp:europe-west4"
+    finally:
+        dead.close()
+
+
+async def test_4xx_from_a_node_is_passed_through_and_not_retried(fabric: Fabric):
+    fabric.behaviours["us"].mode = "error400"
+    client = fabric.client()
+    r = await client.post("/v1/chat/completions", json=CHAT | {"temperature": 9})
+    assert r.status_code == 400
+    assert r.json() == {"error": {"message": "temperature must be <= 2",
+                                  "type": "invalid_request_error", "param": "temperature",
+                                  "code": None}}
+    assert r.headers[HEADER_REGION] == "aws:us-east-1"
+    assert hits(fabric) == {"us": 1, "eu": 0, "apac": 0}
+    # A 4xx is the client's fault: the node is not ejected.
+    fabric.behaviours["us"].mode = "ok"
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.headers[HEADER_REGION] == "aws:us-east-1"
+
+
+async def test_eu_tenant_is_never_failed_over_outside_eu(fabric: Fabric):
+    client = fabric.client(EU_KEY)
+    r = await client.post("/v1/chat/completions", json=CHAT,
+                          headers={"x-meridian-client-location": "aws:us-east-1",
+                                   "x-meridian-zone": "us", "x-meridian-residency": "global"})
+    assert r.headers[HEADER_REGION] == "gcp:europe-west4"
+
+    fabric.behaviours["eu"].mode = "error500"
+    for _ in range(2):  # first: the eu node fails; second: it is ejected
+        r = await client.post("/v1/chat/completions", json=CHAT,
+                              headers={"x-meridian-client-location": "aws:us-east-1"})
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["code"] == "no_replica_in_zone" and "`eu`" in err["message"]
+        assert HEADER_REQUEST_ID in r.headers
+    # One served request, then one failure; the ejected node was not even tried again.
+    assert hits(fabric) == {"us": 0, "eu": 2, "apac": 0}
+    # The global tenant is unaffected.
+    r = await fabric.client().post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200 and r.headers[HEADER_REGION] == "aws:us-east-1"
+
+
+async def test_attempts_are_bounded(fabric: Fabric):
+    for b in fabric.behaviours.values():
+        b.mode = "error500"
+    r = await fabric.client().post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_replica"
+    assert sum(hits(fabric).values()) == 3  # max_attempts
+
+
+async def test_request_errors_are_openai_json(fabric: Fabric):
+    client = fabric.client()
+    cases = [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        (b'{"messages": []}', 400, None),
+        (b'{"model": "tiny-llama", "stream": "yes"}', 400, None),
+        (b'{"model": "no-such-model"}', 404, "model_not_found"),
+        (b'{"model": "' + b"x" * 20_000 + b'"}', 413, "request_too_large"),
+    ]
+    for body, status, code in cases:
+        r = await client.post("/v1/chat/completions", content=body,
+                              headers={"content-type": "application/json"})
+        assert r.status_code == status, body[:40]
+        err = r.json()["error"]
+        assert err["code"] == code and err["message"] and "Traceback" not in r.text
+    # Allowed models only: the limited key may not use tiny-llama.
+    r = await fabric.client(LIMITED_KEY).post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = await client.get("/v1/no-such-route")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    assert sum(hits(fabric).values()) == 0
+
+
+async def test_missing_or_wrong_key_is_401(fabric: Fabric):
+    for client in (fabric.client(None), fabric.client("mrd_wrong")):
+        for method, path in (("POST", "/v1/chat/completions"), ("GET", "/v1/models")):
+            r = await client.request(method, path, json=CHAT)
+            assert r.status_code == 401
+            assert r.json()["error"]["type"] == "invalid_request_error"
+            assert r.json()["error"]["code"] == "invalid_api_key"
+    assert sum(hits(fabric).values()) == 0
+
+
+async def test_models_health_and_metrics(fabric: Fabric):
+    r = await fabric.client(EU_KEY).get("/v1/models")
+    assert r.status_code == 200
+    assert r.json() == {"object": "list", "data": [
+        {"id": MODEL, "object": "model", "created": 0, "owned_by": "meridian"}]}
+    assert (await fabric.client(LIMITED_KEY).get("/v1/models")).json()["data"] == []
+    r = await fabric.client(None).get("/health")
+    assert r.status_code == 200 and r.json()["routing_version"] == 1
+    await fabric.client("mrd_wrong").post("/v1/chat/completions", json=CHAT)
+    await fabric.client().post("/v1/chat/completions", json=CHAT)
+    r = await fabric.client(None).get("/metrics")
+    assert metric(r.text, "meridian_router_routing_table_version") == 1
+    # Answered by the router itself: no region, no node.
+    assert metric(r.text, "meridian_router_requests_total", region="", node="", status="401") == 1
+    assert metric(r.text, "meridian_router_requests_total",
+                  region="aws:us-east-1", node="us-1", status="200") == 1
+    assert metric(r.text, "meridian_router_request_duration_seconds_count",
+                  region="aws:us-east-1") == 1
+    assert metric(r.text, "meridian_router_overhead_seconds_count") == 1
+
+
+async def test_unexpected_errors_are_a_clean_500(fabric: Fabric):
+    class Exploding:
+        name = "exploding-test"
+
+        def order(self, candidates, ctx):
+            raise RuntimeError("secret internals")
+
+    register_policy("exploding-test", lambda _s: Exploding())
+    app = create_app(router_settings(routing_policy="exploding-test"),
+                     table_source=StaticTableSource(make_table(fabric.nodes())))
+    async with running(app) as url:
+        c = fabric.client()
+        r = await c.post(url + "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "internal_error"
+    assert "secret" not in r.text and "Traceback" not in r.text
