@@ -74,6 +74,15 @@ class RouterSettings(BaseSettings):
     routing_policy: str = "nearest"
     # Size of the one pooled HTTP client the router uses to reach every node.
     max_upstream_connections: int = Field(512, gt=0)
+    # With Redis, routers share node ejections (a node one router saw fail is skipped by
+    # all); without it each router keeps its own view. In-flight counts stay per router.
+    redis_url: str | None = None
+    # How often a router reads the other routers' ejections from Redis.
+    fleet_sync_interval_s: float = Field(0.5, gt=0)
+    # Timeout of every Redis call (connect and read); Redis is never on the request path.
+    redis_timeout_s: float = Field(1.0, gt=0)
+    # Keys are `<prefix>ejected:<node_id>` plus the index `<prefix>ejected`.
+    fleet_key_prefix: str = "meridian:router:"
 
 
 class NodeSettings(BaseSettings):

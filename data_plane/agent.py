@@ -1,0 +1,222 @@
+"""The node agent: keeps this node registered with the control plane and reports its
+status and load, without ever letting the control plane's absence stop serving."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import re
+import socket
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
+
+import httpx
+
+from meridian.contracts import (
+    NodeHeartbeat,
+    NodeLoad,
+    NodeRegistered,
+    NodeRegistration,
+    NodeStatus,
+)
+from meridian.settings import NodeSettings
+
+log = logging.getLogger(__name__)
+
+# Used until the control plane's first answer says how often it wants heartbeats.
+DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
+
+
+class ControlPlaneError(Exception):
+    """The control plane answered, but not with success."""
+
+    def __init__(self, status_code: int, body: str) -> None:
+        super().__init__(f"control plane answered {status_code}: {body[:200]}")
+        self.status_code = status_code
+
+
+def _package_version() -> str:
+    try:
+        return version("meridian")
+    except PackageNotFoundError:
+        return ""
+
+
+def default_node_id(settings: NodeSettings) -> str:
+    """settings.node_id, else "<hostname>-<port>" in the form node ids allow."""
+    if settings.node_id:
+        return settings.node_id
+    host = re.sub(r"[^a-z0-9._-]+", "-", socket.gethostname().lower()).strip("-._") or "node"
+    return f"{host[:50]}-{settings.port}"
+
+
+def advertise_url(settings: NodeSettings) -> str:
+    """URL routers reach this node at: settings.advertise_url, else http://host:port."""
+    if settings.advertise_url:
+        return settings.advertise_url.rstrip("/")
+    host = settings.host
+    if host in ("", "0.0.0.0", "::"):
+        # A wildcard bind address is not reachable; the hostname is the best guess.
+        host = socket.gethostname()
+    return f"http://{host}:{settings.port}"
+
+
+class NodeAgent:
+    """Registers, heartbeats (re-registering when forgotten) and deregisters a node."""
+
+    def __init__(
+        self,
+        settings: NodeSettings,
+        *,
+        models: list[str],
+        status: Callable[[], NodeStatus],
+        load: Callable[[], NodeLoad],
+        retry_base_s: float = 0.5,
+        retry_max_s: float = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if not settings.control_plane_url:
+            raise ValueError("the node agent needs settings.control_plane_url")
+        if not settings.region:
+            raise ValueError("settings.region is required to register with the control plane")
+        self._settings = settings
+        self._models = list(models)
+        self._status = status
+        self._load = load
+        self._retry_base_s = retry_base_s
+        self._retry_max_s = retry_max_s
+        self._transport = transport
+        # Validated now so a misconfigured node fails at start-up, not in the loop.
+        self._registration = NodeRegistration(
+            node_id=default_node_id(settings),
+            region=settings.region,
+            url=advertise_url(settings),
+            models=self._models,
+            engine="vllm" if settings.engine == "vllm" else "torch",
+            version=_package_version()[:64],
+        )
+        self.node_id = self._registration.node_id
+        self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S
+        self.registered = False
+        self.heartbeats_sent = 0
+        self._failures = 0
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._send_lock = asyncio.Lock()
+        self._rng = random.Random()
+
+    async def start(self) -> None:
+        """Start the background loop; the first registration happens right away."""
+        if self._task is not None:
+            return
+        token = self._settings.cluster_token
+        headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
+        assert self._settings.control_plane_url is not None
+        self._client = httpx.AsyncClient(
+            base_url=self._settings.control_plane_url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(self._settings.control_plane_timeout_s),
+            limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
+            transport=self._transport,
+        )
+        self._task = asyncio.create_task(self._run(), name=f"node-agent-{self.node_id}")
+
+    def notify(self) -> None:
+        """Report now instead of at the next interval (the status changed)."""
+        self._wake.set()
+
+    async def report_now(self) -> bool:
+        """Send one registration or heartbeat immediately; True if the control plane took it."""
+        return await self._report()
+
+    async def leave(self) -> bool:
+        """Stop reporting and deregister (the node has drained); True if acknowledged."""
+        await self._stop_loop()
+        if self._client is None:
+            return False
+        try:
+            resp = await self._client.delete(f"/v1/nodes/{self.node_id}")
+        except httpx.HTTPError as exc:
+            log.warning("could not deregister from the control plane: %s", exc)
+            return False
+        if resp.status_code not in (200, 204, 404):
+            log.warning("deregistration refused: %s %s", resp.status_code, resp.text[:200])
+            return False
+        self.registered = False
+        log.info("deregistered node %s", self.node_id)
+        return True
+
+    async def close(self) -> None:
+        await self._stop_loop()
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def _stop_loop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            ok = await self._report()
+            if ok:
+                delay = self.heartbeat_interval_s
+            else:
+                backoff = min(self._retry_max_s, self._retry_base_s * 2 ** (self._failures - 1))
+                # Jitter keeps a fleet of nodes from retrying in lockstep after an outage.
+                delay = backoff * self._rng.uniform(0.5, 1.0)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+
+    async def _report(self) -> bool:
+        async with self._send_lock:
+            try:
+                if not self.registered:
+                    await self._register()
+                elif not await self._heartbeat():
+                    log.info("control plane does not know node %s; re-registering", self.node_id)
+                    self.registered = False
+                    await self._register()
+            except (httpx.HTTPError, ControlPlaneError, ValueError) as exc:
+                self._failures += 1
+                if self._failures == 1:
+                    log.warning("control plane unreachable, still serving: %s", exc)
+                else:
+                    log.debug("control plane still unreachable (%d): %s", self._failures, exc)
+                return False
+            if self._failures:
+                log.info("control plane reachable again after %d failures", self._failures)
+            self._failures = 0
+            return True
+
+    async def _register(self) -> None:
+        assert self._client is not None
+        body = self._registration.model_copy(update={"status": self._status()})
+        resp = await self._client.post("/v1/nodes/register", json=body.model_dump(mode="json"))
+        if resp.status_code != 200:
+            raise ControlPlaneError(resp.status_code, resp.text)
+        ack = NodeRegistered.model_validate_json(resp.content)
+        self.heartbeat_interval_s = ack.heartbeat_interval_s
+        self.registered = True
+        log.info("registered node %s as %s", self.node_id, body.status)
+
+    async def _heartbeat(self) -> bool:
+        """Send one heartbeat; False when the control plane no longer knows this node."""
+        assert self._client is not None
+        beat = NodeHeartbeat(status=self._status(), load=self._load(), models=self._models)
+        resp = await self._client.post(
+            f"/v1/nodes/{self.node_id}/heartbeat", json=beat.model_dump(mode="json")
+        )
+        if resp.status_code == 404:
+            return False
+        if resp.status_code != 200:
+            raise ControlPlaneError(resp.status_code, resp.text)
+        self.heartbeats_sent += 1
+        return True

@@ -1,0 +1,151 @@
+"""The Engine protocol every runtime implements (built-in torch engine, vLLM adapter),
+its request/output types, and the registry engines are created from by name."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+from meridian.settings import NodeSettings
+
+if TYPE_CHECKING:
+    from data_plane.tokenizer import ChatTokenizer
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(Exception):
+    """Base of the errors an engine raises to its caller."""
+
+
+class EngineOverloadedError(EngineError):
+    """The waiting queue is full; the caller should retry elsewhere or later."""
+
+
+class EngineNotReadyError(EngineError):
+    """The engine has not finished loading, or has stopped."""
+
+
+class EngineRequestError(EngineError, ValueError):
+    """The request cannot be served as asked (too long, duplicate id...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    # Keep generating past the model's end-of-sequence tokens (benchmarks, tests).
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOutput:
+    """One step of a request's progress: what is new since the previous output."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    # Cumulative count, including this output's tokens.
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Load and counters with vLLM's metric semantics."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    requests_finished_total: int = 0
+    requests_aborted_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A model runtime serving generation requests for one node."""
+
+    async def start(self) -> None:
+        """Load the model; returns once requests can be served."""
+        ...
+
+    async def stop(self) -> None:
+        """Abort what is still running and release the model."""
+        ...
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[GenerationOutput, None]:
+        """Stream a request's outputs; the last one has a finish_reason.
+
+        Closing the iterator early aborts the request. Raises EngineOverloadedError,
+        EngineNotReadyError or EngineRequestError on the first iteration.
+        """
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its state; unknown ids are ignored. Never blocks."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def models(self) -> list[str]:
+        """Names of the models this engine serves."""
+        ...
+
+    def get_tokenizer(self) -> ChatTokenizer:
+        """Tokenizer of the served model (valid once started)."""
+        ...
+
+
+EngineFactory = Callable[[NodeSettings], Engine]
+
+# Built-in engines are imported on first use, so a CPU node never imports vLLM and a
+# vLLM node never pays for what it does not run.
+_BUILTIN: dict[str, str] = {"torch": "data_plane.engine.torch_engine:TorchEngine"}
+_FACTORIES: dict[str, EngineFactory] = {}
+
+
+def register_engine(name: str, factory: EngineFactory) -> None:
+    """Make an engine available to create_engine under `name`."""
+    _FACTORIES[name] = factory
+
+
+def engine_names() -> list[str]:
+    return sorted(set(_BUILTIN) | set(_FACTORIES))
+
+
+def create_engine(name: str, settings: NodeSettings) -> Engine:
+    """Instantiate the engine registered as `name` (not yet started)."""
+    factory = _FACTORIES.get(name)
+    if factory is None and name in _BUILTIN:
+        module_name, _, attr = _BUILTIN[name].partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+    if factory is None:
+        raise KeyError(f"unknown engine {name!r}; known: {', '.join(engine_names())}")
+    return factory(settings)
+
+
+def served_model_name(settings: NodeSettings) -> str:
+    """The name clients use for the model: settings.model_name, else the checkpoint dir's name."""
+    if settings.model_name:
+        return settings.model_name
+    if settings.model_dir is None:
+        raise ValueError("model_dir is required")
+    return settings.model_dir.resolve().name

@@ -1,0 +1,118 @@
+"""Load a Hugging Face Llama-family checkpoint (config.json + safetensors) into LlamaForCausalLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from data_plane.model.llama import LlamaConfig, LlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint directory is missing files or its tensors do not fit the config."""
+
+
+def resolve_dtype(name: str, config_dtype: str | None = None) -> torch.dtype:
+    """Map a dtype name ("auto" = the checkpoint's torch_dtype) to a torch dtype."""
+    if name == "auto":
+        name = config_dtype or "float32"
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise CheckpointError(f"unsupported dtype {name!r}") from None
+
+
+def read_config(model_dir: Path) -> dict[str, object]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found")
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    return raw
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The weight files: those the shard index names, else every *.safetensors file."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_dir}")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"shards named in {INDEX_FILE} are missing: {missing}")
+    return files
+
+
+def load_model(
+    model_dir: Path, *, dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> LlamaForCausalLM:
+    """Load config and weights from a checkpoint directory, ready for inference."""
+    raw = read_config(model_dir)
+    config = LlamaConfig.from_hf(raw)
+    files = safetensors_files(model_dir)
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.update(f.keys())
+    if not config.attention_bias and any(n.endswith("self_attn.q_proj.bias") for n in names):
+        # Qwen2-style checkpoints carry q/k/v biases whether or not the config says so.
+        config = dataclasses.replace(config, attention_bias=True)
+    torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(
+        dtype, str(raw.get("torch_dtype")) if raw.get("torch_dtype") else None
+    )
+    target = torch.device(device)
+
+    # Build on the meta device: no memory is allocated or randomly initialised for
+    # parameters that are about to be replaced by the checkpoint's tensors.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name: p.shape for name, p in model.named_parameters()}
+
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                if name not in expected:
+                    # Older checkpoints store the (recomputed) rotary frequencies.
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    raise CheckpointError(f"unexpected tensor {name!r} in {file.name}")
+                tensor = f.get_tensor(name)
+                if tensor.shape != expected[name]:
+                    raise CheckpointError(
+                        f"{name}: shape {tuple(tensor.shape)} != expected {tuple(expected[name])}"
+                    )
+                state[name] = tensor.to(device=target, dtype=torch_dtype)
+
+    tied = config.tie_word_embeddings and "lm_head.weight" not in state
+    missing = sorted(set(expected) - set(state) - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        raise CheckpointError(f"checkpoint lacks tensors: {missing[:8]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.to(target)
+    model.eval()
+    return model

@@ -1,0 +1,124 @@
+"""What one node process runs, and the order it starts, drains and stops in:
+engine, serving phase and (when a control plane is configured) the agent."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+from data_plane.agent import NodeAgent
+from data_plane.engine.base import Engine
+from data_plane.lifecycle import NodeLifecycle
+from meridian.contracts import NodeLoad
+from meridian.settings import NodeSettings
+
+log = logging.getLogger(__name__)
+
+
+class NodeRuntime:
+    """Engine + lifecycle + agent of one node.
+
+    `on_fatal` is called if the model fails to load in the background, so that the
+    process hosting the app can exit instead of idling as "failed".
+    """
+
+    def __init__(
+        self, settings: NodeSettings, engine: Engine, agent: NodeAgent | None = None
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.lifecycle = NodeLifecycle()
+        self.on_fatal: Callable[[BaseException], None] | None = None
+        self.load_error: BaseException | None = None
+        self._loading: asyncio.Task[None] | None = None
+        if agent is None and settings.control_plane_url:
+            agent = NodeAgent(
+                settings,
+                models=engine.models(),
+                status=lambda: self.lifecycle.node_status,
+                load=self.load,
+            )
+        self.agent = agent
+        self._drain: asyncio.Task[None] | None = None
+
+    def load(self) -> NodeLoad:
+        s = self.engine.stats()
+        return NodeLoad(
+            running=s.running, waiting=s.waiting, kv_cache_usage=min(1.0, max(0.0, s.kv_cache_usage))
+        )
+
+    async def start(self) -> None:
+        """Register as starting and begin loading the model in the background.
+
+        The HTTP server is up meanwhile, answering /health with 503 "loading", so
+        orchestrators and routers can tell a loading node from a dead one.
+        """
+        if self.agent is not None:
+            await self.agent.start()
+        if self._loading is None:
+            self._loading = asyncio.ensure_future(self._load())
+
+    async def wait_ready(self) -> None:
+        """Wait for the background load; raises its error if it failed."""
+        if self._loading is not None:
+            await asyncio.shield(self._loading)
+        if self.load_error is not None:
+            raise self.load_error
+
+    async def _load(self) -> None:
+        try:
+            await self.engine.start()
+        except Exception as exc:
+            log.exception("the model failed to load")
+            self.load_error = exc
+            self.lifecycle.mark_failed()
+            if self.on_fatal is not None:
+                self.on_fatal(exc)
+            return
+        self.lifecycle.mark_ready()
+        if self.agent is not None:
+            self.agent.notify()
+        log.info("node ready, serving %s", ", ".join(self.engine.models()))
+
+    async def drain(self) -> None:
+        """Refuse new requests, report draining, let in-flight requests finish (up to
+        drain_timeout_s), then leave the control plane. Safe to call more than once."""
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._do_drain())
+        await asyncio.shield(self._drain)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain is not None
+
+    async def _do_drain(self) -> None:
+        self.lifecycle.begin_drain()
+        if self.agent is not None:
+            await self.agent.report_now()
+        in_flight = self.lifecycle.in_flight
+        if in_flight:
+            log.info("draining: waiting for %d in-flight requests", in_flight)
+        try:
+            async with asyncio.timeout(self.settings.drain_timeout_s):
+                await self.lifecycle.wait_idle()
+        except TimeoutError:
+            log.warning(
+                "drain timeout (%.0fs): %d requests still in flight will be aborted",
+                self.settings.drain_timeout_s, self.lifecycle.in_flight,
+            )
+        if self.agent is not None:
+            await self.agent.leave()
+
+    async def shutdown(self) -> None:
+        loading, self._loading = self._loading, None
+        if loading is not None and not loading.done():
+            loading.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await loading
+        await self.drain()
+        if self.agent is not None:
+            await self.agent.close()
+        await self.engine.stop()
+        self.lifecycle.mark_stopped()

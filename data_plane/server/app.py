@@ -1,0 +1,74 @@
+"""The node's HTTP app: OpenAI-compatible generation, model listing, health and metrics."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from data_plane.engine.base import Engine, create_engine
+from data_plane.lifecycle import Phase
+from data_plane.runtime import NodeRuntime
+from data_plane.server.completions import CompletionService
+from data_plane.server.errors import install_error_handlers
+from data_plane.server.metrics import NodeMetrics
+from meridian.contracts import ModelCard, ModelList
+from meridian.settings import NodeSettings
+
+
+def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
+    """Build a node app. Its lifespan starts the agent, loads the model in the
+    background (app.state.runtime.wait_ready() waits for it) and drains on exit.
+
+    `engine` defaults to create_engine(settings.engine, settings); the app owns its
+    start and stop either way.
+    """
+    if engine is None:
+        engine = create_engine(settings.engine, settings)
+    runtime = NodeRuntime(settings, engine)
+    models = engine.models()
+    metrics = NodeMetrics(models[0] if models else "", engine.stats)
+    service = CompletionService(runtime, metrics)
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            await runtime.start()
+            yield
+        finally:
+            await runtime.shutdown()
+
+    app = FastAPI(
+        title="Meridian node", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.runtime = runtime
+    app.state.metrics = metrics
+    install_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await service.chat(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await service.completion(request)
+
+    @app.get("/v1/models")
+    async def list_models() -> ModelList:
+        return ModelList(data=[ModelCard(id=m, created=started) for m in engine.models()])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        phase = runtime.lifecycle.phase
+        return JSONResponse({"status": str(phase)}, status_code=200 if phase is Phase.READY else 503)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

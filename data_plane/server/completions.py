@@ -1,0 +1,376 @@
+"""Serving /v1/chat/completions and /v1/completions: OpenAI request in, engine request
+out, and the engine's outputs back as an OpenAI response or SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
+
+from data_plane.engine.base import (
+    EngineError,
+    FinishReason,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+)
+from data_plane.runtime import NodeRuntime
+from data_plane.server.body import parse_body
+from data_plane.server.errors import (
+    APIError,
+    BadRequestError,
+    ContextLengthError,
+    ModelNotFoundError,
+    UnavailableError,
+)
+from data_plane.server.metrics import NodeMetrics
+from data_plane.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    GenerationParams,
+    UsageInfo,
+)
+from meridian.contracts import openai_error
+
+log = logging.getLogger(__name__)
+
+Kind = Literal["chat", "completion"]
+OpenAIFinish = Literal["stop", "length"]
+SSE_DONE = b"data: [DONE]\n\n"
+# How often a non-streaming request checks whether its client is still there.
+DISCONNECT_POLL_S = 0.25
+
+
+def _sse(payload: BaseModel | dict[str, object]) -> bytes:
+    if isinstance(payload, BaseModel):
+        body = payload.model_dump_json()
+    else:
+        body = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return b"data: " + body.encode("utf-8") + b"\n\n"
+
+
+def _openai_finish(reason: FinishReason | None) -> OpenAIFinish | None:
+    """OpenAI has no "abort": an aborted stream ends with an error event instead."""
+    if reason == "stop":
+        return "stop"
+    if reason == "length":
+        return "length"
+    return None
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """A streaming response that always runs its cleanup, even if the client went away
+    before the body was ever iterated."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], *, on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+@dataclass
+class _Exchange:
+    """One request in flight: ids, timing and what has been produced so far."""
+
+    kind: Kind
+    id: str
+    created: int
+    model: str
+    prompt_tokens: int
+    arrival: float
+    include_usage: bool
+    completion_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def usage(self) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=self.prompt_tokens + self.completion_tokens,
+        )
+
+
+class CompletionService:
+    """The two generation endpoints of a node."""
+
+    def __init__(self, runtime: NodeRuntime, metrics: NodeMetrics) -> None:
+        self._runtime = runtime
+        self._settings = runtime.settings
+        self._engine = runtime.engine
+        self._metrics = metrics
+
+    async def chat(self, request: Request) -> Response:
+        params = await parse_body(
+            request, ChatCompletionRequest, limit=self._settings.max_request_bytes,
+            context={"max_tokens_limit": self._settings.max_tokens_limit},
+        )
+        self._check_model(params.model)
+        tokenizer = self._engine.get_tokenizer()
+        messages = [m.for_template() for m in params.messages]
+        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return await self._generate(request, "chat", params, prompt_ids, "messages")
+
+    async def completion(self, request: Request) -> Response:
+        params = await parse_body(
+            request, CompletionRequest, limit=self._settings.max_request_bytes,
+            context={"max_tokens_limit": self._settings.max_tokens_limit},
+        )
+        self._check_model(params.model)
+        tokenizer = self._engine.get_tokenizer()
+        prompt = params.prompt_text_or_ids()
+        if isinstance(prompt, str):
+            prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
+                raise BadRequestError("prompt contains token ids outside the vocabulary",
+                                      param="prompt")
+            prompt_ids = prompt
+        return await self._generate(request, "completion", params, prompt_ids, "prompt")
+
+    # --- shared -----------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model not in self._engine.models():
+            raise ModelNotFoundError(model)
+
+    def _sampling(self, params: GenerationParams, prompt_len: int, param: str) -> SamplingParams:
+        max_len = self._settings.max_model_len
+        room = max_len - prompt_len
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = min(self._settings.max_tokens_limit, room)
+        if room < 1 or max_tokens > room:
+            raise ContextLengthError(
+                f"This model's maximum context length is {max_len} tokens. However, you "
+                f"requested {prompt_len + max(max_tokens, 1)} tokens ({prompt_len} in the "
+                f"{param}, {max(max_tokens, 1)} in the completion). Please reduce the length "
+                f"of the {param} or completion.",
+                param=param,
+            )
+        return SamplingParams(
+            temperature=1.0 if params.temperature is None else params.temperature,
+            top_p=1.0 if params.top_p is None else params.top_p,
+            max_tokens=max_tokens,
+            stop=params.stop_list(),
+            stop_token_ids=tuple(params.stop_token_ids or ()),
+            seed=params.seed,
+            ignore_eos=params.ignore_eos,
+        )
+
+    async def _generate(
+        self,
+        request: Request,
+        kind: Kind,
+        params: GenerationParams,
+        prompt_ids: list[int],
+        param: str,
+    ) -> Response:
+        sampling = self._sampling(params, len(prompt_ids), param)
+        ex = _Exchange(
+            kind=kind,
+            id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
+            created=int(time.time()),
+            model=params.model,
+            prompt_tokens=len(prompt_ids),
+            arrival=time.perf_counter(),
+            include_usage=params.include_usage,
+        )
+        lifecycle = self._runtime.lifecycle
+        # No await between this check and request_started(): a drain that begins
+        # afterwards is guaranteed to wait for this request.
+        if not lifecycle.accepting:
+            code = "draining" if self._runtime.draining else "not_ready"
+            raise UnavailableError(f"this node is {lifecycle.phase}; retry on another node",
+                                   code=code)
+        lifecycle.request_started()
+        outputs = self._engine.generate(GenerationRequest(ex.id, prompt_ids, sampling))
+        try:
+            # Wait for the first token before answering, so that an overloaded or
+            # failing engine still gets a proper status the router can fail over on.
+            first = await anext(outputs)
+        except BaseException:
+            lifecycle.request_finished()
+            await outputs.aclose()
+            raise
+        if params.stream:
+            return _ClosingStreamingResponse(
+                self._stream(ex, first, outputs),
+                on_close=lambda: self._close(ex, outputs),
+            )
+        try:
+            texts = await self._collect_unless_disconnected(request, ex, first, outputs)
+        finally:
+            await self._close(ex, outputs)
+        if ex.finish_reason == "abort":
+            raise UnavailableError("the request was aborted before it finished", code="aborted")
+        return JSONResponse(self._full_response(ex, "".join(texts)).model_dump(mode="json"))
+
+    def _observe(self, ex: _Exchange, out: GenerationOutput) -> None:
+        ex.completion_tokens = out.completion_tokens
+        if out.token_ids:
+            now = time.perf_counter()
+            if ex.first_token_at is None:
+                ex.first_token_at = now
+                self._metrics.time_to_first_token.observe(now - ex.arrival)
+            elif ex.last_token_at is not None:
+                # One output can carry several tokens; spread the gap over them.
+                gap = (now - ex.last_token_at) / len(out.token_ids)
+                for _ in out.token_ids:
+                    self._metrics.inter_token_latency.observe(gap)
+            ex.last_token_at = now
+        if out.finish_reason is not None:
+            ex.finish_reason = out.finish_reason
+
+    async def _close(
+        self, ex: _Exchange, outputs: AsyncGenerator[GenerationOutput, None]
+    ) -> None:
+        """Release the request: abort it in the engine if unfinished, record the outcome."""
+        reason = ex.finish_reason or "abort"
+        self._metrics.request_finished(reason)
+        if reason != "abort":
+            self._metrics.e2e_latency.observe(time.perf_counter() - ex.arrival)
+        self._runtime.lifecycle.request_finished()
+        await outputs.aclose()
+
+    async def _collect_unless_disconnected(
+        self,
+        request: Request,
+        ex: _Exchange,
+        first: GenerationOutput,
+        outputs: AsyncGenerator[GenerationOutput, None],
+    ) -> list[str]:
+        texts: list[str] = []
+
+        async def collect() -> None:
+            out: GenerationOutput | None = first
+            while out is not None:
+                self._observe(ex, out)
+                texts.append(out.text)
+                if out.finish_reason is not None:
+                    return
+                out = await anext(outputs, None)
+
+        task = asyncio.ensure_future(collect())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    task.result()
+                    return texts
+                if await request.is_disconnected():
+                    # Nobody will read the answer: stop spending compute on it.
+                    ex.finish_reason = None
+                    raise APIError("client disconnected", code="client_disconnected")
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    def _full_response(self, ex: _Exchange, text: str) -> BaseModel:
+        finish: OpenAIFinish = "length" if ex.finish_reason == "length" else "stop"
+        if ex.kind == "chat":
+            return ChatCompletionResponse(
+                id=ex.id, created=ex.created, model=ex.model,
+                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)],
+                usage=ex.usage(),
+            )
+        return CompletionResponse(
+            id=ex.id, created=ex.created, model=ex.model,
+            choices=[CompletionChoice(text=text, finish_reason=finish)],
+            usage=ex.usage(),
+        )
+
+    def _chunk(self, ex: _Exchange, text: str | None, finish: FinishReason | None) -> bytes:
+        fr = _openai_finish(finish)
+        if ex.kind == "chat":
+            delta: dict[str, str] = {}
+            if text is not None:
+                delta["content"] = text
+            chunk: BaseModel = ChatCompletionChunk(
+                id=ex.id, created=ex.created, model=ex.model,
+                choices=[ChatChunkChoice(delta=delta, finish_reason=fr)],
+            )
+        else:
+            chunk = CompletionResponse(
+                id=ex.id, created=ex.created, model=ex.model,
+                choices=[CompletionChoice(text=text or "", finish_reason=fr)],
+            )
+        # With include_usage every chunk carries "usage": null, as OpenAI's do.
+        return _sse(chunk.model_dump(mode="json", exclude=None if ex.include_usage else {"usage"}))
+
+    async def _stream(
+        self,
+        ex: _Exchange,
+        first: GenerationOutput,
+        outputs: AsyncGenerator[GenerationOutput, None],
+    ) -> AsyncIterator[bytes]:
+        if ex.kind == "chat":
+            role = ChatCompletionChunk(
+                id=ex.id, created=ex.created, model=ex.model,
+                choices=[ChatChunkChoice(delta={"role": "assistant", "content": ""})],
+            )
+            yield _sse(role.model_dump(mode="json", exclude=None if ex.include_usage else {"usage"}))
+        out: GenerationOutput | None = first
+        try:
+            while out is not None:
+                self._observe(ex, out)
+                if out.finish_reason == "abort":
+                    yield _sse(openai_error("the request was aborted before it finished",
+                                            type_="service_unavailable", code="aborted"))
+                    break
+                if out.text:
+                    yield self._chunk(ex, out.text, None)
+                if out.finish_reason is not None:
+                    yield self._chunk(ex, None if ex.kind == "chat" else "", out.finish_reason)
+                    break
+                out = await anext(outputs, None)
+        except EngineError as exc:
+            # Headers are gone already; the error travels as an event, as vLLM sends it.
+            yield _sse(openai_error(str(exc), type_="server_error"))
+        except Exception:
+            log.exception("request %s failed while streaming", ex.id)
+            yield _sse(openai_error("The server had an internal error.", type_="server_error"))
+        if ex.include_usage and ex.finish_reason in ("stop", "length"):
+            usage_chunk: BaseModel
+            if ex.kind == "chat":
+                usage_chunk = ChatCompletionChunk(
+                    id=ex.id, created=ex.created, model=ex.model, choices=[], usage=ex.usage()
+                )
+            else:
+                usage_chunk = CompletionResponse(
+                    id=ex.id, created=ex.created, model=ex.model, choices=[], usage=ex.usage()
+                )
+            yield _sse(usage_chunk)
+        yield SSE_DONE

@@ -1,0 +1,135 @@
+"""The node's error types and the one place they become OpenAI error responses."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from data_plane.engine.base import (
+    EngineNotReadyError,
+    EngineOverloadedError,
+    EngineRequestError,
+)
+from data_plane.tokenizer import ChatTemplateError
+from meridian.contracts import openai_error
+
+log = logging.getLogger(__name__)
+
+
+class APIError(Exception):
+    """An error with a status and an OpenAI error body."""
+
+    status_code = 500
+    error_type = "server_error"
+    default_code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.default_code
+
+
+class BadRequestError(APIError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class ContextLengthError(BadRequestError):
+    default_code = "context_length_exceeded"
+
+
+class ModelNotFoundError(APIError):
+    status_code = 404
+    error_type = "invalid_request_error"
+    default_code = "model_not_found"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist on this node.", param="model")
+
+
+class PayloadTooLargeError(APIError):
+    status_code = 413
+    error_type = "invalid_request_error"
+    default_code = "request_too_large"
+
+
+class UnavailableError(APIError):
+    """The node cannot take this request now (loading, draining, overloaded); the
+    router may retry it on another replica."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+def error_response(exc: APIError) -> JSONResponse:
+    return JSONResponse(
+        openai_error(exc.message, type_=exc.error_type, code=exc.code, param=exc.param),
+        status_code=exc.status_code,
+    )
+
+
+def validation_error(exc: ValidationError | RequestValidationError) -> BadRequestError:
+    """First pydantic error as a 400, its location as the OpenAI `param`."""
+    errors = exc.errors()
+    if not errors:
+        return BadRequestError("invalid request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
+    param = ".".join(loc) or None
+    message = str(first.get("msg", "invalid value"))
+    return BadRequestError(f"{param}: {message}" if param else message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the handlers that turn every error into an OpenAI JSON body."""
+
+    async def on_api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return error_response(exc)
+
+    async def on_validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ValidationError | RequestValidationError)
+        return error_response(validation_error(exc))
+
+    async def on_overloaded(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(UnavailableError(str(exc), code="overloaded"))
+
+    async def on_not_ready(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(UnavailableError(str(exc), code="not_ready"))
+
+    async def on_engine_request(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(BadRequestError(str(exc)))
+
+    async def on_template(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(BadRequestError(str(exc), param="messages"))
+
+    async def on_http(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(
+            openai_error(str(exc.detail), type_=kind), status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(
+            openai_error("The server had an internal error.", type_="server_error"),
+            status_code=500,
+        )
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(ValidationError, on_validation)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(EngineOverloadedError, on_overloaded)
+    app.add_exception_handler(EngineNotReadyError, on_not_ready)
+    app.add_exception_handler(EngineRequestError, on_engine_request)
+    app.add_exception_handler(ChatTemplateError, on_template)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

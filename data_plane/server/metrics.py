@@ -1,0 +1,84 @@
+"""The node's Prometheus metrics, under vLLM's names so that dashboards, autoscalers and
+the router treat a torch-engine node and a vLLM node alike."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from data_plane.engine.base import EngineStats
+
+# vLLM's bucket boundaries, so histograms from both engines can be aggregated.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's own gauges and counters at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self._model = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        labels = ["model_name"]
+        values = [self._model]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests being decoded.", s.running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", s.waiting),
+            ("vllm:kv_cache_usage_perc", "KV cache usage, 1 means full.", s.kv_cache_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            yield g
+        for name, doc, value in (
+            ("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens_total),
+            ("vllm:generation_tokens", "Tokens generated.", s.generation_tokens_total),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_queries_total),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             s.prefix_cache_hits_total),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            yield c
+
+
+class NodeMetrics:
+    """A per-app registry with the request-level metrics the server records."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=TTFT_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between two generated tokens.", labels,
+            buckets=ITL_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self.e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "Request latency from arrival to last token.",
+            labels, buckets=E2E_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self._success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(model_name, stats))
+
+    def request_finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

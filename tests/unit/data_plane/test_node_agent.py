@@ -1,0 +1,159 @@
+"""The node agent against a small, real stand-in control plane over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from node_testkit import (
+    CHAT_REQUEST,
+    NODE_ID,
+    TOKEN,
+    GatedEngine,
+    StandInControlPlane,
+    asgi_client,
+    eventually,
+    free_port,
+    make_settings,
+    running_server,
+)
+
+from data_plane.agent import NodeAgent
+from data_plane.server.app import create_app
+from meridian.contracts import NodeLoad, NodeStatus
+
+
+@pytest.fixture
+async def control_plane() -> AsyncIterator[tuple[StandInControlPlane, str]]:
+    cp = StandInControlPlane()
+    async with running_server(cp.app()) as url:
+        yield cp, url
+
+
+def agent_settings(checkpoint: Path, url: str, **extra: Any) -> Any:
+    return make_settings(checkpoint, control_plane_url=url, region="aws:us-east-1",
+                         node_id=NODE_ID, cluster_token=TOKEN, port=8123, **extra)
+
+
+async def test_registers_starting_then_heartbeats_ready_with_load(
+    control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path
+) -> None:
+    cp, url = control_plane
+    settings = agent_settings(tiny_checkpoint, url)
+    engine = GatedEngine(settings)
+    app = create_app(settings, engine=engine)
+    async with app.router.lifespan_context(app):
+        # While the model loads the node is registered but not routable.
+        await eventually(lambda: len(cp.heartbeats()) >= 2)
+        assert {h.status for h in cp.heartbeats()} == {NodeStatus.STARTING}
+        engine.gate.set()
+        await eventually(lambda: any(h.status == NodeStatus.READY for h in cp.heartbeats()))
+        first = cp.registrations()[0]
+        assert first.status == NodeStatus.STARTING
+        assert (first.node_id, first.region, first.url) == (NODE_ID, "aws:us-east-1",
+                                                            "http://127.0.0.1:8123")
+        assert first.models == ["tiny-llama"]
+        assert first.engine == "torch"
+
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://n")
+        busy = asyncio.ensure_future(client.post("/v1/chat/completions", json={
+            **CHAT_REQUEST, "max_tokens": 400, "ignore_eos": True, "temperature": 0}))
+        await eventually(lambda: any(h.load.running == 1 for h in cp.heartbeats()))
+        assert (await busy).status_code == 200
+        await eventually(lambda: cp.heartbeats()[-1].load == NodeLoad())
+        await client.aclose()
+
+
+async def test_reregisters_when_the_control_plane_forgets_it(
+    control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path
+) -> None:
+    cp, url = control_plane
+    app = create_app(agent_settings(tiny_checkpoint, url))
+    async with asgi_client(app):
+        await eventually(lambda: cp.heartbeats())
+        cp.nodes.clear()  # as after a control-plane restart that lost this node
+        await eventually(lambda: len(cp.registrations()) == 2)
+        assert cp.registrations()[1].status == NodeStatus.READY
+        await eventually(lambda: cp.kinds()[-1] == "heartbeat")
+
+
+async def test_drain_reports_draining_then_deregisters(
+    control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path
+) -> None:
+    cp, url = control_plane
+    app = create_app(agent_settings(tiny_checkpoint, url))
+    async with asgi_client(app):
+        await eventually(lambda: any(h.status == NodeStatus.READY for h in cp.heartbeats()))
+        await app.state.runtime.drain()
+        kinds = cp.kinds()
+        assert kinds[-1] == "delete"
+        assert cp.events[-2] == ("heartbeat", cp.heartbeats()[-1])
+        assert cp.heartbeats()[-1].status == NodeStatus.DRAINING
+        await asyncio.sleep(0.2)
+        assert cp.kinds() == kinds  # nothing after leaving: no zombie re-registration
+        assert NODE_ID not in cp.nodes
+
+
+async def test_keeps_serving_while_the_control_plane_is_down(
+    tiny_checkpoint: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    app = create_app(agent_settings(tiny_checkpoint, url, control_plane_timeout_s=0.5))
+    with caplog.at_level(logging.WARNING, logger="data_plane.agent"):
+        async with asgi_client(app) as client:
+            assert (await client.get("/health")).status_code == 200
+            resp = await client.post("/v1/chat/completions", json={**CHAT_REQUEST, "max_tokens": 3})
+            assert resp.status_code == 200
+            await app.state.runtime.drain()  # deregistration fails too, and that is fine
+    assert "control plane unreachable" in caplog.text
+
+
+async def test_agent_retries_until_the_control_plane_comes_back(tiny_checkpoint: Path) -> None:
+    port = free_port()
+    settings = agent_settings(tiny_checkpoint, f"http://127.0.0.1:{port}",
+                              control_plane_timeout_s=0.5)
+    status = NodeStatus.READY
+    agent = NodeAgent(settings, models=["tiny-llama"], status=lambda: status,
+                      load=lambda: NodeLoad(running=2), retry_base_s=0.02, retry_max_s=0.1)
+    await agent.start()
+    try:
+        await asyncio.sleep(0.3)
+        assert not agent.registered
+
+        cp = StandInControlPlane()
+        async with running_server(cp.app(), port=port):
+            await eventually(lambda: agent.registered and cp.heartbeats())
+            assert cp.heartbeats()[-1].load.running == 2
+        # Down again, then back with no memory of the node: it must re-register.
+        await asyncio.sleep(0.3)
+        fresh = StandInControlPlane()
+        async with running_server(fresh.app(), port=port):
+            await eventually(lambda: fresh.registrations() and fresh.heartbeats())
+    finally:
+        await agent.close()
+
+
+async def test_wrong_token_is_retried_not_fatal(
+    control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path
+) -> None:
+    cp, url = control_plane
+    settings = agent_settings(tiny_checkpoint, url).model_copy(update={"cluster_token": None})
+    agent = NodeAgent(settings, models=[], status=lambda: NodeStatus.READY, load=NodeLoad,
+                      retry_base_s=0.02, retry_max_s=0.05)
+    await agent.start()
+    try:
+        await asyncio.sleep(0.2)
+        assert not agent.registered and not cp.nodes
+    finally:
+        await agent.close()
+
+
+def test_misconfiguration_fails_fast(tiny_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="region"):
+        create_app(make_settings(tiny_checkpoint, control_plane_url="http://127.0.0.1:1"))

@@ -1,0 +1,61 @@
+"""Sampling and stop strings, on plain tensors and text."""
+
+from __future__ import annotations
+
+import torch
+
+from data_plane.engine.stop_strings import StopStringMatcher
+from data_plane.sampling import make_generator, sample_next
+
+
+def test_greedy_picks_the_argmax() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert sample_next(logits, temperature=0.0, top_p=1.0, generator=make_generator(0)) == 1
+
+
+def test_same_seed_same_choices_different_seed_different_choices() -> None:
+    logits = torch.zeros(1000)
+
+    def draw(seed: int) -> list[int]:
+        gen = make_generator(seed)
+        return [sample_next(logits, temperature=1.0, top_p=1.0, generator=gen) for _ in range(20)]
+
+    assert draw(123) == draw(123)
+    assert draw(123) != draw(124)
+
+
+def test_top_p_keeps_only_the_nucleus() -> None:
+    # Probabilities ~ [0.5, 0.3, 0.15, 0.05]: top_p 0.7 keeps the first two tokens.
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    gen = make_generator(1)
+    seen = {sample_next(logits, temperature=1.0, top_p=0.7, generator=gen) for _ in range(300)}
+    assert seen == {0, 1}
+    tiny = {sample_next(logits, temperature=1.0, top_p=1e-6, generator=gen) for _ in range(50)}
+    assert tiny == {0}
+
+
+def test_stop_string_across_deltas_is_cut_and_never_leaked() -> None:
+    m = StopStringMatcher(["</end>"])
+    out = []
+    for delta in ["Hello wor", "ld </", "en", "d> ignored"]:
+        text, stopped = m.feed(delta)
+        out.append(text)
+        if stopped:
+            break
+    assert "".join(out) == "Hello world "
+    assert m.matched == "</end>"
+    assert not any("<" in piece for piece in out)
+
+
+def test_held_back_prefix_is_released_when_it_does_not_match() -> None:
+    m = StopStringMatcher(["STOP"])
+    assert m.feed("go ST") == ("go ", False)
+    assert m.feed("ART") == ("START", False)
+    assert m.feed("ends S") == ("ends ", False)
+    assert m.flush() == "S"
+
+
+def test_earliest_of_several_stop_strings_wins() -> None:
+    m = StopStringMatcher(["b", "xyz", "a"])
+    assert m.feed("123a456b") == ("123", True)
+    assert m.matched == "a"

@@ -1,0 +1,174 @@
+"""The torch engine: deterministic generation, stop conditions, queueing and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from node_testkit import eventually, make_settings
+
+from data_plane.engine.base import (
+    Engine,
+    EngineNotReadyError,
+    EngineOverloadedError,
+    EngineRequestError,
+    GenerationOutput,
+    GenerationRequest,
+    SamplingParams,
+    create_engine,
+    engine_names,
+    register_engine,
+)
+from data_plane.engine.torch_engine import TorchEngine
+from meridian.settings import NodeSettings
+
+PROMPT = [0, 264, 519, 388, 12, 99]
+
+
+@pytest.fixture
+async def engine(tiny_checkpoint: Path) -> AsyncIterator[TorchEngine]:
+    eng = TorchEngine(make_settings(tiny_checkpoint, max_num_seqs=4))
+    await eng.start()
+    yield eng
+    await eng.stop()
+
+
+async def run(engine: Engine, rid: str, params: SamplingParams,
+              prompt: list[int] = PROMPT) -> list[GenerationOutput]:
+    return [o async for o in engine.generate(GenerationRequest(rid, prompt, params))]
+
+
+def tokens(outputs: list[GenerationOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+async def test_greedy_is_deterministic(engine: TorchEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    a, b = await run(engine, "a", params), await run(engine, "b", params)
+    assert tokens(a) == tokens(b)
+    assert len(tokens(a)) == 12
+    assert a[-1].finish_reason == "length"
+    assert [o.finish_reason for o in a[:-1]] == [None] * (len(a) - 1)
+    assert a[-1].completion_tokens == 12 and a[-1].prompt_tokens == len(PROMPT)
+    text = "".join(o.text for o in a)
+    assert text == engine.get_tokenizer().decode(tokens(a))
+
+
+async def test_seeded_sampling_reproduces_even_when_interleaved(engine: TorchEngine) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=42, ignore_eos=True)
+    alone = tokens(await run(engine, "alone", params))
+    # Running concurrently with other requests must not change a seeded result.
+    results = await asyncio.gather(
+        run(engine, "x", params),
+        run(engine, "y", SamplingParams(temperature=1.0, max_tokens=16, seed=7, ignore_eos=True)),
+        run(engine, "z", SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)),
+    )
+    assert tokens(results[0]) == alone
+    assert tokens(results[1]) != alone
+
+
+async def test_stop_token_ends_the_sequence(engine: TorchEngine) -> None:
+    greedy = tokens(await run(engine, "g", SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True)))
+    stop_at = greedy[3]
+    out = await run(engine, "s", SamplingParams(
+        temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=(stop_at,)))
+    first = greedy.index(stop_at)
+    assert tokens(out) == greedy[: first + 1]
+    assert out[-1].finish_reason == "stop"
+
+
+async def test_stop_string_cuts_the_text(engine: TorchEngine) -> None:
+    full = "".join(o.text for o in await run(engine, "g", SamplingParams(
+        temperature=0.0, max_tokens=30, ignore_eos=True)))
+    stop = full[8:11]
+    out = await run(engine, "s", SamplingParams(
+        temperature=0.0, max_tokens=30, ignore_eos=True, stop=(stop,)))
+    assert "".join(o.text for o in out) == full[: full.index(stop)]
+    assert out[-1].finish_reason == "stop"
+
+
+async def test_requests_that_cannot_fit_are_refused(engine: TorchEngine) -> None:
+    with pytest.raises(EngineRequestError):
+        await run(engine, "long", SamplingParams(max_tokens=2048))
+    with pytest.raises(EngineRequestError):
+        await run(engine, "empty", SamplingParams(), prompt=[])
+
+
+async def test_full_queue_is_an_overload_error(tiny_checkpoint: Path) -> None:
+    eng = TorchEngine(make_settings(tiny_checkpoint, max_num_seqs=1, max_waiting_requests=1))
+    await eng.start()
+    try:
+        long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+        running = eng.generate(GenerationRequest("running", PROMPT, long))
+        await anext(running)
+        waiting = eng.generate(GenerationRequest("waiting", PROMPT, long))
+        waiting_first = asyncio.ensure_future(anext(waiting))
+        await eventually(lambda: eng.stats().waiting == 1)
+        assert eng.stats().running == 1
+        with pytest.raises(EngineOverloadedError):
+            await run(eng, "rejected", long)
+        await running.aclose()
+        await waiting_first  # admitted once the running request is gone
+        await waiting.aclose()
+    finally:
+        await eng.stop()
+
+
+async def test_closing_the_stream_aborts_and_frees_the_request(engine: TorchEngine) -> None:
+    gen = engine.generate(GenerationRequest(
+        "abandon", PROMPT, SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)))
+    await anext(gen)
+    assert engine.stats().running == 1
+    await gen.aclose()
+    await eventually(lambda: engine.stats().running == 0 and engine.stats().requests_aborted_total)
+    assert engine.stats().kv_cache_usage == 0.0
+    assert engine.stats().generation_tokens_total < 500
+
+
+async def test_kv_usage_and_counters(engine: TorchEngine) -> None:
+    gen = engine.generate(GenerationRequest(
+        "kv", PROMPT, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)))
+    await anext(gen)
+    await eventually(lambda: engine.stats().kv_cache_usage > 0)
+    async for _ in gen:
+        pass
+    stats = engine.stats()
+    assert stats.prompt_tokens_total == len(PROMPT)
+    assert stats.generation_tokens_total == 100
+    assert stats.requests_finished_total == 1
+    assert stats.kv_cache_usage == 0.0
+
+
+async def test_not_started_and_stopped_engines_refuse_work(tiny_checkpoint: Path) -> None:
+    eng = TorchEngine(make_settings(tiny_checkpoint))
+    with pytest.raises(EngineNotReadyError):
+        await run(eng, "early", SamplingParams())
+    await eng.start()
+    await eng.stop()
+    with pytest.raises(EngineNotReadyError):
+        await run(eng, "late", SamplingParams())
+
+
+async def test_registry_creates_engines_by_name(tiny_checkpoint: Path) -> None:
+    settings = make_settings(tiny_checkpoint)
+    assert isinstance(create_engine("torch", settings), TorchEngine)
+    assert isinstance(create_engine("torch", settings), Engine)
+
+    def factory(s: NodeSettings) -> Engine:
+        return TorchEngine(s)
+
+    register_engine("test-alias", factory)
+    assert "test-alias" in engine_names()
+    assert isinstance(create_engine("test-alias", settings), TorchEngine)
+    with pytest.raises(KeyError):
+        create_engine("no-such-engine", settings)
+
+
+async def test_load_failure_surfaces_from_start(tmp_path: Path) -> None:
+    (tmp_path / "broken").mkdir()
+    eng = TorchEngine(make_settings(tmp_path / "broken"))
+    with pytest.raises(Exception, match=r"config\.json"):
+        await eng.start()
