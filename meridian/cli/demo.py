@@ -41,11 +41,13 @@ def run_demo(work_dir: Path, router_port: int, console: Console) -> None:
             f"[bold]model[/bold]     {DEMO_MODEL}\n"
             f"[bold]keys[/bold]      global, eu, us, apac in {work_dir / 'fabric.json'} (mode 0600)\n"
             f"[bold]admin[/bold]     control plane {info.control_plane_url}\n"
-            f"[bold]logs[/bold]      {work_dir / 'logs'}\n\n"
-            f"try:\n{curl}\n\n"
-            f"the {HEADER_REGION} header says which region served it.\n"
-            f"status:  MERIDIAN_API_KEY={info.admin_key} meridian status --control-plane {info.control_plane_url}",
+            f"[bold]logs[/bold]      {work_dir / 'logs'}",
             title="Meridian demo is up", border_style="green"))
+        # Plain prints, not wrapped in a panel, so they copy and paste as one command.
+        console.print(f"try it (the {HEADER_REGION} response header says which region served it):")
+        print(curl)
+        console.print("status:")
+        print(f"MERIDIAN_API_KEY={info.admin_key} .venv/bin/meridian status --control-plane {info.control_plane_url}")
         with AdminClient(info.control_plane_url, info.admin_key) as admin:
             console.print(status_table(admin.regions(), admin.nodes()))
         console.print("[dim]Ctrl-C drains and stops every process.[/dim]")
