@@ -22,6 +22,7 @@ from .health import FleetState, InProcessFleetState
 from .locate import locate_client
 from .metrics import RouterMetrics
 from .proxy import UpstreamForwarder
+from .redis_fleet import RedisFleetState
 from .request import parse_inference_request, read_body, request_id_for
 from .selection import (
     RoutingContext,
@@ -63,9 +64,20 @@ def create_app(
     *,
     fleet: FleetState | None = None,
 ) -> FastAPI:
-    """Build the router app; its lifespan starts the routing-table source."""
+    """Build the router app; its lifespan starts the routing-table source and fleet sync.
+
+    Without `fleet`, node health is shared through Redis when `settings.redis_url` is set
+    (the app then starts and stops that sync), else kept in this process.
+    """
     source: TableSource = table_source if table_source is not None else RoutingTableClient(settings)
-    fleet_state = fleet or InProcessFleetState(settings.ejection_base_s, settings.ejection_max_s)
+    shared_fleet: RedisFleetState | None = None
+    fleet_state: FleetState
+    if fleet is not None:
+        fleet_state = fleet
+    elif settings.redis_url:
+        fleet_state = shared_fleet = RedisFleetState.from_settings(settings)
+    else:
+        fleet_state = InProcessFleetState(settings.ejection_base_s, settings.ejection_max_s)
 
     def table_version() -> float:
         loaded = source.current()
@@ -83,12 +95,18 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await source.start()
+        if shared_fleet is not None:
+            await shared_fleet.start()
         try:
-            yield
+            await source.start()
+            try:
+                yield
+            finally:
+                await source.stop()
+                await state.forwarder.aclose()
         finally:
-            await source.stop()
-            await state.forwarder.aclose()
+            if shared_fleet is not None:
+                await shared_fleet.stop()
 
     app = FastAPI(title="Meridian geo router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = state

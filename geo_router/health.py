@@ -39,6 +39,12 @@ class FleetState(Protocol):
     def end(self, node_id: str) -> None: ...
 
 
+def ejection_s(consecutive_failures: int, base_s: float, max_s: float) -> float:
+    """How long a node is skipped after its `consecutive_failures`-th failure in a row."""
+    # Cap the exponent too, so a node that fails for days cannot overflow the float.
+    return min(base_s * 2.0 ** min(consecutive_failures - 1, 30), max(max_s, base_s))
+
+
 @dataclass(slots=True)
 class _NodeHealth:
     consecutive_failures: int = 0
@@ -80,8 +86,7 @@ class InProcessFleetState:
     def record_failure(self, node_id: str) -> float:
         h = self._nodes.setdefault(node_id, _NodeHealth())
         h.consecutive_failures += 1
-        # Cap the exponent too, so a node that fails for days cannot overflow the float.
-        duration = min(self._base_s * 2.0 ** min(h.consecutive_failures - 1, 30), self._max_s)
+        duration = ejection_s(h.consecutive_failures, self._base_s, self._max_s)
         h.ejected_until = self._clock() + duration
         return duration
 

@@ -1,0 +1,293 @@
+"""FleetState shared by several routers through Redis: a node one router saw fail, all skip.
+
+Selection reads health synchronously on every request, so Redis is never on that path: this
+router reads and writes a local view, and a background task publishes its ejections and
+merges the other routers' every `fleet_sync_interval_s`. An ejection is the key
+`<prefix>ejected:<node_id>` = {"ejected_until": <epoch s>, "failures": <n>}, expiring with
+the ejection; the sorted set `<prefix>ejected` (scored by ejected-until) indexes them, so a
+sync costs O(ejected nodes), not a scan of the keyspace. A success anywhere deletes the key.
+Writers race last-wins: two routers ejecting the same node within one interval is harmless.
+While Redis is unreachable the router keeps its own view and retries in the background.
+In-flight counts are this router's own and never leave it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from meridian.settings import RouterSettings
+
+from .health import ejection_s
+
+log = logging.getLogger(__name__)
+
+# One warning per this many seconds while Redis stays unreachable.
+_WARN_EVERY_S = 30.0
+# While Redis is unreachable, retries back off up to this.
+_MAX_RETRY_S = 5.0
+# Index entries are pruned this long after their ejection ended, so a router whose clock is
+# somewhat behind does not lose its entries to another's pruning.
+_INDEX_GRACE_S = 60.0
+# A key gone while our copy still has more ejection left than this was deleted by a success
+# at another router; less means it merely expired (our copy lags Redis by a sync's latency).
+_EXPIRY_SLACK_S = 0.1
+
+
+@dataclass(slots=True)
+class _Health:
+    failures: int = 0
+    ejected_until: float = 0.0  # time.monotonic()
+    shared: bool = False  # Redis holds this ejection as we do
+
+
+class RedisFleetState:
+    """FleetState whose ejections are shared by every router on the same Redis."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        ejection_base_s: float,
+        ejection_max_s: float,
+        sync_interval_s: float = 0.5,
+        timeout_s: float = 1.0,
+        key_prefix: str = "meridian:router:",
+    ) -> None:
+        self._base_s = ejection_base_s
+        self._max_s = max(ejection_max_s, ejection_base_s)
+        self._interval_s = sync_interval_s
+        self._key_prefix = f"{key_prefix}ejected:"
+        self._index = f"{key_prefix}ejected"
+        # No retries inside redis-py: the sync loop is the retry, and it must not stall.
+        self._redis = Redis.from_url(
+            redis_url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+        self._health: dict[str, _Health] = {}
+        self._in_flight: dict[str, int] = {}
+        self._dirty: set[str] = set()  # nodes whose change Redis has not seen yet
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._redis_down = False
+        self._last_warning_at = -math.inf
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> RedisFleetState:
+        if not settings.redis_url:
+            raise ValueError("RedisFleetState needs settings.redis_url")
+        return cls(
+            settings.redis_url,
+            ejection_base_s=settings.ejection_base_s,
+            ejection_max_s=settings.ejection_max_s,
+            sync_interval_s=settings.fleet_sync_interval_s,
+            timeout_s=settings.redis_timeout_s,
+            key_prefix=settings.fleet_key_prefix,
+        )
+
+    # --- FleetState: local and synchronous, never touches Redis ------------------------------
+
+    def is_ejected(self, node_id: str) -> bool:
+        return self.ejected_for_s(node_id) > 0
+
+    def ejected_for_s(self, node_id: str) -> float:
+        h = self._health.get(node_id)
+        if h is None:
+            return 0.0
+        return max(0.0, h.ejected_until - time.monotonic())
+
+    def record_success(self, node_id: str) -> None:
+        # Called on every answered request: only a node with a record costs anything.
+        if self._health.pop(node_id, None) is not None:
+            self._publish(node_id)
+
+    def record_failure(self, node_id: str) -> float:
+        h = self._health.setdefault(node_id, _Health())
+        h.failures += 1
+        duration = ejection_s(h.failures, self._base_s, self._max_s)
+        h.ejected_until = time.monotonic() + duration
+        h.shared = False
+        self._publish(node_id)
+        return duration
+
+    def in_flight(self, node_id: str) -> int:
+        return self._in_flight.get(node_id, 0)
+
+    def begin(self, node_id: str) -> None:
+        self._in_flight[node_id] = self._in_flight.get(node_id, 0) + 1
+
+    def end(self, node_id: str) -> None:
+        n = self._in_flight.get(node_id, 0) - 1
+        if n > 0:
+            self._in_flight[node_id] = n
+        else:
+            self._in_flight.pop(node_id, None)
+
+    # --- background sync -------------------------------------------------------------------
+
+    @property
+    def redis_reachable(self) -> bool:
+        """False since the last sync failed, until one succeeds."""
+        return not self._redis_down
+
+    async def start(self) -> None:
+        """Learn the fleet's current ejections (when Redis answers), then keep in sync."""
+        if self._task is not None:
+            return
+        self._stopping = False
+        await self.sync_once()
+        self._task = asyncio.create_task(self._run(), name="fleet-health-sync")
+
+    async def stop(self) -> None:
+        """Stop syncing; hands over ejections not yet published (best effort)."""
+        task, self._task = self._task, None
+        if task is not None:
+            # The flag too: a cancel landing as the loop wakes was seen lost on 3.11, and
+            # then `await task` never returned.
+            self._stopping = True
+            self._wake.set()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._dirty and not self._redis_down:
+            await self.sync_once()
+        await self._redis.aclose()
+
+    async def sync_once(self) -> bool:
+        """Publish local changes, merge the other routers' ejections; False if Redis failed."""
+        try:
+            await self._push()
+            await self._pull()
+        except Exception as exc:  # noqa: BLE001 - whatever Redis does, routing goes on locally
+            self._note_unreachable(exc)
+            return False
+        if self._redis_down:
+            log.info("Redis is reachable again; node health is shared with the other routers")
+            self._redis_down = False
+        return True
+
+    async def _run(self) -> None:
+        delay = self._interval_s
+        while not self._stopping:
+            if self._redis_down:
+                await asyncio.sleep(delay)
+            else:
+                # A local ejection is published at once, not at the next tick. (Not
+                # wait_for: on 3.11 it swallows a cancel that comes as the event fires.)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return
+            ok = await self.sync_once()
+            delay = self._interval_s if ok else min(max(delay * 2, self._interval_s), _MAX_RETRY_S)
+
+    def _publish(self, node_id: str) -> None:
+        self._dirty.add(node_id)
+        self._wake.set()
+
+    def _note_unreachable(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if not self._redis_down or now - self._last_warning_at >= _WARN_EVERY_S:
+            log.warning(
+                "Redis unreachable (%s: %s); node health stays local to this router until it is back",
+                type(exc).__name__, exc,
+            )
+            self._last_warning_at = now
+        self._redis_down = True
+
+    async def _push(self) -> None:
+        if not self._dirty:
+            return
+        batch, self._dirty = self._dirty, set()
+        published: list[str] = []
+        now, wall_now = time.monotonic(), time.time()
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                for node_id in batch:
+                    h = self._health.get(node_id)
+                    if h is None:
+                        pipe.delete(self._key(node_id))
+                        pipe.zrem(self._index, node_id)
+                        continue
+                    remaining_s = h.ejected_until - now
+                    if remaining_s <= 0:
+                        continue  # over before it could be shared
+                    ejected_until = wall_now + remaining_s
+                    value = json.dumps({"ejected_until": ejected_until, "failures": h.failures})
+                    pipe.set(self._key(node_id), value, px=max(1, math.ceil(remaining_s * 1000)))
+                    pipe.zadd(self._index, {node_id: ejected_until})
+                    published.append(node_id)
+                await pipe.execute()
+        except BaseException:
+            self._dirty |= batch
+            raise
+        for node_id in published:
+            h = self._health.get(node_id)
+            if h is not None and node_id not in self._dirty:
+                h.shared = True
+
+    async def _pull(self) -> None:
+        horizon = time.time() - _INDEX_GRACE_S
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.zremrangebyscore(self._index, "-inf", horizon)
+            pipe.zrange(self._index, 0, -1)
+            _, members = await pipe.execute()
+        remote: dict[str, tuple[int, float]] = {}
+        if members:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for node_id in members:
+                    pipe.get(self._key(node_id))
+                    # Time left as Redis counts it: immune to clock skew between routers.
+                    pipe.pttl(self._key(node_id))
+                replies = await pipe.execute()
+            for node_id, raw, ttl_ms in zip(members, replies[::2], replies[1::2], strict=True):
+                failures = _failures(raw)
+                if failures is not None and ttl_ms > 0:
+                    remote[node_id] = (failures, ttl_ms / 1000)
+        self._merge(remote)
+
+    def _merge(self, remote: dict[str, tuple[int, float]]) -> None:
+        now = time.monotonic()
+        for node_id, h in list(self._health.items()):
+            if node_id in remote or node_id in self._dirty or not h.shared:
+                continue
+            if h.ejected_until - now > _EXPIRY_SLACK_S:
+                del self._health[node_id]  # another router saw it answer
+            else:
+                h.shared = False  # expired: keep the count, so the next ejection is longer
+        for node_id, (failures, remaining_s) in remote.items():
+            if node_id in self._dirty:
+                continue  # our newer news goes out with the next push
+            h = self._health.setdefault(node_id, _Health())
+            h.failures = max(h.failures, failures)
+            h.ejected_until = now + remaining_s
+            h.shared = True
+
+    def _key(self, node_id: str) -> str:
+        return self._key_prefix + node_id
+
+
+def _failures(raw: object) -> int | None:
+    """The failure count in a stored ejection, None when the value is missing or foreign."""
+    if not isinstance(raw, str):
+        return None
+    try:
+        failures = json.loads(raw)["failures"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return failures if isinstance(failures, int) and failures > 0 else None

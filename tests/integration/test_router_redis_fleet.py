@@ -1,0 +1,252 @@
+"""Routers on one Redis share node health: a node one router saw fail, the others skip."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+
+from geo_router import create_app
+from geo_router.redis_fleet import RedisFleetState
+from geo_router.table import StaticTableSource
+from meridian.contracts import HEADER_NODE
+
+# The router tests' stand-in nodes and uvicorn runner are shared, not copied.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "geo_router"))
+from router_harness import (  # noqa: E402
+    GLOBAL_KEY,
+    MODEL,
+    NodeBehaviour,
+    ServerGroup,
+    eventually,
+    make_table,
+    node,
+    node_app,
+    reserve_port,
+    router_settings,
+)
+
+pytestmark = pytest.mark.redis
+
+INTERVAL_S = 0.2
+# "Within about one interval": one interval, plus slack for a busy 2-core machine.
+SEEN_WITHIN_S = 2 * INTERVAL_S + 0.3
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+MakeFleet = Callable[..., Awaitable[RedisFleetState]]
+
+
+@pytest.fixture
+async def prefix(redis_url: str) -> AsyncIterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards."""
+    p = f"meridian-test:{uuid.uuid4().hex}:"
+    yield p
+    client = Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
+    try:
+        keys = [k async for k in client.scan_iter(match=p + "*")]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3, decode_responses=True)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def make_fleet(redis_url: str, prefix: str) -> AsyncIterator[MakeFleet]:
+    """Starts RedisFleetStates (one per simulated router) on this test's prefix."""
+    started: list[RedisFleetState] = []
+
+    async def make(url: str = redis_url, base_s: float = 5.0) -> RedisFleetState:
+        fleet = RedisFleetState(url, ejection_base_s=base_s, ejection_max_s=60.0,
+                                sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix)
+        await fleet.start()
+        started.append(fleet)
+        return fleet
+
+    yield make
+    for fleet in started:
+        await fleet.stop()
+
+
+async def seen_within(condition: Callable[[], bool], limit_s: float = SEEN_WITHIN_S) -> float:
+    """Seconds until `condition()` held; fails when that took longer than `limit_s`."""
+    t0 = time.monotonic()
+    await eventually(condition, timeout_s=limit_s + 2)
+    elapsed = time.monotonic() - t0
+    assert elapsed <= limit_s, f"took {elapsed:.2f}s"
+    return elapsed
+
+
+async def test_a_node_ejected_by_one_router_is_skipped_by_another(make_fleet: MakeFleet):
+    a, b = await make_fleet(), await make_fleet()
+    assert a.record_failure("node-x") == 5.0
+    await seen_within(lambda: b.is_ejected("node-x"))
+    assert 3.0 < b.ejected_for_s("node-x") <= 5.0
+    assert not b.is_ejected("node-y")
+    # The failure count is shared too: B's own failure on the node continues the backoff.
+    assert b.record_failure("node-x") == 10.0
+    await seen_within(lambda: a.ejected_for_s("node-x") > 5.0)
+
+
+async def test_a_success_at_one_router_clears_the_ejection_everywhere(
+    make_fleet: MakeFleet, redis: Redis, prefix: str
+):
+    a, b = await make_fleet(), await make_fleet()
+    a.record_failure("node-x")
+    await seen_within(lambda: b.is_ejected("node-x"))
+    a.record_success("node-x")
+    assert not a.is_ejected("node-x")
+    await seen_within(lambda: not b.is_ejected("node-x"))
+    assert await redis.exists(f"{prefix}ejected:node-x") == 0
+    # And the other way round: the router that ejected it hears of B's success.
+    a.record_failure("node-x")
+    await seen_within(lambda: b.is_ejected("node-x"))
+    b.record_success("node-x")
+    await seen_within(lambda: not a.is_ejected("node-x"))
+    assert a.record_failure("node-x") == 5.0  # forgiven: the backoff starts over
+
+
+async def test_an_ejection_expires_by_itself(make_fleet: MakeFleet, redis: Redis, prefix: str):
+    a, b = await make_fleet(base_s=0.6), await make_fleet(base_s=0.6)
+    a.record_failure("node-x")
+    key = f"{prefix}ejected:node-x"
+    await seen_within(lambda: b.is_ejected("node-x"))
+    assert 0 < await redis.pttl(key) <= 600
+    await asyncio.sleep(0.7)
+    assert not a.is_ejected("node-x") and not b.is_ejected("node-x")
+    assert await redis.exists(key) == 0
+    # Expiry is not forgiveness: the next failure ejects for longer, as with one router.
+    assert a.record_failure("node-x") == pytest.approx(1.2)
+
+
+async def test_without_redis_each_router_still_ejects_on_its_own(
+    make_fleet: MakeFleet, caplog: pytest.LogCaptureFixture
+):
+    closed = reserve_port()  # bound, never listening: connections are refused
+    try:
+        caplog.set_level(logging.WARNING, logger="geo_router.redis_fleet")
+        fleet = await make_fleet(url=f"redis://127.0.0.1:{closed.getsockname()[1]}/0")
+        assert not fleet.redis_reachable
+        assert fleet.record_failure("node-x") == 5.0
+        assert fleet.is_ejected("node-x") and not fleet.is_ejected("node-y")
+        fleet.begin("node-y")
+        assert fleet.in_flight("node-y") == 1
+        await asyncio.sleep(4 * INTERVAL_S)  # several failed syncs
+        assert fleet.is_ejected("node-x")
+        fleet.record_success("node-x")
+        assert not fleet.is_ejected("node-x")
+        warnings = [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
+        assert len(warnings) == 1  # rate limited, not one per sync
+    finally:
+        closed.close()
+
+
+async def test_a_router_shares_its_ejections_once_redis_is_back(
+    make_fleet: MakeFleet, redis_url: str
+):
+    async with redis_proxy(redis_url) as (proxy_sock, open_proxy):
+        proxied = httpx.URL(redis_url).copy_with(host="127.0.0.1", port=proxy_sock.getsockname()[1])
+        a = await make_fleet(url=str(proxied))
+        b = await make_fleet()
+        a.record_failure("node-x")
+        await asyncio.sleep(2 * INTERVAL_S)
+        assert not a.redis_reachable and not b.is_ejected("node-x")
+        await open_proxy()
+        # A backs off while Redis is down (0.4 s, 0.8 s, ...), so allow a few intervals.
+        await seen_within(lambda: b.is_ejected("node-x"), limit_s=3.0)
+        assert a.redis_reachable
+
+
+async def test_a_router_skips_a_node_another_router_saw_fail(redis_url: str, prefix: str):
+    servers = ServerGroup()
+    clients: list[httpx.AsyncClient] = []
+    try:
+        behaviours = {name: NodeBehaviour(name) for name in ("us", "eu")}
+        urls = {name: await servers.start(node_app(b)) for name, b in behaviours.items()}
+        table = make_table([node(name, url) for name, url in urls.items()])
+        settings = router_settings(redis_url=redis_url, fleet_key_prefix=prefix,
+                                   fleet_sync_interval_s=INTERVAL_S)
+        apps = [create_app(settings, table_source=StaticTableSource(table)) for _ in range(2)]
+        for app in apps:
+            assert isinstance(app.state.router.fleet, RedisFleetState)
+        router_a, router_b = [await servers.start(app) for app in apps]
+        for url in (router_a, router_b):
+            clients.append(httpx.AsyncClient(base_url=url, timeout=10,
+                                             headers={"authorization": f"Bearer {GLOBAL_KEY}"}))
+        client_a, client_b = clients
+
+        behaviours["us"].mode = "error500"  # the nearest node starts failing
+        r = await client_a.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.headers[HEADER_NODE] == "eu-1"
+        assert behaviours["us"].hits == 1
+
+        fleet_b = apps[1].state.router.fleet
+        await seen_within(lambda: fleet_b.is_ejected("us-1"))
+        r = await client_b.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.headers[HEADER_NODE] == "eu-1"
+        assert behaviours["us"].hits == 1  # B never tried the failing node
+        assert behaviours["eu"].hits == 2
+    finally:
+        for c in clients:
+            await c.aclose()
+        await servers.stop()
+
+
+# --- a TCP proxy in front of Redis that can be switched on later --------------------------
+
+
+@contextlib.asynccontextmanager
+async def redis_proxy(
+    redis_url: str,
+) -> AsyncIterator[tuple[socket.socket, Callable[[], Awaitable[None]]]]:
+    """A port that refuses connections until `open_proxy()`, then forwards them to Redis."""
+    target = httpx.URL(redis_url)
+    sock = reserve_port()
+    servers: list[asyncio.Server] = []
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(target.host, target.port or 6379)
+        for t in (asyncio.create_task(pump(reader, up_writer)),
+                  asyncio.create_task(pump(up_reader, writer))):
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+
+    async def open_proxy() -> None:
+        servers.append(await asyncio.start_server(handle, sock=sock))
+
+    try:
+        yield sock, open_proxy
+    finally:
+        for server in servers:
+            server.close()
+        for t in list(tasks):
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        sock.close()
