@@ -1,3 +1,3 @@
-from meridian.cli.main import app
+from meridian.cli.main import main
 
-app(prog_name="meridian")
+main()

@@ -122,6 +122,10 @@ _BUILTIN: dict[str, str] = {"torch": "data_plane.engine.torch_engine:TorchEngine
 _FACTORIES: dict[str, EngineFactory] = {}
 
 
+class UnknownEngineError(LookupError):
+    """No engine is registered under the requested name."""
+
+
 def register_engine(name: str, factory: EngineFactory) -> None:
     """Make an engine available to create_engine under `name`."""
     _FACTORIES[name] = factory
@@ -138,7 +142,8 @@ def create_engine(name: str, settings: NodeSettings) -> Engine:
         module_name, _, attr = _BUILTIN[name].partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
     if factory is None:
-        raise KeyError(f"unknown engine {name!r}; known: {', '.join(engine_names())}")
+        hint = " (the vLLM adapter is not part of this build yet)" if name == "vllm" else ""
+        raise UnknownEngineError(f"unknown engine {name!r}; known: {', '.join(engine_names())}{hint}")
     return factory(settings)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -105,11 +107,16 @@ def node_run(
 def model_make_tiny(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into")],
     seed: Annotated[int, typer.Option(help="Same seed, same bytes")] = 0,
+    overwrite: Annotated[bool, typer.Option(help="Replace a checkpoint already there")] = False,
 ) -> None:
     """Write a tiny Llama-architecture checkpoint (config, safetensors, tokenizer)."""
     from data_plane.model.make_tiny import make_tiny_checkpoint
 
-    make_tiny_checkpoint(out_dir, seed=seed)
+    try:
+        make_tiny_checkpoint(out_dir, seed=seed, overwrite=overwrite)
+    except FileExistsError:
+        err_console.print(f"[red]{out_dir} exists and is not empty; pass --overwrite to replace it[/red]")
+        raise typer.Exit(1) from None
     console.print(f"wrote tiny Llama checkpoint to [bold]{out_dir}[/bold] (seed {seed})")
 
 
@@ -173,5 +180,16 @@ def demo(
     run_demo(work_dir, port, console)
 
 
+def main() -> None:
+    """Console-script entry: operators get a one-line error, not a traceback."""
+    try:
+        app(prog_name="meridian")
+    except Exception as e:
+        if os.environ.get("MERIDIAN_DEBUG") == "1":
+            raise
+        err_console.print(f"[red]error:[/red] {e}  [dim](MERIDIAN_DEBUG=1 for a traceback)[/dim]")
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -17,6 +17,7 @@ from data_plane.engine.base import (
     GenerationOutput,
     GenerationRequest,
     SamplingParams,
+    UnknownEngineError,
     create_engine,
     engine_names,
     register_engine,
@@ -163,7 +164,7 @@ async def test_registry_creates_engines_by_name(tiny_checkpoint: Path) -> None:
     register_engine("test-alias", factory)
     assert "test-alias" in engine_names()
     assert isinstance(create_engine("test-alias", settings), TorchEngine)
-    with pytest.raises(KeyError):
+    with pytest.raises(UnknownEngineError, match="known: torch"):
         create_engine("no-such-engine", settings)
 
 

@@ -59,3 +59,14 @@ def test_status_table_with_no_nodes_says_so():
     console = Console(width=200, record=True)
     console.print(status_table([], []))
     assert "no nodes registered" in console.export_text()
+
+
+def test_make_tiny_refuses_to_clobber_without_overwrite(tmp_path):
+    out = tmp_path / "tiny"
+    assert runner.invoke(app, ["model", "make-tiny", str(out), "--seed", "1"]).exit_code == 0
+    before = (out / "model.safetensors").read_bytes()
+    r = runner.invoke(app, ["model", "make-tiny", str(out), "--seed", "2"])
+    assert r.exit_code == 1 and "--overwrite" in r.output
+    assert (out / "model.safetensors").read_bytes() == before
+    r = runner.invoke(app, ["model", "make-tiny", str(out), "--seed", "2", "--overwrite"])
+    assert r.exit_code == 0 and (out / "model.safetensors").read_bytes() != before
