@@ -164,7 +164,7 @@ async def test_registry_creates_engines_by_name(tiny_checkpoint: Path) -> None:
     register_engine("test-alias", factory)
     assert "test-alias" in engine_names()
     assert isinstance(create_engine("test-alias", settings), TorchEngine)
-    with pytest.raises(UnknownEngineError, match="known: torch"):
+    with pytest.raises(UnknownEngineError, match="unknown engine 'no-such-engine'"):
         create_engine("no-such-engine", settings)
 
 
