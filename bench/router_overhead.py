@@ -31,7 +31,8 @@ def run(requests: int) -> list[Figure]:
     ) as fabric:
         assert fabric.info is not None
         node_url = fabric.info.nodes["aws:us-east-1"].url
-        auth = {"authorization": f"Bearer {fabric.info.keys['global']}"}
+        tenant = {"authorization": f"Bearer {fabric.info.keys['global']}"}
+        internal = {"authorization": f"Bearer {fabric.info.cluster_token}"}
         via_router: list[float] = []
         direct: list[float] = []
         with httpx.Client(timeout=30) as http:
@@ -39,7 +40,7 @@ def run(requests: int) -> list[Figure]:
                 for path in ("router", "direct"):
                     url = (fabric.info.router_url if path == "router" else node_url) + "/v1/chat/completions"
                     t0 = time.perf_counter()
-                    r = http.post(url, json=body, headers=auth)
+                    r = http.post(url, json=body, headers=tenant if path == "router" else internal)
                     dt = (time.perf_counter() - t0) * 1000
                     r.raise_for_status()
                     if i < 5:

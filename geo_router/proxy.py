@@ -206,6 +206,7 @@ class UpstreamForwarder:
         client: httpx.AsyncClient | None = None,
     ) -> None:
         self._settings = settings
+        self._node_auth = f"Bearer {settings.cluster_token.get_secret_value()}"
         self._fleet = fleet
         self._metrics = metrics
         self._client = client or make_upstream_client(settings)
@@ -304,6 +305,8 @@ class UpstreamForwarder:
                 # Bytes are passed through untouched, so ask for them uncompressed.
                 "accept-encoding": "identity",
                 HEADER_REQUEST_ID: request_id,
+                # Nodes serve routers only; the tenant's own key never leaves the router.
+                "authorization": self._node_auth,
             },
             timeout=httpx.Timeout(
                 connect=s.connect_timeout_s,

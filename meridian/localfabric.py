@@ -94,6 +94,8 @@ class FabricInfo:
     router_url: str
     control_plane_url: str
     admin_key: str
+    # What routers present to nodes and nodes to the control plane.
+    cluster_token: str
     # Inference keys by residency zone ("global", "eu", "us", "apac").
     keys: dict[str, str]
     nodes: dict[str, Proc] = field(default_factory=dict)
@@ -143,6 +145,7 @@ class LocalFabric:
                 router_url=router.url,
                 control_plane_url=cp.url,
                 admin_key=self._admin_key,
+                cluster_token=self._cluster_token,
                 keys=keys,
                 nodes={p.region: p for p in self._procs if p.region},
             )

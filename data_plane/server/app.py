@@ -6,13 +6,14 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from data_plane.engine.base import Engine, create_engine
 from data_plane.lifecycle import Phase
 from data_plane.runtime import NodeRuntime
+from data_plane.server.auth import internal_auth
 from data_plane.server.completions import CompletionService
 from data_plane.server.errors import install_error_handlers
 from data_plane.server.metrics import NodeMetrics
@@ -49,16 +50,18 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
     app.state.runtime = runtime
     app.state.metrics = metrics
     install_error_handlers(app)
+    # Generation is for routers only; /health and /metrics stay open for probes and scrapers.
+    internal = [Depends(internal_auth(settings))]
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=internal)
     async def chat_completions(request: Request) -> Response:
         return await service.chat(request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=internal)
     async def completions(request: Request) -> Response:
         return await service.completion(request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=internal)
     async def list_models() -> ModelList:
         return ModelList(data=[ModelCard(id=m, created=started) for m in engine.models()])
 

@@ -44,6 +44,12 @@ class ContextLengthError(BadRequestError):
     default_code = "context_length_exceeded"
 
 
+class AuthenticationError(APIError):
+    status_code = 401
+    error_type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+
 class ModelNotFoundError(APIError):
     status_code = 404
     error_type = "invalid_request_error"

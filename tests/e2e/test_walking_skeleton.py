@@ -35,6 +35,12 @@ def test_errors_are_openai_json_never_tracebacks(fabric: LocalFabric):
                    headers={"authorization": f"Bearer {fabric.info.keys['global']}",
                             "content-type": "application/json"}, timeout=30)
     assert r.status_code == 400 and "error" in r.json() and "Traceback" not in r.text
+    # Tenants cannot bypass the router (and its residency check) by calling a node.
+    node_url = fabric.info.nodes["gcp:europe-west4"].url
+    r = httpx.post(node_url + "/v1/chat/completions", timeout=30,
+                   json={"model": DEMO_MODEL, "messages": MESSAGES, "max_tokens": 2},
+                   headers={"authorization": f"Bearer {fabric.info.keys['us']}"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_chat_stream_completion_then_failover_to_next_region(fabric: LocalFabric):

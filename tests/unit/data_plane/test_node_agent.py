@@ -60,7 +60,8 @@ async def test_registers_starting_then_heartbeats_ready_with_load(
         assert first.models == ["tiny-llama"]
         assert first.engine == "torch"
 
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://n")
+        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://n",
+                                   headers={"authorization": f"Bearer {TOKEN}"})
         busy = asyncio.ensure_future(client.post("/v1/chat/completions", json={
             **CHAT_REQUEST, "max_tokens": 400, "ignore_eos": True, "temperature": 0}))
         await eventually(lambda: any(h.load.running == 1 for h in cp.heartbeats()))
@@ -108,7 +109,8 @@ async def test_keeps_serving_while_the_control_plane_is_down(
     with caplog.at_level(logging.WARNING, logger="data_plane.agent"):
         async with asgi_client(app) as client:
             assert (await client.get("/health")).status_code == 200
-            resp = await client.post("/v1/chat/completions", json={**CHAT_REQUEST, "max_tokens": 3})
+            resp = await client.post("/v1/chat/completions", json={**CHAT_REQUEST, "max_tokens": 3},
+                                     headers={"authorization": f"Bearer {TOKEN}"})
             assert resp.status_code == 200
             await app.state.runtime.drain()  # deregistration fails too, and that is fine
     assert "control plane unreachable" in caplog.text

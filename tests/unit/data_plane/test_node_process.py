@@ -44,7 +44,8 @@ async def test_sigterm_drains_in_flight_requests_then_exits_zero(tiny_checkpoint
         )
         try:
             base = f"http://127.0.0.1:{port}"
-            async with httpx.AsyncClient(base_url=base, timeout=10) as client:
+            auth = {"authorization": f"Bearer {TOKEN}"}
+            async with httpx.AsyncClient(base_url=base, timeout=10, headers=auth) as client:
                 await eventually(
                     lambda: any(h.status == NodeStatus.READY for h in cp.heartbeats()), within=30)
                 assert (await client.get("/health")).status_code == 200

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from router_harness import (
+    CLUSTER_TOKEN,
     EU_KEY,
     LIMITED_KEY,
     MODEL,
@@ -39,11 +40,13 @@ async def test_served_by_the_nearest_region_with_routing_headers(fabric: Fabric)
     assert r.headers[HEADER_NODE] == "us-1"
     assert re.fullmatch(r"[0-9a-f]{32}", r.headers[HEADER_REQUEST_ID])
     assert 0 <= float(r.headers[HEADER_OVERHEAD_MS]) < 1000
-    # The node gets the body untouched, the same request id, and never the client's key.
+    # The node gets the body untouched, the same request id, the router's cluster token
+    # and never the client's key.
     us = fabric.behaviours["us"]
     assert us.bodies == [CHAT | {"temperature": 0.5}]
     assert us.request_ids == [r.headers[HEADER_REQUEST_ID]]
-    assert "authorization" not in us.headers[0]
+    assert us.headers[0]["authorization"] == f"Bearer {CLUSTER_TOKEN}"
+    assert client.headers["authorization"] not in us.headers[0].values()
 
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x"},
                           headers={HEADER_REQUEST_ID: "client-id.42"})
