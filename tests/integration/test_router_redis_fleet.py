@@ -6,24 +6,16 @@ import asyncio
 import contextlib
 import logging
 import socket
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 
 import httpx
 import pytest
 from redis.asyncio import Redis
 
-from geo_router import create_app
-from geo_router.redis_fleet import RedisFleetState
-from geo_router.table import StaticTableSource
-from meridian.contracts import HEADER_NODE
-
 # The router tests' stand-in nodes and uvicorn runner are shared, not copied.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit" / "geo_router"))
-from router_harness import (  # noqa: E402
+from router_harness import (
     GLOBAL_KEY,
     MODEL,
     NodeBehaviour,
@@ -35,6 +27,11 @@ from router_harness import (  # noqa: E402
     reserve_port,
     router_settings,
 )
+
+from geo_router import create_app
+from geo_router.redis_fleet import RedisFleetState
+from geo_router.table import StaticTableSource
+from meridian.contracts import HEADER_NODE
 
 pytestmark = pytest.mark.redis
 

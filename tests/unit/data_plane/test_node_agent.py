@@ -18,7 +18,6 @@ from node_testkit import (
     StandInControlPlane,
     asgi_client,
     eventually,
-    free_port,
     make_settings,
     running_server,
 )
@@ -26,6 +25,7 @@ from node_testkit import (
 from data_plane.agent import NodeAgent
 from data_plane.server.app import create_app
 from meridian.contracts import NodeLoad, NodeStatus
+from meridian.localfabric import free_port
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ from node_testkit import (
     TOKEN,
     StandInControlPlane,
     eventually,
-    free_port,
     running_server,
 )
 
 from meridian.contracts import NodeStatus
+from meridian.localfabric import free_port
 
 SERVE = """
 import sys
