@@ -138,7 +138,10 @@ class CompletionService:
         self._check_model(params.model)
         tokenizer = self._engine.get_tokenizer()
         messages = [m.for_template() for m in params.messages]
-        prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        # Templating and tokenising a prompt of up to max_request_bytes is CPU work: keep it
+        # off the event loop so other requests' streams keep flowing.
+        prompt_ids = await asyncio.to_thread(
+            tokenizer.apply_chat_template, messages, add_generation_prompt=True)
         return await self._generate(request, "chat", params, prompt_ids, "messages")
 
     async def completion(self, request: Request) -> Response:
@@ -150,7 +153,7 @@ class CompletionService:
         tokenizer = self._engine.get_tokenizer()
         prompt = params.prompt_text_or_ids()
         if isinstance(prompt, str):
-            prompt_ids = tokenizer.encode(prompt, add_special_tokens=True)
+            prompt_ids = await asyncio.to_thread(tokenizer.encode, prompt, add_special_tokens=True)
         else:
             if any(t < 0 or t >= tokenizer.vocab_size for t in prompt):
                 raise BadRequestError("prompt contains token ids outside the vocabulary",
