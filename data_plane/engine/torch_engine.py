@@ -352,6 +352,9 @@ class TorchEngine:
         self, seq: _Sequence, tokens: list[int], text: str, reason: FinishReason
     ) -> None:
         self._remove(seq)
+        # Gauges must already exclude this request when its consumer sees it finish,
+        # not only at the end of the step.
+        self._update_gauges()
         with self._lock:
             if reason == "abort":
                 self._aborted_total += 1
@@ -387,7 +390,6 @@ class TorchEngine:
                 self._waiting.append(cmd.seq)
         for seq in [*self._waiting, *self._running.values()]:
             self._finish(seq, [], "", "abort")
-        self._update_gauges()
 
 
 def _set_result(fut: asyncio.Future[None]) -> None:
