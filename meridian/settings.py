@@ -111,9 +111,57 @@ class NodeSettings(BaseSettings):
     max_request_bytes: int = Field(1_000_000, gt=0)
     max_waiting_requests: int = Field(256, ge=1)
     # Sequences decoded concurrently (vLLM's max_num_seqs); the rest wait in the queue.
-    max_num_seqs: int = Field(8, ge=1)
+    max_num_seqs: int = Field(32, ge=1)
+    # Tokens (prefill chunks + decodes) one engine step may process, vLLM's
+    # --max-num-batched-tokens; with chunked prefill, long prompts are split to fit.
+    max_num_batched_tokens: int = Field(512, ge=16)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    # Tokens per KV cache block, and the memory the paged KV cache may take.
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_memory_bytes: int = Field(256 * 1024 * 1024, ge=64 * 1024)
+    # LoRA: adapters by name (name=path, comma separated in the environment) and/or a
+    # directory whose sub-directories are adapters; at most max_loras resident at once.
+    lora_modules: dict[str, Path] = Field(default_factory=dict)
+    lora_dir: Path | None = None
+    max_loras: int = Field(4, ge=1)
+    max_lora_rank: int = Field(64, ge=1)
+    # KV cache events (vLLM's wire format) on a ZMQ PUB socket; off when unset.
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = "kv-events"
     drain_timeout_s: float = Field(30.0, ge=0)
     control_plane_timeout_s: float = Field(5.0, gt=0)
+
+    # --- vLLM adapter (engine = "vllm"): `vllm serve` run as a supervised child -------
+    # What starts vLLM, before its "serve" argument: a command line ("vllm",
+    # "python -m vllm.entrypoints.cli.main") or a JSON list of arguments.
+    vllm_executable: str | list[str] = "vllm"
+    # DeploymentSpec (meridian.deployment; JSON or YAML). Without one, it is derived
+    # from this node's settings (model_name, max_model_len, lora_modules...).
+    deployment_spec_file: Path | None = None
+    # GPUs vLLM may use; unset: CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`.
+    vllm_gpu_count: int | None = Field(None, ge=1)
+    # Local directory of the speculative-decoding draft weights, when the spec names one.
+    vllm_draft_model_dir: Path | None = None
+    # Loopback ports of vLLM's HTTP server and KV event sockets; 0 picks a free one.
+    vllm_port: int = Field(0, ge=0, le=65535)
+    vllm_kv_events_port: int = Field(0, ge=0, le=65535)
+    vllm_kv_events_replay_port: int = Field(0, ge=0, le=65535)
+    # Loading a large checkpoint (and compiling CUDA graphs) takes minutes.
+    vllm_startup_timeout_s: float = Field(1800.0, gt=0)
+    # Interval of the health probe and the /metrics scrape.
+    vllm_probe_interval_s: float = Field(1.0, gt=0)
+    # Longest silence allowed in a streamed answer from vLLM (queueing included).
+    vllm_read_timeout_s: float = Field(600.0, gt=0)
+    # More than vllm_max_restarts exits within vllm_restart_window_s: give up (node fails).
+    vllm_max_restarts: int = Field(5, ge=0)
+    vllm_restart_window_s: float = Field(600.0, gt=0)
+    # Restart delay doubles from vllm_restart_backoff_s up to the max, with +/-20% jitter.
+    vllm_restart_backoff_s: float = Field(2.0, gt=0)
+    vllm_restart_backoff_max_s: float = Field(60.0, gt=0)
+    # After SIGTERM, vLLM gets this long to exit before its process group is SIGKILLed.
+    vllm_stop_grace_s: float = Field(30.0, ge=0)
 
 
 class CLISettings(BaseSettings):

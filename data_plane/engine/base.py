@@ -12,6 +12,7 @@ from meridian.settings import NodeSettings
 
 if TYPE_CHECKING:
     from data_plane.tokenizer import ChatTokenizer
+    from meridian.kv_events import KVEventBatch
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -36,12 +37,16 @@ class EngineRequestError(EngineError, ValueError):
 class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
+    # 0 disables top-k filtering.
+    top_k: int = 0
     max_tokens: int = 16
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     # Keep generating past the model's end-of-sequence tokens (benchmarks, tests).
     ignore_eos: bool = False
+    # None: no logprobs; N >= 0: the sampled token's logprob and the N most likely.
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +54,19 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    # LoRA adapter to apply (the part after ':' in `base:adapter`); None: the base model.
+    lora_name: str | None = None
+    # Isolates this request's prefix-cache entries from other tenants' (vLLM's cache_salt).
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """Log-probability of one generated token and of the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +80,10 @@ class GenerationOutput:
     prompt_tokens: int
     # Cumulative count, including this output's tokens.
     completion_tokens: int
+    # One entry per token in token_ids when the request asked for logprobs.
+    logprobs: list[TokenLogprob] | None = None
+    # Prompt tokens whose KV came from the prefix cache (set on the first output).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +99,18 @@ class EngineStats:
     requests_aborted_total: int = 0
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
+    num_preemptions_total: int = 0
+    # LoRA adapters of running / waiting requests, resident ones, and the resident limit.
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    loaded_loras: tuple[str, ...] = ()
+    max_loras: int = 0
+
+
+class KVEventSink(Protocol):
+    """Where an engine hands its KV cache events; must be thread-safe and never block."""
+
+    def publish(self, batch: KVEventBatch) -> None: ...
 
 
 @runtime_checkable
@@ -105,8 +139,16 @@ class Engine(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def set_kv_event_sink(self, sink: KVEventSink | None) -> None:
+        """Publish KV cache events (vLLM's format) to `sink` from now on; None stops."""
+        ...
+
     def models(self) -> list[str]:
-        """Names of the models this engine serves."""
+        """Names of the models this engine serves (the base model first)."""
+        ...
+
+    def lora_adapters(self) -> list[str]:
+        """Names of the LoRA adapters requests may ask for (`base:adapter`)."""
         ...
 
     def get_tokenizer(self) -> ChatTokenizer:

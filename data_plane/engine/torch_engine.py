@@ -1,24 +1,27 @@
-"""The built-in CPU/GPU engine: the torch Llama run by one dedicated worker thread.
+"""The built-in CPU/GPU engine: the torch Llama over a paged KV cache with prefix
+caching, continuous batching and chunked prefill, run by one dedicated worker thread.
 
 The event loop never touches the model. Requests reach the worker through a
-thread-safe inbox; the worker advances every running sequence by one step per
-iteration (round robin) and hands each output back to the loop with
-call_soon_threadsafe, where the request's asyncio.Queue feeds its consumer.
+thread-safe inbox; each iteration the worker asks the scheduler for a step (decodes
+plus prefill chunks within the token budget), runs it as one batched forward pass,
+samples, and hands each output back to the loop with call_soon_threadsafe, where the
+request's asyncio.Queue feeds its consumer. KV cache events of the step go to the
+configured sink (a ZMQ publisher on nodes).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import queue
 import threading
-from collections import deque
+import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from data_plane.engine.base import (
     EngineNotReadyError,
@@ -28,13 +31,21 @@ from data_plane.engine.base import (
     FinishReason,
     GenerationOutput,
     GenerationRequest,
+    KVEventSink,
+    TokenLogprob,
     served_model_name,
 )
+from data_plane.engine.kv_cache.manager import KVCacheManager
+from data_plane.engine.model_runner import LoraBatchFactory, ModelRunner
+from data_plane.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from data_plane.engine.sequence import SeqStatus, Sequence
 from data_plane.engine.stop_strings import StopStringMatcher
-from data_plane.model.llama import KVCache, LlamaForCausalLM
+from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.loader import load_model
-from data_plane.sampling import make_generator, sample_next
+from data_plane.model.paged_attention import PagedKVCache
+from data_plane.sampling import Sampled, make_generator
 from data_plane.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from meridian.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
 from meridian.settings import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -43,21 +54,17 @@ _Item = GenerationOutput | BaseException
 
 
 @dataclass(eq=False)
-class _Sequence:
-    """A request's state; owned by the worker thread once submitted."""
+class _Client:
+    """The consumer side of a request: where its outputs go and how text is cut."""
 
-    request: GenerationRequest
     outbox: asyncio.Queue[_Item]
     detokenizer: IncrementalDetokenizer
     stopper: StopStringMatcher
-    generator: torch.Generator | None = None
-    cache: KVCache | None = None
-    output_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class _Add:
-    seq: _Sequence
+    seq: Sequence
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +78,14 @@ class _Stop:
 
 
 _Command = _Add | _Abort | _Stop
+
+
+def kv_cache_blocks(settings: NodeSettings, bytes_per_block: int) -> int:
+    """Blocks of the paged KV cache: what the memory budget allows, but no more than
+    every admitted sequence at full length needs (twice that, to keep a prefix cache)."""
+    by_memory = settings.kv_cache_memory_bytes // bytes_per_block
+    per_seq = -(-settings.max_model_len // settings.block_size)
+    return max(1, min(by_memory, 2 * settings.max_num_seqs * per_seq))
 
 
 class TorchEngine:
@@ -91,18 +106,31 @@ class TorchEngine:
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._ready = False
         self._active_ids: set[str] = set()
-        # Worker-thread state.
-        self._waiting: deque[_Sequence] = deque()
-        self._running: dict[str, _Sequence] = {}
+        self._arrivals = itertools.count()
+        self._sink: KVEventSink | None = None
+        self._lora: Any = None  # data_plane.lora.manager.LoraManager when adapters are configured
+        self._capacity_tokens = 0
+        # Worker-thread state, built once the model is loaded.
+        self._scheduler: Scheduler | None = None
+        self._kv: KVCacheManager | None = None
+        self._runner: ModelRunner | None = None
         # Counters are written by the worker (and `waiting` by the loop), read by stats().
         self._lock = threading.Lock()
-        self._num_waiting = 0
+        # Submitted but not yet taken from the inbox by the worker / queued in the scheduler.
+        self._inbox_pending = 0
+        self._sched_waiting = 0
         self._num_running = 0
-        self._kv_tokens = 0
+        self._kv_usage = 0.0
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         self._finished_total = 0
         self._aborted_total = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._preemptions = 0
+        self._running_loras: tuple[str, ...] = ()
+        self._waiting_loras: tuple[str, ...] = ()
+        self._loaded_loras: tuple[str, ...] = ()
 
     # --- Engine protocol -------------------------------------------------------------
 
@@ -140,11 +168,11 @@ class TorchEngine:
     async def generate(
         self, request: GenerationRequest
     ) -> AsyncGenerator[GenerationOutput, None]:
-        seq = self._submit(request)
+        seq, client = self._submit(request)
         finished = False
         try:
             while True:
-                item = await seq.outbox.get()
+                item = await client.outbox.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -161,30 +189,46 @@ class TorchEngine:
         self._inbox.put(_Abort(request_id))
 
     def stats(self) -> EngineStats:
-        budget = self._settings.max_num_seqs * self._max_model_len
         with self._lock:
             return EngineStats(
                 running=self._num_running,
-                waiting=self._num_waiting,
-                kv_cache_usage=min(1.0, self._kv_tokens / budget),
+                waiting=self._inbox_pending + self._sched_waiting,
+                kv_cache_usage=self._kv_usage,
                 prompt_tokens_total=self._prompt_tokens_total,
                 generation_tokens_total=self._generation_tokens_total,
                 requests_finished_total=self._finished_total,
                 requests_aborted_total=self._aborted_total,
+                prefix_cache_queries_total=self._prefix_queries,
+                prefix_cache_hits_total=self._prefix_hits,
+                num_preemptions_total=self._preemptions,
+                running_loras=self._running_loras,
+                waiting_loras=self._waiting_loras,
+                loaded_loras=self._loaded_loras,
+                max_loras=self._settings.max_loras if self._lora is not None else 0,
             )
+
+    def set_kv_event_sink(self, sink: KVEventSink | None) -> None:
+        self._sink = sink
 
     def models(self) -> list[str]:
         return [self._model_name]
+
+    def lora_adapters(self) -> list[str]:
+        return list(self._lora.names()) if self._lora is not None else []
 
     def get_tokenizer(self) -> ChatTokenizer:
         if self._tokenizer is None:
             raise EngineNotReadyError("the engine has not loaded its tokenizer yet")
         return self._tokenizer
 
+    @property
+    def block_size(self) -> int:
+        return self._settings.block_size
+
     # --- event-loop side ---------------------------------------------------------------
 
-    def _submit(self, request: GenerationRequest) -> _Sequence:
-        if not self._ready or self._tokenizer is None:
+    def _submit(self, request: GenerationRequest) -> tuple[Sequence, _Client]:
+        if not self._ready or self._tokenizer is None or self._model is None:
             raise EngineNotReadyError("the engine is not running")
         params = request.sampling_params
         n_prompt = len(request.prompt_token_ids)
@@ -192,34 +236,50 @@ class TorchEngine:
             raise EngineRequestError("the prompt is empty")
         if params.max_tokens < 1:
             raise EngineRequestError("max_tokens must be at least 1")
-        if n_prompt + params.max_tokens > self._max_model_len:
+        total = n_prompt + params.max_tokens
+        if total > self._max_model_len:
             raise EngineRequestError(
                 f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
                 f"the maximum context length {self._max_model_len}"
             )
+        if total > self._capacity_tokens:
+            raise EngineRequestError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"KV cache capacity of this node ({self._capacity_tokens} tokens)"
+            )
+        vocab = self._model.config.vocab_size
+        if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
+            raise EngineRequestError(f"prompt token ids must be in [0, {vocab})")
+        if request.lora_name is not None and request.lora_name not in self.lora_adapters():
+            raise EngineRequestError(f"unknown LoRA adapter {request.lora_name!r}")
         if request.request_id in self._active_ids:
             raise EngineRequestError(f"request id {request.request_id!r} is already running")
         with self._lock:
-            if self._num_waiting >= self._settings.max_waiting_requests:
+            waiting = self._inbox_pending + self._sched_waiting
+            if waiting >= self._settings.max_waiting_requests:
                 raise EngineOverloadedError(
-                    f"{self._num_waiting} requests are already waiting; try again later"
+                    f"{waiting} requests are already waiting; try again later"
                 )
-            self._num_waiting += 1
-        seq = _Sequence(
-            request=request,
+            self._inbox_pending += 1
+        client = _Client(
             outbox=asyncio.Queue(),
             detokenizer=self._tokenizer.detokenizer(),
             stopper=StopStringMatcher(params.stop),
         )
+        seq = Sequence(
+            request=request, arrival=next(self._arrivals),
+            token_ids=list(request.prompt_token_ids), sink=client,
+        )
         self._active_ids.add(request.request_id)
         self._inbox.put(_Add(seq))
-        return seq
+        return seq, client
 
-    def _deliver(self, seq: _Sequence, item: _Item) -> None:
+    def _deliver(self, seq: Sequence, item: _Item) -> None:
         assert self._loop is not None
+        client: _Client = seq.sink
         # The loop may already be closed at interpreter shutdown: nobody is listening.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(seq.outbox.put_nowait, item)
+            self._loop.call_soon_threadsafe(client.outbox.put_nowait, item)
 
     # --- worker thread -----------------------------------------------------------------
 
@@ -227,94 +287,107 @@ class TorchEngine:
         assert self._loop is not None
         loop = self._loop
         try:
-            self._model = load_model(
-                self._model_dir, dtype=self._settings.dtype, device=self._settings.device
-            )
-            self._tokenizer = ChatTokenizer.from_dir(self._model_dir)
+            self._load()
         except BaseException as exc:  # noqa: BLE001 - handed to start()'s caller
             with contextlib.suppress(RuntimeError):  # the loop may be gone already
                 loop.call_soon_threadsafe(_set_exception, loaded, exc)
             return
-        eos = set(self._model.config.eos_token_ids)
-        if self._tokenizer.eos_token_id is not None:
-            eos.add(self._tokenizer.eos_token_id)
-        self._eos_ids = frozenset(eos)
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(_set_result, loaded)
-        log.info("loaded %s from %s", self._model_name, self._model_dir)
         try:
             self._serve()
         finally:
             self._abort_all()
             self._model = None
 
+    def _load(self) -> None:
+        s = self._settings
+        model = load_model(self._model_dir, dtype=s.dtype, device=s.device)
+        self._tokenizer = ChatTokenizer.from_dir(self._model_dir)
+        eos = set(model.config.eos_token_ids)
+        if self._tokenizer.eos_token_id is not None:
+            eos.add(self._tokenizer.eos_token_id)
+        self._eos_ids = frozenset(eos)
+        per_block = PagedKVCache.bytes_per_block(model.config, s.block_size, model.dtype)
+        num_blocks = kv_cache_blocks(s, per_block)
+        cache = PagedKVCache(model.config, num_blocks, s.block_size, dtype=model.dtype,
+                             device=model.device)
+        self._kv = KVCacheManager(num_blocks, s.block_size, enable_caching=s.enable_prefix_caching)
+        self._capacity_tokens = num_blocks * s.block_size
+        lora_batch: LoraBatchFactory | None = None
+        if s.lora_modules or s.lora_dir is not None:
+            from data_plane.lora.batch import LoraBatch
+            from data_plane.lora.manager import LoraManager
+
+            self._lora = LoraManager.from_settings(s, model.config, device=model.device,
+                                                   dtype=model.dtype)
+            lora_manager = self._lora
+
+            def lora_batch(slots: list[int]) -> LoraBatch:
+                return LoraBatch(lora_manager, slots, device=model.device)
+
+        self._scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=s.max_num_seqs,
+                max_num_batched_tokens=s.max_num_batched_tokens,
+                max_model_len=s.max_model_len,
+                enable_chunked_prefill=s.enable_chunked_prefill,
+            ),
+            self._kv,
+            self._lora,
+        )
+        self._runner = ModelRunner(model, cache, lora_batch)
+        self._model = model
+        # A (re)started node holds nothing: consumers drop what they knew of it.
+        self._publish([AllBlocksCleared()])
+        log.info("loaded %s from %s: %d KV blocks of %d tokens (%.1f MiB)", self._model_name,
+                 self._model_dir, num_blocks, s.block_size, num_blocks * per_block / 2**20)
+
     def _serve(self) -> None:
+        assert self._scheduler is not None and self._runner is not None
+        scheduler = self._scheduler
         while True:
-            idle = not self._waiting and not self._running
-            if not self._drain_inbox(block=idle):
+            if not self._drain_inbox(block=not scheduler.has_work()):
                 return
-            while self._waiting and len(self._running) < self._settings.max_num_seqs:
-                seq = self._waiting.popleft()
-                self._running[seq.request.request_id] = seq
-                with self._lock:
-                    self._num_waiting -= 1
+            if not scheduler.has_work():
+                continue
+            step = scheduler.schedule()
+            if not step.chunks:
+                # Everything waits on a resource (an adapter slot); wait for a command.
+                if not self._drain_inbox(block=True, timeout=0.05):
+                    return
+                continue
+            # Consumers may read stats as soon as they see this step's tokens.
             self._update_gauges()
-            for seq in list(self._running.values()):
-                self._step(seq)
+            self._run_step(step)
             self._update_gauges()
 
-    def _drain_inbox(self, *, block: bool) -> bool:
-        """Apply queued commands; False once asked to stop."""
-        while True:
-            try:
-                cmd = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if isinstance(cmd, _Stop):
-                return False
-            if isinstance(cmd, _Add):
-                self._waiting.append(cmd.seq)
-            else:
-                self._abort(cmd.request_id)
-
-    def _abort(self, request_id: str) -> None:
-        seq = self._running.get(request_id)
-        if seq is None:
-            seq = next((s for s in self._waiting if s.request.request_id == request_id), None)
-            if seq is None:
-                return
-        self._finish(seq, [], "", "abort")
-
-    def _step(self, seq: _Sequence) -> None:
-        assert self._model is not None
-        model = self._model
-        params = seq.request.sampling_params
-        try:
-            if seq.cache is None:
-                prompt = seq.request.prompt_token_ids
-                seq.cache = model.new_cache(len(prompt) + params.max_tokens)
-                seq.generator = make_generator(params.seed, model.device)
-                ids = torch.tensor(prompt, dtype=torch.long, device=model.device)
-                positions = torch.arange(len(prompt), device=model.device)
-                with self._lock:
-                    self._prompt_tokens_total += len(prompt)
-            else:
-                ids = torch.tensor(seq.output_ids[-1:], dtype=torch.long, device=model.device)
-                positions = torch.tensor([seq.cache.length], device=model.device)
-            logits = model(ids, positions, seq.cache)
-            assert seq.generator is not None
-            token = sample_next(
-                logits, temperature=params.temperature, top_p=params.top_p,
-                generator=seq.generator,
+    def _run_step(self, step: SchedulerOutput) -> None:
+        assert self._scheduler is not None and self._runner is not None and self._kv is not None
+        with self._lock:
+            self._prompt_tokens_total += sum(
+                c.num_tokens for c in step.chunks if c.start < c.seq.num_prompt_tokens
             )
+        try:
+            results = self._runner.execute(step)
         except Exception as exc:
-            log.exception("request %s failed", seq.request.request_id)
-            self._remove(seq)
-            self._deliver(seq, exc)
+            log.exception("engine step failed; failing its %d requests", len(step.chunks))
+            for chunk in step.chunks:
+                if chunk.seq.status is not SeqStatus.FINISHED:
+                    self._scheduler.finish(chunk.seq)
+                    self._deliver(chunk.seq, exc)
+            self._publish(self._kv.take_events())
             return
+        self._scheduler.update(step)
+        for chunk, sampled in results:
+            self._append_token(chunk.seq, sampled)
+        self._publish(self._kv.take_events())
 
-        seq.output_ids.append(token)
+    def _append_token(self, seq: Sequence, sampled: Sampled) -> None:
+        client: _Client = seq.sink
+        params = seq.params
+        token = sampled.token_id
+        seq.token_ids.append(token)
         with self._lock:
             self._generation_tokens_total += 1
         finish: FinishReason | None = None
@@ -323,73 +396,134 @@ class TorchEngine:
         if (token in self._eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
             finish = "stop"
         else:
-            text, stopped = seq.stopper.feed(seq.detokenizer.push(token))
+            text, stopped = client.stopper.feed(client.detokenizer.push(token))
             if stopped:
                 finish = "stop"
-        if finish is None and len(seq.output_ids) >= params.max_tokens:
+        if finish is None and seq.num_output_tokens >= params.max_tokens:
             finish = "length"
+        logprobs = None
+        if sampled.logprob is not None:
+            logprobs = [TokenLogprob(token, sampled.logprob, sampled.top)]
         if finish is None:
-            self._deliver(seq, self._output(seq, [token], text, None))
+            self._deliver(seq, self._output(seq, [token], text, None, logprobs))
             return
-        if seq.stopper.matched is None:
-            tail, stopped = seq.stopper.feed(seq.detokenizer.flush())
-            text += tail if stopped else tail + seq.stopper.flush()
-        self._finish(seq, [token], text, finish)
+        if client.stopper.matched is None:
+            tail, stopped = client.stopper.feed(client.detokenizer.flush())
+            text += tail if stopped else tail + client.stopper.flush()
+        self._finish(seq, [token], text, finish, logprobs)
 
     def _output(
-        self, seq: _Sequence, tokens: list[int], text: str, finish: FinishReason | None
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        text: str,
+        finish: FinishReason | None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> GenerationOutput:
         return GenerationOutput(
-            request_id=seq.request.request_id,
+            request_id=seq.request_id,
             token_ids=tokens,
             text=text,
             finish_reason=finish,
-            prompt_tokens=len(seq.request.prompt_token_ids),
-            completion_tokens=len(seq.output_ids),
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            logprobs=logprobs,
+            cached_tokens=max(0, seq.cached_prompt_tokens),
         )
 
+    def _drain_inbox(self, *, block: bool, timeout: float | None = None) -> bool:
+        """Apply queued commands; False once asked to stop."""
+        while True:
+            try:
+                cmd = self._inbox.get(block=block, timeout=timeout if block else None)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(cmd, _Stop):
+                return False
+            if isinstance(cmd, _Add):
+                assert self._scheduler is not None and self._model is not None
+                cmd.seq.generator = make_generator(cmd.seq.params.seed, self._model.device)
+                self._scheduler.add(cmd.seq)
+                with self._lock:
+                    self._inbox_pending -= 1
+                    self._sched_waiting = len(self._scheduler.waiting)
+            else:
+                self._abort(cmd.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        assert self._scheduler is not None
+        seq = self._scheduler.find(request_id)
+        if seq is not None:
+            self._finish(seq, [], "", "abort")
+            assert self._kv is not None
+            self._publish(self._kv.take_events())
+
     def _finish(
-        self, seq: _Sequence, tokens: list[int], text: str, reason: FinishReason
+        self,
+        seq: Sequence,
+        tokens: list[int],
+        text: str,
+        reason: FinishReason,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> None:
-        self._remove(seq)
-        # Gauges must already exclude this request when its consumer sees it finish,
-        # not only at the end of the step.
+        if self._scheduler is not None and self._scheduler.find(seq.request_id) is seq:
+            self._scheduler.finish(seq)
+        seq.status = SeqStatus.FINISHED
+        # Gauges must already exclude this request when its consumer sees it finish.
         self._update_gauges()
         with self._lock:
             if reason == "abort":
                 self._aborted_total += 1
             else:
                 self._finished_total += 1
-        self._deliver(seq, self._output(seq, tokens, text, reason))
-
-    def _remove(self, seq: _Sequence) -> None:
-        rid = seq.request.request_id
-        if self._running.get(rid) is seq:
-            del self._running[rid]
-        else:
-            with contextlib.suppress(ValueError):
-                self._waiting.remove(seq)
-                with self._lock:
-                    self._num_waiting -= 1
-        seq.cache = None  # frees the KV memory now, not when the consumer lets go
+        self._deliver(seq, self._output(seq, tokens, text, reason, logprobs))
 
     def _update_gauges(self) -> None:
-        kv = sum(s.cache.length for s in self._running.values() if s.cache is not None)
+        sched = self._scheduler
+        if sched is None or self._kv is None:
+            return
+        running = tuple(sorted({s.lora_name for s in sched.running if s.lora_name}))
+        waiting = tuple(sorted({s.lora_name for s in sched.waiting if s.lora_name}))
+        loaded = tuple(self._lora.resident()) if self._lora is not None else ()
         with self._lock:
-            self._num_running = len(self._running)
-            self._kv_tokens = kv
+            self._num_running = len(sched.running)
+            self._sched_waiting = len(sched.waiting)
+            self._kv_usage = self._kv.usage()
+            self._prefix_queries = self._kv.prefix_queries
+            self._prefix_hits = self._kv.prefix_hits
+            self._preemptions = sched.num_preemptions
+            self._running_loras = running
+            self._waiting_loras = waiting
+            self._loaded_loras = loaded
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        sink = self._sink
+        if sink is None or not events:
+            return
+        try:
+            sink.publish(KVEventBatch(ts=time.time(), events=events))
+        except Exception:  # a broken publisher must not take the engine down
+            log.exception("publishing KV events failed")
 
     def _abort_all(self) -> None:
         """Finish every known request as aborted, including those still in the inbox."""
+        pending: list[Sequence] = []
         while True:
             try:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
             if isinstance(cmd, _Add):
-                self._waiting.append(cmd.seq)
-        for seq in [*self._waiting, *self._running.values()]:
-            self._finish(seq, [], "", "abort")
+                pending.append(cmd.seq)
+                with self._lock:
+                    self._inbox_pending -= 1
+        if self._scheduler is not None:
+            pending.extend(self._scheduler.waiting)
+            pending.extend(self._scheduler.running)
+        for seq in pending:
+            if seq.status is not SeqStatus.FINISHED:
+                self._finish(seq, [], "", "abort")
 
 
 def _set_result(fut: asyncio.Future[None]) -> None:

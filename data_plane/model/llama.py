@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -113,11 +113,34 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return inv_freq.to(torch.float32)
 
 
+class AttentionBackend(Protocol):
+    """Where attention reads and writes K/V: one sequence's contiguous cache (the
+    reference path) or the engine's paged cache for a whole batch."""
+
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Store this step's k/v [T, kv_heads, d] and return attention outputs [T, heads, d]
+        for the queries q [T, heads, d] (rotary embeddings already applied)."""
+        ...
+
+    def step_done(self, num_tokens: int) -> None:
+        """Called once after all layers ran."""
+        ...
+
+
+class LoraDelta(Protocol):
+    """LoRA contributions of the adapters of a step's tokens (see data_plane.lora)."""
+
+    def delta(self, layer: int, module: str, x: torch.Tensor) -> torch.Tensor | None: ...
+
+
 class KVCache:
     """Keys and values of one sequence, contiguous per layer, with a fixed capacity.
 
     Shape per layer: [num_kv_heads, capacity, head_dim]. `length` counts the positions
-    already written; a forward step appends after it.
+    already written; a forward step appends after it. This is the plain reference
+    implementation the paged engine is checked against.
     """
 
     def __init__(
@@ -145,6 +168,27 @@ class KVCache:
         self.values[layer, :, self.length:end] = v
         return self.keys[layer, :, :end], self.values[layer, :, :end]
 
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        t = q.shape[0]
+        q = q.transpose(0, 1)
+        keys, values = self.write(layer, k.transpose(0, 1), v.transpose(0, 1))
+        groups = q.shape[0] // keys.shape[0]
+        keys = repeat_kv(keys, groups)
+        values = repeat_kv(values, groups)
+        mask = None
+        if t > 1:
+            # Query i sits at cache position (past + i) and may see keys up to there.
+            past = keys.shape[1] - t
+            q_pos = torch.arange(t, device=q.device)[:, None] + past
+            k_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
+            mask = k_pos <= q_pos
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).transpose(0, 1)
+
+    def step_done(self, num_tokens: int) -> None:
+        self.advance(num_tokens)
+
     def advance(self, n: int) -> None:
         self.length += n
 
@@ -171,7 +215,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [heads, T, head_dim]; cos/sin: [T, head_dim]."""
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
@@ -196,53 +240,69 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: AttentionBackend,
+        lora: LoraDelta | None,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim).transpose(0, 1)
+        q = _project(self.q_proj, self.layer, "q_proj", x, lora).view(t, self.num_heads, self.head_dim)
+        k = _project(self.k_proj, self.layer, "k_proj", x, lora).view(t, self.num_kv_heads, self.head_dim)
+        v = _project(self.v_proj, self.layer, "v_proj", x, lora).view(t, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        keys, values = cache.write(self.layer, k, v)
-        groups = self.num_heads // self.num_kv_heads
-        keys = repeat_kv(keys, groups)
-        values = repeat_kv(values, groups)
-        mask = None
-        if t > 1:
-            # Query i sits at cache position (past + i) and may see keys up to there.
-            past = keys.shape[1] - t
-            q_pos = torch.arange(t, device=x.device)[:, None] + past
-            k_pos = torch.arange(keys.shape[1], device=x.device)[None, :]
-            mask = k_pos <= q_pos
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        return self.o_proj(out.transpose(0, 1).reshape(t, self.num_heads * self.head_dim))
+        out = cache.attend(self.layer, q, k, v)
+        return _project(
+            self.o_proj, self.layer, "o_proj", out.reshape(t, self.num_heads * self.head_dim), lora
+        )
+
+
+def _project(
+    linear: nn.Linear, layer: int, module: str, x: torch.Tensor, lora: LoraDelta | None
+) -> torch.Tensor:
+    """A projection plus the LoRA contribution of the adapters in this step, if any."""
+    y = linear(x)
+    if lora is not None:
+        delta = lora.delta(layer, module, x)
+        if delta is not None:
+            y = y + delta.to(y.dtype)
+    return y
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
+        self.layer = layer
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora: LoraDelta | None) -> torch.Tensor:
+        gate = _project(self.gate_proj, self.layer, "gate_proj", x, lora)
+        up = _project(self.up_proj, self.layer, "up_proj", x, lora)
+        return _project(self.down_proj, self.layer, "down_proj", F.silu(gate) * up, lora)
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, layer)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: AttentionBackend,
+        lora: LoraDelta | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
 
 
 class LlamaModel(nn.Module):
@@ -282,27 +342,39 @@ class LlamaForCausalLM(nn.Module):
         return KVCache(self.config, capacity, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
+    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Reference forward: all of `input_ids` [T] from scratch, no cache; logits [T, V]."""
+        t = input_ids.shape[0]
+        positions = torch.arange(t, device=self.device)
+        return self.forward(input_ids.to(self.device), positions, self.new_cache(t), last_only=False)
+
+    @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache,
+        cache: AttentionBackend,
         *,
         last_only: bool = True,
+        logits_indices: torch.Tensor | None = None,
+        lora: LoraDelta | None = None,
     ) -> torch.Tensor:
-        """Run T new tokens of one sequence through the model, appending to its cache.
+        """Run T new tokens through the model, appending their K/V to `cache`.
 
-        input_ids, positions: [T]. Returns float32 logits [V] for the last token, or
-        [T, V] with last_only=False.
+        input_ids, positions: [T] (one sequence, or a whole batch flattened when `cache`
+        is the paged backend). Returns float32 logits: rows `logits_indices` [S, V] if
+        given, else the last token's [V], or all [T, V] with last_only=False.
         """
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos = emb.cos().to(self.dtype)
         sin = emb.sin().to(self.dtype)
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, cache)
-        cache.advance(input_ids.shape[0])
-        if last_only:
+            h = layer(h, cos, sin, cache, lora)
+        cache.step_done(input_ids.shape[0])
+        if logits_indices is not None:
+            h = h[logits_indices]
+        elif last_only:
             h = h[-1]
         return self.lm_head(self.model.norm(h)).to(torch.float32)
