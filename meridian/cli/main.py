@@ -120,6 +120,29 @@ def model_make_tiny(
     console.print(f"wrote tiny Llama checkpoint to [bold]{out_dir}[/bold] (seed {seed})")
 
 
+@model_app.command("make-tiny-lora")
+def model_make_tiny_lora(
+    base_dir: Annotated[Path, typer.Argument(help="Checkpoint the adapter is for (from `model make-tiny`)")],
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the adapter into")],
+    seed: Annotated[int, typer.Option(help="Same seed, same bytes")] = 0,
+    rank: Annotated[int, typer.Option(min=1, help="LoRA rank")] = 8,
+    overwrite: Annotated[bool, typer.Option(help="Replace an adapter already there")] = False,
+) -> None:
+    """Write a tiny PEFT LoRA adapter (all seven projections) for a tiny checkpoint."""
+    from data_plane.lora.make_tiny import make_tiny_lora
+    from data_plane.model.loader import CheckpointError
+
+    try:
+        make_tiny_lora(base_dir, out_dir, seed=seed, rank=rank, overwrite=overwrite)
+    except FileExistsError:
+        err_console.print(f"[red]{out_dir} exists and is not empty; pass --overwrite to replace it[/red]")
+        raise typer.Exit(1) from None
+    except CheckpointError as e:
+        err_console.print(f"[red]{e}[/red]")
+        raise typer.Exit(1) from None
+    console.print(f"wrote tiny LoRA adapter for {base_dir} to [bold]{out_dir}[/bold] (seed {seed}, rank {rank})")
+
+
 # --- operating the fabric ---------------------------------------------------------------
 
 ControlPlaneOpt = Annotated[str | None, typer.Option("--control-plane", help="[MERIDIAN_CONTROL_PLANE_URL]")]
