@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from data_plane.agent import NodeAgent
 from data_plane.engine.base import Engine
+from data_plane.kv_events import ZmqEventPublisher, create_publisher
 from data_plane.lifecycle import NodeLifecycle
 from meridian.contracts import NodeLoad
 from meridian.settings import NodeSettings
@@ -42,11 +43,15 @@ class NodeRuntime:
             )
         self.agent = agent
         self._drain: asyncio.Task[None] | None = None
+        # Created with the engine's load (binding is a side effect the app's constructor
+        # should not have), closed after the engine stops so its last events go out.
+        self.kv_events: ZmqEventPublisher | None = None
 
     def load(self) -> NodeLoad:
         s = self.engine.stats()
         return NodeLoad(
-            running=s.running, waiting=s.waiting, kv_cache_usage=min(1.0, max(0.0, s.kv_cache_usage))
+            running=s.running, waiting=s.waiting, kv_cache_usage=min(1.0, max(0.0, s.kv_cache_usage)),
+            lora_adapters=list(s.loaded_loras),
         )
 
     async def start(self) -> None:
@@ -69,6 +74,9 @@ class NodeRuntime:
 
     async def _load(self) -> None:
         try:
+            if self.settings.kv_events_endpoint and self.kv_events is None:
+                self.kv_events = await asyncio.to_thread(create_publisher, self.settings)
+                self.engine.set_kv_event_sink(self.kv_events)
             await self.engine.start()
         except Exception as exc:
             log.exception("the model failed to load")
@@ -121,4 +129,7 @@ class NodeRuntime:
         if self.agent is not None:
             await self.agent.close()
         await self.engine.stop()
+        kv_events, self.kv_events = self.kv_events, None
+        if kv_events is not None:
+            await asyncio.to_thread(kv_events.close)
         self.lifecycle.mark_stopped()

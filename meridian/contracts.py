@@ -11,7 +11,14 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 # Region names are "<provider>:<location>", e.g. "aws:us-east-1", "onprem:tokyo-1".
 REGION_PATTERN = r"^(aws|gcp|onprem):[a-z0-9][a-z0-9-]{0,62}$"
@@ -51,6 +58,8 @@ class NodeLoad(_Wire):
     running: int = Field(0, ge=0)
     waiting: int = Field(0, ge=0)
     kv_cache_usage: float = Field(0.0, ge=0.0, le=1.0)
+    # LoRA adapters resident on the node now: a request for one of them starts without a load.
+    lora_adapters: list[ModelName] = Field(default_factory=list, max_length=256)
 
 
 class NodeRegistration(_Wire):
@@ -160,6 +169,18 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "meridian"
+    # vLLM's lineage fields: the model this one derives from (`parent`, set on LoRA
+    # adapters) and the base of that lineage (`root`). Left out of the JSON when unset.
+    root: str | None = None
+    parent: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_lineage(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        for key in ("root", "parent"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
 
 
 class ModelList(BaseModel):

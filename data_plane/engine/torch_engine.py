@@ -319,12 +319,12 @@ class TorchEngine:
             from data_plane.lora.batch import LoraBatch
             from data_plane.lora.manager import LoraManager
 
-            self._lora = LoraManager.from_settings(s, model.config, device=model.device,
-                                                   dtype=model.dtype)
-            lora_manager = self._lora
+            lora_manager = LoraManager.from_settings(s, model.config, device=model.device,
+                                                     dtype=model.dtype)
+            self._lora = lora_manager
 
             def lora_batch(slots: list[int]) -> LoraBatch:
-                return LoraBatch(lora_manager, slots, device=model.device)
+                return LoraBatch.build(lora_manager, slots, device=model.device)
 
         self._scheduler = Scheduler(
             SchedulerConfig(

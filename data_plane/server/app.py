@@ -17,7 +17,7 @@ from data_plane.server.auth import internal_auth
 from data_plane.server.completions import CompletionService
 from data_plane.server.errors import install_error_handlers
 from data_plane.server.metrics import NodeMetrics
-from meridian.contracts import ModelCard, ModelList
+from meridian.contracts import ModelList
 from meridian.settings import NodeSettings
 
 
@@ -32,7 +32,13 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
         engine = create_engine(settings.engine, settings)
     runtime = NodeRuntime(settings, engine)
     models = engine.models()
-    metrics = NodeMetrics(models[0] if models else "", engine.stats)
+    metrics = NodeMetrics(
+        models[0] if models else "", engine.stats,
+        cache_config={
+            "block_size": str(settings.block_size),
+            "enable_prefix_caching": str(settings.enable_prefix_caching),
+        },
+    )
     service = CompletionService(runtime, metrics)
     started = int(time.time())
 
@@ -63,7 +69,7 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
 
     @app.get("/v1/models", dependencies=internal)
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=m, created=started) for m in engine.models()])
+        return await service.model_list(started)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -3,7 +3,8 @@ the router treat a torch-engine node and a vLLM node alike."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -23,9 +24,15 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class _EngineCollector(Collector):
     """Reads the engine's own gauges and counters at scrape time."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        cache_config: Mapping[str, str] | None = None,
+    ) -> None:
         self._model = model_name
         self._stats = stats
+        self._cache_config = dict(cache_config) if cache_config is not None else None
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -46,16 +53,61 @@ class _EngineCollector(Collector):
              s.prefix_cache_queries_total),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              s.prefix_cache_hits_total),
+            ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+             s.num_preemptions_total),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(values, value)
             yield c
+        if s.max_loras > 0:
+            yield _lora_info(s)
+        if self._cache_config is not None:
+            # vLLM emulates an Info metric with a gauge fixed at 1 (multiprocess-safe).
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                labels=[*self._cache_config, "engine"],
+            )
+            info.add_metric([*self._cache_config.values(), "0"], 1.0)
+            yield info
+
+
+def _lora_info(s: EngineStats) -> Metric:
+    """vLLM's `vllm:lora_requests_info`: the adapters of running and waiting requests as
+    comma-joined label values, the gauge's value being when they were observed.
+
+    vLLM keeps one series per label combination ever seen and consumers (the Gateway API
+    inference extension, llm-d) read the one with the newest timestamp; this reads the
+    engine at scrape time, so the single series it exports is always that one.
+    """
+    g = GaugeMetricFamily(
+        "vllm:lora_requests_info", "Running stats on lora requests.",
+        labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+    )
+    g.add_metric(
+        [str(s.max_loras), _join_unique(s.waiting_loras), _join_unique(s.running_loras)],
+        time.time(),
+    )
+    return g
+
+
+def _join_unique(names: tuple[str, ...]) -> str:
+    # vLLM joins the keys of a per-adapter dict: each name once, first-seen order.
+    return ",".join(dict.fromkeys(names))
 
 
 class NodeMetrics:
-    """A per-app registry with the request-level metrics the server records."""
+    """A per-app registry with the request-level metrics the server records.
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    `cache_config` (label name -> value), when given, is exported as vLLM's
+    `vllm:cache_config_info` (e.g. block_size, enable_prefix_caching).
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        stats: Callable[[], EngineStats],
+        cache_config: Mapping[str, str] | None = None,
+    ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
@@ -75,7 +127,7 @@ class NodeMetrics:
             "vllm:request_success", "Finished requests by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry,
         )
-        self.registry.register(_EngineCollector(model_name, stats))
+        self.registry.register(_EngineCollector(model_name, stats, cache_config))
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

@@ -33,7 +33,7 @@ def status_table(regions: list[RegionInfo], nodes: list[NodeView], now: datetime
             zones,
             n.node_id,
             f"[{style}]{n.status.value}[/{style}]" if style else n.status.value,
-            ", ".join(n.models) or "-",
+            ", ".join([*n.models, *(f"+{a}" for a in n.load.lora_adapters)]) or "-",
             str(n.load.running),
             str(n.load.waiting),
             f"{n.load.kv_cache_usage:.0%}",
