@@ -173,3 +173,31 @@ async def test_load_failure_surfaces_from_start(tmp_path: Path) -> None:
     eng = TorchEngine(make_settings(tmp_path / "broken"))
     with pytest.raises(Exception, match=r"config\.json"):
         await eng.start()
+
+
+async def test_top_k_one_is_greedy_and_logprobs_describe_the_choice(engine: TorchEngine) -> None:
+    greedy = tokens(await run(engine, "g", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)))
+    topk = await run(engine, "k", SamplingParams(
+        temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True, seed=5, logprobs=3))
+    assert tokens(topk) == greedy
+    entries = [lp for o in topk for lp in (o.logprobs or [])]
+    assert [e.token_id for e in entries] == greedy
+    for e in entries:
+        assert len(e.top) == 3 and e.top[0][0] == e.token_id
+        assert e.logprob == pytest.approx(e.top[0][1]) and e.logprob <= 0.0
+        assert [lp for _, lp in e.top] == sorted((lp for _, lp in e.top), reverse=True)
+
+
+async def test_a_repeated_prompt_reports_its_cached_prefix(tiny_checkpoint: Path) -> None:
+    eng = TorchEngine(make_settings(tiny_checkpoint, block_size=4))
+    await eng.start()
+    try:
+        prompt = list(range(1, 40))
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+        first = await run(eng, "first", params, prompt=prompt)
+        second = await run(eng, "second", params, prompt=prompt)
+    finally:
+        await eng.stop()
+    assert first[0].cached_tokens == 0
+    assert second[0].cached_tokens == 36  # nine full blocks; the last token is always computed
+    assert tokens(first) == tokens(second)
