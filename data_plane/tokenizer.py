@@ -11,7 +11,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders
 
 # U+FFFD is what a byte-level decoder produces for an incomplete UTF-8 sequence.
 REPLACEMENT_CHAR = "\ufffd"
@@ -75,6 +75,15 @@ class ChatTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of an id in its raw form (byte-level BPE spelling)."""
+        return self._tok.id_to_token(token_id)
+
+    @property
+    def is_byte_level(self) -> bool:
+        """Whether vocabulary entries spell bytes with GPT-2's byte-to-character map."""
+        return isinstance(self._tok.decoder, decoders.ByteLevel)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; add_special_tokens adds what the tokenizer's post-processor

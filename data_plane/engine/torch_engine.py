@@ -250,7 +250,7 @@ class TorchEngine:
         vocab = self._model.config.vocab_size
         if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
             raise EngineRequestError(f"prompt token ids must be in [0, {vocab})")
-        if request.lora_name is not None and request.lora_name not in self.lora_adapters():
+        if request.lora_name is not None and self._lora is None:
             raise EngineRequestError(f"unknown LoRA adapter {request.lora_name!r}")
         if request.request_id in self._active_ids:
             raise EngineRequestError(f"request id {request.request_id!r} is already running")
@@ -443,10 +443,17 @@ class TorchEngine:
                 return False
             if isinstance(cmd, _Add):
                 assert self._scheduler is not None and self._model is not None
+                with self._lock:
+                    self._inbox_pending -= 1
+                lora = cmd.seq.lora_name
+                # Checked here, not on the event loop: the adapter directory is listed.
+                if lora is not None and (self._lora is None or lora not in self._lora):
+                    cmd.seq.status = SeqStatus.FINISHED
+                    self._deliver(cmd.seq, EngineRequestError(f"unknown LoRA adapter {lora!r}"))
+                    continue
                 cmd.seq.generator = make_generator(cmd.seq.params.seed, self._model.device)
                 self._scheduler.add(cmd.seq)
                 with self._lock:
-                    self._inbox_pending -= 1
                     self._sched_waiting = len(self._scheduler.waiting)
             else:
                 self._abort(cmd.request_id)

@@ -24,6 +24,7 @@ from data_plane.engine.base import (
     GenerationOutput,
     GenerationRequest,
     SamplingParams,
+    TokenLogprob,
 )
 from data_plane.runtime import NodeRuntime
 from data_plane.server.body import parse_body
@@ -34,6 +35,7 @@ from data_plane.server.errors import (
     ModelNotFoundError,
     UnavailableError,
 )
+from data_plane.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from data_plane.server.metrics import NodeMetrics
 from data_plane.server.protocol import (
     AssistantMessage,
@@ -42,13 +44,15 @@ from data_plane.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     GenerationParams,
+    PromptTokensDetails,
     UsageInfo,
 )
-from meridian.contracts import openai_error
+from meridian.contracts import ModelCard, ModelList, openai_error
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +112,27 @@ class _Exchange:
     prompt_tokens: int
     arrival: float
     include_usage: bool
+    # Alternatives per token the client asked for; None: no logprobs.
+    logprobs: int | None = None
+    # Set when logprobs were asked for.
+    token_texts: TokenTexts | None = None
+    tokens_as_ids: bool = False
     completion_tokens: int = 0
+    # From the engine's first output: what the prefix cache supplied.
+    cached_tokens: int | None = None
     finish_reason: FinishReason | None = None
     first_token_at: float | None = None
     last_token_at: float | None = None
+    # Characters of completion text streamed so far (completions' text_offset).
+    streamed_chars: int = 0
 
     def usage(self) -> UsageInfo:
+        details = PromptTokensDetails(cached_tokens=self.cached_tokens) if self.cached_tokens else None
         return UsageInfo(
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=details,
         )
 
 
@@ -129,27 +144,28 @@ class CompletionService:
         self._settings = runtime.settings
         self._engine = runtime.engine
         self._metrics = metrics
+        self._token_texts: TokenTexts | None = None
 
     async def chat(self, request: Request) -> Response:
         params = await parse_body(
             request, ChatCompletionRequest, limit=self._settings.max_request_bytes,
             context={"max_tokens_limit": self._settings.max_tokens_limit},
         )
-        self._check_model(params.model)
+        lora = await self._resolve_model(params.model)
         tokenizer = self._engine.get_tokenizer()
         messages = [m.for_template() for m in params.messages]
         # Templating and tokenising a prompt of up to max_request_bytes is CPU work: keep it
         # off the event loop so other requests' streams keep flowing.
         prompt_ids = await asyncio.to_thread(
             tokenizer.apply_chat_template, messages, add_generation_prompt=True)
-        return await self._generate(request, "chat", params, prompt_ids, "messages")
+        return await self._generate(request, "chat", params, prompt_ids, "messages", lora)
 
     async def completion(self, request: Request) -> Response:
         params = await parse_body(
             request, CompletionRequest, limit=self._settings.max_request_bytes,
             context={"max_tokens_limit": self._settings.max_tokens_limit},
         )
-        self._check_model(params.model)
+        lora = await self._resolve_model(params.model)
         tokenizer = self._engine.get_tokenizer()
         prompt = params.prompt_text_or_ids()
         if isinstance(prompt, str):
@@ -159,13 +175,45 @@ class CompletionService:
                 raise BadRequestError("prompt contains token ids outside the vocabulary",
                                       param="prompt")
             prompt_ids = prompt
-        return await self._generate(request, "completion", params, prompt_ids, "prompt")
+        return await self._generate(request, "completion", params, prompt_ids, "prompt", lora)
 
     # --- shared -----------------------------------------------------------------------
 
-    def _check_model(self, model: str) -> None:
-        if model not in self._engine.models():
-            raise ModelNotFoundError(model)
+    async def model_list(self, created: int) -> ModelList:
+        """/v1/models: the base model, then each LoRA adapter as `base:adapter`."""
+        bases = self._engine.models()
+        cards = [ModelCard(id=m, created=created, root=m) for m in bases]
+        if bases:
+            # An adapter directory is listed on disk: not on the event loop.
+            adapters = await asyncio.to_thread(self._engine.lora_adapters)
+            base = bases[0]
+            cards += [ModelCard(id=f"{base}:{a}", created=created, root=base, parent=base)
+                      for a in adapters]
+        return ModelList(data=cards)
+
+    async def _resolve_model(self, model: str) -> str | None:
+        """The LoRA adapter `model` asks for (None: the base model); 404 if there is none.
+
+        Adapters are named `base:adapter`, or by their bare name as vLLM serves them.
+        """
+        bases = self._engine.models()
+        if model in bases:
+            return None
+        adapter = model
+        for base in bases:
+            if model.startswith(base + ":"):
+                adapter = model[len(base) + 1:]
+                break
+        if adapter and adapter in await asyncio.to_thread(self._engine.lora_adapters):
+            return adapter
+        raise ModelNotFoundError(model)
+
+    def _texts(self) -> TokenTexts:
+        """Token texts for logprobs, cached for as long as the engine keeps its tokenizer."""
+        tokenizer = self._engine.get_tokenizer()
+        if self._token_texts is None or self._token_texts.tokenizer is not tokenizer:
+            self._token_texts = TokenTexts(tokenizer)
+        return self._token_texts
 
     def _sampling(self, params: GenerationParams, prompt_len: int, param: str) -> SamplingParams:
         max_len = self._settings.max_model_len
@@ -184,11 +232,13 @@ class CompletionService:
         return SamplingParams(
             temperature=1.0 if params.temperature is None else params.temperature,
             top_p=1.0 if params.top_p is None else params.top_p,
+            top_k=params.engine_top_k(),
             max_tokens=max_tokens,
             stop=params.stop_list(),
             stop_token_ids=tuple(params.stop_token_ids or ()),
             seed=params.seed,
             ignore_eos=params.ignore_eos,
+            logprobs=params.engine_logprobs(),
         )
 
     async def _generate(
@@ -198,16 +248,21 @@ class CompletionService:
         params: GenerationParams,
         prompt_ids: list[int],
         param: str,
+        lora: str | None,
     ) -> Response:
         sampling = self._sampling(params, len(prompt_ids), param)
         ex = _Exchange(
             kind=kind,
             id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
             created=int(time.time()),
+            # The name the client used (an adapter's included), as OpenAI and vLLM echo it.
             model=params.model,
             prompt_tokens=len(prompt_ids),
             arrival=time.perf_counter(),
             include_usage=params.include_usage,
+            logprobs=sampling.logprobs,
+            token_texts=self._texts() if sampling.logprobs is not None else None,
+            tokens_as_ids=bool(params.return_tokens_as_token_ids),
         )
         lifecycle = self._runtime.lifecycle
         # No await between this check and request_started(): a drain that begins
@@ -217,7 +272,8 @@ class CompletionService:
             raise UnavailableError(f"this node is {lifecycle.phase}; retry on another node",
                                    code=code)
         lifecycle.request_started()
-        outputs = self._engine.generate(GenerationRequest(ex.id, prompt_ids, sampling))
+        outputs = self._engine.generate(GenerationRequest(
+            ex.id, prompt_ids, sampling, lora_name=lora, cache_salt=params.cache_salt))
         try:
             # Wait for the first token before answering, so that an overloaded or
             # failing engine still gets a proper status the router can fail over on.
@@ -232,15 +288,18 @@ class CompletionService:
                 on_close=lambda: self._close(ex, outputs),
             )
         try:
-            texts = await self._collect_unless_disconnected(request, ex, first, outputs)
+            texts, logprobs = await self._collect_unless_disconnected(request, ex, first, outputs)
         finally:
             await self._close(ex, outputs)
         if ex.finish_reason == "abort":
             raise UnavailableError("the request was aborted before it finished", code="aborted")
-        return JSONResponse(self._full_response(ex, "".join(texts)).model_dump(mode="json"))
+        response = self._full_response(ex, "".join(texts), logprobs)
+        return JSONResponse(response.model_dump(mode="json"))
 
     def _observe(self, ex: _Exchange, out: GenerationOutput) -> None:
         ex.completion_tokens = out.completion_tokens
+        if ex.cached_tokens is None:
+            ex.cached_tokens = out.cached_tokens
         if out.token_ids:
             now = time.perf_counter()
             if ex.first_token_at is None:
@@ -272,14 +331,17 @@ class CompletionService:
         ex: _Exchange,
         first: GenerationOutput,
         outputs: AsyncGenerator[GenerationOutput, None],
-    ) -> list[str]:
+    ) -> tuple[list[str], list[TokenLogprob]]:
         texts: list[str] = []
+        logprobs: list[TokenLogprob] = []
 
         async def collect() -> None:
             out: GenerationOutput | None = first
             while out is not None:
                 self._observe(ex, out)
                 texts.append(out.text)
+                if out.logprobs:
+                    logprobs.extend(out.logprobs)
                 if out.finish_reason is not None:
                     return
                 out = await anext(outputs, None)
@@ -290,7 +352,7 @@ class CompletionService:
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if done:
                     task.result()
-                    return texts
+                    return texts, logprobs
                 if await request.is_disconnected():
                     # Nobody will read the answer: stop spending compute on it.
                     ex.finish_reason = None
@@ -301,34 +363,56 @@ class CompletionService:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    def _full_response(self, ex: _Exchange, text: str) -> BaseModel:
+    def _chat_logprobs(self, ex: _Exchange, entries: list[TokenLogprob]) -> ChatLogprobs | None:
+        if ex.logprobs is None or ex.token_texts is None:
+            return None
+        return ChatLogprobs(content=chat_logprobs(
+            entries, ex.logprobs, ex.token_texts, as_ids=ex.tokens_as_ids))
+
+    def _full_response(self, ex: _Exchange, text: str, logprobs: list[TokenLogprob]) -> BaseModel:
         finish: OpenAIFinish = "length" if ex.finish_reason == "length" else "stop"
         if ex.kind == "chat":
+            choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish,
+                                logprobs=self._chat_logprobs(ex, logprobs))
             return ChatCompletionResponse(
-                id=ex.id, created=ex.created, model=ex.model,
-                choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)],
-                usage=ex.usage(),
+                id=ex.id, created=ex.created, model=ex.model, choices=[choice], usage=ex.usage(),
             )
+        lp = None
+        if ex.token_texts is not None:
+            lp = completion_logprobs(logprobs, ex.token_texts, as_ids=ex.tokens_as_ids)
         return CompletionResponse(
             id=ex.id, created=ex.created, model=ex.model,
-            choices=[CompletionChoice(text=text, finish_reason=finish)],
+            choices=[CompletionChoice(text=text, finish_reason=finish, logprobs=lp)],
             usage=ex.usage(),
         )
 
-    def _chunk(self, ex: _Exchange, text: str | None, finish: FinishReason | None) -> bytes:
+    def _chunk(
+        self,
+        ex: _Exchange,
+        text: str | None,
+        finish: FinishReason | None,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> bytes:
         fr = _openai_finish(finish)
         if ex.kind == "chat":
             delta: dict[str, str] = {}
             if text is not None:
                 delta["content"] = text
+            chat_lp = self._chat_logprobs(ex, logprobs) if logprobs else None
             chunk: BaseModel = ChatCompletionChunk(
                 id=ex.id, created=ex.created, model=ex.model,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=fr)],
+                choices=[ChatChunkChoice(delta=delta, finish_reason=fr, logprobs=chat_lp)],
             )
         else:
+            lp = None
+            if logprobs and ex.token_texts is not None:
+                # Offsets continue from the text already streamed, as vLLM's do.
+                lp = completion_logprobs(logprobs, ex.token_texts, ex.streamed_chars,
+                                         as_ids=ex.tokens_as_ids)
+            ex.streamed_chars += len(text or "")
             chunk = CompletionResponse(
                 id=ex.id, created=ex.created, model=ex.model,
-                choices=[CompletionChoice(text=text or "", finish_reason=fr)],
+                choices=[CompletionChoice(text=text or "", finish_reason=fr, logprobs=lp)],
             )
         # With include_usage every chunk carries "usage": null, as OpenAI's do.
         return _sse(chunk.model_dump(mode="json", exclude=None if ex.include_usage else {"usage"}))
@@ -353,10 +437,15 @@ class CompletionService:
                     yield _sse(openai_error("the request was aborted before it finished",
                                             type_="service_unavailable", code="aborted"))
                     break
-                if out.text:
-                    yield self._chunk(ex, out.text, None)
+                # Every token's logprobs go out once: with its text, or on their own when
+                # the token has none yet (half a character), or with the finish chunk.
+                pending = out.logprobs if ex.logprobs is not None else None
+                if out.text or (pending and out.finish_reason is None):
+                    yield self._chunk(ex, out.text, None, pending)
+                    pending = None
                 if out.finish_reason is not None:
-                    yield self._chunk(ex, None if ex.kind == "chat" else "", out.finish_reason)
+                    yield self._chunk(ex, None if ex.kind == "chat" else "", out.finish_reason,
+                                      pending)
                     break
                 out = await anext(outputs, None)
         except EngineError as exc:

@@ -2,16 +2,33 @@
 
 Request models validate against per-node limits passed as validation context
 ({"max_tokens_limit": int}); unknown fields are ignored, as vLLM does, so newer
-OpenAI clients keep working.
+OpenAI clients keep working. vLLM's extensions the node honours (top_k, ignore_eos,
+stop_token_ids, cache_salt, return_tokens_as_token_ids) keep vLLM's names and meaning.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MAX_STOP_SEQUENCES = 4
+# OpenAI's limit for chat top_logprobs. Completions' `logprobs` gets the same one: OpenAI
+# documents 5, but vLLM accepts up to its default --max-logprobs (20), and a request a
+# vLLM node takes must not fail on a torch node behind the same router.
+MAX_TOP_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 256
+# JSON has no -inf; OpenAI and vLLM report "very unlikely" as this floor.
+LOGPROB_FLOOR = -9999.0
 
 FinishReasonField = Literal["stop", "length"] | None
 
@@ -40,6 +57,12 @@ class GenerationParams(BaseModel):
     # vLLM extensions the router and benchmarks rely on.
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, max_length=64)
+    # -1 and 0 both disable top-k, as in vLLM.
+    top_k: int | None = None
+    # Requests with different salts never share prefix-cache entries (tenant isolation).
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # Logprobs name tokens "token_id:<id>": unambiguous where texts collide or are not valid UTF-8.
+    return_tokens_as_token_ids: bool | None = None
 
     @field_validator("n")
     @classmethod
@@ -52,6 +75,21 @@ class GenerationParams(BaseModel):
     @classmethod
     def _max_tokens_in_range(cls, v: int | None, info: ValidationInfo) -> int | None:
         return _check_max_tokens(v, info)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_in_range(cls, v: int | None) -> int | None:
+        if v is not None and v < -1:
+            raise ValueError("must be -1 or 0 (disabled), or at least 1")
+        return v
+
+    def engine_top_k(self) -> int:
+        """top_k as the engine takes it: 0 when disabled."""
+        return self.top_k if self.top_k is not None and self.top_k > 0 else 0
+
+    def engine_logprobs(self) -> int | None:
+        """How many alternatives per token the engine should report; None: no logprobs."""
+        return None
 
     @field_validator("stop")
     @classmethod
@@ -114,19 +152,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("max_completion_tokens")
     @classmethod
     def _max_completion_tokens_in_range(cls, v: int | None, info: ValidationInfo) -> int | None:
         return _check_max_tokens(v, info)
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
 
     @model_validator(mode="after")
     def _completion_tokens_alias(self) -> ChatCompletionRequest:
@@ -134,11 +166,21 @@ class ChatCompletionRequest(GenerationParams):
             self.max_tokens = self.max_completion_tokens
         return self
 
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("requires logprobs to be true")
+        return v
+
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(GenerationParams):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("prompt")
     @classmethod
@@ -161,12 +203,8 @@ class CompletionRequest(GenerationParams):
             raise ValueError("echo is not supported")
         return v
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: int | None) -> int | None:
-        if v is not None:
-            raise ValueError("logprobs are not supported")
-        return v
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompt_text_or_ids(self) -> str | list[int]:
         p = self.prompt
@@ -183,10 +221,53 @@ class CompletionRequest(GenerationParams):
 # --- responses ------------------------------------------------------------------------
 
 
+class PromptTokensDetails(BaseModel):
+    # Prompt tokens whose KV came from the prefix cache.
+    cached_tokens: int
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_missing_details(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Only reported when something was cached, as vLLM does; no `null` otherwise.
+        data: dict[str, Any] = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
+
+
+class TopLogprob(BaseModel):
+    """One candidate token at a position of a chat completion."""
+
+    token: str
+    logprob: float
+    # The token's UTF-8 bytes: tokens that split a character cannot be shown as text.
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    """The chosen token at a position, and the most likely ones there (best first)."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions layout: parallel lists, one entry per generated token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    # The chosen token and the `logprobs` most likely ones, keyed like `tokens`.
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
 class AssistantMessage(BaseModel):
@@ -198,7 +279,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReasonField
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -216,7 +297,7 @@ class ChatChunkChoice(BaseModel):
     # Only the keys that changed: {"role": ...} first, then {"content": ...}, {} at the end.
     delta: dict[str, str]
     finish_reason: FinishReasonField = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -233,7 +314,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: FinishReasonField = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):

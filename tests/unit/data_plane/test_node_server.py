@@ -96,7 +96,8 @@ async def test_chat_stream_matches_non_stream(client: httpx.AsyncClient) -> None
     assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == full["usage"]
+    # The repeated prompt hits the prefix cache; only that detail may differ.
+    assert {k: v for k, v in usage_chunk["usage"].items() if k != "prompt_tokens_details"} == full["usage"]
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
