@@ -85,10 +85,20 @@ class NodeRuntime:
             if self.on_fatal is not None:
                 self.on_fatal(exc)
             return
+        if hasattr(self.engine, "on_fatal"):
+            # Engines that supervise a child (vLLM) report when it cannot be kept alive.
+            self.engine.on_fatal = self._engine_failed
         self.lifecycle.mark_ready()
         if self.agent is not None:
             self.agent.notify()
         log.info("node ready, serving %s", ", ".join(self.engine.models()))
+
+    def _engine_failed(self, exc: BaseException) -> None:
+        log.error("the engine failed for good: %s", exc)
+        self.load_error = exc
+        self.lifecycle.mark_failed()
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
 
     async def drain(self) -> None:
         """Refuse new requests, report draining, let in-flight requests finish (up to

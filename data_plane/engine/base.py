@@ -160,7 +160,7 @@ EngineFactory = Callable[[NodeSettings], Engine]
 
 # Built-in engines are imported on first use, so a CPU node never imports vLLM and a
 # vLLM node never pays for what it does not run.
-_BUILTIN: dict[str, str] = {"torch": "data_plane.engine.torch_engine:TorchEngine"}
+_BUILTIN: dict[str, str] = {"torch": "data_plane.engine.torch_engine:TorchEngine", "vllm": "data_plane.engine.vllm.engine:VllmEngine"}
 _FACTORIES: dict[str, EngineFactory] = {}
 
 
@@ -184,8 +184,7 @@ def create_engine(name: str, settings: NodeSettings) -> Engine:
         module_name, _, attr = _BUILTIN[name].partition(":")
         factory = getattr(importlib.import_module(module_name), attr)
     if factory is None:
-        hint = " (the vLLM adapter is not part of this build yet)" if name == "vllm" else ""
-        raise UnknownEngineError(f"unknown engine {name!r}; known: {', '.join(engine_names())}{hint}")
+        raise UnknownEngineError(f"unknown engine {name!r}; known: {', '.join(engine_names())}")
     return factory(settings)
 
 

@@ -78,6 +78,11 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        body = metrics.render()
+        raw_metrics = getattr(engine, "raw_metrics", None)
+        if raw_metrics is not None:
+            # A vLLM child's own metrics, minus the families this node already exports.
+            body += (await raw_metrics(metrics.family_names())).encode()
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -132,5 +132,9 @@ class NodeMetrics:
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
 
+    def family_names(self) -> set[str]:
+        """Names of the metric families this registry exports."""
+        return {family.name for family in self.registry.collect()}
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,35 @@
+"""A node running the vLLM adapter looks like a torch node from outside: the same
+OpenAI API, and one /metrics page with each vLLM family once (vLLM's own relayed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from node_testkit import asgi_client
+from prometheus_client.parser import text_string_to_metric_families
+from test_vllm_engine import settings
+
+from data_plane.server.app import create_app
+
+
+@pytest.fixture
+def standin_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("MERIDIAN_STANDIN_STATE_DIR", str(tmp_path / "standin"))
+    return tmp_path / "standin"
+
+
+async def test_vllm_node_serves_openai_and_relays_vllm_metrics(
+    tiny_checkpoint: Path, standin_state: Path
+) -> None:
+    app = create_app(settings(tiny_checkpoint))
+    async with asgi_client(app) as client:
+        resp = await client.post("/v1/completions", json={
+            "model": "tiny-llama", "prompt": list(range(100, 140)), "max_tokens": 3})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 3
+        metrics = (await client.get("/metrics")).text
+    names = [f.name for f in text_string_to_metric_families(metrics)]
+    assert len(names) == len(set(names)), "a metric family appears twice"
+    assert "vllm:num_requests_running" in names
+    assert "vllm:engine_sleep_state" in names
