@@ -87,6 +87,8 @@ def _configure_logging() -> None:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
+    # Health probes and metric scrapes of a vLLM child run every second: not news.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def serve(settings: NodeSettings) -> None:
