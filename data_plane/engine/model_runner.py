@@ -108,7 +108,9 @@ class ModelRunner:
         blocks = torch.tensor(padded, device=self.device)  # [B, max_blocks]
         slots = (blocks[:, :, None] * bs + self._block_offsets).reshape(len(tables), -1)
         max_len = max(lens)
-        slots = slots[:, :max_len]
+        slots = slots[:, :max_len].reshape(-1)
         lengths = torch.tensor(lens, device=self.device)
-        mask = torch.arange(max_len, device=self.device)[None, :] < lengths[:, None]
+        past_end = torch.arange(max_len, device=self.device)[None, :] >= lengths[:, None]
+        mask = torch.zeros(past_end.shape, dtype=self.model.dtype, device=self.device)
+        mask.masked_fill_(past_end, float("-inf"))
         return slots, mask[:, None, None, :]

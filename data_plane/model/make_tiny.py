@@ -3,7 +3,10 @@
 The checkpoint has the same file set, tensor names and config keys as a real Llama 3
 checkpoint (config.json, model.safetensors, tokenizer.json, tokenizer_config.json), so
 every code path that serves a real model is exercised on a CPU in milliseconds. The
-output is byte-for-byte reproducible for a given seed.
+output is byte-for-byte reproducible for a given seed (and architecture).
+
+`TinyArch` makes it bigger (benchmarks), Qwen2-shaped (attention biases, tied
+embeddings) or Llama 3.1-shaped (llama3 rope scaling); its defaults are the tiny model.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import os
 import random
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors.torch import save_file
@@ -155,42 +159,89 @@ def train_tokenizer(seed: int, vocab_size: int = TARGET_VOCAB_SIZE) -> Tokenizer
     return tokenizer
 
 
-def tiny_config(vocab_size: int, bos_token_id: int, eos_token_ids: list[int]) -> dict[str, Any]:
-    """A Hugging Face LlamaForCausalLM config.json for the tiny model."""
-    return {
+@dataclass(frozen=True, slots=True)
+class TinyArch:
+    """Architecture of a generated checkpoint; the defaults are the tiny test model."""
+
+    model_type: Literal["llama", "qwen2"] = "llama"
+    hidden_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 176
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    # Written to config.json as is, e.g. Llama 3.1's {"rope_type": "llama3", "factor": 8.0, ...}.
+    rope_scaling: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError("the head dimension must be even (rotary embeddings)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+def tiny_config(
+    vocab_size: int, bos_token_id: int, eos_token_ids: list[int], arch: TinyArch | None = None
+) -> dict[str, Any]:
+    """A Hugging Face config.json (LlamaForCausalLM, or Qwen2ForCausalLM) for the model."""
+    arch = arch or TinyArch()
+    config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,
         "attention_dropout": 0.0,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_ids,
-        "head_dim": 16,
+        "head_dim": arch.head_dim,
         "hidden_act": "silu",
-        "hidden_size": 64,
+        "hidden_size": arch.hidden_size,
         "initializer_range": 0.02,
-        "intermediate_size": 176,
-        "max_position_embeddings": 2048,
+        "intermediate_size": arch.intermediate_size,
+        "max_position_embeddings": arch.max_position_embeddings,
         "mlp_bias": False,
         "model_type": "llama",
-        "num_attention_heads": 4,
-        "num_hidden_layers": 2,
-        "num_key_value_heads": 2,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_hidden_layers": arch.num_hidden_layers,
+        "num_key_value_heads": arch.num_key_value_heads,
         "pretraining_tp": 1,
         "rms_norm_eps": 1e-5,
-        "rope_scaling": None,
+        "rope_scaling": arch.rope_scaling,
         "rope_theta": 10000.0,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": arch.tie_word_embeddings,
         "torch_dtype": "float32",
         "use_cache": True,
         "vocab_size": vocab_size,
     }
+    if arch.model_type == "qwen2":
+        # Qwen2's config.json as its releases write it: no attention_bias key (the biases
+        # are implied by the architecture), its own norm epsilon and rope base.
+        for key in ("attention_bias", "head_dim", "mlp_bias", "pretraining_tp"):
+            del config[key]
+        config.update({
+            "architectures": ["Qwen2ForCausalLM"],
+            "max_window_layers": arch.num_hidden_layers,
+            "model_type": "qwen2",
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1000000.0,
+            "sliding_window": arch.max_position_embeddings,
+            "use_sliding_window": False,
+        })
+    return config
 
 
 def random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Randomly initialised tensors under Hugging Face Llama names."""
+    """Randomly initialised tensors under Hugging Face Llama (or Qwen2) names."""
     gen = torch.Generator().manual_seed(seed)
     hidden = config["hidden_size"]
     inter = config["intermediate_size"]
-    head_dim = config["head_dim"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    qkv_bias = config.get("attention_bias", config["model_type"] == "qwen2")
     q_dim = config["num_attention_heads"] * head_dim
     kv_dim = config["num_key_value_heads"] * head_dim
     vocab = config["vocab_size"]
@@ -206,17 +257,24 @@ def random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]
         tensors[p + "self_attn.k_proj.weight"] = normal(kv_dim, hidden)
         tensors[p + "self_attn.v_proj.weight"] = normal(kv_dim, hidden)
         tensors[p + "self_attn.o_proj.weight"] = normal(hidden, q_dim)
+        if qkv_bias:
+            tensors[p + "self_attn.q_proj.bias"] = normal(q_dim)
+            tensors[p + "self_attn.k_proj.bias"] = normal(kv_dim)
+            tensors[p + "self_attn.v_proj.bias"] = normal(kv_dim)
         tensors[p + "mlp.gate_proj.weight"] = normal(inter, hidden)
         tensors[p + "mlp.up_proj.weight"] = normal(inter, hidden)
         tensors[p + "mlp.down_proj.weight"] = normal(hidden, inter)
         tensors[p + "input_layernorm.weight"] = torch.ones(hidden)
         tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
     tensors["model.norm.weight"] = torch.ones(hidden)
-    tensors["lm_head.weight"] = normal(vocab, hidden)
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = normal(vocab, hidden)
     return tensors
 
 
-def tokenizer_config(chat_template: str = LLAMA3_CHAT_TEMPLATE) -> dict[str, Any]:
+def tokenizer_config(
+    chat_template: str = LLAMA3_CHAT_TEMPLATE, model_max_length: int = 2048
+) -> dict[str, Any]:
     """tokenizer_config.json in the shape transformers writes for Llama 3 Instruct."""
     return {
         "added_tokens_decoder": {
@@ -235,7 +293,7 @@ def tokenizer_config(chat_template: str = LLAMA3_CHAT_TEMPLATE) -> dict[str, Any
         "clean_up_tokenization_spaces": True,
         "eos_token": EOT_TOKEN,
         "model_input_names": ["input_ids", "attention_mask"],
-        "model_max_length": 2048,
+        "model_max_length": model_max_length,
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
 
@@ -252,11 +310,15 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
                     encoding="utf-8")
 
 
-def make_tiny_checkpoint(out_dir: Path, seed: int = 0, *, overwrite: bool = False) -> Path:
-    """Write a tiny Llama checkpoint to out_dir atomically and return out_dir.
+def make_tiny_checkpoint(
+    out_dir: Path, seed: int = 0, *, overwrite: bool = False, arch: TinyArch | None = None
+) -> Path:
+    """Write a tiny Llama checkpoint (or one shaped by `arch`) to out_dir atomically.
 
-    Raises FileExistsError if out_dir exists and is not empty, unless overwrite is set.
+    Returns out_dir. Raises FileExistsError if out_dir exists and is not empty, unless
+    overwrite is set.
     """
+    arch = arch or TinyArch()
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty")
@@ -268,6 +330,7 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = 0, *, overwrite: bool = Fals
         vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
         bos_token_id=ids[BOS_TOKEN],
         eos_token_ids=[ids[EOS_TOKEN], ids[EOT_TOKEN]],
+        arch=arch,
     )
 
     # Build next to the destination so the final rename stays on one filesystem; a
@@ -279,7 +342,8 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = 0, *, overwrite: bool = Fals
         save_file(random_weights(config, seed), str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config())
+        _write_json(tmp / "tokenizer_config.json",
+                    tokenizer_config(model_max_length=arch.max_position_embeddings))
         _write_json(tmp / "generation_config.json", {
             "bos_token_id": ids[BOS_TOKEN],
             "eos_token_id": [ids[EOS_TOKEN], ids[EOT_TOKEN]],

@@ -60,8 +60,8 @@ class PagedAttention:
     kv: PagedKVCache
     slot_mapping: torch.Tensor  # [N]
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [B, Lmax]
-    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax], True where a key may be seen
+    decode_slots: torch.Tensor | None  # [B * Lmax], row-major [B, Lmax]
+    decode_mask: torch.Tensor | None  # [B, 1, 1, Lmax], 0 where a key may be seen, -inf past the end
     prefills: list[PrefillSpan]
 
     def attend(
@@ -74,19 +74,22 @@ class PagedAttention:
         out = torch.empty_like(q)
         b = self.num_decodes
         if b:
-            assert self.decode_slots is not None
-            qd = q[:b].unsqueeze(2)  # [B, H, 1, d]
-            kd = kc[self.decode_slots].transpose(1, 2)  # [B, kvh, L, d]
-            vd = vc[self.decode_slots].transpose(1, 2)
-            od = F.scaled_dot_product_attention(
-                qd, kd, vd, attn_mask=self.decode_mask, enable_gqa=True
-            )
-            out[:b] = od.squeeze(2)
+            assert self.decode_slots is not None and self.decode_mask is not None
+            kv_heads, head_dim = kc.shape[1], kc.shape[2]
+            length = self.decode_mask.shape[-1]
+            # index_select, not fancy indexing: the gather is this step's main memory cost.
+            kd = kc.index_select(0, self.decode_slots).view(b, length, kv_heads, head_dim).transpose(1, 2)
+            vd = vc.index_select(0, self.decode_slots).view(b, length, kv_heads, head_dim).transpose(1, 2)
+            # Grouped-query attention without repeating K/V: the query heads sharing a KV
+            # head become that head's queries, [B, kvh, groups, d].
+            qd = q[:b].reshape(b, kv_heads, -1, head_dim)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask)
+            out[:b] = od.reshape(b, -1, head_dim)
         for span in self.prefills:
             rows = slice(span.row, span.row + span.num_tokens)
             qp = q[rows].transpose(0, 1)  # [H, n, d]
-            kp = kc[span.slots].transpose(0, 1)  # [kvh, ctx, d]
-            vp = vc[span.slots].transpose(0, 1)
+            kp = kc.index_select(0, span.slots).transpose(0, 1)  # [kvh, ctx, d]
+            vp = vc.index_select(0, span.slots).transpose(0, 1)
             if span.start == 0:
                 op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, enable_gqa=True)
             else:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from data_plane.model.make_tiny import SPECIAL_TOKENS, make_tiny_checkpoint
+from data_plane.model.make_tiny import SPECIAL_TOKENS, TinyArch, make_tiny_checkpoint
 
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
 
@@ -67,6 +67,60 @@ def test_weights_have_hugging_face_names_and_shapes(tiny_checkpoint: Path) -> No
         assert shapes[p + "input_layernorm.weight"] == (64,)
         assert shapes[p + "post_attention_layernorm.weight"] == (64,)
     assert len(shapes) == 3 + 2 * 9
+
+
+def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+
+
+def test_architecture_sets_sizes_in_config_and_weights(tmp_path: Path) -> None:
+    arch = TinyArch(hidden_size=128, num_hidden_layers=3, num_attention_heads=8,
+                    num_key_value_heads=2, intermediate_size=344, max_position_embeddings=4096)
+    ckpt = make_tiny_checkpoint(tmp_path / "bigger", seed=0, arch=arch)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert (config["hidden_size"], config["intermediate_size"], config["head_dim"]) == (128, 344, 16)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (8, 2)
+    assert (config["num_hidden_layers"], config["max_position_embeddings"]) == (3, 4096)
+    assert json.loads((ckpt / "tokenizer_config.json").read_text())["model_max_length"] == 4096
+    shapes = tensor_shapes(ckpt)
+    assert shapes["model.layers.2.self_attn.k_proj.weight"] == (32, 128)
+    assert shapes["model.layers.2.mlp.down_proj.weight"] == (128, 344)
+    assert len(shapes) == 3 + 3 * 9
+
+
+def test_qwen2_architecture_has_attention_biases_and_tied_embeddings(tmp_path: Path) -> None:
+    arch = TinyArch(model_type="qwen2", tie_word_embeddings=True)
+    ckpt = make_tiny_checkpoint(tmp_path / "qwen2", seed=0, arch=arch)
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["model_type"] == "qwen2"
+    # Like Qwen2's own releases: the biases are implied, not declared.
+    assert "attention_bias" not in config
+    assert config["tie_word_embeddings"] is True
+    shapes = tensor_shapes(ckpt)
+    assert "lm_head.weight" not in shapes
+    assert shapes["model.layers.1.self_attn.q_proj.bias"] == (64,)
+    assert shapes["model.layers.1.self_attn.k_proj.bias"] == (32,)
+    assert shapes["model.layers.1.self_attn.v_proj.bias"] == (32,)
+    assert "model.layers.1.self_attn.o_proj.bias" not in shapes
+
+
+def test_rope_scaling_is_written_to_the_config(tmp_path: Path) -> None:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    ckpt = make_tiny_checkpoint(tmp_path / "llama31", seed=0, arch=TinyArch(rope_scaling=scaling))
+    assert json.loads((ckpt / "config.json").read_text())["rope_scaling"] == scaling
+
+
+@pytest.mark.parametrize("bad", [
+    {"hidden_size": 60, "num_attention_heads": 8},
+    {"num_attention_heads": 4, "num_key_value_heads": 3},
+    {"hidden_size": 60, "num_attention_heads": 4, "num_key_value_heads": 1},
+])
+def test_impossible_architecture_is_refused(bad: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        TinyArch(**bad)
 
 
 def test_tokenizer_config_has_chat_template_and_special_tokens(tiny_checkpoint: Path) -> None:
