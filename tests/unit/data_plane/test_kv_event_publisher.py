@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+from vllm_kv_schema import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
 from data_plane.engine.base import EngineStats, KVEventSink
 from data_plane.kv_events import DropOldestQueue, ZmqEventPublisher, create_publisher
@@ -23,42 +24,6 @@ from data_plane.runtime import NodeRuntime
 from meridian import kv_events as ours
 from meridian.localfabric import free_port
 from meridian.settings import NodeSettings
-
-# --- vLLM's schema, verbatim ------------------------------------------------------------
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base class for all KV cache-related events"""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-
 
 VLLM_DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 VLLM_END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -18,46 +18,12 @@ import msgspec
 import pytest
 import zmq
 from node_testkit import eventually, make_settings
+from vllm_kv_schema import BlockRemoved, BlockStored, KVEventBatch
 
 from data_plane.engine.base import GenerationRequest, SamplingParams
 from data_plane.engine.torch_engine import TorchEngine
 from data_plane.kv_events import ZmqEventPublisher
 from meridian.localfabric import free_port
-
-# --- vLLM's wire schema (vllm/distributed/kv_events.py) ---------------------------------
-
-
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes | int]
-    medium: str | None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 class FleetBlockIndex:
