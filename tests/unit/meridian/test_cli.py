@@ -55,6 +55,16 @@ def test_status_table_shows_region_zone_health_model():
     assert "lost" in us_line and "42s ago" in us_line
 
 
+def test_status_table_lists_resident_lora_adapters_with_the_model():
+    now = datetime.now(UTC)
+    node = _node("n-eu", "gcp:europe-west4", NodeStatus.READY, 1, now)
+    node = node.model_copy(update={"load": NodeLoad(running=1, lora_adapters=["support", "legal"])})
+    console = Console(width=200, record=True)
+    console.print(status_table(list(region_catalog().values()), [node], now=now))
+    line = next(line for line in console.export_text().splitlines() if "n-eu" in line)
+    assert "tiny-llama, +support, +legal" in line
+
+
 def test_status_table_with_no_nodes_says_so():
     console = Console(width=200, record=True)
     console.print(status_table([], []))
