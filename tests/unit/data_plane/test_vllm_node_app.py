@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from node_testkit import asgi_client
+from node_testkit import asgi_client, eventually
 from prometheus_client.parser import text_string_to_metric_families
 from test_vllm_engine import settings
 
@@ -33,3 +33,18 @@ async def test_vllm_node_serves_openai_and_relays_vllm_metrics(
     assert len(names) == len(set(names)), "a metric family appears twice"
     assert "vllm:num_requests_running" in names
     assert "vllm:engine_sleep_state" in names
+
+
+async def test_node_reports_failed_when_vllm_cannot_be_kept_up(
+    tiny_checkpoint: Path, standin_state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MERIDIAN_STANDIN_FAIL_FROM", "2")
+    app = create_app(settings(tiny_checkpoint, vllm_max_restarts=1))
+    fatal: list[BaseException] = []
+    app.state.runtime.on_fatal = fatal.append
+    async with asgi_client(app) as client:
+        assert (await client.get("/health")).status_code == 200
+        app.state.runtime.engine.supervisor.kill()
+        await eventually(lambda: bool(fatal))
+        health = await client.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "failed"
