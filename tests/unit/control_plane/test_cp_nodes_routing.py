@@ -58,12 +58,14 @@ async def test_load_only_heartbeats_keep_the_version(cp: ControlPlane) -> None:
     await cp.register("node-a", status="ready")
     v = await cp.version()
     for running in range(3):
-        r = await cp.heartbeat("node-a", load={"running": running, "waiting": 2, "kv_cache_usage": 0.1})
+        r = await cp.heartbeat("node-a", load={"running": running, "waiting": 2, "kv_cache_usage": 0.1,
+                                                   "lora_adapters": ["support"]})
         assert r.json()["routing_version"] == v
     assert await cp.version() == v
 
     nodes = (await cp.http.get("/v1/nodes", headers=cp.admin)).json()
-    assert nodes[0]["load"] == {"running": 2, "waiting": 2, "kv_cache_usage": 0.1}
+    assert nodes[0]["load"] == {"running": 2, "waiting": 2, "kv_cache_usage": 0.1,
+                                "lora_adapters": ["support"]}
 
     r = await cp.heartbeat("node-a", status="draining")
     assert r.json()["routing_version"] == v + 1
