@@ -8,9 +8,6 @@ greedy completions with and without it differ. Same base config and seed, same b
 from __future__ import annotations
 
 import math
-import os
-import shutil
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +18,7 @@ from safetensors.torch import save_file
 from data_plane.lora.adapter import CONFIG_FILE, LORA_MODULES, WEIGHTS_FILE, module_key, module_shapes
 from data_plane.model.llama import LlamaConfig
 from data_plane.model.loader import read_config
-from data_plane.model.make_tiny import _replace_dir, _write_json
+from data_plane.model.make_tiny import atomic_dir, write_json
 
 # Standard deviation of B's entries. PEFT starts B at zero; this is large enough that each
 # projection's delta is comparable to the tiny base model's own outputs (weights ~ N(0, 0.02)),
@@ -96,25 +93,12 @@ def make_tiny_lora(
         raise ValueError(f"targets must be a non-empty subset of {list(LORA_MODULES)}, got {list(targets)}")
     if rank < 1:
         raise ValueError(f"rank must be at least 1, got {rank}")
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty")
     config = LlamaConfig.from_hf(read_config(base_dir))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-
-    # Same scheme as make_tiny_checkpoint: build in a hidden sibling, then rename, so a
-    # crash never leaves a half-written adapter where a LoRA directory scan would find it.
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
+    # Same scheme as make_tiny_checkpoint, so a LoRA directory scan never finds a
+    # half-written adapter.
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
         # The base's directory name, not its path: the bytes must not depend on where it lives.
-        _write_json(tmp / CONFIG_FILE, tiny_lora_config(base_dir.resolve().name, rank, targets))
+        write_json(tmp / CONFIG_FILE, tiny_lora_config(base_dir.resolve().name, rank, targets))
         save_file(random_lora_weights(config, seed, rank, targets), str(tmp / WEIGHTS_FILE),
                   metadata={"format": "pt"})
-        for f in tmp.iterdir():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

@@ -11,11 +11,13 @@ embeddings) or Llama 3.1-shaped (llama3 rope scaling); its defaults are the tiny
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -305,9 +307,34 @@ def _token_id(tokenizer: Tokenizer, token: str) -> int:
     return int(token_id)
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write data as stable, human-readable JSON (sorted keys, so same data, same bytes)."""
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n",
                     encoding="utf-8")
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path, *, overwrite: bool) -> Iterator[Path]:
+    """A hidden temporary sibling of out_dir to write into, published as out_dir on success.
+
+    Raises FileExistsError up front if out_dir exists and is not empty, unless overwrite.
+    Building next to the destination keeps the final rename on one filesystem: a crash
+    leaves only a hidden temp dir, never a half-written directory where readers look.
+    """
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def make_tiny_checkpoint(
@@ -320,41 +347,25 @@ def make_tiny_checkpoint(
     """
     arch = arch or TinyArch()
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-
-    tokenizer = train_tokenizer(seed)
-    ids = {tok: _token_id(tokenizer, tok) for tok in SPECIAL_TOKENS}
-    config = tiny_config(
-        vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
-        bos_token_id=ids[BOS_TOKEN],
-        eos_token_ids=[ids[EOS_TOKEN], ids[EOT_TOKEN]],
-        arch=arch,
-    )
-
-    # Build next to the destination so the final rename stays on one filesystem; a
-    # crash leaves only a hidden temp dir, never a half-written checkpoint.
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        _write_json(tmp / "config.json", config)
+    with atomic_dir(out_dir, overwrite=overwrite) as tmp:
+        tokenizer = train_tokenizer(seed)
+        ids = {tok: _token_id(tokenizer, tok) for tok in SPECIAL_TOKENS}
+        config = tiny_config(
+            vocab_size=tokenizer.get_vocab_size(with_added_tokens=True),
+            bos_token_id=ids[BOS_TOKEN],
+            eos_token_ids=[ids[EOS_TOKEN], ids[EOT_TOKEN]],
+            arch=arch,
+        )
+        write_json(tmp / "config.json", config)
         save_file(random_weights(config, seed), str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "tokenizer.json").write_text(tokenizer.to_str(pretty=True) + "\n", encoding="utf-8")
-        _write_json(tmp / "tokenizer_config.json",
-                    tokenizer_config(model_max_length=arch.max_position_embeddings))
-        _write_json(tmp / "generation_config.json", {
+        write_json(tmp / "tokenizer_config.json",
+                   tokenizer_config(model_max_length=arch.max_position_embeddings))
+        write_json(tmp / "generation_config.json", {
             "bos_token_id": ids[BOS_TOKEN],
             "eos_token_id": [ids[EOS_TOKEN], ids[EOT_TOKEN]],
         })
-        for f in tmp.iterdir():
-            with f.open("rb") as fh:
-                os.fsync(fh.fileno())
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
 
 
