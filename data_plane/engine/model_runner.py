@@ -79,20 +79,16 @@ class ModelRunner:
             prefills=prefills,
         )
         lora = self.lora_batch(lora_slots) if (any_lora and self.lora_batch) else None
-        if not sample_rows:
-            # Only partial prefill chunks: fill the cache, nothing to sample.
-            self.model(
-                torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                attn, logits_indices=torch.zeros(0, dtype=torch.long, device=self.device), lora=lora,
-            )
-            return []
+        # With only partial prefill chunks there is nothing to sample: the pass fills the cache.
         logits = self.model(
             torch.tensor(ids, device=self.device),
             torch.tensor(positions, device=self.device),
             attn,
-            logits_indices=torch.tensor(sample_rows, device=self.device),
+            logits_indices=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             lora=lora,
         )
+        if not sample_rows:
+            return []
         return list(zip(sampled_chunks, sample_batch(logits, sampling), strict=True))
 
     def _context_slots(self, table: list[int], length: int) -> torch.Tensor:

@@ -4,7 +4,6 @@ have KV in the cache, which blocks hold that KV, and where its outputs go."""
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +38,6 @@ class Sequence:
     lora_slot: int = -1
     # Per-request output plumbing owned by the engine (detokenizer, stop matcher, outbox).
     sink: Any = None
-    on_output: Callable[..., None] | None = None
 
     @property
     def request_id(self) -> str:
@@ -66,14 +64,7 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_remaining(self) -> int:
         """Tokens still to run through the model before the next one can be sampled."""
         return len(self.token_ids) - self.num_computed_tokens
 
-    @property
-    def is_decode(self) -> bool:
-        return self.status is SeqStatus.RUNNING and self.num_remaining == 1

@@ -6,7 +6,7 @@ from __future__ import annotations
 from data_plane.engine.kv_cache.block_hash import hash_blocks
 from data_plane.engine.kv_cache.block_pool import Block, BlockPool
 from data_plane.engine.sequence import Sequence
-from meridian.kv_events import AllBlocksCleared, KVEvent
+from meridian.kv_events import KVEvent
 
 
 def cdiv(a: int, b: int) -> int:
@@ -60,11 +60,6 @@ class KVCacheManager:
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += hit_tokens
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[Block] | None = None) -> bool:
-        """Whether `num_new_tokens` more tokens (after `hits`) fit without preempting anyone."""
-        hits = hits or []
-        return self._blocks_needed(seq, num_new_tokens, hits) <= self._free_after_touch(hits)
-
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[Block] | None = None) -> bool:
         """Append `hits` to the block table and make room for `num_new_tokens` more tokens.
 
@@ -117,12 +112,6 @@ class KVCacheManager:
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
 
-    def block_table(self, seq: Sequence) -> list[int]:
-        return [b.block_id for b in seq.blocks]
-
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
 
-    @staticmethod
-    def cleared_event() -> KVEvent:
-        return AllBlocksCleared()
