@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from data_plane.engine.base import (
     EngineNotReadyError,
@@ -47,6 +47,9 @@ from data_plane.sampling import Sampled, make_generator
 from data_plane.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from meridian.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
 from meridian.settings import NodeSettings
+
+if TYPE_CHECKING:
+    from data_plane.lora.manager import LoraManager
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +111,8 @@ class TorchEngine:
         self._active_ids: set[str] = set()
         self._arrivals = itertools.count()
         self._sink: KVEventSink | None = None
-        self._lora: Any = None  # data_plane.lora.manager.LoraManager when adapters are configured
+        # Imported and built only when adapters are configured.
+        self._lora: LoraManager | None = None
         self._capacity_tokens = 0
         # Worker-thread state, built once the model is loaded.
         self._scheduler: Scheduler | None = None
@@ -220,10 +224,6 @@ class TorchEngine:
         if self._tokenizer is None:
             raise EngineNotReadyError("the engine has not loaded its tokenizer yet")
         return self._tokenizer
-
-    @property
-    def block_size(self) -> int:
-        return self._settings.block_size
 
     # --- event-loop side ---------------------------------------------------------------
 
@@ -357,17 +357,10 @@ class TorchEngine:
                 if not self._drain_inbox(block=True, timeout=0.05):
                     return
                 continue
-            # Consumers may read stats as soon as they see this step's tokens.
-            self._update_gauges()
             self._run_step(step)
-            self._update_gauges()
 
     def _run_step(self, step: SchedulerOutput) -> None:
         assert self._scheduler is not None and self._runner is not None and self._kv is not None
-        with self._lock:
-            self._prompt_tokens_total += sum(
-                c.num_tokens for c in step.chunks if c.start < c.seq.num_prompt_tokens
-            )
         try:
             results = self._runner.execute(step)
         except Exception as exc:
@@ -376,9 +369,12 @@ class TorchEngine:
                 if chunk.seq.status is not SeqStatus.FINISHED:
                     self._scheduler.finish(chunk.seq)
                     self._deliver(chunk.seq, exc)
+            self._update_gauges()
             self._publish(self._kv.take_events())
             return
         self._scheduler.update(step)
+        # Consumers may read stats as soon as they see this step's tokens.
+        self._update_gauges()
         for chunk, sampled in results:
             self._append_token(chunk.seq, sampled)
         self._publish(self._kv.take_events())
@@ -390,6 +386,10 @@ class TorchEngine:
         seq.token_ids.append(token)
         with self._lock:
             self._generation_tokens_total += 1
+            # Counted once per request, cached prefix included, as vLLM counts them (not
+            # per computed chunk, which would count a preempted request's recompute again).
+            if seq.num_output_tokens == 1:
+                self._prompt_tokens_total += seq.num_prompt_tokens
         finish: FinishReason | None = None
         text = ""
         # The text of a token that ends the sequence is not part of the answer.

@@ -110,3 +110,5 @@ async def test_preemption_under_kv_pressure_loses_nothing(
     assert got == reference
     assert stats.num_preemptions_total > 0
     assert stats.requests_finished_total == 20 and stats.running == 0
+    # Recomputing a preempted request does not count its tokens as prompt tokens again.
+    assert stats.prompt_tokens_total == sum(len(p) for p in PROMPTS)
