@@ -111,33 +111,26 @@ class BlockPool:
         """Register newly full blocks under their hashes and announce them."""
         if not self.enable_caching or not blocks:
             return
-        stored: list[int] = []
-        for block, h in zip(blocks, hashes, strict=True):
-            if block.hash is not None:
-                continue
-            if h in self._cached:
-                # Another sequence computed the same block concurrently; keep the first.
-                continue
-            block.hash = h
-            self._cached[h] = block
-            stored.append(h)
-        if stored and len(stored) == len(blocks):
-            self._events.append(BlockStored(
-                block_hashes=stored, parent_block_hash=parent_hash, token_ids=token_ids,
-                block_size=self.block_size, lora_id=None, medium=self.medium, lora_name=lora_name,
-            ))
-        elif stored:
-            # Some were duplicates: announce the new ones one by one so each carries its parent.
-            bs = self.block_size
-            prev = parent_hash
-            for i, (block, h) in enumerate(zip(blocks, hashes, strict=True)):
-                if block.hash == h and h in stored:
-                    self._events.append(BlockStored(
-                        block_hashes=[h], parent_block_hash=prev,
-                        token_ids=token_ids[i * bs:(i + 1) * bs], block_size=bs, lora_id=None,
-                        medium=self.medium, lora_name=lora_name,
-                    ))
-                prev = h
+        # One BlockStored per run of consecutive newly cached blocks. Blocks already cached,
+        # or computed concurrently by another sequence (the first copy stays cached), are skipped.
+        run_start: int | None = None
+        for i, (block, h) in enumerate(zip(blocks, hashes, strict=True)):
+            new = block.hash is None and h not in self._cached
+            if new:
+                block.hash = h
+                self._cached[h] = block
+                if run_start is None:
+                    run_start = i
+            if run_start is not None and (not new or i == len(blocks) - 1):
+                end = i + 1 if new else i
+                bs = self.block_size
+                self._events.append(BlockStored(
+                    block_hashes=hashes[run_start:end],
+                    parent_block_hash=hashes[run_start - 1] if run_start > 0 else parent_hash,
+                    token_ids=token_ids[run_start * bs:end * bs], block_size=bs, lora_id=None,
+                    medium=self.medium, lora_name=lora_name,
+                ))
+                run_start = None
 
     def take_events(self) -> list[KVEvent]:
         """Events since the previous call, oldest first."""

@@ -110,3 +110,19 @@ def test_a_fully_cached_prompt_still_computes_its_last_token() -> None:
     kv.cache_computed_blocks(a)
     # Both blocks are cached, but the logits of token 8 are needed: only one block is reused.
     assert len(kv.find_cached_prefix(seq(list(range(8)), "b"))) == 1
+
+
+def test_a_block_computed_twice_stays_cached_once_and_events_keep_their_parents() -> None:
+    pool = BlockPool(8, BS)
+    other = pool.allocate(1)
+    pool.cache_blocks(other, [22], 11, list(range(4, 8)), None)
+    pool.take_events()
+    mine = pool.allocate(3)
+    pool.cache_blocks(mine, [11, 22, 33], None, list(range(12)), "a")
+    assert pool.lookup(22) is other[0] and mine[1].hash is None
+    assert pool.take_events() == [
+        BlockStored(block_hashes=[11], parent_block_hash=None, token_ids=[0, 1, 2, 3], block_size=BS,
+                    lora_id=None, medium="GPU", lora_name="a"),
+        BlockStored(block_hashes=[33], parent_block_hash=22, token_ids=[8, 9, 10, 11], block_size=BS,
+                    lora_id=None, medium="GPU", lora_name="a"),
+    ]
