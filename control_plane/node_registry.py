@@ -7,10 +7,12 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from control_plane import weight_registry
 from control_plane.db.models import Node
 from control_plane.errors import BadRequest, NotFound
 from control_plane.routing_table import bump_version, current_version
 from meridian.contracts import (
+    ColdStart,
     NodeHeartbeat,
     NodeLoad,
     NodeRegistration,
@@ -69,7 +71,11 @@ def heartbeat(session: Session, node_id: str, hb: NodeHeartbeat, now: datetime) 
     if hb.models:
         node.models = list(hb.models)
     node.load = hb.load.model_dump()
+    if hb.cold_start is not None:
+        node.cold_start = hb.cold_start.model_dump()
     node.last_heartbeat = now
+    if hb.weights is not None:
+        weight_registry.sync_cached(session, node_id, hb.weights, now)
     session.flush()
     if _routing_fields(node) != before:
         return bump_version(session)
@@ -82,6 +88,7 @@ def deregister(session: Session, node_id: str) -> None:
     if node is None:
         return
     was_routed = node.status != NodeStatus.LOST.value
+    weight_registry.forget_node(session, node_id)
     session.delete(node)
     session.flush()
     if was_routed:
@@ -103,6 +110,8 @@ def list_nodes(session: Session) -> list[NodeView]:
             load=NodeLoad.model_validate(n.load),
             registered_at=n.registered_at,
             last_heartbeat=n.last_heartbeat,
+            cold_start=ColdStart.model_validate(n.cold_start) if n.cold_start else None,
+            weights=weight_registry.cached_digests(session, n.node_id),
         )
         for n in nodes
     ]

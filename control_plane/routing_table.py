@@ -7,9 +7,16 @@ from datetime import UTC, datetime
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from control_plane.db.models import ApiKey, Node, RoutingState
+from control_plane.db.models import ApiKey, Deployment, Node, RoutingState
 from control_plane.scopes import Scope
-from meridian.contracts import NodeStatus, RegionInfo, RoutingNode, RoutingTable, TenantEntry
+from meridian.contracts import (
+    DeploymentEntry,
+    NodeStatus,
+    RegionInfo,
+    RoutingNode,
+    RoutingTable,
+    TenantEntry,
+)
 
 # Set on a session whose transaction bumped the version, so the caller can wake
 # long-polls once it commits.
@@ -30,7 +37,7 @@ def bump_version(session: Session) -> int:
 
 
 def build_routing_table(session: Session, regions: dict[str, RegionInfo]) -> RoutingTable:
-    """Snapshot of what routers need: regions, live nodes and inference keys."""
+    """Snapshot of what routers need: regions, live nodes, inference keys and deployments."""
     # Read the version first: under READ COMMITTED the rows read afterwards are at least
     # as new as it, so a snapshot is never labelled newer than its content.
     version = current_version(session)
@@ -40,6 +47,7 @@ def build_routing_table(session: Session, regions: dict[str, RegionInfo]) -> Rou
     keys = session.scalars(
         select(ApiKey).where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.created_at, ApiKey.id)
     ).all()
+    deployments = session.scalars(select(Deployment).order_by(Deployment.model)).all()
     return RoutingTable(
         version=version,
         generated_at=datetime.now(UTC),
@@ -65,5 +73,9 @@ def build_routing_table(session: Session, regions: dict[str, RegionInfo]) -> Rou
             )
             for k in keys
             if Scope.INFERENCE.value in k.scopes
+        ],
+        deployments=[
+            DeploymentEntry(model=d.model, zone=d.zone, min_replicas=d.min_replicas, max_replicas=d.max_replicas)
+            for d in deployments
         ],
     )

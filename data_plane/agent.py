@@ -15,6 +15,7 @@ from importlib.metadata import PackageNotFoundError, version
 import httpx
 
 from meridian.contracts import (
+    ColdStart,
     NodeHeartbeat,
     NodeLoad,
     NodeRegistered,
@@ -73,6 +74,8 @@ class NodeAgent:
         models: list[str],
         status: Callable[[], NodeStatus],
         load: Callable[[], NodeLoad],
+        weights: Callable[[], list[str]] | None = None,
+        cold_start: Callable[[], ColdStart] | None = None,
         retry_base_s: float = 0.5,
         retry_max_s: float = 10.0,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -85,6 +88,8 @@ class NodeAgent:
         self._models = list(models)
         self._status = status
         self._load = load
+        self._weights = weights
+        self._cold_start = cold_start
         self._retry_base_s = retry_base_s
         self._retry_max_s = retry_max_s
         self._transport = transport
@@ -210,7 +215,11 @@ class NodeAgent:
     async def _heartbeat(self) -> bool:
         """Send one heartbeat; False when the control plane no longer knows this node."""
         assert self._client is not None
-        beat = NodeHeartbeat(status=self._status(), load=self._load(), models=self._models)
+        beat = NodeHeartbeat(
+            status=self._status(), load=self._load(), models=self._models,
+            weights=self._weights() if self._weights is not None else None,
+            cold_start=self._cold_start() if self._cold_start is not None else None,
+        )
         resp = await self._client.post(
             f"/v1/nodes/{self.node_id}/heartbeat", json=beat.model_dump(mode="json")
         )

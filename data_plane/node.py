@@ -93,8 +93,8 @@ def _configure_logging() -> None:
 
 def serve(settings: NodeSettings) -> None:
     """Load the checkpoint, serve it until SIGTERM/SIGINT, drain, and return."""
-    if settings.model_dir is None:
-        raise ValueError("model_dir is required to run a node")
+    if settings.model_dir is None and settings.model_uri is None:
+        raise ValueError("a node needs model_dir or model_uri")
     _configure_logging()
     sock = bind_socket(settings.host, settings.port)
     settings = settings.model_copy(update={"port": sock.getsockname()[1]})

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
-from data_plane.agent import NodeAgent
+from data_plane.agent import NodeAgent, default_node_id
 from data_plane.engine.base import Engine
 from data_plane.kv_events import ZmqEventPublisher, create_publisher
 from data_plane.lifecycle import NodeLifecycle
-from meridian.contracts import NodeLoad
+from data_plane.weights.node_weights import NodeWeights
+from meridian.contracts import ColdStart, NodeLoad
 from meridian.settings import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -34,12 +36,19 @@ class NodeRuntime:
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.load_error: BaseException | None = None
         self._loading: asyncio.Task[None] | None = None
+        # With model_uri, the model is pulled into the weight cache before the engine loads.
+        self.weights = NodeWeights(settings, node_id=default_node_id(settings)) if settings.model_uri else None
+        # Seconds from start() to each step: the node's cold-start timeline.
+        self.cold_start = ColdStart()
+        self._started_at: float | None = None
         if agent is None and settings.control_plane_url:
             agent = NodeAgent(
                 settings,
                 models=engine.models(),
                 status=lambda: self.lifecycle.node_status,
                 load=self.load,
+                weights=(lambda: list(self.weights.digests)) if self.weights is not None else None,
+                cold_start=lambda: self.cold_start,
             )
         self.agent = agent
         self._drain: asyncio.Task[None] | None = None
@@ -60,6 +69,10 @@ class NodeRuntime:
         The HTTP server is up meanwhile, answering /health with 503 "loading", so
         orchestrators and routers can tell a loading node from a dead one.
         """
+        if self._started_at is None:
+            self._started_at = time.monotonic()
+        if self.weights is not None:
+            await self.weights.scan()
         if self.agent is not None:
             await self.agent.start()
         if self._loading is None:
@@ -72,12 +85,22 @@ class NodeRuntime:
         if self.load_error is not None:
             raise self.load_error
 
+    def _step(self, **update: object) -> None:
+        since = time.monotonic() - (self._started_at or time.monotonic())
+        self.cold_start = self.cold_start.model_copy(update={k: since if v is None else v for k, v in update.items()})
+
     async def _load(self) -> None:
         try:
+            if self.weights is not None:
+                report = await self.weights.prepare()
+                self._step(weights_cached_s=None, weights_source=report.source, fetched_bytes=report.fetched_bytes)
+                if self.agent is not None:
+                    self.agent.notify()  # peers may fetch from this node now
             if self.settings.kv_events_endpoint and self.kv_events is None:
                 self.kv_events = await asyncio.to_thread(create_publisher, self.settings)
                 self.engine.set_kv_event_sink(self.kv_events)
             await self.engine.start()
+            self._step(loaded_s=None)
         except Exception as exc:
             log.exception("the model failed to load")
             self.load_error = exc
@@ -89,9 +112,10 @@ class NodeRuntime:
             # Engines that supervise a child (vLLM) report when it cannot be kept alive.
             self.engine.on_fatal = self._engine_failed
         self.lifecycle.mark_ready()
+        self._step(ready_s=None)
         if self.agent is not None:
             self.agent.notify()
-        log.info("node ready, serving %s", ", ".join(self.engine.models()))
+        log.info("node ready in %.2fs, serving %s", self.cold_start.ready_s or 0.0, ", ".join(self.engine.models()))
 
     def _engine_failed(self, exc: BaseException) -> None:
         log.error("the engine failed for good: %s", exc)
@@ -142,4 +166,6 @@ class NodeRuntime:
         kv_events, self.kv_events = self.kv_events, None
         if kv_events is not None:
             await asyncio.to_thread(kv_events.close)
+        if self.weights is not None:
+            await self.weights.aclose()
         self.lifecycle.mark_stopped()

@@ -13,17 +13,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from meridian.contracts import HEADER_REQUEST_ID, ModelCard, ModelList
+from meridian.contracts import HEADER_REQUEST_ID, HEADER_SCALE_WAIT_MS, ModelCard, ModelList
 from meridian.settings import RouterSettings
 
 from .auth import authenticate
-from .errors import RouterError, RoutingTableUnavailable, install_error_handlers
+from .errors import (
+    ModelNotFound,
+    NoHealthyReplica,
+    NoReplicaInZone,
+    RouterError,
+    RoutingTableUnavailable,
+    install_error_handlers,
+)
 from .health import FleetState, InProcessFleetState
 from .locate import locate_client
 from .metrics import RouterMetrics
 from .proxy import UpstreamForwarder
 from .redis_fleet import RedisFleetState
 from .request import parse_inference_request, read_body, request_id_for
+from .scale_from_zero import ScaleFromZero, ScaleUpClient, awaiting_scale_up, deployed_models
 from .selection import (
     RoutingContext,
     RoutingPolicy,
@@ -50,6 +58,7 @@ class RouterState:
     policy: RoutingPolicy
     metrics: RouterMetrics
     forwarder: UpstreamForwarder
+    scale_from_zero: ScaleFromZero
 
     def table(self) -> LoadedTable:
         loaded = self.table_source.current()
@@ -91,6 +100,7 @@ def create_app(
         policy=create_policy(settings.routing_policy, settings),
         metrics=metrics,
         forwarder=UpstreamForwarder(settings, fleet_state, metrics),
+        scale_from_zero=ScaleFromZero(settings, source, metrics, ScaleUpClient(settings, metrics)),
     )
 
     @asynccontextmanager
@@ -103,6 +113,7 @@ def create_app(
                 yield
             finally:
                 await source.stop()
+                await state.scale_from_zero.aclose()
                 await state.forwarder.aclose()
         finally:
             if shared_fleet is not None:
@@ -124,7 +135,9 @@ def create_app(
     async def list_models(request: Request) -> JSONResponse:
         loaded = state.table()
         tenant = authenticate(loaded, request.headers.get("authorization"))
-        cards = [ModelCard(id=m) for m in models_for(loaded, tenant)]
+        # A deployed model is listed while scaled to zero: a request for it starts a replica.
+        names = set(models_for(loaded, tenant)) | set(deployed_models(loaded, tenant))
+        cards = [ModelCard(id=m) for m in sorted(names)]
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/health")
@@ -155,7 +168,21 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
             state.settings.default_client_location,
             loaded.regions,
         )
-        candidates = select_candidates(loaded, tenant, inference.model, state.fleet, location)
+        queued_s = 0.0
+        try:
+            candidates = select_candidates(loaded, tenant, inference.model, state.fleet, location)
+        except (ModelNotFound, NoHealthyReplica, NoReplicaInZone):
+            if awaiting_scale_up(loaded, tenant, inference.model) is None:
+                raise
+            held_at = time.perf_counter()
+            candidates = await state.scale_from_zero.hold(
+                tenant,
+                inference.model,
+                location,
+                lambda table: select_candidates(table, tenant, inference.model, state.fleet, location),
+                request.receive,
+            )
+            queued_s = time.perf_counter() - held_at
         ctx = RoutingContext(
             tenant=tenant,
             model=inference.model,
@@ -165,14 +192,18 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
             payload=inference.payload,
         )
         ordered = state.policy.order(candidates, ctx)
-        return await state.forwarder.forward(
+        response = await state.forwarder.forward(
             route,
             inference,
             ordered,
             request_id,
             received_at,
             exhausted=exhausted_error(tenant, inference.model),
+            queued_s=queued_s,
         )
+        if queued_s:
+            response.headers[HEADER_SCALE_WAIT_MS] = f"{queued_s * 1000:.0f}"
+        return response
     except RouterError as exc:
         state.metrics.requests.labels("", "", str(exc.status)).inc()
         raise

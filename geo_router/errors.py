@@ -122,6 +122,43 @@ class RoutingTableUnavailable(RouterError):
         super().__init__("The router has not loaded a routing table yet. Retry later.")
 
 
+class ScaleFromZeroTimeout(RouterError):
+    status = 503
+    type_ = "service_unavailable_error"
+    code = "model_scaling_from_zero"
+
+    def __init__(self, model: str, waited_s: float, retry_after_s: int) -> None:
+        super().__init__(
+            f"Model `{model}` is scaling up from zero replicas and none became ready within "
+            f"{waited_s:g} seconds. Retry in {retry_after_s} seconds.",
+            headers={"retry-after": str(retry_after_s)},
+        )
+
+
+class ScaleFromZeroQueueFull(RouterError):
+    status = 503
+    type_ = "service_unavailable_error"
+    code = "scale_from_zero_queue_full"
+
+    def __init__(self, model: str, limit: int, retry_after_s: int) -> None:
+        super().__init__(
+            f"Model `{model}` is scaling up from zero replicas and {limit} requests already "
+            f"wait for it. Retry in {retry_after_s} seconds.",
+            headers={"retry-after": str(retry_after_s)},
+        )
+
+
+class ClientClosedRequest(RouterError):
+    """The client went away while its request waited; nobody reads this answer."""
+
+    status = 499
+    type_ = "invalid_request_error"
+    code = "client_closed_request"
+
+    def __init__(self) -> None:
+        super().__init__("The client closed the connection while the request waited.")
+
+
 def error_response(exc: RouterError, request_id: str | None = None) -> JSONResponse:
     """Render a RouterError as OpenAI's error JSON."""
     headers = dict(exc.headers)

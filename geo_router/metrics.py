@@ -46,6 +46,36 @@ class RouterMetrics:
             buckets=_OVERHEAD_BUCKETS,
             registry=self.registry,
         )
+        self.scale_queued = Gauge(
+            "meridian_router_scale_from_zero_queued",
+            "Requests held while their model scales up from zero replicas.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.scale_up_requests = Counter(
+            "meridian_router_scale_up_requests",
+            "Scale-up requests sent to the control plane, by outcome (ok, not_found, error).",
+            ["model", "outcome"],
+            registry=self.registry,
+        )
+        self.scale_timeouts = Counter(
+            "meridian_router_scale_from_zero_timeouts",
+            "Held requests answered 503 because no replica became ready in time.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.scale_rejected = Counter(
+            "meridian_router_scale_from_zero_rejected",
+            "Requests answered 503 at once because the model's scale-from-zero queue was full.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.scale_wait = Histogram(
+            "meridian_router_scale_from_zero_wait_seconds",
+            "How long held requests waited before a replica turned ready.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         version = Gauge(
             "meridian_router_routing_table_version",
             "Version of the routing table in use (-1 before one is loaded).",

@@ -232,14 +232,17 @@ class UpstreamForwarder:
         request_id: str,
         received_at: float,
         exhausted: RouterError,
+        queued_s: float = 0.0,
     ) -> Response:
         """Answer `request` from the first candidate that works; `exhausted` when none does.
 
-        `received_at` is `time.perf_counter()` when the request body had been read.
+        `received_at` is `time.perf_counter()` when the request body had been read;
+        `queued_s` is how long it then waited for a replica (scale-from-zero), which is
+        not router overhead.
         """
         s = self._settings
         deadline = asyncio.get_running_loop().time() + s.request_timeout_s
-        upstream_wait = 0.0
+        upstream_wait = queued_s
         previous: Candidate | None = None
         for candidate in list(candidates)[: s.max_attempts]:
             if previous is not None:

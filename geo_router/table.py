@@ -12,14 +12,14 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
 from pydantic import ValidationError
 
-from meridian.contracts import RegionInfo, RoutingTable, TenantEntry
+from meridian.contracts import DeploymentEntry, RegionInfo, RoutingTable, TenantEntry
 from meridian.settings import RouterSettings
 
 from .snapshot import read_snapshot, write_snapshot
@@ -36,6 +36,7 @@ class LoadedTable:
     table: RoutingTable
     regions: Mapping[str, RegionInfo]
     tenants: Mapping[str, TenantEntry]  # by key hash
+    deployments: Mapping[str, DeploymentEntry]  # by model
 
     @classmethod
     def build(cls, table: RoutingTable) -> LoadedTable:
@@ -43,6 +44,7 @@ class LoadedTable:
             table=table,
             regions={r.name: r for r in table.regions},
             tenants={t.key_hash: t for t in table.tenants},
+            deployments={d.model: d for d in table.deployments},
         )
 
     @property
@@ -50,11 +52,26 @@ class LoadedTable:
         return self.table.version
 
 
+TableListener = Callable[[LoadedTable], None]
+
+
+def _notify(listeners: list[TableListener], loaded: LoadedTable) -> None:
+    for listener in listeners:
+        try:
+            listener(loaded)
+        except Exception:  # noqa: BLE001 - a broken listener must not stop table updates
+            log.exception("routing-table listener %r failed", listener)
+
+
 class TableSource(Protocol):
     """Where the router gets its routing table from."""
 
     def current(self) -> LoadedTable | None:
         """The latest table, or None while none has been loaded."""
+        ...
+
+    def add_listener(self, listener: TableListener) -> None:
+        """Call `listener` (on the event loop, must not block) with each table installed."""
         ...
 
     async def start(self) -> None: ...
@@ -67,13 +84,18 @@ class StaticTableSource:
 
     def __init__(self, table: RoutingTable | None = None) -> None:
         self._loaded = LoadedTable.build(table) if table is not None else None
+        self._listeners: list[TableListener] = []
 
     def current(self) -> LoadedTable | None:
         return self._loaded
 
+    def add_listener(self, listener: TableListener) -> None:
+        self._listeners.append(listener)
+
     def set(self, table: RoutingTable) -> None:
         """Replace the table, as a new control-plane version would."""
         self._loaded = LoadedTable.build(table)
+        _notify(self._listeners, self._loaded)
 
     async def start(self) -> None:
         return None
@@ -106,9 +128,13 @@ class RoutingTableClient:
             transport=transport,
         )
         self._updated = asyncio.Event()
+        self._listeners: list[TableListener] = []
 
     def current(self) -> LoadedTable | None:
         return self._loaded
+
+    def add_listener(self, listener: TableListener) -> None:
+        self._listeners.append(listener)
 
     async def start(self) -> None:
         """Fetch the table once (or fall back to the snapshot), then keep it fresh."""
@@ -209,6 +235,7 @@ class RoutingTableClient:
         previous = self._loaded.version if self._loaded else None
         self._loaded = LoadedTable.build(table)
         self._updated.set()
+        _notify(self._listeners, self._loaded)
         if previous != table.version:
             log.info(
                 "routing table version %s -> %d (%d nodes, %d tenants)",

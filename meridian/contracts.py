@@ -89,12 +89,55 @@ class NodeRegistered(_Wire):
     ttl_s: float
 
 
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ColdStart(_Wire):
+    """How long this node took from agent start to each step of its start, in seconds
+    (None until the step is reached), and where its weights came from."""
+
+    weights_cached_s: float | None = Field(None, ge=0)
+    loaded_s: float | None = Field(None, ge=0)
+    ready_s: float | None = Field(None, ge=0)
+    # "cache" (already on disk), "peer", "origin" or "peer+origin".
+    weights_source: str | None = Field(None, max_length=32)
+    fetched_bytes: int = Field(0, ge=0)
+
+
 class NodeHeartbeat(_Wire):
     """Periodic liveness + load report from a node."""
 
     status: NodeStatus
     load: NodeLoad = NodeLoad()
     models: list[ModelName] = Field(default_factory=list, max_length=64)
+    # Manifest digests of the models in the node's weight cache, which same-region peers
+    # may fetch from it; None leaves what the control plane knows unchanged.
+    weights: list[Sha256Hex] | None = Field(None, max_length=1024)
+    cold_start: ColdStart | None = None
+
+
+class WeightSourcesRequest(_Wire):
+    """A node about to fetch a model asks which same-region peers can serve it."""
+
+    node_id: NodeId
+    # The model's residency zone (from its manifest) and where its origin stores it.
+    zone: ZoneName = GLOBAL_ZONE
+    origin_region: RegionName | None = None
+
+
+class WeightPeer(_Wire):
+    node_id: NodeId
+    url: str
+    # "cached": has every byte; "fetching": downloading now and serves chunks as they land.
+    state: Literal["cached", "fetching"]
+
+
+class WeightSources(_Wire):
+    """Peers to fetch from, best first. The asking node is recorded as fetching, so the
+    next node of its region is sent to it instead of to the origin."""
+
+    peers: list[WeightPeer]
+    node_zones: list[ZoneName]
 
 
 class HeartbeatAck(_Wire):
@@ -143,6 +186,8 @@ class RoutingTable(_Wire):
     regions: list[RegionInfo]
     nodes: list[RoutingNode]
     tenants: list[TenantEntry]
+    # Deployments a router may ask to scale up (scale-from-zero); absent in old snapshots.
+    deployments: list[DeploymentEntry] = Field(default_factory=list)
 
 
 class NodeView(_Wire):
@@ -159,6 +204,8 @@ class NodeView(_Wire):
     load: NodeLoad
     registered_at: datetime
     last_heartbeat: datetime
+    cold_start: ColdStart | None = None
+    weights: list[str] = Field(default_factory=list)
 
 
 # --- OpenAI-compatible listing and errors ---------------------------------------------
@@ -218,3 +265,52 @@ class Problem(BaseModel):
     status: int
     detail: str | None = None
     errors: list[dict[str, Any]] | None = None
+
+
+# --- deployments and scale-from-zero ---------------------------------------------------
+
+# Response header: how long the router held a request while its model scaled from zero.
+HEADER_SCALE_WAIT_MS = "x-meridian-scale-wait-ms"
+
+
+class DeploymentEntry(_Wire):
+    """A deployment as routers see it: a model, where its replicas may run, how far it scales.
+
+    A router holds requests for a deployed model that has no ready replica (min_replicas
+    may be 0) and asks the control plane to scale it up, instead of answering at once.
+    """
+
+    model: ModelName
+    zone: ZoneName
+    min_replicas: int = Field(ge=0)
+    max_replicas: int = Field(ge=1)
+
+
+class DeploymentView(_Wire):
+    """A deployment as the admin API, `meridian status` and scalers see it."""
+
+    model: ModelName
+    zone: ZoneName
+    min_replicas: int = Field(ge=0)
+    max_replicas: int = Field(ge=1)
+    desired_replicas: int = Field(ge=0)
+    # The last scale-up request: when, why, and the region of the client that waited.
+    last_scale_request_at: datetime | None = None
+    last_scale_reason: str | None = None
+    last_scale_region: RegionName | None = None
+    created_at: datetime
+    updated_at: datetime
+
+
+class ScaleUpRequest(_Wire):
+    """A router asking the control plane for at least one replica of a deployment."""
+
+    reason: str = Field("scale-from-zero", min_length=1, max_length=200)
+    queued_requests: int = Field(0, ge=0)
+    # Where the waiting client is and which zone its tenant is confined to: hints for
+    # placing the replica where it can serve the requests that wait.
+    client_region: RegionName | None = None
+    zone: ZoneName | None = None
+
+
+RoutingTable.model_rebuild()

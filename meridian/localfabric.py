@@ -4,6 +4,11 @@ Control plane (SQLite), geo router and one data-plane node per region, each a se
 `python -m meridian …` process, started in dependency order and stopped in reverse:
 nodes drain first, then the router, then the control plane. Nothing here imports a
 plane: processes are started through the CLI and spoken to over HTTP only.
+
+Deployments declared in the spec are created in the control plane; with one declared, a
+small local scaler (a thread) starts a node whenever a deployment's desired_replicas
+exceeds the nodes it has, which is how scale-from-zero works on one machine. It never
+stops nodes: scaling down and real provider drivers belong to the reconciler.
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
+import re
 import secrets
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,7 +32,10 @@ from pathlib import Path
 
 import httpx
 
+from meridian.contracts import GLOBAL_ZONE, DeploymentView, RegionInfo
 from meridian.security import generate_api_key
+
+logger = logging.getLogger(__name__)
 
 DEMO_REGIONS = ("aws:us-east-1", "gcp:europe-west4", "onprem:tokyo-1")
 DEMO_MODEL = "tiny-llama"
@@ -60,9 +71,22 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+@dataclass(frozen=True)
+class LocalDeployment:
+    """A deployment created at start-up, served from the fabric's tiny checkpoint.
+
+    With min_replicas=0 it has no node until a router asks for one (scale-from-zero).
+    """
+
+    model_name: str
+    zone: str = GLOBAL_ZONE
+    min_replicas: int = 0
+    max_replicas: int = 1
+
+
 @dataclass
 class FabricSpec:
-    """What to start. Ports of 0 mean "pick a free one"."""
+    """What to start. Ports of 0 mean "pick a free one"; `regions` may be empty."""
 
     work_dir: Path
     regions: tuple[str, ...] = DEMO_REGIONS
@@ -77,6 +101,10 @@ class FabricSpec:
     default_client_location: str = "aws:us-east-1"
     drain_timeout_s: float = 10.0
     start_timeout_s: float = 180.0
+    deployments: tuple[LocalDeployment, ...] = ()
+    # Run the local scaler when deployments are declared, polling the control plane this often.
+    local_scaler: bool = True
+    scaler_interval_s: float = 0.5
 
 
 @dataclass
@@ -87,6 +115,7 @@ class Proc:
     log: Path
     region: str | None = None
     node_id: str | None = None
+    model: str | None = None
 
 
 @dataclass
@@ -105,6 +134,10 @@ def _node_id(region: str) -> str:
     return "node-" + region.replace(":", "-")
 
 
+def _slug(text: str, limit: int) -> str:
+    return re.sub(r"[^a-z0-9.-]+", "-", text.lower()).strip("-.")[:limit] or "x"
+
+
 class LocalFabric:
     """Starts and stops a local fabric; use as a context manager so it always stops."""
 
@@ -112,6 +145,11 @@ class LocalFabric:
         self.spec = spec
         self._on_step = on_step or (lambda _msg: None)
         self._procs: list[Proc] = []
+        # The scaler thread starts nodes while the caller may kill or stop them.
+        self._lock = threading.RLock()
+        self._scaler: threading.Thread | None = None
+        self._scaler_stop = threading.Event()
+        self._scaled = 0
         self.info: FabricInfo | None = None
         self._cluster_token = secrets.token_urlsafe(32)
         self._admin_key = generate_api_key()
@@ -126,7 +164,13 @@ class LocalFabric:
 
     @property
     def processes(self) -> list[Proc]:
-        return list(self._procs)
+        with self._lock:
+            return list(self._procs)
+
+    def scaled_nodes(self, model: str | None = None) -> list[Proc]:
+        """Nodes the local scaler started (for `model`, when given)."""
+        with self._lock:
+            return [p for p in self._procs if p.name.startswith("scaled-") and model in (None, p.model)]
 
     def start(self) -> FabricInfo:
         """Start everything and wait until the router serves the model in every region."""
@@ -137,6 +181,7 @@ class LocalFabric:
             model_dir = self._ensure_model()
             cp = self._start_control_plane()
             keys = self._create_keys(cp.url)
+            self._create_deployments(cp.url)
             for i, region in enumerate(spec.regions):
                 port = spec.node_ports[i] if i < len(spec.node_ports) else 0
                 self._start_node(region, model_dir, cp.url, port)
@@ -151,6 +196,11 @@ class LocalFabric:
             )
             self._wait_serving()
             self._write_state()
+            if spec.deployments and spec.local_scaler:
+                self._scaler = threading.Thread(
+                    target=self._run_scaler, args=(model_dir, cp.url), name="local-scaler", daemon=True
+                )
+                self._scaler.start()
             return self.info
         except BaseException:
             self.stop()
@@ -158,8 +208,13 @@ class LocalFabric:
 
     def stop(self, on_stopped: Callable[[str], None] | None = None) -> None:
         """Drain nodes (SIGTERM), then stop the router and the control plane; kill stragglers."""
-        nodes = [p for p in self._procs if p.region]
-        others = [p for p in reversed(self._procs) if not p.region]
+        self._scaler_stop.set()
+        if self._scaler is not None:
+            self._scaler.join(timeout=30)
+            self._scaler = None
+        with self._lock:
+            nodes = [p for p in self._procs if p.region]
+            others = [p for p in reversed(self._procs) if not p.region]
         for group, grace in ((nodes, self.spec.drain_timeout_s + 5), *(([p], 10.0) for p in others)):
             for p in group:
                 if p.popen.poll() is None:
@@ -174,11 +229,12 @@ class LocalFabric:
                     p.popen.wait(timeout=10)
                 if on_stopped:
                     on_stopped(p.name)
-        self._procs.clear()
+        with self._lock:
+            self._procs.clear()
 
     def kill_node(self, region: str, sig: signal.Signals = signal.SIGKILL) -> None:
         """Fault injection: signal the node of a region (SIGKILL by default) and reap it."""
-        for p in self._procs:
+        for p in self.processes:
             if p.region == region:
                 p.popen.send_signal(sig)
                 if sig in (signal.SIGKILL, signal.SIGTERM):
@@ -223,16 +279,75 @@ class LocalFabric:
                 keys[zone] = r.json()["key"]
         return keys
 
-    def _start_node(self, region: str, model_dir: Path, cp_url: str, port: int) -> Proc:
+    def _create_deployments(self, cp_url: str) -> None:
+        headers = {"authorization": f"Bearer {self._admin_key}"}
+        with httpx.Client(base_url=cp_url, headers=headers, timeout=10.0) as http:
+            for d in self.spec.deployments:
+                r = http.put(f"/v1/deployments/{d.model_name}", json={
+                    "zone": d.zone, "min_replicas": d.min_replicas, "max_replicas": d.max_replicas,
+                })
+                if r.status_code not in (200, 201):
+                    raise FabricError(f"creating deployment {d.model_name} failed: {r.status_code} {r.text}")
+
+    def _start_node(self, region: str, model_dir: Path, cp_url: str, port: int,
+                    model_name: str | None = None, node_id: str | None = None) -> Proc:
         port = _port_or_free(port, self.spec.host)
-        node_id = _node_id(region)
-        args = ["node", "run", "--model-dir", str(model_dir), "--model-name", self.spec.model_name,
+        model_name = model_name or self.spec.model_name
+        node_id = node_id or _node_id(region)
+        args = ["node", "run", "--model-dir", str(model_dir), "--model-name", model_name,
                 "--region", region, "--node-id", node_id, "--host", self.spec.host,
                 "--port", str(port), "--control-plane-url", cp_url]
         env = {"MERIDIAN_NODE_DRAIN_TIMEOUT_S": str(self.spec.drain_timeout_s)}
         p = self._spawn(node_id, args, env, f"http://{self.spec.host}:{port}")
-        p.region, p.node_id = region, node_id
+        p.region, p.node_id, p.model = region, node_id, model_name
         return p
+
+    # -- local scaler ----------------------------------------------------------------
+
+    def _run_scaler(self, model_dir: Path, cp_url: str) -> None:
+        """Until stop(): start nodes for deployments that want more than they have.
+
+        Nodes are spawned from this thread, so their parent-death signal fires when it
+        ends; it ends only in stop(), which stops those nodes anyway.
+        """
+        headers = {"authorization": f"Bearer {self._admin_key}"}
+        regions: list[RegionInfo] = []
+        with httpx.Client(base_url=cp_url, headers=headers, timeout=5.0) as http:
+            while not self._scaler_stop.wait(self.spec.scaler_interval_s):
+                try:
+                    if not regions:
+                        regions = [RegionInfo.model_validate(r) for r in http.get("/v1/regions").json()]
+                    r = http.get("/v1/deployments")
+                    r.raise_for_status()
+                    for d in r.json():
+                        self._scale(DeploymentView.model_validate(d), regions, model_dir, cp_url)
+                except (httpx.HTTPError, ValueError) as exc:
+                    logger.warning("local scaler: %s: %s; trying again", type(exc).__name__, exc)
+
+    def _scale(self, d: DeploymentView, regions: list[RegionInfo], model_dir: Path, cp_url: str) -> None:
+        with self._lock:
+            if self._scaler_stop.is_set():
+                return
+            running = [p for p in self._procs if p.model == d.model and p.popen.poll() is None]
+            for _ in range(d.desired_replicas - len(running)):
+                region = self._place(d, regions)
+                if region is None:
+                    logger.warning("local scaler: no region suits deployment %s (zone %s)", d.model, d.zone)
+                    return
+                self._scaled += 1
+                node_id = f"scaled-{_slug(d.model, 40)}-{self._scaled}"
+                self._on_step(f"scaling {d.model} up: starting {node_id} in {region}")
+                self._start_node(region, model_dir, cp_url, 0, model_name=d.model, node_id=node_id)
+                self._write_state()
+
+    def _place(self, d: DeploymentView, regions: list[RegionInfo]) -> str | None:
+        """The region the last scale-up asked for, else the first region the zone allows
+        (the fabric's own regions first); a local process can stand in any region."""
+        allowed = {r.name for r in regions if d.zone == GLOBAL_ZONE or d.zone in r.zones}
+        if d.last_scale_region in allowed:
+            return d.last_scale_region
+        ordered = [*self.spec.regions, *sorted(allowed)]
+        return next((name for name in ordered if name in allowed), None)
 
     def _start_router(self, cp_url: str) -> Proc:
         port = _port_or_free(self.spec.router_port, self.spec.host)
@@ -250,6 +365,8 @@ class LocalFabric:
             self._wait_http(p, "/health")
         deadline = time.monotonic() + self.spec.start_timeout_s
         want = {p.node_id for p in self._procs if p.node_id}
+        # Without a node of its own the fabric serves nothing until something scales up.
+        must_serve = bool(self.spec.regions)
         headers = {"authorization": f"Bearer {self.info.admin_key}"}
         with httpx.Client(timeout=5.0) as http:
             while True:
@@ -259,8 +376,8 @@ class LocalFabric:
                     ready = {n["node_id"] for n in nodes if n["status"] == "ready"}
                     r = http.get(f"{self.info.router_url}/v1/models",
                                  headers={"authorization": f"Bearer {self.info.keys['global']}"})
-                    served = r.status_code == 200 and any(
-                        m["id"] == self.spec.model_name for m in r.json().get("data", []))
+                    served = not must_serve or (r.status_code == 200 and any(
+                        m["id"] == self.spec.model_name for m in r.json().get("data", [])))
                     if want <= ready and served:
                         return
                 if time.monotonic() > deadline:
@@ -275,7 +392,7 @@ class LocalFabric:
             "control_plane_url": self.info.control_plane_url,
             "admin_key": self.info.admin_key,
             "keys": self.info.keys,
-            "pids": {p.name: p.popen.pid for p in self._procs},
+            "pids": {p.name: p.popen.pid for p in self.processes},
         }
         path = self.spec.work_dir / "fabric.json"
         tmp = path.with_suffix(".tmp")
@@ -311,11 +428,12 @@ class LocalFabric:
                 start_new_session=True, preexec_fn=_die_with_parent,
             )
         p = Proc(name=name, popen=popen, url=url, log=log)
-        self._procs.append(p)
+        with self._lock:
+            self._procs.append(p)
         return p
 
     def _check_alive(self) -> None:
-        for p in self._procs:
+        for p in self.processes:
             if p.popen.poll() is not None:
                 tail = p.log.read_text(errors="replace")[-3000:] if p.log.exists() else ""
                 raise FabricError(f"{p.name} exited with code {p.popen.returncode}:\n{tail}")

@@ -83,6 +83,66 @@ class RouterSettings(BaseSettings):
     redis_timeout_s: float = Field(1.0, gt=0)
     # Keys are `<prefix>ejected:<node_id>` plus the index `<prefix>ejected`.
     fleet_key_prefix: str = "meridian:router:"
+    # Scale-from-zero: a request for a deployed model with no ready replica waits here
+    # (at most this many per model) while the control plane is asked to scale it up.
+    scale_from_zero_queue_size: int = Field(64, ge=1)
+    # A held request that sees no ready replica within this long gets 503 + Retry-After.
+    scale_from_zero_timeout_s: float = Field(120.0, gt=0)
+    # While requests wait, the scale-up request is repeated this often (it is idempotent).
+    scale_from_zero_reask_s: float = Field(15.0, gt=0)
+    # Retry-After (seconds) sent with a scale-from-zero 503 (queue full or deadline passed).
+    scale_from_zero_retry_after_s: int = Field(5, ge=1)
+    # Timeout of one scale-up call to the control plane.
+    scale_up_timeout_s: float = Field(5.0, gt=0)
+
+
+class WeightSettings(BaseSettings):
+    """The weight store and node cache, shared by nodes and `meridian model push/pull`
+    (`MERIDIAN_WEIGHTS_*`). Cloud credentials come from the clouds' usual variables."""
+
+    model_config = SettingsConfigDict(env_prefix="MERIDIAN_WEIGHTS_", extra="ignore")
+
+    # Content-addressed node cache; models are published here by atomic rename.
+    cache_dir: Path = Path(".meridian/weights")
+    # Disk the cache may take; least recently used models no deployment on the node
+    # uses are evicted to stay under it. None: only the free disk space limits it.
+    cache_budget_bytes: int | None = Field(None, gt=0)
+    # Digest granularity of manifests that `push` writes (fetches verify each chunk).
+    manifest_chunk_bytes: int = Field(16 * 1024 * 1024, ge=4096)
+    # Bytes per ranged GET (rounded to whole manifest chunks) and GETs in flight per
+    # node across all files. S3 guidance: 8-16 MB ranges, one connection per 50-90 MB/s.
+    range_bytes: int = Field(16 * 1024 * 1024, ge=4096)
+    concurrency: int = Field(16, ge=1, le=256)
+    # Per-range retries: exponential backoff from retry_base_s to retry_max_s, full jitter.
+    max_attempts: int = Field(5, ge=1, le=20)
+    retry_base_s: float = Field(0.2, gt=0)
+    retry_max_s: float = Field(5.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0)
+    # Longest silence while reading one range.
+    read_timeout_s: float = Field(60.0, gt=0)
+    # Ask the control plane for same-region peers before going to the origin.
+    peer_fetch: bool = True
+    # peer:// sources present the cluster token to other nodes' weight endpoints.
+    cluster_token: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("MERIDIAN_CLUSTER_TOKEN", "cluster_token")
+    )
+    # Largest range a node serves a peer in one response (bounds its memory per request).
+    peer_max_range_bytes: int = Field(64 * 1024 * 1024, ge=4096)
+    # S3 API: endpoint for non-AWS stores (MinIO, moto, R2); the bucket's region for
+    # SigV4 and for residency checks. Keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
+    # AWS_SESSION_TOKEN, as every AWS tool reads them.
+    s3_endpoint_url: str | None = None
+    s3_region: str = Field("us-east-1", validation_alias=AliasChoices("MERIDIAN_WEIGHTS_S3_REGION", "AWS_REGION", "s3_region"))
+    # Unset: anonymous requests (public buckets).
+    s3_access_key_id: str | None = Field(None, validation_alias=AliasChoices("AWS_ACCESS_KEY_ID", "s3_access_key_id"))
+    s3_secret_access_key: SecretStr | None = Field(None, validation_alias=AliasChoices("AWS_SECRET_ACCESS_KEY", "s3_secret_access_key"))
+    s3_session_token: SecretStr | None = Field(None, validation_alias=AliasChoices("AWS_SESSION_TOKEN", "s3_session_token"))
+    # GCS JSON API: endpoint for emulators; bearer token, else the metadata server's.
+    gcs_endpoint_url: str = "https://storage.googleapis.com"
+    gcs_token: SecretStr | None = Field(None, validation_alias=AliasChoices("MERIDIAN_WEIGHTS_GCS_TOKEN", "GOOGLE_OAUTH_ACCESS_TOKEN", "gcs_token"))
+    # Objects above this size are pushed to S3/GCS in parts of multipart_part_bytes.
+    multipart_threshold_bytes: int = Field(64 * 1024 * 1024, ge=5 * 1024 * 1024)
+    multipart_part_bytes: int = Field(64 * 1024 * 1024, ge=5 * 1024 * 1024)
 
 
 class NodeSettings(BaseSettings):
@@ -101,7 +161,11 @@ class NodeSettings(BaseSettings):
         None, validation_alias=AliasChoices("MERIDIAN_CLUSTER_TOKEN", "cluster_token")
     )
     model_dir: Path | None = None
-    # Name the model is served under; defaults to the checkpoint directory's name.
+    # Or where to fetch the model from (s3://, gs://, https://, file://, peer://): it is
+    # pulled into the weight cache (MERIDIAN_WEIGHTS_*) and served from there.
+    model_uri: str | None = None
+    # Name the model is served under; defaults to the checkpoint directory's (or the
+    # URI's last path segment's) name.
     model_name: str | None = None
     engine: str = "torch"
     device: str = "cpu"
@@ -132,6 +196,8 @@ class NodeSettings(BaseSettings):
     kv_events_topic: str = "kv-events"
     drain_timeout_s: float = Field(30.0, ge=0)
     control_plane_timeout_s: float = Field(5.0, gt=0)
+    # The weight store and cache (MERIDIAN_WEIGHTS_*), used when model_uri is set.
+    weights: WeightSettings = Field(default_factory=WeightSettings)
 
     # --- vLLM adapter (engine = "vllm"): `vllm serve` run as a supervised child -------
     # What starts vLLM, before its "serve" argument: a command line ("vllm",

@@ -7,12 +7,18 @@ MERIDIAN_REQUIRE_SERVICES=1 (as in CI), where they fail instead.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import uuid
-from collections.abc import Iterator
-from typing import NoReturn
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import pytest
 from sqlalchemy.engine import make_url
+
+if TYPE_CHECKING:
+    from bench.nginx import NginxServer
 
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -80,3 +86,142 @@ def redis_url() -> str:
     except redis.RedisError as e:
         _unavailable("Redis", url, e)
     return url
+
+
+# --- Weight origins: nginx, an S3 API (moto server mode), a GCS emulator --------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for_port(port: int, process: subprocess.Popen[bytes] | None, timeout_s: float) -> bool:
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            return False
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def nginx_server(tmp_path: Path) -> Iterator[Callable[..., NginxServer]]:
+    """Factory: `nginx_server(root, limit_rate=None)` starts Debian's nginx serving `root`
+    on a free loopback port (stopped after the test); skips when nginx is missing."""
+    from bench.nginx import NGINX_BIN, NginxServer, nginx_available
+
+    if not nginx_available():
+        _unavailable("nginx", NGINX_BIN, FileNotFoundError("not installed (apt-get install nginx)"))
+    started: list[NginxServer] = []
+
+    def start(root: Path, *, limit_rate: int | None = None) -> NginxServer:
+        server = NginxServer(root, tmp_path / f"nginx-{len(started)}", limit_rate=limit_rate)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_s3_server() -> Iterator[str]:
+    """Endpoint URL of moto's S3 API in server mode on a free loopback port (one per session)."""
+    try:
+        import moto.server  # noqa: F401
+    except ImportError as e:
+        _unavailable("moto server", "python -m moto.server", e)
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        if not _wait_for_port(port, process, 60):
+            _unavailable("moto server", f"127.0.0.1:{port}", RuntimeError("did not start"))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@pytest.fixture
+def moto_s3(moto_s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Endpoint URL of the moto S3 server, with fake AWS credentials and that endpoint
+    in the environment (so WeightSettings() talks to moto) for this test."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.delenv("MERIDIAN_WEIGHTS_S3_REGION", raising=False)
+    monkeypatch.setenv("MERIDIAN_WEIGHTS_S3_ENDPOINT_URL", moto_s3_server)
+    return moto_s3_server
+
+
+def create_s3_bucket(endpoint: str, bucket: str, access_key: str = "testing", secret: str = "testing") -> None:
+    """Create a bucket through the S3 API itself (a signed PUT /bucket)."""
+    import httpx
+
+    from data_plane.weights.origins.sigv4 import EMPTY_SHA256, AwsCredentials, sign_headers
+
+    url = f"{endpoint}/{bucket}"
+    headers = sign_headers(
+        "PUT", url, {}, AwsCredentials(access_key, secret), "us-east-1", payload_sha256=EMPTY_SHA256
+    )
+    httpx.put(url, headers=headers, timeout=SERVICE_TIMEOUT_S * 3).raise_for_status()
+
+
+@pytest.fixture
+def s3_bucket(moto_s3: str) -> str:
+    """Name of a fresh, empty bucket on the moto S3 server."""
+    bucket = f"meridian-{uuid.uuid4().hex[:12]}"
+    create_s3_bucket(moto_s3, bucket)
+    return bucket
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator() -> Iterator[str]:
+    """Endpoint URL of gcp-storage-emulator (GCS JSON API, in memory) on a free loopback port."""
+    try:
+        from gcp_storage_emulator.server import create_server
+    except ImportError as e:
+        _unavailable("gcp-storage-emulator", "gcp_storage_emulator", e)
+    port = _free_port()
+    server = create_server("127.0.0.1", port, in_memory=True)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Name of a fresh bucket on the GCS emulator, whose endpoint is put in the environment."""
+    import httpx
+
+    monkeypatch.setenv("MERIDIAN_WEIGHTS_GCS_ENDPOINT_URL", gcs_emulator)
+    monkeypatch.delenv("MERIDIAN_WEIGHTS_GCS_TOKEN", raising=False)
+    monkeypatch.delenv("GOOGLE_OAUTH_ACCESS_TOKEN", raising=False)
+    bucket = f"meridian-{uuid.uuid4().hex[:12]}"
+    httpx.post(
+        f"{gcs_emulator}/storage/v1/b", params={"project": "test"}, json={"name": bucket}, timeout=SERVICE_TIMEOUT_S * 3
+    ).raise_for_status()
+    return bucket

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, CheckConstraint, DateTime, Integer, MetaData, String
+from sqlalchemy import JSON, BigInteger, CheckConstraint, DateTime, ForeignKey, Integer, MetaData, String
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -66,6 +66,8 @@ class Node(Base):
     load: Mapped[dict[str, Any]] = mapped_column(JSON)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime())
     last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    # meridian.contracts.ColdStart of the node's last start, as it reported it.
+    cold_start: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class ApiKey(Base):
@@ -94,3 +96,46 @@ class RoutingState(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     version: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Deployment(Base):
+    """A model the fabric serves, where its replicas may run and how many it should have.
+
+    `desired_replicas` is what the fabric is asked to run; actuators (the local scaler,
+    later the reconciler and autoscaler) move the fleet towards it.
+    """
+
+    __tablename__ = "deployments"
+    __table_args__ = (
+        CheckConstraint("min_replicas >= 0", name="min_replicas_non_negative"),
+        CheckConstraint("max_replicas >= 1", name="max_replicas_positive"),
+        CheckConstraint("min_replicas <= max_replicas", name="min_le_max"),
+        CheckConstraint("desired_replicas >= 0 AND desired_replicas <= max_replicas", name="desired_in_range"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), unique=True, index=True)
+    zone: Mapped[str] = mapped_column(String(32))
+    min_replicas: Mapped[int] = mapped_column(Integer)
+    max_replicas: Mapped[int] = mapped_column(Integer)
+    desired_replicas: Mapped[int] = mapped_column(Integer)
+    last_scale_request_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    last_scale_reason: Mapped[str | None] = mapped_column(String(200), nullable=True)
+    last_scale_region: Mapped[str | None] = mapped_column(String(80), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class WeightReplica(Base):
+    """A node that holds (cached) or is downloading (fetching) a model's weights; peers
+    of its region fetch from it. Rows go with their node."""
+
+    __tablename__ = "weight_replicas"
+
+    digest: Mapped[str] = mapped_column(String(64), primary_key=True)
+    node_id: Mapped[str] = mapped_column(
+        String(63), ForeignKey("nodes.node_id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+    # "cached" or "fetching"
+    state: Mapped[str] = mapped_column(String(16))
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from data_plane.model.llama import LlamaConfig, LlamaForCausalLM
+from data_plane.model.safetensors_stream import SafetensorsError, SafetensorsHeader, stream_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -66,48 +67,69 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(
-    model_dir: Path, *, dtype: str | torch.dtype = "float32", device: str = "cpu"
+    model_dir: Path,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str = "cpu",
+    files: Iterable[Path] | None = None,
 ) -> LlamaForCausalLM:
-    """Load config and weights from a checkpoint directory, ready for inference."""
+    """Load config and weights from a checkpoint directory, ready for inference.
+
+    `files` (default: every weight file of `model_dir`) may yield shards as they finish
+    downloading; each is loaded while the next one is still on its way.
+    """
     raw = read_config(model_dir)
     config = LlamaConfig.from_hf(raw)
-    files = safetensors_files(model_dir)
-    names: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            names.update(f.keys())
-    if not config.attention_bias and any(n.endswith("self_attn.q_proj.bias") for n in names):
-        # Qwen2-style checkpoints carry q/k/v biases whether or not the config says so.
-        config = dataclasses.replace(config, attention_bias=True)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(
         dtype, str(raw.get("torch_dtype")) if raw.get("torch_dtype") else None
     )
     target = torch.device(device)
 
-    # Build on the meta device: no memory is allocated or randomly initialised for
-    # parameters that are about to be replaced by the checkpoint's tensors.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    expected = {name: p.shape for name, p in model.named_parameters()}
+    # Qwen2-style checkpoints carry q/k/v biases whether or not the config says so, and with
+    # shards still arriving that is known only at the end: check names and shapes against a
+    # model with biases, and build the real one once every tensor is in. Both are built on the
+    # meta device, so nothing is allocated or randomly initialised for parameters that are
+    # about to be replaced by the checkpoint's tensors.
+    with_bias = config if config.attention_bias else dataclasses.replace(config, attention_bias=True)
+    allowed = _parameter_shapes(with_bias)
+    seen: dict[str, str] = {}
+
+    def check(header: SafetensorsHeader) -> None:
+        for spec in header.tensors:
+            name, file = spec.name, header.path.name
+            if name in seen:
+                raise CheckpointError(f"tensor {name!r} is in both {seen[name]} and {file}")
+            seen[name] = file
+            if name not in allowed:
+                # Older checkpoints store the (recomputed) rotary frequencies.
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                raise CheckpointError(f"unexpected tensor {name!r} in {file}")
+            if spec.shape != tuple(allowed[name]):
+                raise CheckpointError(
+                    f"{name}: shape {spec.shape} != expected {tuple(allowed[name])} in {file}")
 
     state: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                if name not in expected:
-                    # Older checkpoints store the (recomputed) rotary frequencies.
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue
-                    raise CheckpointError(f"unexpected tensor {name!r} in {file.name}")
-                tensor = f.get_tensor(name)
-                if tensor.shape != expected[name]:
-                    raise CheckpointError(
-                        f"{name}: shape {tuple(tensor.shape)} != expected {tuple(expected[name])}"
-                    )
-                state[name] = tensor.to(device=target, dtype=torch_dtype)
+    try:
+        for name, tensor in stream_tensors(
+            safetensors_files(model_dir) if files is None else files, target, torch_dtype,
+            on_header=check,
+        ):
+            if name in allowed:
+                state[name] = tensor
+    except SafetensorsError as e:
+        raise CheckpointError(str(e)) from e
 
+    if not config.attention_bias and any(n.endswith("self_attn.q_proj.bias") for n in state):
+        config = with_bias
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = {name for name, _ in model.named_parameters()}
+    unexpected = sorted(set(state) - expected)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors (the config has no attention bias): {unexpected[:8]}")
     tied = config.tie_word_embeddings and "lm_head.weight" not in state
-    missing = sorted(set(expected) - set(state) - ({"lm_head.weight"} if tied else set()))
+    missing = sorted(expected - set(state) - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise CheckpointError(f"checkpoint lacks tensors: {missing[:8]}")
     model.load_state_dict(state, strict=False, assign=True)
@@ -116,3 +138,8 @@ def load_model(
     model.to(target)
     model.eval()
     return model
+
+
+def _parameter_shapes(config: LlamaConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        return {name: p.shape for name, p in LlamaForCausalLM(config).named_parameters()}

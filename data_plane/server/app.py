@@ -17,6 +17,7 @@ from data_plane.server.auth import internal_auth
 from data_plane.server.completions import CompletionService
 from data_plane.server.errors import install_error_handlers
 from data_plane.server.metrics import NodeMetrics
+from data_plane.weights.node_weights import with_model_uri
 from meridian.contracts import ModelList
 from meridian.settings import NodeSettings
 
@@ -28,6 +29,7 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
     `engine` defaults to create_engine(settings.engine, settings); the app owns its
     start and stop either way.
     """
+    settings = with_model_uri(settings)
     if engine is None:
         engine = create_engine(settings.engine, settings)
     runtime = NodeRuntime(settings, engine)
@@ -39,6 +41,7 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
             "enable_prefix_caching": str(settings.enable_prefix_caching),
         },
     )
+    metrics.track_cold_start(lambda: runtime.cold_start)
     service = CompletionService(runtime, metrics)
     started = int(time.time())
 
@@ -70,6 +73,10 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
     @app.get("/v1/models", dependencies=internal)
     async def list_models() -> ModelList:
         return await service.model_list(started)
+
+    if runtime.weights is not None:
+        # Same-region peers fetch this node's cached weights (cluster token, like routers).
+        app.include_router(runtime.weights.router(), dependencies=internal)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from data_plane.engine.base import EngineStats
+from meridian.contracts import ColdStart
 
 # vLLM's bucket boundaries, so histograms from both engines can be aggregated.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -71,6 +72,29 @@ class _EngineCollector(Collector):
             yield info
 
 
+class _ColdStartCollector(Collector):
+    def __init__(self, timeline: Callable[[], ColdStart]) -> None:
+        self._timeline = timeline
+
+    def collect(self) -> Iterator[Metric]:
+        t = self._timeline()
+        g = GaugeMetricFamily(
+            "meridian_node_cold_start_seconds",
+            "Seconds from agent start until the step (weights_cached, loaded, ready) was reached.",
+            labels=["step"],
+        )
+        for step, value in (("weights_cached", t.weights_cached_s), ("loaded", t.loaded_s), ("ready", t.ready_s)):
+            if value is not None:
+                g.add_metric([step], value)
+        yield g
+        fetched = CounterMetricFamily(
+            "meridian_node_weights_fetched_bytes", "Weight bytes this node fetched at start, by source.",
+            labels=["source"],
+        )
+        fetched.add_metric([t.weights_source or "none"], t.fetched_bytes)
+        yield fetched
+
+
 def _lora_info(s: EngineStats) -> Metric:
     """vLLM's `vllm:lora_requests_info`: the adapters of running and waiting requests as
     comma-joined label values, the gauge's value being when they were observed.
@@ -128,6 +152,10 @@ class NodeMetrics:
             ["model_name", "finished_reason"], registry=self.registry,
         )
         self.registry.register(_EngineCollector(model_name, stats, cache_config))
+
+    def track_cold_start(self, timeline: Callable[[], ColdStart]) -> None:
+        """Export the node's cold-start timeline (seconds from agent start to each step)."""
+        self.registry.register(_ColdStartCollector(timeline))
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from meridian.cli.admin_client import AdminAPIError, AdminClient
 from meridian.cli.status_view import status_table
-from meridian.settings import CLISettings, ControlPlaneSettings, NodeSettings, RouterSettings
+from meridian.settings import CLISettings, ControlPlaneSettings, NodeSettings, RouterSettings, WeightSettings
 
 app = typer.Typer(no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 control_plane_app = typer.Typer(no_args_is_help=True, help="The control plane (admin API, state, reconciler).")
@@ -86,6 +86,7 @@ def router_serve(
 @node_app.command("run")
 def node_run(
     model_dir: Annotated[Path | None, typer.Option(help="Checkpoint directory [MERIDIAN_NODE_MODEL_DIR]")] = None,
+    model_uri: Annotated[str | None, typer.Option(help="Pull the model from s3://, gs://, https://, file:// into the weight cache [MERIDIAN_NODE_MODEL_URI]")] = None,
     model_name: Annotated[str | None, typer.Option(help="Served model name [MERIDIAN_NODE_MODEL_NAME]")] = None,
     region: Annotated[str | None, typer.Option(help="e.g. aws:us-east-1 [MERIDIAN_NODE_REGION]")] = None,
     node_id: Annotated[str | None, typer.Option(help="[MERIDIAN_NODE_NODE_ID]")] = None,
@@ -98,7 +99,7 @@ def node_run(
     """Run a data-plane node: load the model, serve it, register with the control plane."""
     from data_plane.node import serve
 
-    serve(_settings(NodeSettings, model_dir=model_dir, model_name=model_name, region=region,
+    serve(_settings(NodeSettings, model_dir=model_dir, model_uri=model_uri, model_name=model_name, region=region,
                     node_id=node_id, host=host, port=port, advertise_url=advertise_url,
                     control_plane_url=control_plane_url, engine=engine))
 
@@ -141,6 +142,40 @@ def model_make_tiny_lora(
         err_console.print(f"[red]{e}[/red]")
         raise typer.Exit(1) from None
     console.print(f"wrote tiny LoRA adapter for {base_dir} to [bold]{out_dir}[/bold] (seed {seed}, rank {rank})")
+
+
+@model_app.command("push")
+def model_push(
+    model_dir: Annotated[Path, typer.Argument(help="Model directory (config, safetensors, tokenizer)")],
+    uri: Annotated[str, typer.Argument(help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")],
+    name: Annotated[str | None, typer.Option(help="Model name in the manifest (default: the directory's)")] = None,
+    zone: Annotated[str, typer.Option(help="Residency zone the weights may live in (eu, us, …) or global")] = "global",
+) -> None:
+    """Upload a model's files and its manifest (sizes, sha256, per-chunk digests)."""
+    from meridian.cli import weights_cmd
+
+    weights_cmd.push(model_dir, uri, _settings(WeightSettings), console, name=name, zone=zone)
+
+
+@model_app.command("pull")
+def model_pull(
+    uri: Annotated[str, typer.Argument(help="s3://…, gs://…, https://…, file://… or peer://host:port/<digest>")],
+    cache_dir: Annotated[Path | None, typer.Option(help="[MERIDIAN_WEIGHTS_CACHE_DIR]")] = None,
+) -> None:
+    """Fill the node cache with a model (verified, resumable, in parallel ranges)."""
+    from meridian.cli import weights_cmd
+
+    weights_cmd.pull(uri, _settings(WeightSettings, cache_dir=cache_dir), console)
+
+
+@model_app.command("cache")
+def model_cache(
+    cache_dir: Annotated[Path | None, typer.Option(help="[MERIDIAN_WEIGHTS_CACHE_DIR]")] = None,
+) -> None:
+    """List the models in the node cache."""
+    from meridian.cli import weights_cmd
+
+    console.print(weights_cmd.cache_table(_settings(WeightSettings, cache_dir=cache_dir)))
 
 
 # --- operating the fabric ---------------------------------------------------------------

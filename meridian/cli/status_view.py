@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 from rich.table import Table
 
-from meridian.contracts import NodeStatus, NodeView, RegionInfo
+from meridian.contracts import ColdStart, NodeStatus, NodeView, RegionInfo
 
 _STATUS_STYLE = {
     NodeStatus.READY: "green",
@@ -21,8 +21,9 @@ def status_table(regions: list[RegionInfo], nodes: list[NodeView], now: datetime
     now = now or datetime.now(UTC)
     by_region = {r.name: r for r in regions}
     table = Table(title="Meridian fabric", header_style="bold")
-    for col in ("Region", "Zones", "Node", "Health", "Models", "Running", "Waiting", "KV", "Heartbeat"):
-        table.add_column(col, justify="right" if col in ("Running", "Waiting", "KV", "Heartbeat") else "left")
+    numeric = ("Running", "Waiting", "KV", "Heartbeat")
+    for col in ("Region", "Zones", "Node", "Health", "Models", "Running", "Waiting", "KV", "Cold start", "Heartbeat"):
+        table.add_column(col, justify="right" if col in numeric else "left")
     for n in sorted(nodes, key=lambda n: (n.region, n.node_id)):
         region = by_region.get(n.region)
         zones = ",".join(region.zones) if region else "?"
@@ -37,8 +38,23 @@ def status_table(regions: list[RegionInfo], nodes: list[NodeView], now: datetime
             str(n.load.running),
             str(n.load.waiting),
             f"{n.load.kv_cache_usage:.0%}",
+            cold_start_cell(n.cold_start),
             f"{age:.0f}s ago",
         )
     if not nodes:
-        table.add_row("-", "-", "(no nodes registered)", "-", "-", "-", "-", "-", "-")
+        table.add_row("-", "-", "(no nodes registered)", "-", "-", "-", "-", "-", "-", "-")
     return table
+
+
+def cold_start_cell(c: ColdStart | None) -> str:
+    """"weights 1.2s (peer) → loaded 3.4s → ready 3.5s": the node's start, step by step."""
+    if c is None:
+        return "-"
+    steps = []
+    if c.weights_cached_s is not None:
+        steps.append(f"weights {c.weights_cached_s:.1f}s ({c.weights_source or '?'})")
+    if c.loaded_s is not None:
+        steps.append(f"loaded {c.loaded_s:.1f}s")
+    if c.ready_s is not None:
+        steps.append(f"ready {c.ready_s:.1f}s")
+    return " → ".join(steps) or "starting"

@@ -13,7 +13,8 @@ from control_plane.db import migrate
 from control_plane.db.engine import make_engine
 from control_plane.db.models import Base
 
-TABLES = {"nodes", "api_keys", "routing_state"}
+TABLES = {"nodes", "api_keys", "routing_state", "deployments", "weight_replicas"}
+HEAD = "0003"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -36,12 +37,12 @@ def test_upgrade_then_downgrade_round_trips(database_url: str) -> None:
     assert migrate.current(database_url) is None
 
     migrate.upgrade(database_url)
-    assert migrate.current(database_url) == "0001"
+    assert migrate.current(database_url) == HEAD
     assert _tables(database_url) == TABLES
 
     # Running it again (every start-up does) is a no-op.
     migrate.upgrade(database_url)
-    assert migrate.current(database_url) == "0001"
+    assert migrate.current(database_url) == HEAD
 
     migrate.downgrade(database_url)
     assert migrate.current(database_url) is None

@@ -21,6 +21,7 @@ from pydantic import SecretStr
 
 from geo_router.table import StaticTableSource
 from meridian.contracts import (
+    DeploymentEntry,
     NodeStatus,
     RegionInfo,
     RoutingNode,
@@ -65,9 +66,11 @@ def node(name: str, url: str, *, region: str | None = None, status: NodeStatus =
                        models=models if models is not None else [MODEL], status=status)
 
 
-def make_table(nodes: list[RoutingNode], version: int = 1) -> RoutingTable:
+def make_table(nodes: list[RoutingNode], version: int = 1,
+               deployments: list[DeploymentEntry] | None = None) -> RoutingTable:
     return RoutingTable(version=version, generated_at=datetime.now(UTC),
-                        regions=list(REGIONS.values()), nodes=nodes, tenants=tenants())
+                        regions=list(REGIONS.values()), nodes=nodes, tenants=tenants(),
+                        deployments=deployments or [])
 
 
 async def eventually(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
@@ -163,16 +166,27 @@ async def _events(b: NodeBehaviour) -> AsyncIterator[str]:
 # --- stand-in control plane --------------------------------------------------------------
 
 
+@dataclass
+class ScaleUpCall:
+    model: str
+    body: dict[str, Any]
+    authorization: str | None
+
+
 class StandInControlPlane:
-    """Serves GET /v1/routing-table with the control plane's ETag / long-poll semantics."""
+    """Serves GET /v1/routing-table with the control plane's ETag / long-poll semantics,
+    and records POST /v1/deployments/{model}/scale-up (answered `scale_up_status`)."""
 
     def __init__(self, table: RoutingTable) -> None:
         self.table = table
         self.requests: list[tuple[str | None, str | None]] = []  # (if-none-match, wait)
         self.answers: list[int] = []
+        self.scale_ups: list[ScaleUpCall] = []
+        self.scale_up_status = 200
         self._changed = asyncio.Event()
         self.app = FastAPI()
         self.app.get("/v1/routing-table")(self._routing_table)
+        self.app.post("/v1/deployments/{model:path}/scale-up")(self._scale_up)
 
     @contextlib.asynccontextmanager
     async def serving(self, sock: socket.socket | None = None) -> AsyncIterator[str]:
@@ -187,6 +201,13 @@ class StandInControlPlane:
         self.table = table
         self._changed.set()
         self._changed = asyncio.Event()
+
+    async def _scale_up(self, model: str, request: Request) -> Response:
+        self.scale_ups.append(ScaleUpCall(model, await request.json(), request.headers.get("authorization")))
+        if self.scale_up_status != 200:
+            return JSONResponse({"title": "error", "status": self.scale_up_status},
+                                status_code=self.scale_up_status)
+        return JSONResponse({"model": model, "desired_replicas": 1})
 
     async def _routing_table(self, request: Request) -> Response:
         inm = request.headers.get("if-none-match")

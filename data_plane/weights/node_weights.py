@@ -1,0 +1,107 @@
+"""A node's weights: pull its model into the cache (peers first), keep it pinned while
+served, point the engine at it, and share the cache with same-region peers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+from pathlib import Path, PurePosixPath
+
+import httpx
+from fastapi import APIRouter
+
+from data_plane.weights.cache import NodeCache
+from data_plane.weights.peer_server import weights_router
+from data_plane.weights.peers import ControlPlanePeers
+from data_plane.weights.pull import PullProgress, PullReport, WeightPuller
+from meridian.settings import NodeSettings
+
+
+def model_link(settings: NodeSettings) -> Path:
+    """A stable path for the node's model_uri that engines (and vLLM) are given before the
+    pull; it is pointed at the cached model directory once the model is there."""
+    if settings.model_uri is None:
+        raise ValueError("model_uri is not set")
+    key = hashlib.sha256(settings.model_uri.encode()).hexdigest()[:32]
+    return Path(settings.weights.cache_dir).absolute() / "by-uri" / key
+
+
+def name_from_uri(uri: str) -> str:
+    """The default served name of a model pulled from `uri`: its last path segment."""
+    path = PurePosixPath(uri.split("://", 1)[-1])
+    return path.name or "model"
+
+
+def with_model_uri(settings: NodeSettings) -> NodeSettings:
+    """Settings whose model_dir/model_name follow model_uri (unchanged without one)."""
+    if settings.model_uri is None:
+        return settings
+    return settings.model_copy(
+        update={
+            "model_dir": model_link(settings),
+            "model_name": settings.model_name or name_from_uri(settings.model_uri),
+        }
+    )
+
+
+class NodeWeights:
+    """The weight cache of one node process and what it pulls, pins and shares."""
+
+    def __init__(self, settings: NodeSettings, *, node_id: str) -> None:
+        self.settings = settings
+        w = settings.weights
+        self.cache = NodeCache(Path(w.cache_dir), budget_bytes=w.cache_budget_bytes)
+        self._cp: httpx.AsyncClient | None = None
+        peers = None
+        if settings.control_plane_url and settings.region and w.peer_fetch:
+            token = settings.cluster_token
+            self._cp = httpx.AsyncClient(
+                base_url=settings.control_plane_url.rstrip("/"),
+                headers={"Authorization": f"Bearer {token.get_secret_value()}"} if token else {},
+                timeout=httpx.Timeout(settings.control_plane_timeout_s),
+            )
+            peers = ControlPlanePeers(self._cp, node_id=node_id, region=settings.region)
+        self.puller = WeightPuller(w, self.cache, peers=peers)
+        self.digests: list[str] = []
+        self.report: PullReport | None = None
+
+    def router(self) -> APIRouter:
+        w = self.settings.weights
+        # Answer a waiting peer before its read timeout, so it can try another source.
+        return weights_router(self.cache, max_range_bytes=w.peer_max_range_bytes, wait_s=w.read_timeout_s / 2)
+
+    async def scan(self) -> None:
+        """Learn what the cache already holds (to advertise it to peers)."""
+        models = await asyncio.to_thread(self.cache.models)
+        self.digests = [m.digest for m in models]
+
+    async def prepare(self, progress: PullProgress | None = None) -> PullReport:
+        """Pull the node's model, pin it and point the model link at it."""
+        assert self.settings.model_uri is not None
+        report = await self.puller.pull(self.settings.model_uri, progress=progress)
+        digest = report.model.digest
+        await asyncio.to_thread(self.cache.pin, digest)
+        await asyncio.to_thread(_point, model_link(self.settings), report.model.path)
+        if digest not in self.digests:
+            self.digests.append(digest)
+        self.report = report
+        return report
+
+    async def aclose(self) -> None:
+        if self.report is not None:
+            self.cache.unpin(self.report.model.digest)
+        await self.puller.aclose()
+        if self._cp is not None:
+            await self._cp.aclose()
+
+
+def _point(link: Path, target: Path) -> None:
+    """Atomically make `link` a symlink to `target`."""
+    link.parent.mkdir(parents=True, exist_ok=True)
+    tmp = link.with_name(f".{link.name}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    os.symlink(target, tmp)
+    os.replace(tmp, link)

@@ -1,0 +1,259 @@
+"""s3://bucket/prefix on any S3 API (AWS, MinIO, R2, moto), spoken directly over
+httpx with SigV4: HEAD for sizes, ranged GETs, PUT or multipart upload."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import httpx
+
+from data_plane.weights.origins.base import (
+    OriginError,
+    OriginURI,
+    Progress,
+)
+from data_plane.weights.origins.sigv4 import (
+    EMPTY_SHA256,
+    AwsCredentials,
+    sha256_hex,
+    sign_headers,
+    uri_encode,
+)
+from data_plane.weights.origins.transport import (
+    check_span,
+    describe,
+    make_client,
+    raise_for_status,
+    range_header,
+    ranged_body,
+    read_span,
+    retry_transient,
+    transport_errors,
+)
+from meridian.settings import WeightSettings
+
+# S3 allows at most this many parts per multipart upload.
+MAX_PARTS = 10_000
+# Parts are held in memory while they upload: this bounds that memory to a few parts.
+MAX_PARTS_IN_FLIGHT = 4
+
+
+def credentials_from_settings(settings: WeightSettings) -> AwsCredentials | None:
+    """The access key from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN."""
+    if not settings.s3_access_key_id or settings.s3_secret_access_key is None:
+        return None
+    token = settings.s3_session_token.get_secret_value() if settings.s3_session_token else None
+    return AwsCredentials(settings.s3_access_key_id, settings.s3_secret_access_key.get_secret_value(), token)
+
+
+def _s3_error_detail(response: httpx.Response) -> str:
+    """'Code: Message' from an S3 XML error body, when there is one."""
+    hint = ""
+    if response.status_code in (301, 307, 400) and (other := response.headers.get("x-amz-bucket-region")):
+        hint = f" (the bucket is in {other}; set MERIDIAN_WEIGHTS_S3_REGION)"
+    if not response.content:
+        return hint.strip()
+    try:
+        root = ET.fromstring(response.content)
+    except ET.ParseError:
+        return hint.strip()
+    code, message = root.findtext("Code") or "", root.findtext("Message") or ""
+    return f"{code}: {message}{hint}".strip(": ")
+
+
+def _xml(response: httpx.Response, what: str, uri: OriginURI, name: str) -> ET.Element:
+    try:
+        return ET.fromstring(response.content)
+    except ET.ParseError as e:
+        raise OriginError(f"{what} {describe(uri, name)}: the answer is not XML ({e})") from e
+
+
+def _child(root: ET.Element, tag: str) -> str | None:
+    # S3 answers in its namespace; moto and some S3 APIs answer without one.
+    for el in root.iter():
+        if el.tag == tag or el.tag.endswith("}" + tag):
+            return el.text
+    return None
+
+
+class S3Origin:
+    """An S3 bucket and key prefix."""
+
+    def __init__(
+        self, uri: OriginURI, settings: WeightSettings, credentials: AwsCredentials | None = None
+    ) -> None:
+        if not uri.authority:
+            raise OriginError(f"{uri}: expected s3://bucket/prefix")
+        self.uri = uri
+        self.bucket = uri.authority
+        self._settings = settings
+        self._credentials = credentials if credentials is not None else credentials_from_settings(settings)
+        self._sign_region = settings.s3_region
+        if settings.s3_endpoint_url:
+            # MinIO, moto and most S3 APIs outside AWS want path-style addressing.
+            self._base = f"{settings.s3_endpoint_url.rstrip('/')}/{self.bucket}"
+        elif "." in self.bucket:
+            # A dotted bucket name breaks the *.s3 TLS wildcard: path style instead.
+            self._base = f"https://s3.{settings.s3_region}.amazonaws.com/{self.bucket}"
+        else:
+            self._base = f"https://{self.bucket}.s3.{settings.s3_region}.amazonaws.com"
+        self._client = make_client(settings)
+
+    @property
+    def region(self) -> str | None:
+        # With a custom endpoint the bucket could be anywhere.
+        return None if self._settings.s3_endpoint_url else f"aws:{self._settings.s3_region}"
+
+    def url(self, name: str, query: str = "") -> str:
+        """The URL of object `name`, its key percent-encoded the way S3 signs it."""
+        url = f"{self._base}/{uri_encode(self.uri.key(name), keep_slash=True)}"
+        return f"{url}?{query}" if query else url
+
+    async def _send(
+        self,
+        method: str,
+        name: str,
+        *,
+        query: str = "",
+        headers: dict[str, str] | None = None,
+        content: bytes | None = None,
+        payload_sha256: str | None = None,
+        what: str | None = None,
+    ) -> httpx.Response:
+        """Send one signed request; map failures to origin errors."""
+        url = self.url(name, query)
+        what = what or method
+        request_headers = dict(headers or {})
+        if self._credentials is not None:
+            digest = payload_sha256 or (EMPTY_SHA256 if not content else sha256_hex(content))
+            request_headers |= sign_headers(
+                method, url, request_headers, self._credentials, self._sign_region, payload_sha256=digest
+            )
+        with transport_errors(what, self.uri, name):
+            response = await self._client.request(method, url, headers=request_headers, content=content)
+        raise_for_status(response, what, self.uri, name, _s3_error_detail(response))
+        return response
+
+    async def size(self, name: str) -> int:
+        """Size in bytes of an object (HEAD); OriginNotFound if it does not exist."""
+        response = await self._send("HEAD", name)
+        length = response.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            raise OriginError(f"HEAD {describe(self.uri, name)}: no Content-Length")
+        return int(length)
+
+    async def read(self, name: str) -> bytes:
+        """A whole (small) object."""
+        return (await self._send("GET", name)).content
+
+    async def read_range(self, name: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object (one ranged GET)."""
+        check_span(start, end)
+        if start == end:
+            return b""
+        response = await self._send(
+            "GET", name, headers=range_header(start, end), what=f"GET bytes [{start}, {end}) of"
+        )
+        return ranged_body(response, start, end, self.uri, name)
+
+    async def write_bytes(self, name: str, data: bytes) -> None:
+        """Store a small object with one PUT."""
+        digest = await asyncio.to_thread(sha256_hex, data) if len(data) > 1 << 20 else sha256_hex(data)
+        await retry_transient(
+            self._settings,
+            lambda: self._send("PUT", name, content=data, payload_sha256=digest, what="PUT"),
+        )
+
+    async def write(self, name: str, source: Path, progress: Progress | None = None) -> None:
+        """Store a local file as `name`: one PUT, or a multipart upload above the threshold.
+        S3 makes the object visible only when the PUT or the upload completes."""
+        size = (await asyncio.to_thread(os.stat, source)).st_size
+        if size <= self._settings.multipart_threshold_bytes:
+            data = await asyncio.to_thread(source.read_bytes)
+            await self.write_bytes(name, data)
+            if progress is not None:
+                progress(len(data))
+            return
+        await self._multipart_upload(name, source, size, progress)
+
+    async def _multipart_upload(self, name: str, source: Path, size: int, progress: Progress | None) -> None:
+        part_bytes = max(self._settings.multipart_part_bytes, -(-size // MAX_PARTS))
+        spans = [(off, min(size, off + part_bytes)) for off in range(0, size, part_bytes)]
+        created = await retry_transient(
+            self._settings, lambda: self._send("POST", name, query="uploads", what="CreateMultipartUpload")
+        )
+        upload_id = _child(_xml(created, "CreateMultipartUpload", self.uri, name), "UploadId")
+        if not upload_id:
+            raise OriginError(f"CreateMultipartUpload {describe(self.uri, name)}: no UploadId in the answer")
+        upload_query = f"uploadId={uri_encode(upload_id, keep_slash=False)}"
+        in_flight = asyncio.Semaphore(max(1, min(self._settings.concurrency, MAX_PARTS_IN_FLIGHT)))
+
+        async def upload_part(number: int, start: int, end: int) -> str:
+            async with in_flight:
+                data = await asyncio.to_thread(read_span, source, start, end)
+                digest = await asyncio.to_thread(sha256_hex, data)
+                response = await retry_transient(
+                    self._settings,
+                    lambda: self._send(
+                        "PUT",
+                        name,
+                        query=f"partNumber={number}&{upload_query}",
+                        content=data,
+                        payload_sha256=digest,
+                        what=f"UploadPart {number} of",
+                    ),
+                )
+            etag = response.headers.get("ETag")
+            if not etag:
+                raise OriginError(f"UploadPart {number} of {describe(self.uri, name)}: no ETag in the answer")
+            if progress is not None:
+                progress(end - start)
+            return etag
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(upload_part(i + 1, s, e)) for i, (s, e) in enumerate(spans)]
+            body = _complete_body([t.result() for t in tasks])
+            completed = await retry_transient(
+                self._settings,
+                lambda: self._send(
+                    "POST",
+                    name,
+                    query=upload_query,
+                    content=body,
+                    headers={"Content-Type": "application/xml"},
+                    what="CompleteMultipartUpload",
+                ),
+            )
+            # S3 may answer 200 and still report an error in the body.
+            root = _xml(completed, "CompleteMultipartUpload", self.uri, name)
+            if root.tag == "Error" or root.tag.endswith("}Error"):
+                raise OriginError(
+                    f"CompleteMultipartUpload {describe(self.uri, name)} failed: "
+                    f"{_child(root, 'Code')}: {_child(root, 'Message')}"
+                )
+        except BaseException as failure:
+            # Uploaded parts are billed until aborted; the object itself never appeared.
+            with contextlib.suppress(OriginError):
+                await self._send("DELETE", name, query=upload_query, what="AbortMultipartUpload")
+            # Parts fail for one cause (credentials, network): report the first.
+            if isinstance(failure, BaseExceptionGroup):
+                raise failure.exceptions[0] from failure
+            raise
+
+    async def aclose(self) -> None:
+        """Release pooled connections."""
+        await self._client.aclose()
+
+
+def _complete_body(etags: list[str]) -> bytes:
+    root = ET.Element("CompleteMultipartUpload", xmlns="http://s3.amazonaws.com/doc/2006-03-01/")
+    for number, etag in enumerate(etags, start=1):
+        part = ET.SubElement(root, "Part")
+        ET.SubElement(part, "PartNumber").text = str(number)
+        ET.SubElement(part, "ETag").text = etag
+    return ET.tostring(root, xml_declaration=True, encoding="utf-8")

@@ -1,0 +1,286 @@
+"""Scale-from-zero: hold requests for a deployed model until a replica turns ready.
+
+A request whose model has a deployment in the routing table, but no ready replica the
+tenant may use, waits in a bounded per-model queue instead of being refused. The first
+waiter opens a wait episode: the router asks the control plane to scale the deployment
+up, and asks again every `scale_from_zero_reask_s` while requests still wait (the call is
+idempotent). Every routing table the router installs wakes the waiters, which look again
+for a ready replica they may use and are then forwarded as usual. A full queue is answered
+503 at once and a passed deadline 503 too, both with Retry-After; a client that hangs up
+leaves the queue. Nothing is dropped without an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from urllib.parse import quote
+
+import httpx
+from starlette.types import Receive
+
+from meridian.contracts import (
+    GLOBAL_ZONE,
+    DeploymentEntry,
+    NodeStatus,
+    RegionInfo,
+    ScaleUpRequest,
+    TenantEntry,
+)
+from meridian.geo import Point
+from meridian.settings import RouterSettings
+
+from .errors import ClientClosedRequest, RouterError, ScaleFromZeroQueueFull, ScaleFromZeroTimeout
+from .locate import region_rtt_ms
+from .metrics import RouterMetrics
+from .selection import Candidate, tenant_may_use
+from .table import LoadedTable, TableSource
+
+log = logging.getLogger(__name__)
+
+SCALE_UP_REASON = "scale-from-zero"
+
+
+def deployment_may_use(deployment: DeploymentEntry, region: RegionInfo) -> bool:
+    """Residency of a deployment: may its replicas run in `region`?"""
+    return deployment.zone == GLOBAL_ZONE or deployment.zone in region.zones
+
+
+def placeable_regions(table: LoadedTable, tenant: TenantEntry, deployment: DeploymentEntry) -> list[RegionInfo]:
+    """Regions where the deployment may get a replica that this tenant may also use."""
+    return [
+        r for r in table.regions.values() if tenant_may_use(tenant, r) and deployment_may_use(deployment, r)
+    ]
+
+
+def awaiting_scale_up(table: LoadedTable, tenant: TenantEntry, model: str) -> DeploymentEntry | None:
+    """The deployment to wait for when `model` has no ready replica `tenant` may use, else None.
+
+    None also when the tenant may not use the model, when no region suits both the tenant's
+    and the deployment's zones (waiting could never help), and when a ready replica exists
+    but is ejected: that is a failure, answered as before, not a cold start.
+    """
+    if tenant.models is not None and model not in tenant.models:
+        return None
+    deployment = table.deployments.get(model)
+    if deployment is None or not placeable_regions(table, tenant, deployment):
+        return None
+    for node in table.table.nodes:
+        region = table.regions.get(node.region)
+        if (
+            node.status == NodeStatus.READY
+            and model in node.models
+            and region is not None
+            and tenant_may_use(tenant, region)
+        ):
+            return None
+    return deployment
+
+
+def deployed_models(table: LoadedTable, tenant: TenantEntry) -> list[str]:
+    """Deployed models the tenant may use, whether or not a replica runs now."""
+    return sorted(
+        d.model
+        for d in table.deployments.values()
+        if (tenant.models is None or d.model in tenant.models) and placeable_regions(table, tenant, d)
+    )
+
+
+class ScaleUpClient:
+    """Asks the control plane to scale a deployment up; failures are logged, never raised."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        metrics: RouterMetrics,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._metrics = metrics
+        self._http = httpx.AsyncClient(
+            base_url=settings.control_plane_url.rstrip("/"),
+            headers={"authorization": f"Bearer {settings.cluster_token.get_secret_value()}"},
+            timeout=httpx.Timeout(settings.scale_up_timeout_s, connect=settings.connect_timeout_s),
+            limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
+            transport=transport,
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def request(self, model: str, body: ScaleUpRequest) -> bool:
+        """POST the scale-up request; True when the control plane accepted it."""
+        path = f"/v1/deployments/{quote(model, safe='')}/scale-up"
+        try:
+            resp = await self._http.post(
+                path, content=body.model_dump_json(), headers={"content-type": "application/json"}
+            )
+        except httpx.HTTPError as exc:
+            self._metrics.scale_up_requests.labels(model, "error").inc()
+            log.warning("scale-up of %s failed (%s: %s); asking again later", model, type(exc).__name__, exc)
+            return False
+        if resp.status_code == 200:
+            self._metrics.scale_up_requests.labels(model, "ok").inc()
+            log.info("asked the control plane to scale %s up (%d queued)", model, body.queued_requests)
+            return True
+        outcome = "not_found" if resp.status_code == 404 else "error"
+        self._metrics.scale_up_requests.labels(model, outcome).inc()
+        log.warning("scale-up of %s refused: HTTP %d %s", model, resp.status_code, resp.text[:200])
+        return False
+
+
+@dataclass(eq=False)
+class _Episode:
+    """The requests waiting for one model, from the first to arrive until none is left."""
+
+    model: str
+    hint: ScaleUpRequest
+    waiting: int = 0
+    # Replaced after each set(), so a waiter always waits for the next table.
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _until_disconnected(receive: Receive) -> None:
+    """Return once the client has hung up (the request body has been read already)."""
+    with contextlib.suppress(Exception):
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+class ScaleFromZero:
+    """The per-model holding queues of one router and the scale-up requests they cause."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        source: TableSource,
+        metrics: RouterMetrics,
+        client: ScaleUpClient,
+    ) -> None:
+        self._settings = settings
+        self._source = source
+        self._metrics = metrics
+        self._client = client
+        self._episodes: dict[str, _Episode] = {}
+        self._askers: set[asyncio.Task[None]] = set()
+        source.add_listener(self._on_table)
+
+    async def aclose(self) -> None:
+        """Stop asking for scale-ups and close the control-plane client."""
+        for task in list(self._askers):
+            task.cancel()
+        await asyncio.gather(*self._askers, return_exceptions=True)
+        await self._client.aclose()
+
+    def queued(self, model: str) -> int:
+        """Requests waiting for `model` now."""
+        episode = self._episodes.get(model)
+        return episode.waiting if episode is not None else 0
+
+    def _on_table(self, _loaded: LoadedTable) -> None:
+        for episode in self._episodes.values():
+            episode.changed.set()
+            episode.changed = asyncio.Event()
+
+    async def hold(
+        self,
+        tenant: TenantEntry,
+        model: str,
+        client_location: Point | None,
+        select: Callable[[LoadedTable], list[Candidate]],
+        receive: Receive,
+    ) -> list[Candidate]:
+        """Wait until `select` finds replicas in a newer table; typed 503s when it cannot.
+
+        `select` raises a RouterError when no replica can serve; that error is answered
+        as is once waiting no longer makes sense (the deployment went away, say).
+        """
+        s = self._settings
+        episode = self._episodes.get(model)
+        if episode is not None and episode.waiting >= s.scale_from_zero_queue_size:
+            self._metrics.scale_rejected.labels(model).inc()
+            raise ScaleFromZeroQueueFull(model, s.scale_from_zero_queue_size, s.scale_from_zero_retry_after_s)
+        if episode is None:
+            episode = _Episode(model, self._hint(tenant, model, client_location))
+            self._episodes[model] = episode
+            self._start_asking(episode)
+        episode.waiting += 1
+        self._metrics.scale_queued.labels(model).set(episode.waiting)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + s.scale_from_zero_timeout_s
+        disconnected = asyncio.ensure_future(_until_disconnected(receive))
+        try:
+            while True:
+                changed = episode.changed
+                candidates = self._ready(tenant, model, select)
+                if candidates:
+                    self._metrics.scale_wait.observe(loop.time() - started)
+                    return candidates
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    self._metrics.scale_timeouts.labels(model).inc()
+                    log.warning("no replica of %s turned ready within %gs", model, s.scale_from_zero_timeout_s)
+                    raise ScaleFromZeroTimeout(model, s.scale_from_zero_timeout_s, s.scale_from_zero_retry_after_s)
+                woken = asyncio.ensure_future(changed.wait())
+                try:
+                    done, _ = await asyncio.wait(
+                        {woken, disconnected}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                    )
+                finally:
+                    woken.cancel()
+                if disconnected in done:
+                    raise ClientClosedRequest()
+        finally:
+            disconnected.cancel()
+            self._leave(episode)
+
+    def _ready(
+        self, tenant: TenantEntry, model: str, select: Callable[[LoadedTable], list[Candidate]]
+    ) -> list[Candidate] | None:
+        loaded = self._source.current()
+        if loaded is None:
+            return None
+        try:
+            return select(loaded)
+        except RouterError:
+            if awaiting_scale_up(loaded, tenant, model) is None:
+                raise
+            return None
+
+    def _hint(self, tenant: TenantEntry, model: str, client_location: Point | None) -> ScaleUpRequest:
+        """Where a replica would serve the first waiter best: the nearest region it may use."""
+        loaded = self._source.current()
+        deployment = loaded.deployments.get(model) if loaded is not None else None
+        region: str | None = None
+        if loaded is not None and deployment is not None:
+            regions = placeable_regions(loaded, tenant, deployment)
+            if regions:
+                region = min(regions, key=lambda r: (region_rtt_ms(client_location, r), r.name)).name
+        return ScaleUpRequest(reason=SCALE_UP_REASON, client_region=region, zone=tenant.zone)
+
+    def _start_asking(self, episode: _Episode) -> None:
+        task = asyncio.create_task(self._ask(episode), name=f"scale-up:{episode.model}")
+        self._askers.add(task)
+        task.add_done_callback(self._askers.discard)
+
+    async def _ask(self, episode: _Episode) -> None:
+        # An in-flight request is not cut short when the episode ends: the deployment
+        # should still scale up for the clients that will retry.
+        while not episode.ended.is_set():
+            body = episode.hint.model_copy(update={"queued_requests": episode.waiting})
+            await self._client.request(episode.model, body)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(episode.ended.wait(), self._settings.scale_from_zero_reask_s)
+
+    def _leave(self, episode: _Episode) -> None:
+        episode.waiting -= 1
+        self._metrics.scale_queued.labels(episode.model).set(episode.waiting)
+        if episode.waiting == 0:
+            episode.ended.set()
+            if self._episodes.get(episode.model) is episode:
+                del self._episodes[episode.model]

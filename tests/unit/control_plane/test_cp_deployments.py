@@ -1,0 +1,147 @@
+"""Deployments: operators declare them, routers see them in the table and ask for scale-ups."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+from cp_harness import ControlPlane
+
+
+async def _key(cp: ControlPlane, scope: str) -> dict[str, str]:
+    r = await cp.create_key(name=scope, tenant="ops", zone="global", scopes=[scope])
+    assert r.status_code == 201
+    return {"authorization": f"Bearer {r.json()['key']}"}
+
+
+async def _put(cp: ControlPlane, model: str, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
+    return await cp.http.put(f"/v1/deployments/{model}", json=body, headers=headers or cp.admin)
+
+
+async def _scale_up(cp: ControlPlane, model: str, **body: Any) -> httpx.Response:
+    return await cp.http.post(f"/v1/deployments/{model}/scale-up", json=body, headers=cp.internal)
+
+
+async def test_put_creates_then_updates_and_routers_see_it(cp: ControlPlane) -> None:
+    v0 = await cp.version()
+    r = await _put(cp, "tiny-llama", zone="eu", min_replicas=0, max_replicas=3)
+    assert r.status_code == 201
+    created = r.json()
+    assert created["model"] == "tiny-llama" and created["zone"] == "eu"
+    assert (created["min_replicas"], created["max_replicas"], created["desired_replicas"]) == (0, 3, 0)
+    assert created["last_scale_request_at"] is None
+
+    table = (await cp.table()).json()
+    assert table["version"] == v0 + 1
+    assert table["deployments"] == [{"model": "tiny-llama", "zone": "eu", "min_replicas": 0, "max_replicas": 3}]
+
+    # The same body again changes nothing routers see: same version.
+    r = await _put(cp, "tiny-llama", zone="eu", min_replicas=0, max_replicas=3)
+    assert r.status_code == 200
+    assert await cp.version() == v0 + 1
+
+    # Raising min_replicas raises the desired count with it.
+    r = await _put(cp, "tiny-llama", zone="eu", min_replicas=2, max_replicas=3)
+    assert r.status_code == 200 and r.json()["desired_replicas"] == 2
+    assert await cp.version() == v0 + 2
+
+    listed = (await cp.http.get("/v1/deployments", headers=cp.admin)).json()
+    assert [d["model"] for d in listed] == ["tiny-llama"]
+    one = (await cp.http.get("/v1/deployments/tiny-llama", headers=cp.admin)).json()
+    assert one == listed[0]
+
+
+async def test_model_names_with_slashes(cp: ControlPlane) -> None:
+    r = await _put(cp, "meta-llama/Llama-3.1-8B", max_replicas=2)
+    assert r.status_code == 201 and r.json()["model"] == "meta-llama/Llama-3.1-8B"
+    r = await cp.http.get("/v1/deployments/meta-llama/Llama-3.1-8B", headers=cp.admin)
+    assert r.status_code == 200 and r.json()["zone"] == "global"
+    r = await _scale_up(cp, "meta-llama%2FLlama-3.1-8B", reason="test")
+    assert r.status_code == 200 and r.json()["desired_replicas"] == 1
+
+
+async def test_scale_up_is_idempotent_and_recorded(cp: ControlPlane) -> None:
+    await _put(cp, "tiny-llama", zone="eu", min_replicas=0, max_replicas=4)
+    v = await cp.version()
+
+    r = await _scale_up(cp, "tiny-llama", reason="scale-from-zero", queued_requests=3,
+                        client_region="gcp:europe-west4", zone="eu")
+    assert r.status_code == 200
+    scaled = r.json()
+    assert scaled["desired_replicas"] == 1
+    assert scaled["last_scale_request_at"] is not None
+    assert scaled["last_scale_reason"] == "scale-from-zero (3 queued)"
+    assert scaled["last_scale_region"] == "gcp:europe-west4"
+
+    # Routers re-ask while requests wait, several at once: still one replica.
+    answers = await asyncio.gather(*(_scale_up(cp, "tiny-llama", queued_requests=9) for _ in range(5)))
+    assert {a.status_code for a in answers} == {200}
+    assert {a.json()["desired_replicas"] for a in answers} == {1}
+    # desired_replicas is not routing state: the table keeps its version.
+    assert await cp.version() == v
+
+    # Never below min_replicas, never above max_replicas.
+    await _put(cp, "big", min_replicas=3, max_replicas=5)
+    assert (await _scale_up(cp, "big")).json()["desired_replicas"] == 3
+
+    # A region the control plane does not know is not recorded as a hint.
+    r = await _scale_up(cp, "tiny-llama", client_region="aws:nowhere-1")
+    assert r.status_code == 200 and r.json()["last_scale_region"] is None
+
+
+async def test_scale_up_of_an_unknown_deployment_is_404(cp: ControlPlane) -> None:
+    body = cp.assert_problem(await _scale_up(cp, "no-such-model", reason="x"), 404)
+    assert "no-such-model" in body["detail"]
+    cp.assert_problem(await cp.http.get("/v1/deployments/no-such-model", headers=cp.admin), 404)
+
+
+async def test_invalid_deployments_are_refused(cp: ControlPlane) -> None:
+    cp.assert_problem(await _put(cp, "m", min_replicas=3, max_replicas=2), 422)
+    cp.assert_problem(await _put(cp, "m", max_replicas=0), 422)
+    cp.assert_problem(await _put(cp, "m", min_replicas=-1), 422)
+    body = cp.assert_problem(await _put(cp, "m", zone="atlantis"), 400)
+    assert "atlantis" in body["detail"]
+    cp.assert_problem(await _put(cp, "m", replicas=2), 422)
+    cp.assert_problem(await _scale_up(cp, "m", queued_requests=-1), 422)
+
+
+async def test_who_may_do_what(cp: ControlPlane) -> None:
+    operator = await _key(cp, "operator")
+    reader = await _key(cp, "read-only")
+    inference = await _key(cp, "inference")
+
+    assert (await _put(cp, "m", headers=operator)).status_code == 201
+    cp.assert_problem(await _put(cp, "m", headers=reader), 403)
+    cp.assert_problem(await _put(cp, "m", headers=inference), 403)
+    cp.assert_problem(await cp.http.put("/v1/deployments/m", json={}), 401)
+
+    assert (await cp.http.get("/v1/deployments", headers=reader)).status_code == 200
+    cp.assert_problem(await cp.http.get("/v1/deployments", headers=inference), 403)
+
+    # Scale-up is for routers: the cluster token, not an API key.
+    cp.assert_problem(await cp.http.post("/v1/deployments/m/scale-up", json={}, headers=cp.admin), 401)
+    cp.assert_problem(await cp.http.post("/v1/deployments/m/scale-up", json={}), 401)
+
+
+async def test_delete_removes_it_from_the_table(cp: ControlPlane) -> None:
+    await _put(cp, "m")
+    v = await cp.version()
+    assert (await cp.http.delete("/v1/deployments/m", headers=cp.admin)).status_code == 204
+    table = (await cp.table()).json()
+    assert table["deployments"] == [] and table["version"] == v + 1
+    cp.assert_problem(await cp.http.delete("/v1/deployments/m", headers=cp.admin), 404)
+
+
+async def test_a_deployment_change_wakes_long_polls(cp: ControlPlane) -> None:
+    r = await cp.table()
+    etag = r.headers["etag"]
+    poll = asyncio.create_task(
+        cp.http.get("/v1/routing-table", params={"wait": 4}, headers={**cp.internal, "if-none-match": etag})
+    )
+    await asyncio.sleep(0.2)
+    assert not poll.done()
+    await _put(cp, "m", min_replicas=0, max_replicas=1)
+    answered = await asyncio.wait_for(poll, 2.0)
+    assert answered.status_code == 200
+    assert [d["model"] for d in answered.json()["deployments"]] == ["m"]

@@ -1,0 +1,299 @@
+"""Scale-from-zero: a router holds requests for a deployed model until a replica turns ready.
+
+A real router long-polls a stand-in control plane (which records scale-up calls) and
+forwards to stand-in nodes that the tests publish in the routing table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+from router_harness import (
+    CLUSTER_TOKEN,
+    EU_KEY,
+    GLOBAL_KEY,
+    MODEL,
+    NodeBehaviour,
+    ServerGroup,
+    StandInControlPlane,
+    eventually,
+    make_table,
+    metric,
+    node,
+    node_app,
+    reserve_port,
+    router_settings,
+    url_of,
+)
+
+from geo_router import create_app
+from geo_router.table import RoutingTableClient, StaticTableSource
+from meridian.contracts import HEADER_NODE, HEADER_SCALE_WAIT_MS, DeploymentEntry, NodeStatus, RoutingNode
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+DEPLOYED = DeploymentEntry(model=MODEL, zone="global", min_replicas=0, max_replicas=2)
+
+
+@dataclass
+class ColdStart:
+    """A router whose table has a deployment of MODEL and, at first, no node."""
+
+    cp: StandInControlPlane
+    app: FastAPI
+    router_url: str
+    node_urls: dict[str, str]
+    behaviours: dict[str, NodeBehaviour]
+    http: httpx.AsyncClient
+
+    def publish(self, *nodes: RoutingNode, deployments: list[DeploymentEntry] | None = None) -> None:
+        """A new routing table: these nodes, and DEPLOYED unless told otherwise."""
+        deps = [DEPLOYED] if deployments is None else deployments
+        self.cp.publish(make_table(list(nodes), version=self.cp.table.version + 1, deployments=deps))
+
+    def node(self, name: str, status: NodeStatus = NodeStatus.READY) -> RoutingNode:
+        return node(name, self.node_urls[name], status=status)
+
+    def queued(self) -> int:
+        return self.app.state.router.scale_from_zero.queued(MODEL)
+
+    def chat(self, key: str = GLOBAL_KEY, **extra: Any) -> asyncio.Task[httpx.Response]:
+        """Send a chat request in the background."""
+        return asyncio.create_task(self.http.post(
+            "/v1/chat/completions", json=CHAT | extra, headers={"authorization": f"Bearer {key}"}))
+
+    async def metrics(self) -> str:
+        return (await self.http.get("/metrics")).text
+
+
+@contextlib.asynccontextmanager
+async def cold_start(deployments: list[DeploymentEntry] | None = None, **overrides: Any) -> AsyncIterator[ColdStart]:
+    backends, front = ServerGroup(), ServerGroup()
+    cp = StandInControlPlane(make_table([], deployments=[DEPLOYED] if deployments is None else deployments))
+    try:
+        behaviours = {name: NodeBehaviour(name) for name in ("us", "eu")}
+        urls = {name: await backends.start(node_app(b)) for name, b in behaviours.items()}
+        cp_url = await backends.start(cp.app)
+        values: dict[str, Any] = {
+            "control_plane_url": cp_url,
+            "table_poll_timeout_s": 5.0,
+            "scale_from_zero_timeout_s": 5.0,
+            "scale_from_zero_reask_s": 30.0,
+        }
+        settings = router_settings(**(values | overrides))
+        source = RoutingTableClient(settings, retry_base_s=0.05, retry_max_s=0.2)
+        app = create_app(settings, table_source=source)
+        router_url = await front.start(app)
+        async with httpx.AsyncClient(base_url=router_url, timeout=10) as http:
+            yield ColdStart(cp, app, router_url, urls, behaviours, http)
+    finally:
+        await front.stop()
+        cp.publish(cp.table)  # answers a long-poll the stopped router left behind
+        await backends.stop()
+
+
+async def test_requests_wait_for_a_replica_and_are_released_when_it_is_ready():
+    async with cold_start() as f:
+        plain = f.chat()
+        streamed = f.chat(stream=True)
+        await eventually(lambda: f.queued() == 2)
+        await eventually(lambda: len(f.cp.scale_ups) == 1)
+        call = f.cp.scale_ups[0]
+        assert call.model == MODEL
+        assert call.authorization == f"Bearer {CLUSTER_TOKEN}"
+        # The nearest region the tenant may use and the deployment may run in.
+        assert call.body["zone"] == "global" and call.body["client_region"] == "aws:us-east-1"
+        assert call.body["queued_requests"] >= 1 and call.body["reason"] == "scale-from-zero"
+        assert metric(await f.metrics(), "meridian_router_scale_from_zero_queued", model=MODEL) == 2
+
+        # A starting replica is not enough.
+        f.publish(f.node("us", NodeStatus.STARTING))
+        await asyncio.sleep(0.3)
+        assert not plain.done() and not streamed.done()
+
+        f.publish(f.node("us"))
+        r = await asyncio.wait_for(plain, 5)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "hi from us"
+        assert r.headers[HEADER_NODE] == "us-1"
+        assert int(r.headers[HEADER_SCALE_WAIT_MS]) >= 300
+        s = await asyncio.wait_for(streamed, 5)
+        assert s.status_code == 200 and s.text.endswith("data: [DONE]\n\n")
+        assert f.behaviours["us"].hits == 2
+
+        text = await f.metrics()
+        assert metric(text, "meridian_router_scale_from_zero_queued", model=MODEL) == 0
+        assert metric(text, "meridian_router_scale_up_requests_total", model=MODEL, outcome="ok") == 1
+        assert metric(text, "meridian_router_scale_from_zero_wait_seconds_count") == 2
+
+        # With a replica ready, nothing waits and nobody is asked to scale.
+        r = await f.chat()
+        assert r.status_code == 200 and HEADER_SCALE_WAIT_MS not in r.headers
+        assert len(f.cp.scale_ups) == 1
+
+
+async def test_one_scale_up_per_episode_repeated_while_requests_wait():
+    async with cold_start(scale_from_zero_reask_s=0.4) as f:
+        waiting = [f.chat() for _ in range(3)]
+        await eventually(lambda: f.queued() == 3)
+        await asyncio.sleep(0.2)
+        assert len(f.cp.scale_ups) == 1
+        # Still waiting: asked again, with how many wait now.
+        await eventually(lambda: len(f.cp.scale_ups) == 2, timeout_s=2)
+        assert f.cp.scale_ups[1].body["queued_requests"] == 3
+
+        f.publish(f.node("us"))
+        assert [r.status_code for r in await asyncio.gather(*waiting)] == [200] * 3
+        calls = len(f.cp.scale_ups)
+        await asyncio.sleep(0.6)
+        assert len(f.cp.scale_ups) == calls  # the episode is over: no more asking
+
+        # Scaled back to zero later: a new request opens a new episode.
+        f.publish()
+        await asyncio.sleep(0.2)
+        late = f.chat()
+        await eventually(lambda: len(f.cp.scale_ups) == calls + 1)
+        f.publish(f.node("us"))
+        assert (await late).status_code == 200
+
+
+async def test_a_full_queue_is_answered_503_with_retry_after_at_once():
+    async with cold_start(scale_from_zero_queue_size=2, scale_from_zero_retry_after_s=7) as f:
+        waiting = [f.chat(), f.chat()]
+        await eventually(lambda: f.queued() == 2)
+        started = time.monotonic()
+        r = await f.chat()
+        assert time.monotonic() - started < 1
+        assert r.status_code == 503 and r.headers["retry-after"] == "7"
+        assert r.json()["error"]["code"] == "scale_from_zero_queue_full"
+        assert metric(await f.metrics(), "meridian_router_scale_from_zero_rejected_total", model=MODEL) == 1
+
+        f.publish(f.node("us"))
+        assert [r.status_code for r in await asyncio.gather(*waiting)] == [200, 200]
+
+
+async def test_past_the_deadline_the_answer_is_503_with_retry_after():
+    async with cold_start(scale_from_zero_timeout_s=0.5, scale_from_zero_retry_after_s=3) as f:
+        started = time.monotonic()
+        plain, streamed = f.chat(), f.chat(stream=True)
+        for r in (await plain, await streamed):
+            assert r.status_code == 503
+            assert r.headers["retry-after"] == "3"
+            assert r.json()["error"]["type"] == "service_unavailable_error"
+            assert r.json()["error"]["code"] == "model_scaling_from_zero"
+            assert "scaling up from zero" in r.json()["error"]["message"]
+        assert 0.5 <= time.monotonic() - started < 3
+        text = await f.metrics()
+        assert metric(text, "meridian_router_scale_from_zero_timeouts_total", model=MODEL) == 2
+        assert metric(text, "meridian_router_scale_from_zero_queued", model=MODEL) == 0
+        assert len(f.cp.scale_ups) == 1
+
+
+async def test_a_client_that_hangs_up_leaves_the_queue():
+    async with cold_start(scale_from_zero_reask_s=0.2) as f:
+        host, port = f.router_url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = json.dumps(CHAT).encode()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n"
+            + f"authorization: Bearer {GLOBAL_KEY}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        await eventually(lambda: f.queued() == 1)
+        writer.close()
+        await writer.wait_closed()
+        await eventually(lambda: f.queued() == 0)
+        assert metric(await f.metrics(), "meridian_router_scale_from_zero_queued", model=MODEL) == 0
+        # Nobody waits any more, so nobody asks any more.
+        calls = len(f.cp.scale_ups)
+        await asyncio.sleep(0.5)
+        assert len(f.cp.scale_ups) == calls
+
+
+async def test_residency_only_replicas_the_tenant_may_use_count():
+    async with cold_start() as f:
+        f.publish(f.node("us"))
+        await asyncio.sleep(0.2)
+        # A global tenant is served by the US replica at once...
+        r = await f.chat()
+        assert r.status_code == 200 and r.headers[HEADER_NODE] == "us-1"
+        # ...an EU tenant may not use it, so it waits, and the scale-up says where to place.
+        eu = f.chat(EU_KEY)
+        await eventually(lambda: len(f.cp.scale_ups) == 1)
+        assert f.cp.scale_ups[0].body["zone"] == "eu"
+        assert f.cp.scale_ups[0].body["client_region"] == "gcp:europe-west4"
+        await asyncio.sleep(0.2)
+        assert not eu.done()
+        f.publish(f.node("us"), f.node("eu"))
+        r = await asyncio.wait_for(eu, 5)
+        assert r.status_code == 200 and r.headers[HEADER_NODE] == "eu-1"
+
+
+async def test_a_deployment_that_can_never_serve_the_tenant_is_not_waited_for():
+    us_only = DeploymentEntry(model=MODEL, zone="us", min_replicas=0, max_replicas=1)
+    async with cold_start(deployments=[us_only]) as f:
+        f.publish(f.node("us"), deployments=[us_only])
+        await asyncio.sleep(0.2)
+        r = await f.chat(EU_KEY)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica_in_zone"
+        assert f.cp.scale_ups == []
+
+
+async def test_without_a_deployment_the_answers_are_unchanged():
+    async with cold_start(deployments=[]) as f:
+        r = await f.chat()
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        models = (await f.http.get("/v1/models", headers={"authorization": f"Bearer {GLOBAL_KEY}"})).json()
+        assert models["data"] == []
+        f.publish(f.node("us", NodeStatus.STARTING), deployments=[])
+        await asyncio.sleep(0.2)
+        r = await f.chat()
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_replica"
+        assert f.cp.scale_ups == []
+
+
+async def test_a_deployed_model_is_listed_and_waiters_get_the_usual_answer_if_it_goes():
+    async with cold_start() as f:
+        models = (await f.http.get("/v1/models", headers={"authorization": f"Bearer {GLOBAL_KEY}"})).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        waiting = f.chat()
+        await eventually(lambda: f.queued() == 1)
+        f.publish(deployments=[])  # the deployment was deleted
+        r = await asyncio.wait_for(waiting, 5)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+async def test_scale_up_failures_are_logged_and_the_request_still_waits():
+    # No control plane at all: the scale-up call is refused; a static table releases the wait.
+    dead = reserve_port()
+    servers = ServerGroup()
+    try:
+        b = NodeBehaviour("us")
+        node_url = await servers.start(node_app(b))
+        source = StaticTableSource(make_table([], deployments=[DEPLOYED]))
+        settings = router_settings(control_plane_url=url_of(dead), scale_from_zero_reask_s=0.1)
+        app = create_app(settings, table_source=source)
+        router_url = await servers.start(app)
+        async with httpx.AsyncClient(base_url=router_url, timeout=10,
+                                     headers={"authorization": f"Bearer {GLOBAL_KEY}"}) as http:
+            waiting = asyncio.create_task(http.post("/v1/chat/completions", json=CHAT))
+            await eventually(lambda: app.state.router.scale_from_zero.queued(MODEL) == 1)
+
+            def failed_calls() -> float:
+                return metric(app.state.router.metrics.render().decode(),
+                              "meridian_router_scale_up_requests_total", model=MODEL, outcome="error")
+
+            await eventually(lambda: failed_calls() >= 2)
+            source.set(make_table([node("us", node_url)], version=2, deployments=[DEPLOYED]))
+            r = await asyncio.wait_for(waiting, 5)
+            assert r.status_code == 200 and b.hits == 1
+    finally:
+        await servers.stop()
+        dead.close()
