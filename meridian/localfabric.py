@@ -178,13 +178,13 @@ class LocalFabric:
         spec.work_dir.mkdir(parents=True, exist_ok=True)
         (spec.work_dir / "logs").mkdir(exist_ok=True)
         try:
-            model_dir = self._ensure_model()
+            model_uri = self._ensure_model()
             cp = self._start_control_plane()
             keys = self._create_keys(cp.url)
             self._create_deployments(cp.url)
             for i, region in enumerate(spec.regions):
                 port = spec.node_ports[i] if i < len(spec.node_ports) else 0
-                self._start_node(region, model_dir, cp.url, port)
+                self._start_node(region, model_uri, cp.url, port)
             router = self._start_router(cp.url)
             self.info = FabricInfo(
                 router_url=router.url,
@@ -198,7 +198,7 @@ class LocalFabric:
             self._write_state()
             if spec.deployments and spec.local_scaler:
                 self._scaler = threading.Thread(
-                    target=self._run_scaler, args=(model_dir, cp.url), name="local-scaler", daemon=True
+                    target=self._run_scaler, args=(model_uri, cp.url), name="local-scaler", daemon=True
                 )
                 self._scaler.start()
             return self.info
@@ -244,12 +244,19 @@ class LocalFabric:
 
     # -- steps -----------------------------------------------------------------------
 
-    def _ensure_model(self) -> Path:
+    def _ensure_model(self) -> str:
+        """The tiny checkpoint, pushed to a file:// weight origin (the embedded default);
+        nodes pull it from there into their own caches, as GPU nodes pull from S3/GCS."""
         model_dir = self.spec.work_dir / "models" / self.spec.model_name
+        origin = (self.spec.work_dir / "origin" / self.spec.model_name).resolve()
         if not (model_dir / "model.safetensors").exists():
             self._on_step(f"generating tiny checkpoint {model_dir}")
             self._run_cli(["model", "make-tiny", str(model_dir), "--seed", str(self.spec.seed)])
-        return model_dir
+        if not (origin / "meridian-manifest.json").exists():
+            origin.mkdir(parents=True, exist_ok=True)
+            self._on_step(f"pushing it to the weight origin file://{origin}")
+            self._run_cli(["model", "push", str(model_dir), f"file://{origin}"])
+        return f"file://{origin}"
 
     def _start_control_plane(self) -> Proc:
         port = _port_or_free(self.spec.control_plane_port, self.spec.host)
@@ -289,22 +296,26 @@ class LocalFabric:
                 if r.status_code not in (200, 201):
                     raise FabricError(f"creating deployment {d.model_name} failed: {r.status_code} {r.text}")
 
-    def _start_node(self, region: str, model_dir: Path, cp_url: str, port: int,
+    def _start_node(self, region: str, model_uri: str, cp_url: str, port: int,
                     model_name: str | None = None, node_id: str | None = None) -> Proc:
         port = _port_or_free(port, self.spec.host)
         model_name = model_name or self.spec.model_name
         node_id = node_id or _node_id(region)
-        args = ["node", "run", "--model-dir", str(model_dir), "--model-name", model_name,
+        args = ["node", "run", "--model-uri", model_uri, "--model-name", model_name,
                 "--region", region, "--node-id", node_id, "--host", self.spec.host,
                 "--port", str(port), "--control-plane-url", cp_url]
-        env = {"MERIDIAN_NODE_DRAIN_TIMEOUT_S": str(self.spec.drain_timeout_s)}
+        env = {
+            "MERIDIAN_NODE_DRAIN_TIMEOUT_S": str(self.spec.drain_timeout_s),
+            # One cache per node, as on separate machines.
+            "MERIDIAN_WEIGHTS_CACHE_DIR": str((self.spec.work_dir / "weights" / node_id).resolve()),
+        }
         p = self._spawn(node_id, args, env, f"http://{self.spec.host}:{port}")
         p.region, p.node_id, p.model = region, node_id, model_name
         return p
 
     # -- local scaler ----------------------------------------------------------------
 
-    def _run_scaler(self, model_dir: Path, cp_url: str) -> None:
+    def _run_scaler(self, model_uri: str, cp_url: str) -> None:
         """Until stop(): start nodes for deployments that want more than they have.
 
         Nodes are spawned from this thread, so their parent-death signal fires when it
@@ -320,11 +331,11 @@ class LocalFabric:
                     r = http.get("/v1/deployments")
                     r.raise_for_status()
                     for d in r.json():
-                        self._scale(DeploymentView.model_validate(d), regions, model_dir, cp_url)
+                        self._scale(DeploymentView.model_validate(d), regions, model_uri, cp_url)
                 except (httpx.HTTPError, ValueError) as exc:
                     logger.warning("local scaler: %s: %s; trying again", type(exc).__name__, exc)
 
-    def _scale(self, d: DeploymentView, regions: list[RegionInfo], model_dir: Path, cp_url: str) -> None:
+    def _scale(self, d: DeploymentView, regions: list[RegionInfo], model_uri: str, cp_url: str) -> None:
         with self._lock:
             if self._scaler_stop.is_set():
                 return
@@ -337,7 +348,7 @@ class LocalFabric:
                 self._scaled += 1
                 node_id = f"scaled-{_slug(d.model, 40)}-{self._scaled}"
                 self._on_step(f"scaling {d.model} up: starting {node_id} in {region}")
-                self._start_node(region, model_dir, cp_url, 0, model_name=d.model, node_id=node_id)
+                self._start_node(region, model_uri, cp_url, 0, model_name=d.model, node_id=node_id)
                 self._write_state()
 
     def _place(self, d: DeploymentView, regions: list[RegionInfo]) -> str | None:
