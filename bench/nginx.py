@@ -7,6 +7,12 @@ Used by the weight-origin tests and the weights benchmark:
         fetch(f"{nginx.url}/model.safetensors")
         records = nginx.access_records()   # one per request: range, status, bytes sent
 
+How nginx's `limit_rate` throttles (measured with nginx 1.22 here): each response may
+send its first `limit_rate` bytes at once, and is paced only after that, so a
+response of S bytes takes about max(0, S / limit_rate - 1) s (2 MiB at 512 KiB/s: 3 s;
+256 KiB at 512 KiB/s: at once). It models a per-connection limit faithfully only for
+responses many times larger than `limit_rate`: size ranges (and rates) accordingly.
+
 Everything nginx writes (conf, pid, logs, temp dirs) lives under `work_dir`; it runs as
 a foreground child (`daemon off`), also as root (workers keep the caller's user so they
 can read files the caller can read), and `stop()` shuts it down gracefully.
@@ -41,6 +47,9 @@ _LINE = re.compile(
     r"(?P<body>\d+) (?P<sent>\d+) (?P<rtime>[\d.]+) (?P<conn>\d+) (?P<conn_requests>\d+)$"
 )
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
+# stub_status page (not in the access log): how many responses are being written.
+STATUS_PATH = "/__nginx_status"
+_WRITING = re.compile(r"Writing: (\d+)")
 
 
 def nginx_available(binary: str = NGINX_BIN) -> bool:
@@ -65,6 +74,7 @@ class AccessRecord:
     # None without a Range header. range_end is None for an open range ("bytes=N-").
     range_start: int | None
     range_end: int | None
+    # Bytes handed to the kernel: a client killed mid-response may have read fewer.
     body_bytes_sent: int
     bytes_sent: int  # with the headers
     request_time: float  # seconds from the first byte read to the last byte sent
@@ -137,7 +147,8 @@ class NginxServer:
     def _conf(self) -> str:
         tmp = self.work_dir / "tmp"
         temp_paths = "\n".join(
-            f"    {kind}_temp_path {tmp / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+            f"    {kind}_temp_path {tmp / kind};"
+            for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
         )
         # As root, nginx would switch its workers to "nobody", who cannot read a
         # private test directory: keep the caller's user instead.
@@ -165,6 +176,10 @@ http {{
             limit_rate {self.limit_rate};
             limit_rate_after 0;
         }}
+        location = {STATUS_PATH} {{
+            stub_status;
+            access_log off;
+        }}
     }}
 }}
 """
@@ -184,7 +199,15 @@ http {{
             # A file, not a pipe: nobody would drain a pipe while nginx runs.
             with open(self.stderr_log, "wb") as stderr:
                 self._process = subprocess.Popen(
-                    [self.binary, "-p", str(self.work_dir), "-e", str(self.error_log), "-c", str(self.conf_path)],
+                    [
+                        self.binary,
+                        "-p",
+                        str(self.work_dir),
+                        "-e",
+                        str(self.error_log),
+                        "-c",
+                        str(self.conf_path),
+                    ],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=stderr,
@@ -233,6 +256,37 @@ http {{
         with open(self.access_log, encoding="utf-8", errors="replace") as f:
             return [r for line in f if (r := parse_access_line(line)) is not None]
 
+    def wait_for_records(self, count: int, timeout_s: float = 5.0) -> list[AccessRecord]:
+        """The logged requests once there are at least `count` (nginx logs a request
+        just after its last byte is sent, so a client can be a moment ahead)."""
+        deadline = time.monotonic() + timeout_s
+        while len(records := self.access_records()) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return records
+
+    def writing(self) -> int:
+        """Responses nginx is writing now, other than the status request asking."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=5) as conn:
+            conn.sendall(f"GET {STATUS_PATH} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n".encode())
+            answer = b""
+            while chunk := conn.recv(4096):
+                answer += chunk
+        m = _WRITING.search(answer.decode(errors="replace"))
+        if not m:
+            raise RuntimeError(f"nginx status page unreadable: {answer[:200]!r}")
+        return int(m.group(1)) - 1
+
+    def wait_idle(self, timeout_s: float = 10.0) -> list[AccessRecord]:
+        """Wait until nginx writes no response, then return the access log: a request
+        whose client died (a killed process) is logged only once nginx notices, which
+        under limit_rate can be a second later."""
+        deadline = time.monotonic() + timeout_s
+        while self.writing() > 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nginx still writing {self.writing()} responses after {timeout_s} s")
+            time.sleep(0.02)
+        return self.access_records()
+
     def clear_access_log(self) -> None:
         """Forget the requests logged so far (nginx appends, so truncation is safe)."""
         if self.access_log.exists():
@@ -245,4 +299,3 @@ http {{
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-

@@ -110,6 +110,7 @@ class NodeAgent:
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._first_registration = asyncio.Event()
         self._send_lock = asyncio.Lock()
         self._rng = random.Random()
 
@@ -128,6 +129,16 @@ class NodeAgent:
             transport=self._transport,
         )
         self._task = asyncio.create_task(self._run(), name=f"node-agent-{self.node_id}")
+
+    async def wait_registered(self, timeout_s: float) -> bool:
+        """Wait (at most timeout_s) until the control plane has taken this node's
+        registration once; False if it has not (the node goes on without it)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._first_registration.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def notify(self) -> None:
         """Report now instead of at the next interval (the status changed)."""
@@ -210,6 +221,7 @@ class NodeAgent:
         ack = NodeRegistered.model_validate_json(resp.content)
         self.heartbeat_interval_s = ack.heartbeat_interval_s
         self.registered = True
+        self._first_registration.set()
         log.info("registered node %s as %s", self.node_id, body.status)
 
     async def _heartbeat(self) -> bool:

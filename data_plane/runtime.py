@@ -92,6 +92,10 @@ class NodeRuntime:
     async def _load(self) -> None:
         try:
             if self.weights is not None:
+                if self.agent is not None:
+                    # Peers are found through the control plane, which answers only
+                    # registered nodes; without it the pull goes to the origin.
+                    await self.agent.wait_registered(self.settings.control_plane_timeout_s)
                 report = await self.weights.prepare()
                 self._step(weights_cached_s=None, weights_source=report.source, fetched_bytes=report.fetched_bytes)
                 if self.agent is not None:

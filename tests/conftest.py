@@ -11,6 +11,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
@@ -135,9 +136,8 @@ def nginx_server(tmp_path: Path) -> Iterator[Callable[..., NginxServer]]:
         server.stop()
 
 
-@pytest.fixture(scope="session")
-def moto_s3_server() -> Iterator[str]:
-    """Endpoint URL of moto's S3 API in server mode on a free loopback port (one per session)."""
+@contextmanager
+def _moto_server() -> Iterator[str]:
     try:
         import moto.server  # noqa: F401
     except ImportError as e:
@@ -162,6 +162,21 @@ def moto_s3_server() -> Iterator[str]:
             process.wait(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def moto_s3_server() -> Iterator[str]:
+    """Endpoint URL of moto's S3 API in server mode on a free loopback port (one per session)."""
+    with _moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="module")
+def private_moto_server() -> Iterator[str]:
+    """A moto server for one test module alone, for server-wide changes such as
+    enforcing authentication (POST /moto-api/reset-auth)."""
+    with _moto_server() as endpoint:
+        yield endpoint
+
+
 @pytest.fixture
 def moto_s3(moto_s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """Endpoint URL of the moto S3 server, with fake AWS credentials and that endpoint
@@ -175,7 +190,7 @@ def moto_s3(moto_s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return moto_s3_server
 
 
-def create_s3_bucket(endpoint: str, bucket: str, access_key: str = "testing", secret: str = "testing") -> None:
+def _create_s3_bucket(endpoint: str, bucket: str) -> None:
     """Create a bucket through the S3 API itself (a signed PUT /bucket)."""
     import httpx
 
@@ -183,7 +198,7 @@ def create_s3_bucket(endpoint: str, bucket: str, access_key: str = "testing", se
 
     url = f"{endpoint}/{bucket}"
     headers = sign_headers(
-        "PUT", url, {}, AwsCredentials(access_key, secret), "us-east-1", payload_sha256=EMPTY_SHA256
+        "PUT", url, {}, AwsCredentials("testing", "testing"), "us-east-1", payload_sha256=EMPTY_SHA256
     )
     httpx.put(url, headers=headers, timeout=SERVICE_TIMEOUT_S * 3).raise_for_status()
 
@@ -192,7 +207,7 @@ def create_s3_bucket(endpoint: str, bucket: str, access_key: str = "testing", se
 def s3_bucket(moto_s3: str) -> str:
     """Name of a fresh, empty bucket on the moto S3 server."""
     bucket = f"meridian-{uuid.uuid4().hex[:12]}"
-    create_s3_bucket(moto_s3, bucket)
+    _create_s3_bucket(moto_s3, bucket)
     return bucket
 
 
@@ -222,6 +237,9 @@ def gcs_bucket(gcs_emulator: str, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.delenv("GOOGLE_OAUTH_ACCESS_TOKEN", raising=False)
     bucket = f"meridian-{uuid.uuid4().hex[:12]}"
     httpx.post(
-        f"{gcs_emulator}/storage/v1/b", params={"project": "test"}, json={"name": bucket}, timeout=SERVICE_TIMEOUT_S * 3
+        f"{gcs_emulator}/storage/v1/b",
+        params={"project": "test"},
+        json={"name": bucket},
+        timeout=SERVICE_TIMEOUT_S * 3,
     ).raise_for_status()
     return bucket

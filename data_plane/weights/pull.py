@@ -24,6 +24,7 @@ from data_plane.weights.origins import (
     open_origin,
 )
 from data_plane.weights.origins.peer import PeerOrigin
+from data_plane.weights.origins.transport import make_client
 from data_plane.weights.peers import PeerDirectory
 from meridian.settings import WeightSettings
 
@@ -170,11 +171,7 @@ class WeightPuller:
 
     def _peer_origin(self, url: str) -> PeerOrigin:
         if self._peer_client is None:
-            s = self.settings
-            self._peer_client = httpx.AsyncClient(
-                timeout=httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s),
-                limits=httpx.Limits(max_connections=s.concurrency, max_keepalive_connections=s.concurrency),
-            )
+            self._peer_client = make_client(self.settings)
         return PeerOrigin.for_node(url, self.settings, client=self._peer_client)
 
 

@@ -7,15 +7,11 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import subprocess
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-from conftest import _free_port, _unavailable, _wait_for_port, create_s3_bucket
 
 from data_plane.weights.origins import (
     OriginDenied,
@@ -157,7 +153,13 @@ def _query_api(endpoint: str, service: str, credentials: AwsCredentials, **param
     body = str(httpx.QueryParams(params)).encode()
     headers = {"Content-Type": "application/x-www-form-urlencoded; charset=utf-8"}
     headers |= sign_headers(
-        "POST", f"{endpoint}/", headers, credentials, "us-east-1", service=service, payload_sha256=sha256_hex(body)
+        "POST",
+        f"{endpoint}/",
+        headers,
+        credentials,
+        "us-east-1",
+        service=service,
+        payload_sha256=sha256_hex(body),
     )
     response = httpx.post(f"{endpoint}/", content=body, headers=headers, timeout=10)
     response.raise_for_status()
@@ -171,56 +173,64 @@ def _tag(xml: str, tag: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def auth_server() -> Iterator[AuthServer]:
+def auth_server(private_moto_server: str) -> AuthServer:
     """A moto server of its own (auth is server-wide) with an IAM user allowed s3:*, and
     a role's temporary credentials, then switched to checking every request's signature."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+    endpoint = private_moto_server
+    setup = AwsCredentials("testing", "testing")
+    iam = {"Version": "2010-05-08"}
+    _query_api(endpoint, "iam", setup, Action="CreateUser", UserName="pusher", **iam)
+    key = _query_api(endpoint, "iam", setup, Action="CreateAccessKey", UserName="pusher", **iam)
+    user = AwsCredentials(_tag(key, "AccessKeyId"), _tag(key, "SecretAccessKey"))
+    allow = (
+        '{"Version":"2012-10-17","Statement":'
+        '[{"Effect":"Allow","Action":["s3:*","sts:AssumeRole"],"Resource":"*"}]}'
     )
-    try:
-        if not _wait_for_port(port, process, 60):
-            _unavailable("moto server", f"127.0.0.1:{port}", RuntimeError("did not start"))
-        endpoint = f"http://127.0.0.1:{port}"
-        setup = AwsCredentials("testing", "testing")
-        iam = {"Version": "2010-05-08"}
-        _query_api(endpoint, "iam", setup, Action="CreateUser", UserName="pusher", **iam)
-        key = _query_api(endpoint, "iam", setup, Action="CreateAccessKey", UserName="pusher", **iam)
-        user = AwsCredentials(_tag(key, "AccessKeyId"), _tag(key, "SecretAccessKey"))
-        allow = '{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":["s3:*","sts:AssumeRole"],"Resource":"*"}]}'
-        _query_api(
-            endpoint, "iam", setup, Action="PutUserPolicy", UserName="pusher", PolicyName="weights",
-            PolicyDocument=allow, **iam,
-        )
-        trust = '{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Principal":{"AWS":"*"},"Action":"sts:AssumeRole"}]}'
-        role = _query_api(
-            endpoint, "iam", setup, Action="CreateRole", RoleName="node", AssumeRolePolicyDocument=trust, **iam
-        )
-        _query_api(
-            endpoint, "iam", setup, Action="PutRolePolicy", RoleName="node", PolicyName="weights",
-            PolicyDocument=allow, **iam,
-        )
-        create_s3_bucket(endpoint, "weights", user.access_key_id, user.secret_access_key)
-        # From here on every request must carry a valid signature of a known key.
-        httpx.post(f"{endpoint}/moto-api/reset-auth", content=b"0", timeout=10).raise_for_status()
-        session = _query_api(
-            endpoint, "sts", user, Action="AssumeRole", RoleArn=_tag(role, "Arn"), RoleSessionName="node-1",
-            Version="2011-06-15",
-        )
-        temporary = AwsCredentials(
-            _tag(session, "AccessKeyId"), _tag(session, "SecretAccessKey"), _tag(session, "SessionToken")
-        )
-        yield AuthServer(endpoint, "weights", user, temporary)
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+    trust = (
+        '{"Version":"2012-10-17","Statement":'
+        '[{"Effect":"Allow","Principal":{"AWS":"*"},"Action":"sts:AssumeRole"}]}'
+    )
+    _query_api(
+        endpoint,
+        "iam",
+        setup,
+        Action="PutUserPolicy",
+        UserName="pusher",
+        PolicyName="s3",
+        PolicyDocument=allow,
+        **iam,
+    )
+    role = _query_api(
+        endpoint, "iam", setup, Action="CreateRole", RoleName="node", AssumeRolePolicyDocument=trust, **iam
+    )
+    _query_api(
+        endpoint,
+        "iam",
+        setup,
+        Action="PutRolePolicy",
+        RoleName="node",
+        PolicyName="s3",
+        PolicyDocument=allow,
+        **iam,
+    )
+    bucket_url = f"{endpoint}/weights"
+    signed = sign_headers("PUT", bucket_url, {}, user, "us-east-1", payload_sha256=EMPTY_SHA256)
+    httpx.put(bucket_url, headers=signed, timeout=10).raise_for_status()
+    # From here on every request must carry a valid signature of a known key.
+    httpx.post(f"{endpoint}/moto-api/reset-auth", content=b"0", timeout=10).raise_for_status()
+    session = _query_api(
+        endpoint,
+        "sts",
+        user,
+        Action="AssumeRole",
+        RoleArn=_tag(role, "Arn"),
+        RoleSessionName="node-1",
+        Version="2011-06-15",
+    )
+    temporary = AwsCredentials(
+        _tag(session, "AccessKeyId"), _tag(session, "SecretAccessKey"), _tag(session, "SessionToken")
+    )
+    return AuthServer(endpoint, "weights", user, temporary)
 
 
 def _auth_origin(server: AuthServer, credentials: AwsCredentials) -> S3Origin:

@@ -20,6 +20,7 @@ from data_plane.weights.origins.base import (
 from data_plane.weights.origins.file import FileOrigin
 from data_plane.weights.origins.gcs import GcsOrigin
 from data_plane.weights.origins.http import HttpOrigin
+from data_plane.weights.origins.peer import PeerOrigin
 from data_plane.weights.origins.s3 import S3Origin
 
 register_origin("file", FileOrigin)
@@ -27,9 +28,8 @@ register_origin("http", HttpOrigin)
 register_origin("https", HttpOrigin)
 register_origin("s3", S3Origin)
 register_origin("gs", GcsOrigin)
-# peer:// (another node's cache in the same region) registers here too:
-# from data_plane.weights.origins.peer import PeerOrigin
-# register_origin("peer", PeerOrigin)
+# Another node's cache in the same region (served by its node agent, cluster token).
+register_origin("peer", PeerOrigin)
 
 __all__ = [
     "FileOrigin",
@@ -42,6 +42,7 @@ __all__ = [
     "OriginReadOnly",
     "OriginURI",
     "OriginUnavailable",
+    "PeerOrigin",
     "Progress",
     "S3Origin",
     "WeightOrigin",

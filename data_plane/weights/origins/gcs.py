@@ -35,7 +35,9 @@ from data_plane.weights.origins.transport import (
 from meridian.settings import WeightSettings
 
 PUBLIC_ENDPOINT = "https://storage.googleapis.com"
-METADATA_TOKEN_URL = "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
+METADATA_TOKEN_URL = (
+    "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
+)
 # Resumable upload chunks must be multiples of 256 KiB (all but the last).
 _CHUNK_QUANTUM = 256 * 1024
 # Refresh a metadata-server token this long before it expires.
@@ -277,4 +279,3 @@ class GcsOrigin:
     async def aclose(self) -> None:
         """Release pooled connections."""
         await self._client.aclose()
-

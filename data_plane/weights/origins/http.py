@@ -93,13 +93,16 @@ class HttpOrigin:
 
     async def write(self, name: str, source: Path, progress: Progress | None = None) -> None:
         """Refused: plain web servers are read-only origins."""
-        raise OriginReadOnly(f"cannot store {describe(self.uri, name)}: {self.uri.scheme}:// origins are read-only")
+        raise OriginReadOnly(
+            f"cannot store {describe(self.uri, name)}: {self.uri.scheme}:// origins are read-only"
+        )
 
     async def write_bytes(self, name: str, data: bytes) -> None:
         """Refused: plain web servers are read-only origins."""
-        raise OriginReadOnly(f"cannot store {describe(self.uri, name)}: {self.uri.scheme}:// origins are read-only")
+        raise OriginReadOnly(
+            f"cannot store {describe(self.uri, name)}: {self.uri.scheme}:// origins are read-only"
+        )
 
     async def aclose(self) -> None:
         """Release pooled connections."""
         await self._client.aclose()
-

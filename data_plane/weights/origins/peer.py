@@ -3,23 +3,25 @@ under /v1/weights (data_plane.weights.peer_server) to nodes holding the cluster 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import httpx
 
 from data_plane.weights.origins.base import (
-    OriginDenied,
     OriginError,
-    OriginNotFound,
     OriginReadOnly,
-    OriginUnavailable,
     OriginURI,
     Progress,
 )
+from data_plane.weights.origins.transport import (
+    check_span,
+    make_client,
+    raise_for_status,
+    range_header,
+    ranged_body,
+    transport_errors,
+)
 from meridian.settings import WeightSettings
-
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
 class PeerOrigin:
@@ -33,10 +35,7 @@ class PeerOrigin:
         token = settings.cluster_token.get_secret_value() if settings.cluster_token else None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._owns_client = client is None
-        self._client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(settings.read_timeout_s, connect=settings.connect_timeout_s),
-            limits=httpx.Limits(max_connections=settings.concurrency, max_keepalive_connections=settings.concurrency),
-        )
+        self._client = client or make_client(settings)
 
     @classmethod
     def for_node(cls, url: str, settings: WeightSettings, client: httpx.AsyncClient | None = None) -> PeerOrigin:
@@ -55,21 +54,10 @@ class PeerOrigin:
         return f"{self.base_url}/v1/weights/models/{self.uri.prefix}/{name}"
 
     async def _get(self, name: str, headers: dict[str, str], method: str = "GET") -> httpx.Response:
-        url = self._url(name)
-        try:
-            resp = await self._client.request(method, url, headers={**self._headers, **headers})
-        except httpx.HTTPError as exc:
-            raise OriginUnavailable(f"peer {self.uri.authority}: {name}: {exc!r}") from exc
-        if resp.status_code in (200, 206):
-            return resp
-        message = f"peer {self.uri.authority}: {name}: HTTP {resp.status_code}"
-        if resp.status_code == 404:
-            raise OriginNotFound(message)
-        if resp.status_code in (401, 403):
-            raise OriginDenied(message)
-        if resp.status_code in (408, 429) or resp.status_code >= 500:
-            raise OriginUnavailable(message)
-        raise OriginError(message)
+        with transport_errors(method, self.uri, name):
+            resp = await self._client.request(method, self._url(name), headers={**self._headers, **headers})
+        raise_for_status(resp, method, self.uri, name)
+        return resp
 
     async def size(self, name: str) -> int:
         resp = await self._get(name, {}, method="HEAD")
@@ -79,13 +67,11 @@ class PeerOrigin:
         return (await self._get(name, {})).content
 
     async def read_range(self, name: str, start: int, end: int) -> bytes:
-        if end <= start:
+        check_span(start, end)
+        if end == start:
             return b""
-        resp = await self._get(name, {"Range": f"bytes={start}-{end - 1}"})
-        match = _CONTENT_RANGE.match(resp.headers.get("content-range", ""))
-        if resp.status_code != 206 or not match or (int(match[1]), int(match[2])) != (start, end - 1):
-            raise OriginUnavailable(f"peer {self.uri.authority}: {name}: answered a different range")
-        return resp.content
+        resp = await self._get(name, range_header(start, end))
+        return ranged_body(resp, start, end, self.uri, name)
 
     async def write(self, name: str, source: Path, progress: Progress | None = None) -> None:
         raise OriginReadOnly("peers are read-only: push to the model's origin")

@@ -46,7 +46,9 @@ def canonical_query(raw_query: str) -> str:
         if not part:
             continue
         name, _, value = part.partition("=")
-        pairs.append((uri_encode(unquote(name), keep_slash=False), uri_encode(unquote(value), keep_slash=False)))
+        pairs.append(
+            (uri_encode(unquote(name), keep_slash=False), uri_encode(unquote(value), keep_slash=False))
+        )
     return "&".join(f"{n}={v}" for n, v in sorted(pairs))
 
 

@@ -68,7 +68,9 @@ def describe(uri: OriginURI, name: str) -> str:
     return f"{uri.key(name)!r} at {uri}"
 
 
-def raise_for_status(response: httpx.Response, what: str, uri: OriginURI, name: str, detail: str = "") -> None:
+def raise_for_status(
+    response: httpx.Response, what: str, uri: OriginURI, name: str, detail: str = ""
+) -> None:
     """Raise the mapped origin error unless the response is a 2xx."""
     if 200 <= response.status_code < 300:
         return

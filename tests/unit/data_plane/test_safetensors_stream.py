@@ -151,6 +151,7 @@ F32x2 = {"dtype": "F32", "shape": [2]}
 MALFORMED: dict[str, tuple[dict[str, Any], str]] = {
     # name: (write_raw kwargs, the reason the error gives)
     "shorter than the length field": ({"whole": b"\x01\x02"}, "too short for the 8-byte header length"),
+    "zero header length": ({"header": b"", "length": 0}, "header length 0 is too short for a JSON object"),
     "header length beyond the file": ({"header": b"{}", "length": 4096}, "runs past the end"),
     "absurd header length": ({"header": b"{}", "length": 2**63}, "exceeds the 100000000-byte limit"),
     "non-JSON header": ({"header": b"{'a': 1"}, "not valid JSON"),
@@ -209,7 +210,9 @@ def _shards(tmp_path: Path, count: int) -> tuple[list[Path], dict[str, torch.Ten
     everything: dict[str, torch.Tensor] = {}
     files = []
     for i in range(count):
-        tensors = {f"shard{i}.w{j}": sample(torch.float16, (64 + j, 33), 10 * i + j) for j in range(5)}
+        # Later shards are bigger: staging buffers sized for the first must grow.
+        tensors = {f"shard{i}.w{j}": sample(torch.float16, (64 + j, 33 * (i + 1)), 10 * i + j)
+                   for j in range(5)}
         files.append(tmp_path / f"model-{i:05d}.safetensors")
         save_file(tensors, str(files[-1]))
         everything.update(tensors)

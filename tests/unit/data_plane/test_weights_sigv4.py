@@ -76,7 +76,9 @@ def test_put_object_with_an_encoded_key_matches_the_published_example() -> None:
         payload_sha256=sha256_hex(payload),
         now=WHEN,
     )
-    assert signed["x-amz-content-sha256"] == "44ce7dd67c959e0d3524ffac1771dfbba87d2b6b4b4e99e42034a8b803f8b072"
+    assert (
+        signed["x-amz-content-sha256"] == "44ce7dd67c959e0d3524ffac1771dfbba87d2b6b4b4e99e42034a8b803f8b072"
+    )
     assert signed["authorization"] == _authorization(
         "date;host;x-amz-content-sha256;x-amz-date;x-amz-storage-class",
         "98ad721746da40c64f1a55b78f14c238d841ea1380cd77a1b5971af0ece108bd",
@@ -96,7 +98,13 @@ def test_get_bucket_lifecycle_matches_the_published_example() -> None:
 def test_list_objects_matches_the_published_example() -> None:
     # Parameters are sorted in the canonical request whatever their order in the URL.
     signed = sign_headers(
-        "GET", f"{HOST}/?prefix=J&max-keys=2", {}, CREDENTIALS, "us-east-1", payload_sha256=EMPTY_SHA256, now=WHEN
+        "GET",
+        f"{HOST}/?prefix=J&max-keys=2",
+        {},
+        CREDENTIALS,
+        "us-east-1",
+        payload_sha256=EMPTY_SHA256,
+        now=WHEN,
     )
     assert signed["authorization"] == _authorization(
         "host;x-amz-content-sha256;x-amz-date",
