@@ -73,11 +73,9 @@ def load_model(
     device: str = "cpu",
     files: Iterable[Path] | None = None,
 ) -> LlamaForCausalLM:
-    """Load config and weights from a checkpoint directory, ready for inference.
-
-    `files` (default: every weight file of `model_dir`) may yield shards as they finish
-    downloading; each is loaded while the next one is still on its way.
-    """
+    """Load config and weights from a checkpoint directory (or `files` as they arrive), ready for inference."""
+    # `files` (default: every weight file of `model_dir`) may block between shards still
+    # downloading; each shard is loaded while the next one is on its way.
     raw = read_config(model_dir)
     config = LlamaConfig.from_hf(raw)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(
