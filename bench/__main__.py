@@ -1,12 +1,14 @@
 """`python -m bench` (`make bench`): every benchmark in its quick form, JSON lines out."""
 
-from bench import engine, router_overhead
+from bench import engine, router_overhead, weights
 
 
 def main() -> None:
     for fig in router_overhead.run(requests=100):
         print(fig.json_line(), flush=True)
     for fig in engine.run():
+        print(fig.json_line(), flush=True)
+    for fig in weights.run():
         print(fig.json_line(), flush=True)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import weights_load
 from bench.common import Figure, median
 from bench.nginx import NginxServer, nginx_available
 from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
@@ -157,10 +158,8 @@ def run(*, full: bool = False, device: str = "cpu") -> list[Figure]:
             figures += start_figures(work, full=full)
         else:
             print("nginx not found (apt-get install nginx-light): fetch and start figures skipped")
-        from bench.weights_load import bench_load
-
-        for d in bench_load(work / "load", quick=not full, device=device):
-            figures.append(Figure(**{k: d[k] for k in ("bench", "metric", "ours", "baseline", "baseline_name", "goal", "unit")}))
+        (work / "load").mkdir()
+        figures += weights_load.run(work / "load", full=full, device=device)
     return figures
 
 

@@ -24,6 +24,8 @@ from enum import StrEnum
 
 import httpx
 
+from meridian.backoff import Backoff
+
 log = logging.getLogger(__name__)
 child_log = logging.getLogger("data_plane.engine.vllm.child")
 
@@ -59,8 +61,7 @@ class RestartPolicy:
 
     def delay(self, failures: int, rand: Callable[[], float] = random.random) -> float:
         """Seconds to wait before the next start, after `failures` recent exits (>= 1)."""
-        base = min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
-        return base * (1.0 - self.jitter + 2.0 * self.jitter * rand())
+        return Backoff(self.backoff_s, self.backoff_max_s, jitter=self.jitter).delay(failures, rand)
 
 
 class VllmSupervisor:

@@ -5,7 +5,6 @@ responses, and retries of transient upload failures."""
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from data_plane.weights.origins.base import (
     OriginUnavailable,
     OriginURI,
 )
+from meridian.backoff import Backoff
 from meridian.settings import WeightSettings
 
 T = TypeVar("T")
@@ -144,12 +144,12 @@ def content_range_total(response: httpx.Response) -> int | None:
 
 async def retry_transient(settings: WeightSettings, attempt: Callable[[], Awaitable[T]]) -> T:
     """Run `attempt`, retrying OriginUnavailable with full-jitter exponential backoff."""
+    backoff = Backoff(settings.retry_base_s, settings.retry_max_s, full=True)
     for n in range(1, settings.max_attempts + 1):
         try:
             return await attempt()
         except OriginUnavailable:
             if n == settings.max_attempts:
                 raise
-            ceiling = min(settings.retry_max_s, settings.retry_base_s * 2 ** (n - 1))
-            await asyncio.sleep(random.uniform(0, ceiling))
+            await asyncio.sleep(backoff.delay(n))
     raise AssertionError("unreachable")
