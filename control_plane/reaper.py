@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 from sqlalchemy import delete, update
 
 from control_plane.context import AppContext
-from control_plane.db.models import Node
+from control_plane.db.models import Node, WeightReplica
 from control_plane.routing_table import bump_version
 from meridian.contracts import NodeStatus
 
@@ -46,6 +46,9 @@ def reap_once(ctx: AppContext, now: datetime | None = None) -> ReapResult:
             .returning(Node.node_id)
             .execution_options(synchronize_session=False)
         ).all()
+        if deleted:
+            # Postgres cascades; SQLite does not enforce the foreign key.
+            session.execute(delete(WeightReplica).where(WeightReplica.node_id.in_(deleted)))
     if lost:
         log.warning("nodes lost (no heartbeat for %.1fs): %s", ctx.settings.node_ttl_s, ", ".join(lost))
     if deleted:
