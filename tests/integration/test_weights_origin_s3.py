@@ -114,13 +114,14 @@ async def test_an_interrupted_multipart_upload_leaves_no_object_and_no_upload(
     await origin.write_bytes("weights.bin", b"the previous version")
     source = tmp_path / "big.bin"
     source.write_bytes(os.urandom(11 * MIB))
-    first_part_done = asyncio.Event()
-    writing = asyncio.create_task(origin.write("weights.bin", source, lambda n: first_part_done.set()))
-    await asyncio.wait_for(first_part_done.wait(), timeout=60)
-    # Interrupted mid-upload (Ctrl-C of `meridian model push`, node shutdown).
-    writing.cancel()
+    # Interrupted mid-upload (Ctrl-C of `meridian model push`, node shutdown), as the
+    # first part lands: cancelled there, before the upload can complete, however loaded
+    # the machine is (cancelling after an await raced the remaining parts and Complete).
+    writing: asyncio.Task[None] = asyncio.create_task(
+        origin.write("weights.bin", source, lambda n: writing.cancel())
+    )
     with pytest.raises(asyncio.CancelledError):
-        await writing
+        await asyncio.wait_for(writing, timeout=60)
     assert await origin.read("weights.bin") == b"the previous version"
     assert _pending_uploads(moto_s3, origin.bucket) == []
     with pytest.raises(OriginNotFound):
