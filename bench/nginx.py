@@ -287,11 +287,6 @@ http {{
             time.sleep(0.02)
         return self.access_records()
 
-    def clear_access_log(self) -> None:
-        """Forget the requests logged so far (nginx appends, so truncation is safe)."""
-        if self.access_log.exists():
-            os.truncate(self.access_log, 0)
-
     def __enter__(self) -> NginxServer:
         return self.start()
 

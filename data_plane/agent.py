@@ -64,6 +64,22 @@ def advertise_url(settings: NodeSettings) -> str:
     return f"http://{host}:{settings.port}"
 
 
+def control_plane_client(
+    settings: NodeSettings, *, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """A small pooled client to the control plane that presents the cluster token."""
+    if not settings.control_plane_url:
+        raise ValueError("settings.control_plane_url is not set")
+    token = settings.cluster_token
+    return httpx.AsyncClient(
+        base_url=settings.control_plane_url.rstrip("/"),
+        headers={"Authorization": f"Bearer {token.get_secret_value()}"} if token else {},
+        timeout=httpx.Timeout(settings.control_plane_timeout_s),
+        limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
+        transport=transport,
+    )
+
+
 class NodeAgent:
     """Registers, heartbeats (re-registering when forgotten) and deregisters a node."""
 
@@ -118,16 +134,7 @@ class NodeAgent:
         """Start the background loop; the first registration happens right away."""
         if self._task is not None:
             return
-        token = self._settings.cluster_token
-        headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
-        assert self._settings.control_plane_url is not None
-        self._client = httpx.AsyncClient(
-            base_url=self._settings.control_plane_url.rstrip("/"),
-            headers=headers,
-            timeout=httpx.Timeout(self._settings.control_plane_timeout_s),
-            limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
-            transport=self._transport,
-        )
+        self._client = control_plane_client(self._settings, transport=self._transport)
         self._task = asyncio.create_task(self._run(), name=f"node-agent-{self.node_id}")
 
     async def wait_registered(self, timeout_s: float) -> bool:

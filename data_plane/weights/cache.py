@@ -7,8 +7,9 @@ Layout under the cache root:
     partial/<sha256>.json      the chunks of it already verified (resume hint)
     models/<manifest digest>/  a model as its files' paths (hard links to blobs) plus
                                meridian-manifest.json; what engines and vLLM are pointed at
-    refs/<sha256 of URI>.json  the manifest digest a URI last resolved to (warm start
-                               while the origin is unreachable)
+    refs/<sha256 of URI>       symlink to the model directory a URI last resolved to:
+                               the path engines load from, and a warm start while the
+                               origin is unreachable
     locks/                     flock files: one per blob (single-flight across processes),
                                one per model (held shared while a node serves it)
 
@@ -26,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections import Counter
@@ -44,6 +46,13 @@ _HASH_BLOCK = 8 * 1024 * 1024
 # The journal is rewritten at most this often while chunks arrive (and once at the end).
 _JOURNAL_INTERVAL_S = 0.5
 LAST_USED = ".last-used"
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def ref_path(root: Path, uri: str) -> Path:
+    """Where the cache records the model a URI last resolved to: a symlink to its model
+    directory, which engines (and vLLM) are given as the model's path."""
+    return Path(root).absolute() / "refs" / hashlib.sha256(uri.encode()).hexdigest()
 
 
 def is_disk_full(exc: OSError) -> bool:
@@ -98,10 +107,6 @@ class FileLock:
         if fd is not None:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-
-    @property
-    def held(self) -> bool:
-        return self._fd is not None
 
 
 @dataclass
@@ -499,18 +504,18 @@ class NodeCache:
 
     # --- refs --------------------------------------------------------------------------
 
-    def _ref_path(self, uri: str) -> Path:
-        return self.root / "refs" / f"{hashlib.sha256(uri.encode()).hexdigest()}.json"
-
     def write_ref(self, uri: str, digest: str) -> None:
-        path = self._ref_path(uri)
+        """Point the URI's ref at the model directory, atomically (relative, so the cache
+        directory can move)."""
+        path = ref_path(self.root, uri)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}")
-        tmp.write_text(json.dumps({"uri": uri, "digest": digest}))
+        os.symlink(Path("..") / "models" / digest, tmp)
         os.replace(tmp, path)
 
     def read_ref(self, uri: str) -> str | None:
+        """The manifest digest the URI last resolved to, if recorded."""
         try:
-            raw = json.loads(self._ref_path(uri).read_text())
-        except (FileNotFoundError, ValueError):
+            digest = os.readlink(ref_path(self.root, uri)).rsplit("/", 1)[-1]
+        except (FileNotFoundError, OSError):
             return None
-        return raw.get("digest") if raw.get("uri") == uri else None
+        return digest if _SHA256.match(digest) else None

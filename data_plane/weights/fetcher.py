@@ -53,9 +53,7 @@ class RangeFetcher:
         self.cache = cache
         self._slots = asyncio.Semaphore(settings.concurrency)
         self._backoff = Backoff(settings.retry_base_s, settings.retry_max_s, full=True)
-        # Bytes written per source name, and retries: what `pull` reports and tests check.
-        self.bytes_from: Counter[str] = Counter()
-        self.retries = 0
+        # Ranges that failed verification (corrupt at a source or in transit).
         self.corrupt_ranges = 0
 
     def ranges(self, file: ManifestFile, missing: list[int]) -> list[list[int]]:
@@ -145,13 +143,11 @@ class RangeFetcher:
                 else:
                     partial.mark_done(run)
                     partial.save_journal()
-                    self.bytes_from[source.name] += end - start
                     if tally is not None:
                         tally[source.name] += end - start
                     if progress is not None:
                         progress(end - start)
                     return
-                self.retries += 1
                 await asyncio.sleep(self._backoff.delay(attempt))
         detail = "; ".join(failures[-4:])
         raise FetchError(f"{file.path} bytes {start}-{end}: no source served verified bytes ({detail})")

@@ -4,15 +4,13 @@ served, point the engine at it, and share the cache with same-region peers."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import hashlib
-import os
 from pathlib import Path, PurePosixPath
 
 import httpx
 from fastapi import APIRouter
 
-from data_plane.weights.cache import NodeCache
+from data_plane.agent import control_plane_client
+from data_plane.weights.cache import NodeCache, ref_path
 from data_plane.weights.peer_server import weights_router
 from data_plane.weights.peers import ControlPlanePeers
 from data_plane.weights.pull import PullProgress, PullReport, WeightPuller
@@ -21,11 +19,10 @@ from meridian.settings import NodeSettings
 
 def model_link(settings: NodeSettings) -> Path:
     """A stable path for the node's model_uri that engines (and vLLM) are given before the
-    pull; it is pointed at the cached model directory once the model is there."""
+    pull: the cache's ref of the URI, pointed at the cached model once it is there."""
     if settings.model_uri is None:
         raise ValueError("model_uri is not set")
-    key = hashlib.sha256(settings.model_uri.encode()).hexdigest()[:32]
-    return Path(settings.weights.cache_dir).absolute() / "by-uri" / key
+    return ref_path(Path(settings.weights.cache_dir), settings.model_uri)
 
 
 def name_from_uri(uri: str) -> str:
@@ -56,12 +53,7 @@ class NodeWeights:
         self._cp: httpx.AsyncClient | None = None
         peers = None
         if settings.control_plane_url and settings.region and w.peer_fetch:
-            token = settings.cluster_token
-            self._cp = httpx.AsyncClient(
-                base_url=settings.control_plane_url.rstrip("/"),
-                headers={"Authorization": f"Bearer {token.get_secret_value()}"} if token else {},
-                timeout=httpx.Timeout(settings.control_plane_timeout_s),
-            )
+            self._cp = control_plane_client(settings)
             peers = ControlPlanePeers(self._cp, node_id=node_id, region=settings.region)
         self.puller = WeightPuller(w, self.cache, peers=peers)
         self.digests: list[str] = []
@@ -78,12 +70,11 @@ class NodeWeights:
         self.digests = [m.digest for m in models]
 
     async def prepare(self, progress: PullProgress | None = None) -> PullReport:
-        """Pull the node's model, pin it and point the model link at it."""
+        """Pull the node's model (which points its ref, the model link, at it) and pin it."""
         assert self.settings.model_uri is not None
         report = await self.puller.pull(self.settings.model_uri, progress=progress)
         digest = report.model.digest
         await asyncio.to_thread(self.cache.pin, digest)
-        await asyncio.to_thread(_point, model_link(self.settings), report.model.path)
         if digest not in self.digests:
             self.digests.append(digest)
         self.report = report
@@ -96,12 +87,3 @@ class NodeWeights:
         if self._cp is not None:
             await self._cp.aclose()
 
-
-def _point(link: Path, target: Path) -> None:
-    """Atomically make `link` a symlink to `target`."""
-    link.parent.mkdir(parents=True, exist_ok=True)
-    tmp = link.with_name(f".{link.name}.{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    os.symlink(target, tmp)
-    os.replace(tmp, link)

@@ -19,7 +19,6 @@ from data_plane.weights.manifest import MANIFEST_NAME, Manifest, ManifestError
 from data_plane.weights.origins import (
     OriginError,
     OriginNotFound,
-    OriginUnavailable,
     WeightOrigin,
     open_origin,
 )
@@ -67,7 +66,7 @@ class WeightPuller:
     ) -> None:
         self.settings = settings
         self.cache = cache
-        self.peers = peers if settings.peer_fetch else None
+        self.peers = peers
         self.fetcher = RangeFetcher(settings, cache)
         self._peer_client: httpx.AsyncClient | None = None
 
@@ -96,7 +95,7 @@ class WeightPuller:
         try:
             try:
                 manifest = await self.read_manifest(origin)
-            except (OriginUnavailable, OriginError) as exc:
+            except OriginError as exc:
                 cached = self._cached_for(uri)
                 if cached is None:
                     raise WeightStoreError(f"cannot read the manifest at {uri}: {exc}") from exc

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from data_plane.weights.errors import first_error
 from data_plane.weights.origins.base import (
     OriginError,
     OriginURI,
@@ -242,7 +243,7 @@ class S3Origin:
                 await self._send("DELETE", name, query=upload_query, what="AbortMultipartUpload")
             # Parts fail for one cause (credentials, network): report the first.
             if isinstance(failure, BaseExceptionGroup):
-                raise failure.exceptions[0] from failure
+                raise first_error(failure) from failure
             raise
 
     async def aclose(self) -> None:
