@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from sqlalchemy.exc import IntegrityError
 
 from control_plane import keystore
-from control_plane.api import deployments, health, keys, nodes, routing, weights
+from control_plane.api import deployments, health, keys, nodes, routing, tenants, weights
 from control_plane.body_limit import BodyLimitMiddleware
 from control_plane.context import AppContext
 from control_plane.db import migrate
@@ -90,7 +90,7 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     app.state.settings = settings
     register_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    for module in (health, nodes, routing, keys, deployments, weights):
+    for module in (health, nodes, routing, keys, tenants, deployments, weights):
         app.include_router(module.router)
     return app
 

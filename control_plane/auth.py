@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
+from control_plane.audit import Actor
 from control_plane.context import AppContext
 from control_plane.errors import Forbidden, Unauthorized
 from control_plane.keystore import find_active_key
@@ -65,5 +68,27 @@ def require_scopes(allowed: Iterable[Scope]) -> Callable[..., Principal]:
             needed = ", ".join(sorted(s.value for s in wanted))
             raise Forbidden(f"this key lacks a required scope (one of: {needed})")
         return principal
+
+    return dependency
+
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+def request_id(x_request_id: Annotated[str | None, Header()] = None) -> str:
+    """The caller's X-Request-Id when it is a sane token, else a new one (for the audit log)."""
+    if x_request_id is not None and _REQUEST_ID.match(x_request_id):
+        return x_request_id
+    return uuid.uuid4().hex
+
+
+def require_actor(allowed: Iterable[Scope]) -> Callable[..., Actor]:
+    """Dependency: like require_scopes, returning who acts (for the audit log)."""
+    principal_of = require_scopes(allowed)
+
+    # Defaults, not Annotated: the annotations are strings (PEP 563) that FastAPI resolves
+    # in the module's namespace, where the closure's `principal_of` is not.
+    def dependency(principal: Principal = Depends(principal_of), rid: str = Depends(request_id)) -> Actor:  # noqa: B008
+        return Actor(id=principal.key_id, name=principal.name, request_id=rid)
 
     return dependency

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -11,7 +12,7 @@ from sqlalchemy.orm import Session
 from control_plane.db.models import Deployment
 from control_plane.errors import NotFound
 from control_plane.routing_table import bump_version
-from meridian.contracts import DeploymentView, RegionInfo, ScaleUpRequest
+from meridian.contracts import AutoscalingSpec, DeploymentView, PlacementSpec, RegionInfo, ScaleUpRequest
 
 
 def _routing_fields(row: Deployment) -> tuple[object, ...]:
@@ -23,49 +24,71 @@ def _clamp(value: int, low: int, high: int) -> int:
     return max(low, min(value, high))
 
 
+def _spec_fields(row: Deployment) -> tuple[object, ...]:
+    return (row.zone, row.min_replicas, row.max_replicas, row.placement, row.autoscaling)
+
+
+def find(session: Session, model: str, *, for_update: bool = False) -> Deployment | None:
+    query = select(Deployment).where(Deployment.model == model)
+    if for_update:
+        query = query.with_for_update()
+    return session.scalars(query).one_or_none()
+
+
 def upsert(
-    session: Session, model: str, *, zone: str, min_replicas: int, max_replicas: int, now: datetime
+    session: Session,
+    model: str,
+    *,
+    zone: str,
+    min_replicas: int,
+    max_replicas: int,
+    now: datetime,
+    placement: PlacementSpec | None = None,
+    autoscaling: AutoscalingSpec | None = None,
+    row: Deployment | None = None,
 ) -> tuple[Deployment, bool]:
     """Create or update the deployment of `model`; returns it and whether it was created.
 
     A new deployment starts at `min_replicas`; an update keeps the desired count that
-    scale-ups reached, clamped into the new bounds.
+    scale-ups reached, clamped into the new bounds. Pass `row` when the caller already
+    holds it locked.
     """
-    row = session.scalars(select(Deployment).where(Deployment.model == model).with_for_update()).one_or_none()
-    created = row is None
-    before = None if row is None else _routing_fields(row)
     if row is None:
-        row = Deployment(id=str(uuid.uuid4()), model=model, desired_replicas=min_replicas, created_at=now)
+        row = find(session, model, for_update=True)
+    created = row is None
+    before_routing = None if row is None else _routing_fields(row)
+    before_spec = None if row is None else _spec_fields(row)
+    if row is None:
+        row = Deployment(
+            id=str(uuid.uuid4()), model=model, desired_replicas=min_replicas, created_at=now, resource_version=1
+        )
         session.add(row)
     row.zone = zone
     row.min_replicas = min_replicas
     row.max_replicas = max_replicas
+    row.placement = (placement or PlacementSpec()).model_dump(mode="json")
+    row.autoscaling = (autoscaling or AutoscalingSpec()).model_dump(mode="json")
     row.desired_replicas = _clamp(row.desired_replicas, min_replicas, max_replicas)
+    if not created and _spec_fields(row) != before_spec:
+        row.resource_version += 1
     row.updated_at = now
     session.flush()
-    if _routing_fields(row) != before:
+    if _routing_fields(row) != before_routing:
         bump_version(session)
     return row, created
 
 
 def get(session: Session, model: str, *, for_update: bool = False) -> Deployment:
     """The deployment of `model`; NotFound when there is none."""
-    query = select(Deployment).where(Deployment.model == model)
-    if for_update:
-        query = query.with_for_update()
-    row = session.scalars(query).one_or_none()
+    row = find(session, model, for_update=for_update)
     if row is None:
         raise NotFound(f"no deployment of model {model!r}")
     return row
 
 
-def list_deployments(session: Session) -> list[Deployment]:
-    return list(session.scalars(select(Deployment).order_by(Deployment.model)).all())
-
-
-def delete(session: Session, model: str) -> None:
-    """Remove the deployment of `model`; NotFound when there is none."""
-    session.delete(get(session, model, for_update=True))
+def delete(session: Session, row: Deployment) -> None:
+    """Remove a deployment."""
+    session.delete(row)
     session.flush()
     bump_version(session)
 
@@ -97,6 +120,9 @@ def view(row: Deployment) -> DeploymentView:
         min_replicas=row.min_replicas,
         max_replicas=row.max_replicas,
         desired_replicas=row.desired_replicas,
+        placement=PlacementSpec.model_validate(row.placement or {}),
+        autoscaling=AutoscalingSpec.model_validate(row.autoscaling or {}),
+        resource_version=row.resource_version,
         last_scale_request_at=row.last_scale_request_at,
         last_scale_reason=row.last_scale_reason,
         last_scale_region=row.last_scale_region,
@@ -104,3 +130,8 @@ def view(row: Deployment) -> DeploymentView:
         updated_at=row.updated_at,
     )
 
+
+
+def as_dict(row: Deployment) -> dict[str, Any]:
+    """The deployment as the audit log records it."""
+    return view(row).model_dump(mode="json")

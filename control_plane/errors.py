@@ -53,6 +53,12 @@ class Conflict(ControlPlaneError):
     status = 409
 
 
+class PreconditionFailed(ControlPlaneError):
+    """If-Match named a version that is no longer current (someone else changed it)."""
+
+    status = 412
+
+
 class PayloadTooLarge(ControlPlaneError):
     status = 413
 

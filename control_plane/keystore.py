@@ -78,23 +78,23 @@ def find_active_key(session: Session, plaintext: str) -> ApiKey | None:
     ).one_or_none()
 
 
-def list_keys(session: Session, *, include_revoked: bool = False) -> list[ApiKey]:
-    query = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
-    if not include_revoked:
-        query = query.where(ApiKey.revoked_at.is_(None))
-    return list(session.scalars(query).all())
-
-
-def revoke_key(session: Session, key_id: str, now: datetime) -> None:
-    """Revoke a key (idempotent); NotFound when no key has this id."""
-    row = session.get(ApiKey, key_id, with_for_update=True)
+def get_key(session: Session, key_id: str, *, for_update: bool = False) -> ApiKey:
+    """The key with this id (revoked or not); NotFound when there is none."""
+    row = session.get(ApiKey, key_id, with_for_update=for_update)
     if row is None:
         raise NotFound(f"no API key with id {key_id!r}")
+    return row
+
+
+def revoke_key(session: Session, key_id: str, now: datetime) -> bool:
+    """Revoke a key (idempotent: False when it already was); NotFound when no key has this id."""
+    row = get_key(session, key_id, for_update=True)
     if row.revoked_at is not None:
-        return
+        return False
     row.revoked_at = now
     if _in_routing_table(row):
         bump_version(session)
+    return True
 
 
 def ensure_bootstrap_key(session: Session, plaintext: str, now: datetime) -> bool:

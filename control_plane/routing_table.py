@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from control_plane.db.models import ApiKey, Deployment, Node, RoutingState
+from control_plane.db.models import ApiKey, Deployment, Node, RoutingState, Tenant
 from control_plane.scopes import Scope
 from meridian.contracts import (
     DeploymentEntry,
@@ -48,6 +48,7 @@ def build_routing_table(session: Session, regions: dict[str, RegionInfo]) -> Rou
         select(ApiKey).where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.created_at, ApiKey.id)
     ).all()
     deployments = session.scalars(select(Deployment).order_by(Deployment.model)).all()
+    tenants = {t.name: t for t in session.scalars(select(Tenant)).all()}
     return RoutingTable(
         version=version,
         generated_at=datetime.now(UTC),
@@ -63,19 +64,23 @@ def build_routing_table(session: Session, regions: dict[str, RegionInfo]) -> Rou
             )
             for n in nodes
         ],
-        tenants=[
-            TenantEntry(
-                key_hash=k.key_hash,
-                key_prefix=k.key_prefix,
-                tenant=k.tenant,
-                zone=k.zone,
-                models=list(k.models) if k.models is not None else None,
-            )
-            for k in keys
-            if Scope.INFERENCE.value in k.scopes
-        ],
+        tenants=[_tenant_entry(k, tenants.get(k.tenant)) for k in keys if Scope.INFERENCE.value in k.scopes],
         deployments=[
             DeploymentEntry(model=d.model, zone=d.zone, min_replicas=d.min_replicas, max_replicas=d.max_replicas)
             for d in deployments
         ],
+    )
+
+
+def _tenant_entry(key: ApiKey, tenant: Tenant | None) -> TenantEntry:
+    # A key narrows its tenant's models; it never widens them.
+    models = key.models if key.models is not None else (tenant.models if tenant is not None else None)
+    return TenantEntry(
+        key_hash=key.key_hash,
+        key_prefix=key.key_prefix,
+        tenant=key.tenant,
+        zone=key.zone,
+        models=list(models) if models is not None else None,
+        requests_per_minute=tenant.requests_per_minute if tenant is not None else None,
+        tokens_per_minute=tenant.tokens_per_minute if tenant is not None else None,
     )

@@ -175,6 +175,9 @@ class TenantEntry(_Wire):
     tenant: str
     zone: ZoneName
     models: list[ModelName] | None = Field(None, description="None means every model")
+    # The tenant's rate limits (None: unlimited), enforced by routers.
+    requests_per_minute: int | None = Field(None, ge=1)
+    tokens_per_minute: int | None = Field(None, ge=1)
 
 
 class RoutingTable(_Wire):
@@ -286,6 +289,50 @@ class DeploymentEntry(_Wire):
     max_replicas: int = Field(ge=1)
 
 
+class PlacementSpec(_Wire):
+    """Where a deployment's replicas may go and how much they must serve (placement input)."""
+
+    # Decode tokens/s each client region sends; replicas within the RTT objective of a
+    # client region serve its demand. Empty: `replicas` replicas, spread as below.
+    demand: dict[RegionName, float] = Field(default_factory=dict, max_length=64)
+    replicas: int | None = Field(None, ge=1, le=1000)
+    # Active-active: replicas in at least this many regions, of at least this many
+    # providers (capped at what the deployment's zone offers).
+    min_regions: int = Field(2, ge=1, le=16)
+    min_providers: int = Field(2, ge=1, le=3)
+    # A replica serves a client region only if the estimated RTT between them is within this.
+    rtt_objective_ms: float = Field(100.0, gt=0, le=1000)
+    # Canonical GPU SKUs (providers.skus) the deployment may run on; None: any that fits.
+    allowed_skus: list[Annotated[str, Field(min_length=1, max_length=32)]] | None = Field(None, max_length=32)
+    spot: bool = False
+
+    @field_validator("demand")
+    @classmethod
+    def _finite_demand(cls, v: dict[str, float]) -> dict[str, float]:
+        for region, tokens in v.items():
+            if not (0 <= tokens <= 1e9):
+                raise ValueError(f"demand of {region} must be between 0 and 1e9 tokens/s")
+        return v
+
+
+class AutoscalingSpec(_Wire):
+    """Knative-KPA-style autoscaling of a deployment between min and max replicas."""
+
+    # In-flight requests (running + waiting) one replica should carry.
+    target_concurrency: float = Field(8.0, gt=0, le=10_000)
+    # Averaging window of the stable mode, and of the panic mode as a percentage of it.
+    stable_window_s: float = Field(60.0, ge=6, le=3600)
+    panic_window_pct: float = Field(10.0, ge=1, le=100)
+    # Enter panic mode when the panic-window concurrency needs this % of current capacity;
+    # in panic the autoscaler only scales up.
+    panic_threshold_pct: float = Field(200.0, ge=110, le=1000)
+    # A scale-down happens only after the lower count was wanted for this long.
+    scale_down_delay_s: float = Field(60.0, ge=0, le=3600)
+    # Largest step up (x current) and down (÷ current) in one decision.
+    max_scale_up_rate: float = Field(1000.0, gt=1)
+    max_scale_down_rate: float = Field(2.0, gt=1)
+
+
 class DeploymentView(_Wire):
     """A deployment as the admin API, `meridian status` and scalers see it."""
 
@@ -294,6 +341,10 @@ class DeploymentView(_Wire):
     min_replicas: int = Field(ge=0)
     max_replicas: int = Field(ge=1)
     desired_replicas: int = Field(ge=0)
+    placement: PlacementSpec = PlacementSpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    # Optimistic concurrency: send it back as If-Match to update.
+    resource_version: int = Field(1, ge=1)
     # The last scale-up request: when, why, and the region of the client that waited.
     last_scale_request_at: datetime | None = None
     last_scale_reason: str | None = None

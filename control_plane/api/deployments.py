@@ -5,18 +5,31 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Response
+from fastapi import APIRouter, Depends, Header, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from control_plane import deployment_store
-from control_plane.auth import Ctx, require_cluster_token, require_scopes
-from control_plane.errors import BadRequest, Conflict
+from control_plane import audit, deployment_store
+from control_plane.api.etags import check_if_match, if_none_match_matches, set_etag
+from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.api.tenants import known_zone
+from control_plane.audit import Actor
+from control_plane.auth import Ctx, require_actor, require_cluster_token, require_scopes
+from control_plane.db.models import Deployment
+from control_plane.errors import BadRequest, Conflict, PreconditionFailed
 from control_plane.scopes import FLEET_READERS, Scope
-from meridian.contracts import GLOBAL_ZONE, DeploymentView, ScaleUpRequest, ZoneName
+from meridian.contracts import (
+    GLOBAL_ZONE,
+    AutoscalingSpec,
+    DeploymentView,
+    PlacementSpec,
+    ScaleUpRequest,
+    ZoneName,
+)
 
 router = APIRouter(prefix="/v1")
-operators = [Depends(require_scopes([Scope.ADMIN, Scope.OPERATOR]))]
+OperatorActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN, Scope.OPERATOR]))]
 fleet_readers = [Depends(require_scopes(FLEET_READERS))]
 internal = [Depends(require_cluster_token)]
 # Model names may contain '/' ("org/name"), so the path parameter takes the rest of the path.
@@ -31,6 +44,8 @@ class DeploymentUpsert(BaseModel):
     zone: ZoneName = GLOBAL_ZONE
     min_replicas: int = Field(0, ge=0, le=1000)
     max_replicas: int = Field(1, ge=1, le=1000)
+    placement: PlacementSpec = PlacementSpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
 
     @model_validator(mode="after")
     def _bounds(self) -> DeploymentUpsert:
@@ -48,42 +63,91 @@ def scale_up(ctx: Ctx, model: ModelParam, body: ScaleUpRequest) -> DeploymentVie
         return deployment_store.view(row)
 
 
-@router.put("/deployments/{model:path}", dependencies=operators)
-def put_deployment(ctx: Ctx, model: ModelParam, body: DeploymentUpsert, response: Response) -> DeploymentView:
-    known_zones = {z for r in ctx.regions.values() for z in r.zones} | {GLOBAL_ZONE}
-    if body.zone not in known_zones:
-        raise BadRequest(f"unknown zone {body.zone!r}; known: {', '.join(sorted(known_zones))}")
+@router.put("/deployments/{model:path}")
+def put_deployment(
+    ctx: Ctx,
+    actor: OperatorActor,
+    model: ModelParam,
+    body: DeploymentUpsert,
+    response: Response,
+    if_match: Annotated[str | None, Header()] = None,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> DeploymentView:
+    """Create or replace a deployment. If-Match: its ETag (412 if it changed meanwhile);
+    If-None-Match: * creates only (412 if it exists)."""
+    known_zone(ctx, body.zone)
+    for region in body.placement.demand:
+        if region not in ctx.regions:
+            raise BadRequest(f"placement.demand names unknown region {region!r}")
+    now = datetime.now(UTC)
     try:
         with ctx.write() as session:
+            existing = deployment_store.find(session, model, for_update=True)
+            check_if_match(if_match, existing.resource_version if existing else None)
+            if existing is not None and if_none_match is not None and if_none_match_matches(
+                if_none_match, existing.resource_version
+            ):
+                raise PreconditionFailed(f"deployment {model!r} already exists (If-None-Match)")
+            before = deployment_store.as_dict(existing) if existing else None
             row, created = deployment_store.upsert(
                 session,
                 model,
                 zone=body.zone,
                 min_replicas=body.min_replicas,
                 max_replicas=body.max_replicas,
-                now=datetime.now(UTC),
+                placement=body.placement,
+                autoscaling=body.autoscaling,
+                now=now,
+                row=existing,
             )
             view = deployment_store.view(row)
+            after = view.model_dump(mode="json")
+            if created or _spec_changed(before, after):
+                audit.record(session, actor, action="create" if created else "update",
+                             resource_type="deployment", resource_id=model, before=before, after=after, now=now)
     except IntegrityError as e:
         raise Conflict(f"deployment {model!r} was created concurrently; retry") from e
     response.status_code = 201 if created else 200
+    set_etag(response, view.resource_version)
     return view
 
 
+def _spec_changed(before: dict[str, object] | None, after: dict[str, object]) -> bool:
+    ignore = {"updated_at", "created_at"}
+    return before is None or {k: v for k, v in before.items() if k not in ignore} != {
+        k: v for k, v in after.items() if k not in ignore
+    }
+
+
 @router.get("/deployments", dependencies=fleet_readers)
-def list_deployments(ctx: Ctx) -> list[DeploymentView]:
+def list_deployments(
+    ctx: Ctx, request: Request, response: Response, page: Annotated[PageParams, Depends(page_params)]
+) -> list[DeploymentView]:
     with ctx.read() as session:
-        return [deployment_store.view(r) for r in deployment_store.list_deployments(session)]
+        rows, next_cursor = paginate(session, select(Deployment), [Deployment.model], page)
+        views = [deployment_store.view(r) for r in rows]
+    set_next_link(request, response, next_cursor)
+    return views
 
 
 @router.get("/deployments/{model:path}", dependencies=fleet_readers)
-def get_deployment(ctx: Ctx, model: ModelParam) -> DeploymentView:
+def get_deployment(ctx: Ctx, model: ModelParam, response: Response) -> DeploymentView:
     with ctx.read() as session:
-        return deployment_store.view(deployment_store.get(session, model))
+        view = deployment_store.view(deployment_store.get(session, model))
+    set_etag(response, view.resource_version)
+    return view
 
 
-@router.delete("/deployments/{model:path}", dependencies=operators, status_code=204)
-def delete_deployment(ctx: Ctx, model: ModelParam) -> Response:
+@router.delete("/deployments/{model:path}", status_code=204)
+def delete_deployment(
+    ctx: Ctx, actor: OperatorActor, model: ModelParam, if_match: Annotated[str | None, Header()] = None
+) -> Response:
+    now = datetime.now(UTC)
     with ctx.write() as session:
-        deployment_store.delete(session, model)
+        row = deployment_store.get(session, model, for_update=True)
+        check_if_match(if_match, row.resource_version)
+        before = deployment_store.as_dict(row)
+        deployment_store.delete(session, row)
+        audit.record(session, actor, action="delete", resource_type="deployment", resource_id=model,
+                     before=before, after=None, now=now)
     return Response(status_code=204)

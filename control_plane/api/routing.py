@@ -7,23 +7,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Response
 
+from control_plane.api.etags import etag, if_none_match_matches
 from control_plane.auth import Ctx, require_cluster_token
 from control_plane.routing_table import build_routing_table
 from meridian.contracts import RoutingTable
 
 router = APIRouter(prefix="/v1")
-
-
-def etag(version: int) -> str:
-    return f'"{version}"'
-
-
-def _matches(if_none_match: str | None, version: int) -> bool:
-    """Whether an If-None-Match header names this version (weak tags compare equal)."""
-    if not if_none_match:
-        return False
-    tags = [t.strip().removeprefix("W/") for t in if_none_match.split(",")]
-    return "*" in tags or etag(version) in tags
 
 
 @router.get("/routing-table", dependencies=[Depends(require_cluster_token)])
@@ -33,10 +22,10 @@ async def get_routing_table(
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> Response:
     version = await ctx.watch.current()
-    if wait and _matches(if_none_match, version):
+    if wait and if_none_match_matches(if_none_match, version):
         # Longer waits are clamped, not refused: a router may be configured more patiently.
         version = await ctx.watch.wait_for_change(version, min(wait, ctx.settings.max_long_poll_s))
-    if _matches(if_none_match, version):
+    if if_none_match_matches(if_none_match, version):
         return Response(status_code=304, headers={"ETag": etag(version)})
 
     def build() -> RoutingTable:

@@ -5,7 +5,18 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, CheckConstraint, DateTime, ForeignKey, Integer, MetaData, String
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+)
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -124,6 +135,14 @@ class Deployment(Base):
     last_scale_region: Mapped[str | None] = mapped_column(String(80), nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # Placement: demand per client region, spread, RTT objective, allowed SKUs, spot
+    # (control_plane.api.deployments.PlacementSpec as JSON).
+    placement: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Autoscaler (KPA): concurrency target, windows, scale-down delay, panic threshold
+    # (control_plane.api.deployments.AutoscalingSpec as JSON).
+    autoscaling: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Optimistic concurrency: the ETag of the resource; bumped on every change.
+    resource_version: Mapped[int] = mapped_column(Integer, default=1)
 
 
 class WeightReplica(Base):
@@ -139,3 +158,96 @@ class WeightReplica(Base):
     # "cached" or "fetching"
     state: Mapped[str] = mapped_column(String(16))
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class ModelRecord(Base):
+    """A model's architecture, as model fit needs it to size replicas per GPU SKU."""
+
+    __tablename__ = "models"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    params_b: Mapped[float] = mapped_column(Float)
+    layers: Mapped[int] = mapped_column(Integer)
+    kv_heads: Mapped[int] = mapped_column(Integer)
+    head_dim: Mapped[int] = mapped_column(Integer)
+    # Weight precision ("bf16", "fp8", "int4"…) and the KV cache's.
+    dtype: Mapped[str] = mapped_column(String(16))
+    kv_cache_dtype: Mapped[str] = mapped_column(String(16))
+    max_context: Mapped[int] = mapped_column(Integer)
+    target_concurrent_seqs: Mapped[int] = mapped_column(Integer)
+    weights_uri: Mapped[str | None] = mapped_column(String(2048), nullable=True)
+    resource_version: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class Capacity(Base):
+    """How many GPUs of a SKU Meridian may run in a region (a cloud quota or an on-prem
+    site's hosts). Placement never plans beyond it."""
+
+    __tablename__ = "capacity"
+    __table_args__ = (CheckConstraint("max_gpus >= 0", name="max_gpus_non_negative"),)
+
+    region: Mapped[str] = mapped_column(String(80), primary_key=True)
+    sku: Mapped[str] = mapped_column(String(32), primary_key=True)
+    max_gpus: Mapped[int] = mapped_column(Integer)
+    resource_version: Mapped[int] = mapped_column(Integer, default=1)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class PlacementPlan(Base):
+    """A solved placement: previewed, then applied (the applied one is the current placement)."""
+
+    __tablename__ = "placement_plans"
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    # "preview" → "applied" → "superseded"; "infeasible" plans are kept with their explanation.
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    # The applied plan this one was solved against (its diff is relative to it).
+    base_plan_id: Mapped[str | None] = mapped_column(String(36), nullable=True)
+    cost_per_hour: Mapped[float | None] = mapped_column(Float, nullable=True)
+    assignments: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    diff: Mapped[dict[str, Any]] = mapped_column(JSON)
+    explanation: Mapped[str | None] = mapped_column(Text, nullable=True)
+    solve_seconds: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    created_by: Mapped[str] = mapped_column(String(200))
+    applied_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    applied_by: Mapped[str | None] = mapped_column(String(200), nullable=True)
+
+
+class Tenant(Base):
+    """A customer of the fabric: its residency zone, allowed models and rate limits.
+
+    Its API keys carry the tenant's zone; changing the zone re-binds every key."""
+
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    zone: Mapped[str] = mapped_column(String(32))
+    # None means every model.
+    models: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    resource_version: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class AuditEntry(Base):
+    """One change made through the admin API (or by the reconciler/autoscaler): who, what,
+    the resource before and after. Written in the same transaction as the change."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    # The API key's id and name, or "system:<component>" for the control plane's own loops.
+    actor_id: Mapped[str] = mapped_column(String(64))
+    actor_name: Mapped[str] = mapped_column(String(200))
+    action: Mapped[str] = mapped_column(String(32))
+    resource_type: Mapped[str] = mapped_column(String(32), index=True)
+    resource_id: Mapped[str] = mapped_column(String(256), index=True)
+    before: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    after: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)

@@ -13,8 +13,11 @@ from control_plane.db import migrate
 from control_plane.db.engine import make_engine
 from control_plane.db.models import Base
 
-TABLES = {"nodes", "api_keys", "routing_state", "deployments", "weight_replicas"}
-HEAD = "0003"
+TABLES = {
+    "nodes", "api_keys", "routing_state", "deployments", "weight_replicas",
+    "models", "capacity", "placement_plans", "tenants", "audit_log",
+}
+HEAD = "0004"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -52,6 +52,8 @@ async def test_inference_keys_are_published_as_tenants_until_revoked(cp: Control
             "tenant": "acme",
             "zone": "eu",
             "models": None,
+            "requests_per_minute": None,
+            "tokens_per_minute": None,
         }
     ]
 

@@ -1,0 +1,45 @@
+"""ETags of versioned resources: If-None-Match for polls, If-Match for optimistic concurrency."""
+
+from __future__ import annotations
+
+from fastapi import Response
+
+from control_plane.errors import PreconditionFailed
+
+
+def etag(version: int) -> str:
+    """The strong ETag of a resource (or snapshot) version."""
+    return f'"{version}"'
+
+
+def _tags(header: str) -> list[str]:
+    # Weak and strong tags compare equal: the version is the whole identity.
+    return [t.strip().removeprefix("W/") for t in header.split(",") if t.strip()]
+
+
+def if_none_match_matches(if_none_match: str | None, version: int) -> bool:
+    """Whether an If-None-Match header names this version (or `*`)."""
+    if not if_none_match:
+        return False
+    tags = _tags(if_none_match)
+    return "*" in tags or etag(version) in tags
+
+
+def check_if_match(if_match: str | None, version: int | None) -> None:
+    """Raise 412 unless If-Match is absent or names the current version.
+
+    `version` None means the resource does not exist: only an absent If-Match passes.
+    """
+    if if_match is None:
+        return
+    tags = _tags(if_match)
+    if version is None:
+        raise PreconditionFailed("If-Match given but the resource does not exist")
+    if "*" not in tags and etag(version) not in tags:
+        raise PreconditionFailed(
+            f"the resource changed (now at version {version}); re-read it and retry with its ETag"
+        )
+
+
+def set_etag(response: Response, version: int) -> None:
+    response.headers["ETag"] = etag(version)

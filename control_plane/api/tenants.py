@@ -1,0 +1,154 @@
+"""Tenants: residency zone, allowed models and rate limits, inherited by every key of the tenant."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Path, Request, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select
+
+from control_plane import audit, tenant_store
+from control_plane.api.etags import check_if_match, set_etag
+from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.audit import Actor
+from control_plane.auth import Ctx, require_actor, require_scopes
+from control_plane.db.models import Tenant
+from control_plane.errors import BadRequest
+from control_plane.scopes import FLEET_READERS, Scope
+from meridian.contracts import GLOBAL_ZONE, ModelName, ZoneName
+
+router = APIRouter(prefix="/v1")
+readers = [Depends(require_scopes(FLEET_READERS))]
+AdminActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN]))]
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+TenantParam = Annotated[str, Path(pattern=TENANT_PATTERN)]
+RateLimit = Annotated[int, Field(ge=1, le=1_000_000_000)]
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=TENANT_PATTERN)
+    zone: ZoneName = GLOBAL_ZONE
+    models: list[ModelName] | None = Field(None, max_length=64)
+    requests_per_minute: RateLimit | None = None
+    tokens_per_minute: RateLimit | None = None
+
+
+class TenantPatch(BaseModel):
+    """Fields to change; those left out stay as they are (null clears a limit or model list)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    zone: ZoneName | None = None
+    models: list[ModelName] | None = Field(None, max_length=64)
+    requests_per_minute: RateLimit | None = None
+    tokens_per_minute: RateLimit | None = None
+
+
+class TenantView(BaseModel):
+    name: str
+    zone: str
+    models: list[str] | None
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    resource_version: int
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, row: Tenant) -> TenantView:
+        return cls.model_validate(tenant_store.as_dict(row))
+
+
+def known_zone(ctx: Ctx, zone: str) -> str:
+    """`zone` if some region belongs to it (or it is global), else 400."""
+    known = {z for r in ctx.regions.values() for z in r.zones} | {GLOBAL_ZONE}
+    if zone not in known:
+        raise BadRequest(f"unknown zone {zone!r}; known: {', '.join(sorted(known))}")
+    return zone
+
+
+@router.post("/tenants", status_code=201)
+def create_tenant(ctx: Ctx, actor: AdminActor, body: TenantCreate, response: Response) -> TenantView:
+    known_zone(ctx, body.zone)
+    now = datetime.now(UTC)
+    with ctx.write() as session:
+        row = tenant_store.create(
+            session,
+            body.name,
+            zone=body.zone,
+            models=body.models,
+            requests_per_minute=body.requests_per_minute,
+            tokens_per_minute=body.tokens_per_minute,
+            now=now,
+        )
+        after = tenant_store.as_dict(row)
+        audit.record(session, actor, action="create", resource_type="tenant", resource_id=row.name,
+                     before=None, after=after, now=now)
+    set_etag(response, row.resource_version)
+    return TenantView.model_validate(after)
+
+
+@router.get("/tenants", dependencies=readers)
+def list_tenants(
+    ctx: Ctx, request: Request, response: Response, page: Annotated[PageParams, Depends(page_params)]
+) -> list[TenantView]:
+    with ctx.read() as session:
+        rows, next_cursor = paginate(session, select(Tenant), [Tenant.name], page)
+        views = [TenantView.of(r) for r in rows]
+    set_next_link(request, response, next_cursor)
+    return views
+
+
+@router.get("/tenants/{name}", dependencies=readers)
+def get_tenant(ctx: Ctx, name: TenantParam, response: Response) -> TenantView:
+    with ctx.read() as session:
+        view = TenantView.of(tenant_store.get(session, name))
+    set_etag(response, view.resource_version)
+    return view
+
+
+@router.patch("/tenants/{name}")
+def patch_tenant(
+    ctx: Ctx,
+    actor: AdminActor,
+    name: TenantParam,
+    body: TenantPatch,
+    response: Response,
+    if_match: Annotated[str | None, Header()] = None,
+) -> TenantView:
+    changes: dict[str, Any] = body.model_dump(exclude_unset=True)
+    if "zone" in changes:
+        if changes["zone"] is None:
+            raise BadRequest("zone cannot be null; use 'global' for no residency constraint")
+        known_zone(ctx, changes["zone"])
+    now = datetime.now(UTC)
+    with ctx.write() as session:
+        row = tenant_store.get(session, name, for_update=True)
+        check_if_match(if_match, row.resource_version)
+        before = tenant_store.as_dict(row)
+        if tenant_store.update_fields(session, row, changes, now):
+            audit.record(session, actor, action="update", resource_type="tenant", resource_id=name,
+                         before=before, after=tenant_store.as_dict(row), now=now)
+        view = TenantView.of(row)
+    set_etag(response, view.resource_version)
+    return view
+
+
+@router.delete("/tenants/{name}", status_code=204)
+def delete_tenant(
+    ctx: Ctx, actor: AdminActor, name: TenantParam, if_match: Annotated[str | None, Header()] = None
+) -> Response:
+    """Delete the tenant; every key of it is revoked in the same transaction."""
+    now = datetime.now(UTC)
+    with ctx.write() as session:
+        row = tenant_store.get(session, name, for_update=True)
+        check_if_match(if_match, row.resource_version)
+        before = tenant_store.as_dict(row)
+        revoked = tenant_store.delete(session, row, now)
+        audit.record(session, actor, action="delete", resource_type="tenant", resource_id=name,
+                     before=before, after={"keys_revoked": revoked}, now=now)
+    return Response(status_code=204)
