@@ -170,9 +170,12 @@ class ModelRecord(Base):
     layers: Mapped[int] = mapped_column(Integer)
     kv_heads: Mapped[int] = mapped_column(Integer)
     head_dim: Mapped[int] = mapped_column(Integer)
-    # Weight precision ("bf16", "fp8", "int4"…) and the KV cache's.
-    dtype: Mapped[str] = mapped_column(String(16))
+    # Weight format ("bf16", "fp8", "int4", "awq"… — control_plane.placement.fit) and the KV cache's.
+    quantization: Mapped[str] = mapped_column(String(16))
     kv_cache_dtype: Mapped[str] = mapped_column(String(16))
+    # Constrain the tensor-parallel degree and the all-reduce size when known.
+    attention_heads: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    hidden_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
     max_context: Mapped[int] = mapped_column(Integer)
     target_concurrent_seqs: Mapped[int] = mapped_column(Integer)
     weights_uri: Mapped[str | None] = mapped_column(String(2048), nullable=True)
