@@ -1,6 +1,6 @@
 """`python -m bench` (`make bench`): every benchmark in its quick form, JSON lines out."""
 
-from bench import engine, router_overhead, weights
+from bench import engine, placement, router_overhead, weights
 
 
 def main() -> None:
@@ -9,6 +9,8 @@ def main() -> None:
     for fig in engine.run():
         print(fig.json_line(), flush=True)
     for fig in weights.run():
+        print(fig.json_line(), flush=True)
+    for fig in placement.run():
         print(fig.json_line(), flush=True)
 
 
