@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from control_plane import weight_registry
-from control_plane.db.models import Node
+from control_plane.db.models import Node, NodeDrain
 from control_plane.errors import BadRequest, NotFound
 from control_plane.routing_table import bump_version, current_version
 from meridian.contracts import (
@@ -25,6 +24,17 @@ from meridian.contracts import (
 def _routing_fields(node: Node) -> tuple[object, ...]:
     """What routers see of a node; a change here is a new routing version."""
     return (node.region, node.url, tuple(node.models), node.engine, node.status)
+
+
+def _status(session: Session, node_id: str, reported: NodeStatus) -> str:
+    """The node's status: as reported, except that a node the reconciler is removing stays
+    draining (routers must not send it new requests)."""
+    if reported == NodeStatus.DRAINING:
+        return reported.value
+    # No autoflush: a node being registered is in the session half-filled.
+    with session.no_autoflush:
+        draining = session.get(NodeDrain, node_id) is not None
+    return NodeStatus.DRAINING.value if draining else reported.value
 
 
 def register(session: Session, reg: NodeRegistration, regions: dict[str, RegionInfo], now: datetime) -> None:
@@ -45,7 +55,7 @@ def register(session: Session, reg: NodeRegistration, regions: dict[str, RegionI
     node.models = list(reg.models)
     node.engine = reg.engine
     node.version = reg.version
-    node.status = reg.status.value
+    node.status = _status(session, reg.node_id, reg.status)
     node.load = NodeLoad(running=0, waiting=0, kv_cache_usage=0.0).model_dump()
     node.registered_at = now
     node.last_heartbeat = now
@@ -67,7 +77,7 @@ def heartbeat(session: Session, node_id: str, hb: NodeHeartbeat, now: datetime) 
     if node is None or node.status == NodeStatus.LOST.value:
         raise NotFound(f"node {node_id!r} is not registered; register again")
     before = _routing_fields(node)
-    node.status = hb.status.value
+    node.status = _status(session, node_id, hb.status)
     if hb.models:
         node.models = list(hb.models)
     node.load = hb.load.model_dump()
@@ -95,23 +105,28 @@ def deregister(session: Session, node_id: str) -> None:
         bump_version(session)
 
 
-def list_nodes(session: Session) -> list[NodeView]:
-    nodes = session.scalars(select(Node).order_by(Node.region, Node.node_id)).all()
-    return [
-        NodeView(
-            node_id=n.node_id,
-            region=n.region,
-            provider=n.provider,
-            url=n.url,
-            models=list(n.models),
-            engine=n.engine,
-            version=n.version,
-            status=NodeStatus(n.status),
-            load=NodeLoad.model_validate(n.load),
-            registered_at=n.registered_at,
-            last_heartbeat=n.last_heartbeat,
-            cold_start=ColdStart.model_validate(n.cold_start) if n.cold_start else None,
-            weights=weight_registry.cached_digests(session, n.node_id),
-        )
-        for n in nodes
-    ]
+def view(session: Session, n: Node) -> NodeView:
+    """The node as the admin API and `meridian status` show it."""
+    return NodeView(
+        node_id=n.node_id,
+        region=n.region,
+        provider=n.provider,
+        url=n.url,
+        models=list(n.models),
+        engine=n.engine,
+        version=n.version,
+        status=NodeStatus(n.status),
+        load=NodeLoad.model_validate(n.load),
+        registered_at=n.registered_at,
+        last_heartbeat=n.last_heartbeat,
+        cold_start=ColdStart.model_validate(n.cold_start) if n.cold_start else None,
+        weights=weight_registry.cached_digests(session, n.node_id),
+    )
+
+
+def get(session: Session, node_id: str) -> NodeView:
+    """The node with this id (lost ones included); NotFound when there is none."""
+    node = session.get(Node, node_id)
+    if node is None:
+        raise NotFound(f"no node {node_id!r}")
+    return view(session, node)

@@ -40,6 +40,27 @@ class ControlPlaneSettings(BaseSettings):
     max_long_poll_s: float = Field(30.0, gt=0)
     max_request_bytes: int = Field(1_000_000, gt=0)
     onprem_inventory: Path | None = None
+    # --- fleet loops: leader election, reconciler, autoscaler ---------------------------
+    # One control plane leads the reconciler and autoscaler: on Postgres the holder of an
+    # advisory lock (checked this often); on SQLite (one control plane only) a lease row.
+    reconciler_enabled: bool = True
+    autoscaler_enabled: bool = True
+    leader_check_interval_s: float = Field(1.0, gt=0)
+    leader_lease_s: float = Field(10.0, gt=0)
+    # Shown as the leader's name; defaults to "<hostname>:<pid>".
+    replica_id: str | None = Field(None, max_length=120)
+    reconcile_interval_s: float = Field(2.0, gt=0)
+    # A failed reconcile step is retried after base * 2**(n-1) seconds (±20% jitter), capped.
+    reconcile_backoff_base_s: float = Field(1.0, gt=0)
+    reconcile_backoff_max_s: float = Field(300.0, gt=0)
+    # A node being removed is drained (routers stop sending) until its heartbeat shows no
+    # running or waiting request, or this long at most.
+    reconcile_drain_timeout_s: float = Field(120.0, ge=0)
+    # Upper bound on one provider driver call.
+    driver_timeout_s: float = Field(60.0, gt=0)
+    autoscale_interval_s: float = Field(2.0, gt=0)
+    # A decision that keeps the replica count is recorded at most this often per deployment.
+    autoscale_hold_record_s: float = Field(60.0, gt=0)
 
 
 class RouterSettings(BaseSettings):

@@ -8,14 +8,18 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
     Text,
+    UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -202,6 +206,16 @@ class PlacementPlan(Base):
     """A solved placement: previewed, then applied (the applied one is the current placement)."""
 
     __tablename__ = "placement_plans"
+    # At most one plan in force: two concurrent applies cannot both succeed.
+    __table_args__ = (
+        Index(
+            "uq_placement_plans_one_applied",
+            "status",
+            unique=True,
+            sqlite_where=text("status = 'applied'"),
+            postgresql_where=text("status = 'applied'"),
+        ),
+    )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     # "preview" → "applied" → "superseded"; "infeasible" plans are kept with their explanation.
@@ -254,3 +268,107 @@ class AuditEntry(Base):
     before: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     after: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     request_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class Leadership(Base):
+    """Who leads the control plane's fleet loops (reconciler, autoscaler), and the fencing epoch.
+
+    On Postgres the leader is whoever holds a session-level advisory lock; this row only
+    records it and carries `epoch`, which every acquisition increments and every write of
+    the leader checks, so a deposed leader's late write is refused. On SQLite (one control
+    plane) the row is a lease that expires at `expires_at`.
+    """
+
+    __tablename__ = "leadership"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))
+    epoch: Mapped[int] = mapped_column(BigInteger)
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    renewed_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    # SQLite lease only; None on Postgres, where the lock dies with the leader's connection.
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+
+
+class NodeGroup(Base):
+    """Nodes of one instance type in one region serving one deployment, as the reconciler
+    runs them through the provider's driver."""
+
+    __tablename__ = "node_groups"
+    __table_args__ = (
+        UniqueConstraint("model", "region", "instance_type", "spot", name="uq_node_groups_group_key"),
+        CheckConstraint("desired_size >= 0 AND current_size >= 0", name="sizes_non_negative"),
+    )
+
+    id: Mapped[str] = mapped_column(String(36), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), index=True)
+    provider: Mapped[str] = mapped_column(String(16))
+    region: Mapped[str] = mapped_column(String(80))
+    instance_type: Mapped[str] = mapped_column(String(64))
+    sku: Mapped[str] = mapped_column(String(32))
+    spot: Mapped[bool] = mapped_column(Boolean, default=False)
+    gpus_per_node: Mapped[int] = mapped_column(Integer)
+    desired_size: Mapped[int] = mapped_column(Integer)
+    current_size: Mapped[int] = mapped_column(Integer)
+    # Node ids (= host / instance names) the driver reports in the group.
+    nodes: Mapped[list[str]] = mapped_column(JSON)
+    # "creating", "ready", "scaling", "draining", "deleting", "error"
+    state: Mapped[str] = mapped_column(String(16))
+    # Consecutive failed steps and when the next may be tried (exponential backoff).
+    failures: Mapped[int] = mapped_column(Integer, default=0)
+    retry_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    last_error: Mapped[str | None] = mapped_column(String(1000), nullable=True)
+    resource_version: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime())
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class NodeDrain(Base):
+    """A node the reconciler chose to remove: it stays draining (heartbeats cannot make it
+    ready again) until the reconciler removes it or cancels the drain."""
+
+    __tablename__ = "node_drains"
+
+    node_id: Mapped[str] = mapped_column(String(63), primary_key=True)
+    node_group_id: Mapped[str] = mapped_column(String(36), index=True)
+    requested_at: Mapped[datetime] = mapped_column(UTCDateTime())
+
+
+class ReconcileStep(Base):
+    """One step the reconciler took on a node group, its outcome and its retry schedule."""
+
+    __tablename__ = "reconcile_steps"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    node_group_id: Mapped[str] = mapped_column(String(36), index=True)
+    model: Mapped[str] = mapped_column(String(200), index=True)
+    # "create", "scale_up", "drain", "undrain", "scale_down", "delete"
+    action: Mapped[str] = mapped_column(String(16))
+    # The group size the step aims at.
+    target: Mapped[int] = mapped_column(Integer)
+    # "ok", "error" or "pending" (a drain waiting for in-flight requests)
+    outcome: Mapped[str] = mapped_column(String(16))
+    attempt: Mapped[int] = mapped_column(Integer)
+    detail: Mapped[str | None] = mapped_column(String(1000), nullable=True)
+    error: Mapped[str | None] = mapped_column(String(1000), nullable=True)
+    next_attempt_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # The leadership epoch of the reconciler that took the step.
+    epoch: Mapped[int] = mapped_column(BigInteger)
+
+
+class AutoscalerDecision(Base):
+    """One autoscaler decision for a deployment: its inputs, the count before and after, why."""
+
+    __tablename__ = "autoscaler_decisions"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    model: Mapped[str] = mapped_column(String(200), index=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    # "stable" or "panic"
+    mode: Mapped[str] = mapped_column(String(16))
+    inputs: Mapped[dict[str, Any]] = mapped_column(JSON)
+    current: Mapped[int] = mapped_column(Integer)
+    desired: Mapped[int] = mapped_column(Integer)
+    reason: Mapped[str] = mapped_column(String(500))
+    epoch: Mapped[int] = mapped_column(BigInteger)

@@ -16,8 +16,9 @@ from control_plane.db.models import Base
 TABLES = {
     "nodes", "api_keys", "routing_state", "deployments", "weight_replicas",
     "models", "capacity", "placement_plans", "tenants", "audit_log",
+    "leadership", "node_groups", "node_drains", "reconcile_steps", "autoscaler_decisions",
 }
-HEAD = "0004"
+HEAD = "0005"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,3 +66,54 @@ class ControlPlane:
     async def create_key(self, headers: dict[str, str] | None = None, **fields: Any) -> httpx.Response:
         body = {"name": "k", "tenant": "acme", "zone": "eu", "scopes": ["inference"], **fields}
         return await self.http.post("/v1/api-keys", json=body, headers=headers or self.admin)
+
+
+# --- control planes as real processes (`serve`, as `meridian control-plane serve` runs it) ---
+
+_SERVE = (
+    "from control_plane.app import serve; from meridian.settings import ControlPlaneSettings; "
+    "serve(ControlPlaneSettings())"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def spawn_control_plane(port: int, database_url: str, **env: str) -> subprocess.Popen[bytes]:
+    """Start `serve` in a process of its own on 127.0.0.1:`port`; `env` adds MERIDIAN_* variables."""
+    environ = {
+        **os.environ,
+        "MERIDIAN_CP_DATABASE_URL": database_url,
+        "MERIDIAN_CP_PORT": str(port),
+        "MERIDIAN_CLUSTER_TOKEN": CLUSTER_TOKEN,
+        **env,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", _SERVE], env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+
+
+def wait_until_up(proc: subprocess.Popen[bytes], port: int, timeout_s: float = 20) -> None:
+    """Wait for /health to answer 200; fails with the process's output if it exits first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read().decode() if proc.stdout else f"exited {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "control plane did not come up"
+        time.sleep(0.1)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the process if it still runs and reap it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)

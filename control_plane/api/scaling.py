@@ -1,0 +1,186 @@
+"""Fleet-loop state for operators: who leads, node groups, reconcile steps, autoscaler decisions."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from pydantic import BaseModel
+from sqlalchemy import select
+
+from control_plane import leader
+from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.auth import Ctx, require_scopes
+from control_plane.db.models import AutoscalerDecision, NodeDrain, NodeGroup, ReconcileStep
+from control_plane.scopes import FLEET_READERS
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))])
+Page = Annotated[PageParams, Depends(page_params)]
+ModelQuery = Annotated[str | None, Query(min_length=1, max_length=200, description="only this deployment's")]
+
+
+class LeaderView(BaseModel):
+    """Who leads the reconciler and autoscaler, and how this replica sees it."""
+
+    name: str
+    backend: str
+    # The leadership as last recorded in the database (None before any replica led).
+    holder: str | None
+    epoch: int
+    acquired_at: datetime | None
+    renewed_at: datetime | None
+    expires_at: datetime | None
+    # The replica that answered, and whether it leads now.
+    replica: str | None
+    is_leader: bool
+    leader_since: datetime | None
+
+
+class NodeGroupView(BaseModel):
+    id: str
+    model: str
+    provider: str
+    region: str
+    instance_type: str
+    sku: str
+    spot: bool
+    gpus_per_node: int
+    desired_size: int
+    current_size: int
+    nodes: list[str]
+    draining: list[str]
+    state: str
+    failures: int
+    retry_at: datetime | None
+    last_error: str | None
+    resource_version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+class ReconcileStepView(BaseModel):
+    id: int
+    at: datetime
+    node_group_id: str
+    model: str
+    action: str
+    target: int
+    outcome: str
+    attempt: int
+    detail: str | None
+    error: str | None
+    next_attempt_at: datetime | None
+    epoch: int
+
+
+class AutoscalerDecisionView(BaseModel):
+    id: int
+    model: str
+    at: datetime
+    mode: str
+    current: int
+    desired: int
+    reason: str
+    inputs: dict[str, Any]
+    epoch: int
+
+
+@router.get("/leader")
+def get_leader(ctx: Ctx, request: Request) -> LeaderView:
+    """The fleet loops' leader; on Postgres the recorded holder may trail a takeover by one check."""
+    elector: leader.LeaderElector | None = getattr(request.app.state, "elector", None)
+    with ctx.read() as session:
+        row = leader.leadership(session)
+        backend = "postgres-advisory-lock" if ctx.engine.dialect.name == "postgresql" else "sqlite-lease"
+        return LeaderView(
+            name=leader.FLEET,
+            backend=backend,
+            holder=row.holder if row else None,
+            epoch=row.epoch if row else 0,
+            acquired_at=row.acquired_at if row else None,
+            renewed_at=row.renewed_at if row else None,
+            expires_at=row.expires_at if row else None,
+            replica=elector.holder if elector else None,
+            is_leader=bool(elector and elector.is_leader),
+            leader_since=elector.since if elector else None,
+        )
+
+
+@router.get("/node-groups")
+def list_node_groups(
+    ctx: Ctx, request: Request, response: Response, page: Page, model: ModelQuery = None
+) -> list[NodeGroupView]:
+    """Node groups the reconciler runs, by deployment."""
+    query = select(NodeGroup)
+    if model is not None:
+        query = query.where(NodeGroup.model == model)
+    with ctx.read() as session:
+        rows, next_cursor = paginate(session, query, [NodeGroup.model, NodeGroup.id], page)
+        drains: dict[str, list[str]] = {}
+        ids = [g.id for g in rows]
+        for d in session.scalars(select(NodeDrain).where(NodeDrain.node_group_id.in_(ids))) if ids else ():
+            drains.setdefault(d.node_group_id, []).append(d.node_id)
+        views = [
+            NodeGroupView(
+                id=g.id, model=g.model, provider=g.provider, region=g.region, instance_type=g.instance_type,
+                sku=g.sku, spot=g.spot, gpus_per_node=g.gpus_per_node, desired_size=g.desired_size,
+                current_size=g.current_size, nodes=list(g.nodes or ()),
+                draining=sorted(n for n in drains.get(g.id, []) if n in (g.nodes or ())),
+                state=g.state, failures=g.failures, retry_at=g.retry_at, last_error=g.last_error,
+                resource_version=g.resource_version, created_at=g.created_at, updated_at=g.updated_at,
+            )
+            for g in rows
+        ]
+    set_next_link(request, response, next_cursor)
+    return views
+
+
+@router.get("/reconciler/steps")
+def list_reconcile_steps(
+    ctx: Ctx,
+    request: Request,
+    response: Response,
+    page: Page,
+    model: ModelQuery = None,
+    node_group_id: Annotated[str | None, Query(max_length=36)] = None,
+) -> list[ReconcileStepView]:
+    """Steps the reconciler took, newest first."""
+    query = select(ReconcileStep)
+    if model is not None:
+        query = query.where(ReconcileStep.model == model)
+    if node_group_id is not None:
+        query = query.where(ReconcileStep.node_group_id == node_group_id)
+    with ctx.read() as session:
+        rows, next_cursor = paginate(session, query, [ReconcileStep.id], page, descending=True)
+        views = [
+            ReconcileStepView(
+                id=s.id, at=s.at, node_group_id=s.node_group_id, model=s.model, action=s.action, target=s.target,
+                outcome=s.outcome, attempt=s.attempt, detail=s.detail, error=s.error,
+                next_attempt_at=s.next_attempt_at, epoch=s.epoch,
+            )
+            for s in rows
+        ]
+    set_next_link(request, response, next_cursor)
+    return views
+
+
+@router.get("/autoscaler/decisions")
+def list_autoscaler_decisions(
+    ctx: Ctx, request: Request, response: Response, page: Page, model: ModelQuery = None
+) -> list[AutoscalerDecisionView]:
+    """The autoscaler's decisions with their inputs and reasons, newest first."""
+    query = select(AutoscalerDecision)
+    if model is not None:
+        query = query.where(AutoscalerDecision.model == model)
+    with ctx.read() as session:
+        rows, next_cursor = paginate(session, query, [AutoscalerDecision.id], page, descending=True)
+        views = [
+            AutoscalerDecisionView(
+                id=d.id, model=d.model, at=d.at, mode=d.mode, current=d.current, desired=d.desired,
+                reason=d.reason, inputs=dict(d.inputs or {}), epoch=d.epoch,
+            )
+            for d in rows
+        ]
+    set_next_link(request, response, next_cursor)
+    return views

@@ -1,0 +1,704 @@
+"""The reconciler: moves the fleet's node groups towards the applied placement and the
+autoscaler's replica counts, through the providers' drivers.
+
+Each tick of the leader (see control_plane.leader):
+
+1. reads the applied placement plan (its shape: which regions and instance types each
+   deployment runs on, and their baseline replica counts) and each deployment's
+   `desired_replicas`, and spreads the desired count over the plan's groups (`target_sizes`);
+2. takes, per node group, the next idempotent step towards its target: `create`,
+   `scale_up`, `drain` (mark the nodes to remove draining so routers stop sending, then
+   wait until their heartbeats show no request in flight, or the drain timeout),
+   `scale_down` (terminate the drained nodes), `undrain` (the target rose again) and
+   `delete` (a group the plan dropped, once empty).
+
+Every step writes a `reconcile_steps` row and an audit entry in one transaction that first
+checks the leader's fencing epoch. A failed step is retried after exponential backoff with
+jitter (`node_groups.retry_at`), recorded each time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sqlalchemy import delete, select, update
+from sqlalchemy.orm import Session
+
+from control_plane import audit
+from control_plane.audit import Actor
+from control_plane.context import AppContext
+from control_plane.db.models import Deployment, Node, NodeDrain, NodeGroup, PlacementPlan, ReconcileStep
+from control_plane.leader import Deposed, Fence, LeaderElector, check_fence
+from control_plane.routing_table import bump_version
+from meridian.backoff import Backoff
+from meridian.contracts import NodeStatus
+from providers.driver import DriverRegistry, GroupSpec, GroupState, UnknownDriverError
+from providers.errors import ProviderError
+from providers.onprem.driver import OnPremDriver
+
+log = logging.getLogger(__name__)
+
+ACTOR = Actor.system("reconciler")
+GroupKey = tuple[str, str, str, bool]  # model, region, instance type, spot
+T = TypeVar("T")
+
+
+# --- the target: the plan's shape, the autoscaler's count --------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedGroup:
+    """One assignment of the applied plan: `instances` nodes giving `replicas` replicas."""
+
+    model: str
+    region: str
+    instance_type: str
+    sku: str
+    spot: bool
+    instances: int
+    replicas: int
+
+    @property
+    def key(self) -> GroupKey:
+        return (self.model, self.region, self.instance_type, self.spot)
+
+    @property
+    def provider(self) -> str:
+        return self.region.split(":", 1)[0]
+
+    @property
+    def replicas_per_node(self) -> int:
+        return max(1, round(self.replicas / self.instances)) if self.instances else max(1, self.replicas)
+
+
+def parse_assignments(assignments: Iterable[Mapping[str, Any]]) -> list[PlacedGroup]:
+    """The plan's assignments (control_plane.placement.problem.Assignment as JSON) as groups;
+    assignments of one group are summed."""
+    merged: dict[GroupKey, PlacedGroup] = {}
+    for a in assignments:
+        model = str(a.get("deployment") or a.get("model") or "")
+        region, instance_type = str(a.get("region") or ""), str(a.get("instance_type") or "")
+        if not model or not region or not instance_type:
+            log.warning("applied plan has an assignment without deployment/region/instance_type: %s", a)
+            continue
+        replicas = int(a.get("replicas") or 0)
+        instances = int(a.get("instances") or replicas)
+        group = PlacedGroup(
+            model=model, region=region, instance_type=instance_type, sku=str(a.get("sku") or ""),
+            spot=bool(a.get("spot", False)), instances=instances, replicas=replicas,
+        )
+        if (old := merged.get(group.key)) is not None:
+            group = PlacedGroup(
+                model=model, region=region, instance_type=instance_type, sku=old.sku or group.sku, spot=group.spot,
+                instances=old.instances + instances, replicas=old.replicas + replicas,
+            )
+        merged[group.key] = group
+    return list(merged.values())
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """Split `total` in proportion to `weights` by largest remainder (ties: earlier first)."""
+    if not weights:
+        return []
+    if total <= 0:
+        return [0] * len(weights)
+    weights = [max(0.0, w) for w in weights]
+    whole = sum(weights)
+    if whole == 0:
+        weights, whole = [1.0] * len(weights), float(len(weights))
+    quotas = [total * w / whole for w in weights]
+    shares = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - shares[i]), i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def spread_replicas(desired: int, groups: Sequence[PlacedGroup]) -> dict[GroupKey, int]:
+    """Replicas per group: `desired` spread in proportion to the plan's replicas, every placed
+    region keeping at least one while `desired` allows it."""
+    if not groups:
+        return {}
+    by_region: dict[str, list[PlacedGroup]] = defaultdict(list)
+    for g in groups:
+        by_region[g.region].append(g)
+    regions = sorted(by_region, key=lambda r: (-sum(g.replicas for g in by_region[r]), r))
+    per_region = apportion(desired, [sum(g.replicas for g in by_region[r]) for r in regions])
+    if desired >= len(regions):
+        # Active-active: a region the plan placed never goes empty while there are enough replicas.
+        for i, share in enumerate(per_region):
+            if share == 0:
+                donor = max(range(len(regions)), key=lambda j: (per_region[j], -j))
+                per_region[donor] -= 1
+                per_region[i] = 1
+    out: dict[GroupKey, int] = {}
+    for region, share in zip(regions, per_region, strict=True):
+        members = sorted(by_region[region], key=lambda g: (-g.replicas, g.instance_type, g.spot))
+        for g, n in zip(members, apportion(share, [g.replicas for g in members]), strict=True):
+            out[g.key] = n
+    return out
+
+
+def target_sizes(desired: int, groups: Sequence[PlacedGroup]) -> dict[GroupKey, int]:
+    """Nodes per group for `desired` replicas of one deployment placed as `groups`."""
+    replicas = spread_replicas(desired, groups)
+    by_key = {g.key: g for g in groups}
+    return {key: math.ceil(n / by_key[key].replicas_per_node) for key, n in replicas.items()}
+
+
+# --- what one tick reads -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRow:
+    """A node group as the tick read it (plain data, safe across threads)."""
+
+    id: str
+    model: str
+    provider: str
+    region: str
+    instance_type: str
+    sku: str
+    spot: bool
+    desired_size: int
+    current_size: int
+    nodes: tuple[str, ...]
+    state: str
+    failures: int
+    retry_at: datetime | None
+
+    @property
+    def key(self) -> GroupKey:
+        return (self.model, self.region, self.instance_type, self.spot)
+
+    @property
+    def spec(self) -> GroupSpec:
+        return GroupSpec(
+            group_id=self.id, model=self.model, provider=self.provider, region=self.region,
+            instance_type=self.instance_type, sku=self.sku, spot=self.spot,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSeen:
+    status: str
+    in_flight: int
+    last_heartbeat: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    placed: dict[GroupKey, PlacedGroup]
+    targets: dict[GroupKey, int]
+    groups: dict[GroupKey, GroupRow]
+    # group id → node id → when the drain was asked for
+    drains: dict[str, dict[str, datetime]]
+    nodes: dict[str, NodeSeen]
+
+
+def _group_row(g: NodeGroup) -> GroupRow:
+    return GroupRow(
+        id=g.id, model=g.model, provider=g.provider, region=g.region, instance_type=g.instance_type, sku=g.sku,
+        spot=g.spot, desired_size=g.desired_size, current_size=g.current_size, nodes=tuple(g.nodes or ()),
+        state=g.state, failures=g.failures, retry_at=g.retry_at,
+    )
+
+
+def read_snapshot(session: Session) -> Snapshot:
+    """The applied plan, desired counts, node groups, drains and nodes, in one read."""
+    plan = session.scalars(
+        select(PlacementPlan).where(PlacementPlan.status == "applied").order_by(PlacementPlan.applied_at.desc())
+    ).first()
+    desired = {d.model: d.desired_replicas for d in session.scalars(select(Deployment))}
+    placed_groups = [g for g in parse_assignments(plan.assignments if plan else []) if g.model in desired]
+    by_model: dict[str, list[PlacedGroup]] = defaultdict(list)
+    for g in placed_groups:
+        by_model[g.model].append(g)
+    targets: dict[GroupKey, int] = {}
+    for model, groups in by_model.items():
+        targets.update(target_sizes(desired[model], groups))
+    rows = {row.key: row for row in map(_group_row, session.scalars(select(NodeGroup)))}
+    drains: dict[str, dict[str, datetime]] = defaultdict(dict)
+    for d in session.scalars(select(NodeDrain)):
+        drains[d.node_group_id][d.node_id] = d.requested_at
+    nodes = {
+        n.node_id: NodeSeen(
+            status=n.status,
+            in_flight=int((n.load or {}).get("running", 0)) + int((n.load or {}).get("waiting", 0)),
+            last_heartbeat=n.last_heartbeat,
+        )
+        for n in session.scalars(select(Node))
+    }
+    return Snapshot(
+        placed={g.key: g for g in placed_groups}, targets=targets, groups=rows, drains=dict(drains), nodes=nodes
+    )
+
+
+# --- the reconciler ----------------------------------------------------------------------
+
+
+def group_as_dict(g: NodeGroup) -> dict[str, Any]:
+    """A node group as the audit log and the API show it."""
+    return {
+        "id": g.id, "model": g.model, "provider": g.provider, "region": g.region,
+        "instance_type": g.instance_type, "sku": g.sku, "spot": g.spot, "gpus_per_node": g.gpus_per_node,
+        "desired_size": g.desired_size, "current_size": g.current_size, "nodes": list(g.nodes or ()),
+        "state": g.state, "failures": g.failures,
+        "retry_at": g.retry_at.isoformat() if g.retry_at else None, "last_error": g.last_error,
+        "resource_version": g.resource_version,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What a step did, as the tick reports it (tests and logs)."""
+
+    group_id: str
+    action: str
+    target: int
+    outcome: str
+    error: str | None = None
+
+
+@dataclass
+class _DrainWatch:
+    """What this leader saw of a node when it first met it draining: a later heartbeat is fresh."""
+
+    heartbeat: datetime | None
+    since: float  # monotonic
+
+
+@dataclass
+class _Term:
+    """In-memory state of one leadership term (reset when the epoch changes)."""
+
+    epoch: int
+    synced: set[str] = field(default_factory=set)
+    drain_watch: dict[str, _DrainWatch] = field(default_factory=dict)
+
+
+class Reconciler:
+    """Takes the steps that bring node groups to their targets; `tick` is one pass (leader only)."""
+
+    def __init__(self, ctx: AppContext, drivers: DriverRegistry, *, monotonic: Callable[[], float] = time.monotonic):
+        self._ctx = ctx
+        self._drivers = drivers
+        self._monotonic = monotonic
+        self._backoff = Backoff(
+            base_s=ctx.settings.reconcile_backoff_base_s, max_s=ctx.settings.reconcile_backoff_max_s
+        )
+        self._term: _Term | None = None
+
+    async def tick(self, fence: Fence) -> list[StepResult]:
+        """One pass over every node group; raises Deposed when another replica took over."""
+        if self._term is None or self._term.epoch != fence.epoch:
+            # A new term knows nothing of its predecessor's drivers or drain observations.
+            self._term = _Term(epoch=fence.epoch)
+        snap = await asyncio.to_thread(self._read)
+        results: list[StepResult] = []
+        for key in sorted(set(snap.targets) | set(snap.groups)):
+            results.extend(await self._reconcile_group(fence, key, snap))
+        stale = stale_drains(snap)
+        if stale:
+            await self._write(fence, lambda s: s.execute(delete(NodeDrain).where(NodeDrain.node_id.in_(stale))))
+        return results
+
+    def _read(self) -> Snapshot:
+        with self._ctx.read() as session:
+            return read_snapshot(session)
+
+    async def _write(self, fence: Fence, fn: Callable[[Session], T]) -> T:
+        def run() -> T:
+            with self._ctx.write() as session:
+                check_fence(session, fence)
+                return fn(session)
+
+        return await asyncio.to_thread(run)
+
+    async def _check_leading(self, fence: Fence) -> None:
+        # Before a driver call: a deposed leader must not act on the provider either.
+        def run() -> None:
+            with self._ctx.read() as session:
+                check_fence(session, fence)
+
+        await asyncio.to_thread(run)
+
+    async def _driver_call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        return await asyncio.wait_for(fn(), self._ctx.settings.driver_timeout_s)
+
+    # --- per group ---------------------------------------------------------------------
+
+    async def _reconcile_group(self, fence: Fence, key: GroupKey, snap: Snapshot) -> list[StepResult]:
+        target = snap.targets.get(key, 0)
+        row = snap.groups.get(key)
+        now = datetime.now(UTC)
+        if row is None:
+            placed = snap.placed.get(key)
+            if target == 0 or placed is None:
+                return []
+            row = await self._write(fence, lambda s: _insert_group(s, placed, target, now))
+        if row.retry_at is not None and row.retry_at > now:
+            return []  # backing off after a failed step
+        if target == 0 and key not in snap.placed and not row.nodes:
+            return [await self._delete(fence, row)]
+        results: list[StepResult] = []
+        term = self._term
+        assert term is not None
+        if row.id not in term.synced:
+            result, row = await self._create(fence, row, target)
+            if result is not None:
+                results.append(result)
+            if row.id not in term.synced:
+                return results
+        drains = {n: at for n, at in snap.drains.get(row.id, {}).items() if n in row.nodes}
+        current = len(row.nodes)
+        if drains and target >= current:
+            results.append(await self._undrain(fence, row, target, list(drains)))
+            drains = {}
+        if target > current:
+            results.append(await self._scale_up(fence, row, target))
+        elif target < current:
+            results.extend(await self._scale_down(fence, row, target, drains, snap))
+        elif current == 0 and key not in snap.placed:
+            results.append(await self._delete(fence, row))
+        elif row.desired_size != target or row.state != "ready":
+            await self._write(fence, lambda s: _set_target(s, row.id, target, "ready", now))
+        return results
+
+    async def _create(self, fence: Fence, row: GroupRow, target: int) -> tuple[StepResult | None, GroupRow]:
+        """Ensure the group exists at the provider, adopting the nodes recorded for it."""
+        term = self._term
+        assert term is not None
+        await self._check_leading(fence)
+        try:
+            driver = self._drivers.get_driver(row.provider)
+            state = await self._driver_call(lambda: driver.ensure_group(row.spec, row.nodes))
+        except Exception as e:
+            return await self._record(fence, row, "create", target, error=e), row
+        term.synced.add(row.id)
+        # Recorded when it creates the group or clears an error; a plain adoption is silent.
+        if row.state in ("creating", "error") or state.nodes != row.nodes:
+            result = await self._record(fence, row, "create", target, state=state)
+            return result, _with_nodes(row, state)
+        return None, row
+
+    async def _scale_up(self, fence: Fence, row: GroupRow, target: int) -> StepResult:
+        await self._check_leading(fence)
+        try:
+            driver = self._drivers.get_driver(row.provider)
+            state = await self._driver_call(lambda: driver.resize(row.spec, target))
+        except Exception as e:
+            return await self._record(fence, row, "scale_up", target, error=e)
+        return await self._record(fence, row, "scale_up", target, state=state)
+
+    async def _undrain(self, fence: Fence, row: GroupRow, target: int, nodes: list[str]) -> StepResult:
+        term = self._term
+        assert term is not None
+        for n in nodes:
+            term.drain_watch.pop(n, None)
+        detail = f"target rose to {target}; no longer removing {', '.join(sorted(nodes))}"
+        return await self._record(fence, row, "undrain", target, undrain=nodes, detail=detail)
+
+    async def _scale_down(
+        self, fence: Fence, row: GroupRow, target: int, drains: dict[str, datetime], snap: Snapshot
+    ) -> list[StepResult]:
+        term = self._term
+        assert term is not None
+        results: list[StepResult] = []
+        need = len(row.nodes) - target
+        if len(drains) > need:
+            # The target rose part of the way back: keep the nodes marked last.
+            extra = sorted(drains, key=lambda n: (drains[n], n), reverse=True)[: len(drains) - need]
+            for n in extra:
+                drains.pop(n)
+                term.drain_watch.pop(n, None)
+            results.append(await self._record(fence, row, "undrain", target, undrain=extra,
+                                              detail=f"target {target}: keeping {', '.join(sorted(extra))}"))
+        mono = self._monotonic()
+        fresh: dict[str, datetime | None] = {}
+        if len(drains) < need:
+            victims = choose_victims([n for n in row.nodes if n not in drains], snap.nodes, need - len(drains))
+            results.append(await self._record(
+                fence, row, "drain", target, drain=victims, outcome="pending", heartbeats_at_drain=fresh,
+                detail=f"draining {', '.join(victims)} before removing them",
+            ))
+            for n in victims:
+                drains[n] = datetime.now(UTC)
+                term.drain_watch[n] = _DrainWatch(fresh.get(n), mono)
+        drained: list[str] = []
+        timed_out: list[str] = []
+        # Skew-proof: a drain is over when this leader sees a heartbeat other than the last one
+        # before the drain began (whatever the clocks of the replicas that stamped them) showing
+        # nothing in flight. A new leader starts watching afresh.
+        timeout = self._ctx.settings.reconcile_drain_timeout_s
+        for n in sorted(drains):
+            seen = snap.nodes.get(n)
+            if n not in term.drain_watch:
+                term.drain_watch[n] = _DrainWatch(seen.last_heartbeat if seen else None, mono)
+            watch = term.drain_watch[n]
+            if fresh.get(n) is not None:
+                continue  # registered when marked: what the snapshot says of it predates the drain
+            if seen is None or seen.status == NodeStatus.LOST.value:
+                drained.append(n)
+            elif seen.last_heartbeat != watch.heartbeat and seen.in_flight == 0:
+                drained.append(n)
+            elif mono - watch.since >= timeout:
+                timed_out.append(n)
+        if not drained and not timed_out:
+            return results
+        await self._check_leading(fence)
+        removed = [*drained, *timed_out]
+        state: GroupState | None = None
+        try:
+            driver = self._drivers.get_driver(row.provider)
+            for n in removed:
+                state = await self._driver_call(_bind(driver.terminate, row.spec, n))
+        except Exception as e:
+            results.append(await self._record(fence, row, "scale_down", target, error=e, state=state))
+            return results
+        for n in removed:
+            term.drain_watch.pop(n, None)
+        detail = f"removed {', '.join(removed)}"
+        if timed_out:
+            detail += f" (drain timed out after {timeout:g}s with requests in flight on {', '.join(timed_out)})"
+        results.append(await self._record(fence, row, "scale_down", target, state=state, detail=detail))
+        return results
+
+    async def _delete(self, fence: Fence, row: GroupRow) -> StepResult:
+        await self._check_leading(fence)
+        try:
+            driver = self._drivers.get_driver(row.provider)
+            await self._driver_call(lambda: driver.delete_group(row.spec))
+        except UnknownDriverError as e:
+            # A group never created (no driver for its provider) leaves only its row to delete.
+            if row.nodes:
+                return await self._record(fence, row, "delete", 0, error=e)
+        except Exception as e:
+            return await self._record(fence, row, "delete", 0, error=e)
+        if self._term is not None:
+            self._term.synced.discard(row.id)
+        return await self._record(fence, row, "delete", 0, delete_group=True, detail="the placement no longer has it")
+
+    async def _record(
+        self,
+        fence: Fence,
+        row: GroupRow,
+        action: str,
+        target: int,
+        *,
+        state: GroupState | None = None,
+        error: BaseException | None = None,
+        outcome: str | None = None,
+        detail: str | None = None,
+        drain: Sequence[str] = (),
+        heartbeats_at_drain: dict[str, datetime | None] | None = None,
+        undrain: Sequence[str] = (),
+        delete_group: bool = False,
+    ) -> StepResult:
+        """Write the step, the group's new state and an audit entry, fenced, in one transaction."""
+        now = datetime.now(UTC)
+        outcome = "error" if error is not None else (outcome or "ok")
+        message = _error_text(error) if error is not None else None
+        if error is not None:
+            log.warning("reconciler: %s of group %s (%s %s %s) failed: %s",
+                        action, row.id, row.model, row.region, row.instance_type, message)
+        else:
+            log.info("reconciler: %s group %s (%s %s %s) → %d%s", action, row.id, row.model, row.region,
+                     row.instance_type, target, f": {detail}" if detail else "")
+
+        def write(session: Session) -> StepResult:
+            group = session.get(NodeGroup, row.id)
+            if group is None:
+                raise Deposed(f"node group {row.id} vanished under the reconciler")
+            before = group_as_dict(group)
+            attempt = group.failures + 1
+            next_attempt_at: datetime | None = None
+            if state is not None:
+                added = [n for n in state.nodes if n not in (group.nodes or ())]
+                if added:
+                    # A host allocated afresh is no longer being drained from an earlier life.
+                    session.execute(delete(NodeDrain).where(NodeDrain.node_id.in_(added)))
+                group.nodes = list(state.nodes)
+                group.current_size = state.size
+                group.gpus_per_node = state.gpus_per_node
+            if error is not None:
+                group.failures = attempt
+                retryable = not isinstance(error, ProviderError) or error.retryable
+                delay = self._backoff.delay(attempt) if retryable else self._backoff.max_s
+                next_attempt_at = now + timedelta(seconds=delay)
+                group.retry_at = next_attempt_at
+                group.last_error = message
+                group.state = "error"
+            else:
+                group.failures = 0
+                group.retry_at = None
+                group.last_error = None
+                group.state = _state_after(action, outcome, group.current_size, target)
+            if drain:
+                marked = _mark_draining(session, group.id, drain, now)
+                if heartbeats_at_drain is not None:
+                    heartbeats_at_drain.update(marked)
+            if undrain:
+                session.execute(delete(NodeDrain).where(NodeDrain.node_id.in_(list(undrain))))
+            group.desired_size = target
+            group.resource_version += 1
+            group.updated_at = now
+            session.add(ReconcileStep(
+                at=now, node_group_id=group.id, model=group.model, action=action, target=target,
+                outcome=outcome, attempt=attempt, detail=detail[:1000] if detail else None,
+                error=message, next_attempt_at=next_attempt_at, epoch=fence.epoch,
+            ))
+            after: dict[str, Any] | None = group_as_dict(group)
+            if delete_group:
+                session.execute(delete(NodeDrain).where(NodeDrain.node_group_id == group.id))
+                session.delete(group)
+                after = None
+            audit.record(session, ACTOR, action=action, resource_type="node_group",
+                         resource_id=f"{group.model}@{group.region}/{group.instance_type}",
+                         before=before, after=after, now=now)
+            return StepResult(group_id=group.id, action=action, target=target, outcome=outcome, error=message)
+
+        return await self._write(fence, write)
+
+
+def choose_victims(candidates: Sequence[str], nodes: Mapping[str, NodeSeen], count: int) -> list[str]:
+    """The nodes to remove first: gone or lost, then not serving, then the least busy, then the newest."""
+    order = {n: i for i, n in enumerate(candidates)}
+
+    def cost(n: str) -> tuple[int, int, int]:
+        seen = nodes.get(n)
+        if seen is None or seen.status == NodeStatus.LOST.value:
+            rank = 0
+        elif seen.status != NodeStatus.READY.value:
+            rank = 1
+        else:
+            rank = 2
+        return (rank, seen.in_flight if seen else 0, -order[n])
+
+    return sorted(candidates, key=cost)[:count]
+
+
+def _state_after(action: str, outcome: str, current: int, target: int) -> str:
+    if outcome == "pending" or action == "drain":
+        return "draining"
+    if action == "delete":
+        return "deleting"
+    return "ready" if current == target else "scaling"
+
+
+def _error_text(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    if isinstance(error, TimeoutError):
+        text = "the provider did not answer in time"
+    return f"{type(error).__name__}: {text}"[:1000]
+
+
+def _with_nodes(row: GroupRow, state: GroupState) -> GroupRow:
+    return GroupRow(
+        id=row.id, model=row.model, provider=row.provider, region=row.region, instance_type=row.instance_type,
+        sku=row.sku, spot=row.spot, desired_size=row.desired_size, current_size=state.size, nodes=state.nodes,
+        state=row.state, failures=0, retry_at=None,
+    )
+
+
+def _insert_group(session: Session, placed: PlacedGroup, target: int, now: datetime) -> GroupRow:
+    group = NodeGroup(
+        id=str(uuid.uuid4()), model=placed.model, provider=placed.provider, region=placed.region,
+        instance_type=placed.instance_type, sku=placed.sku, spot=placed.spot, gpus_per_node=0,
+        desired_size=target, current_size=0, nodes=[], state="creating", failures=0, resource_version=1,
+        created_at=now, updated_at=now,
+    )
+    session.add(group)
+    session.flush()
+    return _group_row(group)
+
+
+def _set_target(session: Session, group_id: str, target: int, state: str, now: datetime) -> None:
+    group = session.get(NodeGroup, group_id)
+    if group is not None:
+        group.desired_size = target
+        group.state = state
+        group.failures = 0
+        group.retry_at = None
+        group.resource_version += 1
+        group.updated_at = now
+
+
+def _mark_draining(
+    session: Session, group_id: str, node_ids: Sequence[str], now: datetime
+) -> dict[str, datetime | None]:
+    """Record the drain and take the nodes out of routing now (their heartbeats keep them out);
+    returns each node's last heartbeat as of the drain (None: not registered)."""
+    for n in node_ids:
+        session.merge(NodeDrain(node_id=n, node_group_id=group_id, requested_at=now))
+    marked = session.execute(
+        update(Node)
+        .where(Node.node_id.in_(list(node_ids)), Node.status.in_([NodeStatus.READY.value, NodeStatus.STARTING.value]))
+        .values(status=NodeStatus.DRAINING.value)
+        .execution_options(synchronize_session=False)
+    )
+    if marked.rowcount:
+        bump_version(session)
+    # Read after the update: on Postgres the nodes it marked stay row-locked (their heartbeats wait) until commit.
+    rows = session.execute(select(Node.node_id, Node.last_heartbeat).where(Node.node_id.in_(list(node_ids))))
+    seen = {node_id: at for node_id, at in rows}
+    return {n: seen.get(n) for n in node_ids}
+
+
+def stale_drains(snap: Snapshot) -> list[str]:
+    """Drain marks to drop: nodes no group holds any more, once their node is gone or lost."""
+    held = {n for g in snap.groups.values() for n in g.nodes}
+    return sorted(
+        node_id for drains in snap.drains.values() for node_id in drains
+        if node_id not in held and (node_id not in snap.nodes or snap.nodes[node_id].status == NodeStatus.LOST.value)
+    )
+
+
+def _bind(fn: Callable[[GroupSpec, str], Awaitable[T]], spec: GroupSpec, node: str) -> Callable[[], Awaitable[T]]:
+    return lambda: fn(spec, node)
+
+
+# --- the loop ----------------------------------------------------------------------------
+
+
+def default_drivers(onprem_inventory: Path | None) -> DriverRegistry:
+    """The drivers the control plane runs with: on-prem hosts from the inventory (AWS and GCP
+    drivers come with their providers' runtime support)."""
+    registry = DriverRegistry()
+    registry.register_driver(OnPremDriver(onprem_inventory))
+    return registry
+
+
+async def run_reconciler(ctx: AppContext, elector: LeaderElector, reconciler: Reconciler, stop: asyncio.Event) -> None:
+    """Tick every reconcile_interval_s while this replica leads, until `stop`; errors are logged and retried."""
+    interval = ctx.settings.reconcile_interval_s
+    backoff = Backoff(base_s=interval, max_s=max(interval, 60.0))
+    failures = 0
+    while not stop.is_set():
+        delay = interval if failures == 0 else backoff.delay(failures)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        if stop.is_set():
+            return
+        fence = elector.fence()
+        if fence is None:
+            continue
+        try:
+            await reconciler.tick(fence)
+            failures = 0
+        except Deposed as e:
+            log.info("reconciler stopped acting: %s", e)
+        except Exception:
+            failures += 1
+            log.exception("reconciler pass failed; retrying")

@@ -1,0 +1,98 @@
+"""The runtime scaling interface every provider implements: node groups that grow and shrink.
+
+A node group is the nodes of one instance type in one region that serve one deployment (an
+AWS Auto Scaling group, a GCP managed instance group, a set of on-prem hosts). The control
+plane's reconciler drives it; draining a node before its removal is the control plane's job
+(routers must stop sending first), so a driver only adds capacity and removes named nodes.
+
+Calls are idempotent: `ensure_group` of an existing group and `resize` to the current size
+change nothing, so a reconciler that retries, or a new leader that repeats its predecessor's
+last step, converges. A node's id is its host or instance name; the node agent running on
+it registers with the control plane under that id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """What a node group is: its control-plane id, deployment, place and kind of machine."""
+
+    group_id: str
+    model: str
+    provider: str
+    region: str
+    instance_type: str
+    sku: str
+    spot: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class GroupState:
+    """What the provider runs for a group now."""
+
+    nodes: tuple[str, ...]
+    gpus_per_node: int
+
+    @property
+    def size(self) -> int:
+        return len(self.nodes)
+
+
+@runtime_checkable
+class NodeGroupDriver(Protocol):
+    """One provider's node groups. Methods are async; callers bound them with timeouts."""
+
+    provider: str
+
+    async def ensure_group(self, spec: GroupSpec, known_nodes: Sequence[str] = ()) -> GroupState:
+        """Create the group if it does not exist (idempotent); `known_nodes` are the nodes the
+        control plane recorded for it, which a driver without durable state of its own adopts."""
+        ...
+
+    async def resize(self, spec: GroupSpec, size: int) -> GroupState:
+        """Make the group `size` nodes; shrinking removes nodes of the driver's choosing."""
+        ...
+
+    async def list_nodes(self, spec: GroupSpec) -> GroupState:
+        """The group's nodes as the provider reports them."""
+        ...
+
+    async def terminate(self, spec: GroupSpec, node: str) -> GroupState:
+        """Remove one (drained) node and shrink the group by one; idempotent."""
+        ...
+
+    async def delete_group(self, spec: GroupSpec) -> None:
+        """Remove the group and any node left in it; idempotent."""
+        ...
+
+
+class UnknownDriverError(LookupError):
+    """No driver is registered for the provider."""
+
+
+class DriverRegistry:
+    """Drivers by provider name. The control plane builds one at start-up (no global registry,
+    so tests and several apps in one process each have their own)."""
+
+    def __init__(self) -> None:
+        self._drivers: dict[str, NodeGroupDriver] = {}
+
+    def register_driver(self, driver: NodeGroupDriver) -> None:
+        """Add (or replace) the driver of `driver.provider`."""
+        self._drivers[driver.provider] = driver
+
+    def get_driver(self, provider: str) -> NodeGroupDriver:
+        """The driver of `provider`; UnknownDriverError when none is registered."""
+        try:
+            return self._drivers[provider]
+        except KeyError:
+            known = ", ".join(sorted(self._drivers)) or "none"
+            raise UnknownDriverError(f"no node-group driver for provider {provider!r} (registered: {known})") from None
+
+    def providers(self) -> list[str]:
+        return sorted(self._drivers)

@@ -1,0 +1,332 @@
+"""The reconciler against a real control plane (SQLite and Postgres) and the on-prem driver:
+plans become node groups, scale-downs drain first, failures back off, deposed leaders are fenced."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cp_harness import ControlPlane
+from sqlalchemy import select, update
+
+from control_plane.context import AppContext
+from control_plane.db.models import AuditEntry, Deployment, NodeGroup, PlacementPlan, ReconcileStep
+from control_plane.leader import FLEET, Deposed, Fence, claim
+from control_plane.reconciler import (
+    PlacedGroup,
+    Reconciler,
+    StepResult,
+    apportion,
+    default_drivers,
+    parse_assignments,
+    spread_replicas,
+    target_sizes,
+)
+
+MODEL = "tiny-llama"
+REGION = "onprem:lab-1"
+HOST_TYPE = "l4-box"
+INVENTORY = """
+sites:
+  - name: lab-1
+    latitude: 50.1
+    longitude: 8.7
+    zones: [eu]
+    hosts:
+      - {instance_type: l4-box, sku: L4-24GB, gpu_count: 1, count: 2, vcpus: 8, memory_gib: 32}
+"""
+DRAIN_TIMEOUT_S = 30.0
+
+
+@pytest.fixture
+def settings_overrides(tmp_path: Path) -> dict[str, Any]:
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(INVENTORY)
+    # The loops stay off: each test drives the reconciler itself, under a fence of its own.
+    return {
+        "onprem_inventory": inventory,
+        "reconciler_enabled": False,
+        "autoscaler_enabled": False,
+        "reconcile_backoff_base_s": 0.2,
+        "reconcile_backoff_max_s": 0.5,
+        "reconcile_drain_timeout_s": DRAIN_TIMEOUT_S,
+    }
+
+
+class Clock:
+    """A monotonic clock the test moves (drain timeouts)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ctx_of(cp: ControlPlane) -> AppContext:
+    ctx: AppContext = cp.app.state.ctx
+    return ctx
+
+
+def lead(ctx: AppContext, holder: str = "test") -> Fence:
+    """Become the leader (a new epoch), as an elector's acquisition does."""
+    with ctx.write() as session:
+        return Fence(FLEET, claim(session, FLEET, holder, datetime.now(UTC), None))
+
+
+def reconciler(cp: ControlPlane, clock: Clock | None = None) -> Reconciler:
+    return Reconciler(ctx_of(cp), default_drivers(cp.settings.onprem_inventory), monotonic=clock or Clock())
+
+
+async def deploy(cp: ControlPlane, *, replicas: int, max_replicas: int = 4) -> None:
+    body = {"min_replicas": 0, "max_replicas": max_replicas}
+    r = await cp.http.put(f"/v1/deployments/{MODEL}", json=body, headers=cp.admin)
+    assert r.status_code == 201, r.text
+    set_desired(cp, replicas)
+
+
+def set_desired(cp: ControlPlane, replicas: int) -> None:
+    with ctx_of(cp).write() as session:
+        session.execute(update(Deployment).where(Deployment.model == MODEL).values(desired_replicas=replicas))
+
+
+def apply_plan(cp: ControlPlane, *, instances: int = 1, replicas: int = 1) -> str:
+    """Store an applied plan (as the placement API's apply leaves it) placing MODEL on the lab's hosts."""
+    now = datetime.now(UTC)
+    plan_id = str(uuid.uuid4())
+    assignment = {
+        "deployment": MODEL, "region": REGION, "instance_type": HOST_TYPE, "sku": "L4-24GB",
+        "instances": instances, "replicas": replicas, "spot": False, "cost_per_hour": 0.0,
+    }
+    with ctx_of(cp).write() as session:
+        session.add(PlacementPlan(
+            id=plan_id, status="applied", base_plan_id=None, cost_per_hour=0.0, assignments=[assignment],
+            diff={}, explanation=None, solve_seconds=0.01, created_at=now, created_by="test",
+            applied_at=now, applied_by="test",
+        ))
+    return plan_id
+
+
+def supersede(cp: ControlPlane, plan_id: str) -> None:
+    with ctx_of(cp).write() as session:
+        session.execute(update(PlacementPlan).where(PlacementPlan.id == plan_id).values(status="superseded"))
+
+
+def summary(results: list[StepResult]) -> list[tuple[str, int, str]]:
+    return [(r.action, r.target, r.outcome) for r in results]
+
+
+async def groups(cp: ControlPlane) -> list[dict[str, Any]]:
+    r = await cp.http.get("/v1/node-groups", params={"model": MODEL}, headers=cp.admin)
+    assert r.status_code == 200, r.text
+    body: list[dict[str, Any]] = r.json()
+    return body
+
+
+async def steps(cp: ControlPlane) -> list[dict[str, Any]]:
+    r = await cp.http.get("/v1/reconciler/steps", params={"model": MODEL}, headers=cp.admin)
+    assert r.status_code == 200, r.text
+    body: list[dict[str, Any]] = list(reversed(r.json()))  # oldest first
+    return body
+
+
+async def node_status(cp: ControlPlane) -> dict[str, str]:
+    r = await cp.http.get("/v1/nodes", headers=cp.admin)
+    return {n["node_id"]: n["status"] for n in r.json()}
+
+
+# --- target computation (pure) -------------------------------------------------------------
+
+
+def test_desired_replicas_spread_over_the_plans_groups() -> None:
+    plan = [
+        PlacedGroup(MODEL, "aws:us-east-1", "p5.48xlarge", "H100-80GB-SXM", False, 2, 4),
+        PlacedGroup(MODEL, "gcp:europe-west4", "a3-highgpu-8g", "H100-80GB-SXM", False, 1, 2),
+        PlacedGroup(MODEL, "onprem:tokyo-1", "dgx-h100", "H100-80GB-SXM", False, 1, 2),
+    ]
+    assert apportion(5, [1, 1, 1]) == [2, 2, 1]
+    assert apportion(0, [1, 2]) == [0, 0]
+    assert sum(spread_replicas(8, plan).values()) == 8
+    assert spread_replicas(8, plan)[plan[0].key] == 4  # the baseline shape, at the baseline count
+    # Every placed region keeps a replica while there are at least as many replicas as regions.
+    assert sorted(spread_replicas(3, plan).values()) == [1, 1, 1]
+    assert sorted(spread_replicas(4, plan).values()) == [1, 1, 2]
+    assert sum(spread_replicas(2, plan).values()) == 2
+    assert set(spread_replicas(0, plan).values()) == {0}
+    # Nodes: replicas ÷ replicas per node (2 per node in every group here), rounded up.
+    assert target_sizes(8, plan) == {plan[0].key: 2, plan[1].key: 1, plan[2].key: 1}
+    assert target_sizes(3, plan) == {plan[0].key: 1, plan[1].key: 1, plan[2].key: 1}
+    assert target_sizes(0, plan) == {g.key: 0 for g in plan}
+
+
+def test_assignments_of_one_group_are_merged() -> None:
+    rows = [
+        {"deployment": MODEL, "region": REGION, "instance_type": HOST_TYPE, "sku": "L4-24GB", "instances": 1,
+         "replicas": 1},
+        {"deployment": MODEL, "region": REGION, "instance_type": HOST_TYPE, "sku": "L4-24GB", "instances": 2,
+         "replicas": 2},
+        {"region": REGION},
+    ]
+    (group,) = parse_assignments(rows)
+    assert (group.instances, group.replicas, group.spot) == (3, 3, False)
+
+
+# --- against the database ------------------------------------------------------------------
+
+
+async def test_an_applied_plan_creates_node_groups_and_sizes_them(cp: ControlPlane) -> None:
+    await deploy(cp, replicas=2)
+    apply_plan(cp)
+    fence = lead(ctx_of(cp))
+    rec = reconciler(cp)
+
+    assert summary(await rec.tick(fence)) == [("create", 2, "ok"), ("scale_up", 2, "ok")]
+    (group,) = await groups(cp)
+    assert group["nodes"] == ["lab-1-l4-box-1", "lab-1-l4-box-2"]
+    assert (group["current_size"], group["desired_size"], group["state"]) == (2, 2, "ready")
+    assert (group["provider"], group["region"], group["sku"], group["gpus_per_node"]) == ("onprem", REGION, "L4-24GB", 1)
+    assert [(s["action"], s["outcome"], s["epoch"]) for s in await steps(cp)] == [
+        ("create", "ok", fence.epoch), ("scale_up", "ok", fence.epoch),
+    ]
+    with ctx_of(cp).read() as session:
+        entries = session.scalars(select(AuditEntry).where(AuditEntry.resource_type == "node_group")).all()
+        assert [(e.actor_id, e.action) for e in entries] == [
+            ("system:reconciler", "create"), ("system:reconciler", "scale_up"),
+        ]
+        assert entries[1].after is not None and entries[1].after["current_size"] == 2
+
+    # Idempotent: nothing left to do.
+    assert await rec.tick(fence) == []
+    # A new leader (a fresh driver, as in another process) adopts the recorded hosts.
+    successor = reconciler(cp)
+    assert await successor.tick(lead(ctx_of(cp), "successor")) == []
+    assert (await groups(cp))[0]["nodes"] == ["lab-1-l4-box-1", "lab-1-l4-box-2"]
+
+
+async def test_desired_zero_drains_nodes_then_scales_down(cp: ControlPlane) -> None:
+    await deploy(cp, replicas=2)
+    plan_id = apply_plan(cp)
+    fence = lead(ctx_of(cp))
+    clock = Clock()
+    rec = reconciler(cp, clock)
+    await rec.tick(fence)
+    for node in ("lab-1-l4-box-1", "lab-1-l4-box-2"):
+        assert (await cp.register(node, region=REGION, models=[MODEL])).status_code == 200
+    assert (await cp.heartbeat("lab-1-l4-box-1", load={"running": 2, "waiting": 1})).status_code == 200
+    assert (await cp.heartbeat("lab-1-l4-box-2")).status_code == 200
+    version = await cp.version()
+
+    set_desired(cp, 0)
+    assert summary(await rec.tick(fence)) == [("drain", 0, "pending")]
+    # Routers see both draining at once; the hosts are still in the group.
+    assert await cp.version() > version
+    assert await node_status(cp) == {"lab-1-l4-box-1": "draining", "lab-1-l4-box-2": "draining"}
+    (group,) = await groups(cp)
+    assert (group["state"], group["current_size"], group["draining"]) == (
+        "draining", 2, ["lab-1-l4-box-1", "lab-1-l4-box-2"],
+    )
+    # No heartbeat since the drain began: nothing is known to be idle yet.
+    assert await rec.tick(fence) == []
+
+    # A heartbeat reporting "ready" cannot undo the drain; an idle one lets the node go.
+    assert (await cp.heartbeat("lab-1-l4-box-2", load={"running": 0, "waiting": 0})).status_code == 200
+    assert (await cp.heartbeat("lab-1-l4-box-1", load={"running": 1, "waiting": 0})).status_code == 200
+    assert (await node_status(cp))["lab-1-l4-box-2"] == "draining"
+    assert summary(await rec.tick(fence)) == [("scale_down", 0, "ok")]
+    (group,) = await groups(cp)
+    assert group["nodes"] == ["lab-1-l4-box-1"]
+    # The busy node is removed when the drain timeout passes.
+    assert await rec.tick(fence) == []
+    clock.now += DRAIN_TIMEOUT_S
+    assert summary(await rec.tick(fence)) == [("scale_down", 0, "ok")]
+    (group,) = await groups(cp)
+    assert (group["current_size"], group["nodes"], group["state"]) == (0, [], "ready")
+    removals = [s for s in await steps(cp) if s["action"] == "scale_down"]
+    assert removals[0]["detail"] == "removed lab-1-l4-box-2"
+    assert "drain timed out" in removals[1]["detail"]
+    # Removed nodes stay out of routing.
+    assert (await cp.heartbeat("lab-1-l4-box-1")).status_code == 200
+    assert (await node_status(cp))["lab-1-l4-box-1"] == "draining"
+
+    # The plan no longer places it: the empty group is deleted.
+    supersede(cp, plan_id)
+    assert summary(await rec.tick(fence)) == [("delete", 0, "ok")]
+    assert await groups(cp) == []
+
+
+async def test_a_rising_target_cancels_a_drain(cp: ControlPlane) -> None:
+    await deploy(cp, replicas=2)
+    apply_plan(cp)
+    fence = lead(ctx_of(cp))
+    rec = reconciler(cp)
+    await rec.tick(fence)
+    for node, running in (("lab-1-l4-box-1", 5), ("lab-1-l4-box-2", 3)):
+        assert (await cp.register(node, region=REGION, models=[MODEL])).status_code == 200
+        assert (await cp.heartbeat(node, load={"running": running})).status_code == 200
+    set_desired(cp, 1)
+    assert summary(await rec.tick(fence)) == [("drain", 1, "pending")]
+    # The least busy node goes.
+    assert await node_status(cp) == {"lab-1-l4-box-1": "ready", "lab-1-l4-box-2": "draining"}
+    set_desired(cp, 2)
+    assert summary(await rec.tick(fence)) == [("undrain", 2, "ok")]
+    assert (await cp.heartbeat("lab-1-l4-box-2")).status_code == 200
+    assert (await node_status(cp))["lab-1-l4-box-2"] == "ready"
+    assert (await groups(cp))[0]["draining"] == []
+
+
+async def test_a_failing_step_is_retried_with_backoff_and_recorded(cp: ControlPlane) -> None:
+    await deploy(cp, replicas=3)  # the lab has 2 hosts
+    apply_plan(cp)
+    fence = lead(ctx_of(cp))
+    rec = reconciler(cp)
+
+    assert summary(await rec.tick(fence)) == [("create", 3, "ok"), ("scale_up", 3, "error")]
+    (group,) = await groups(cp)
+    assert (group["state"], group["failures"], group["current_size"]) == ("error", 1, 0)
+    assert "CapacityError" in group["last_error"]
+    failed = (await steps(cp))[-1]
+    assert (failed["attempt"], failed["outcome"]) == (1, "error")
+    assert "2 free l4-box host(s)" in failed["error"]
+    first_retry = datetime.fromisoformat(failed["next_attempt_at"])
+    assert 0.1 < (first_retry - datetime.fromisoformat(failed["at"])).total_seconds() <= 0.25
+
+    # Backing off: nothing is tried before next_attempt_at.
+    assert await rec.tick(fence) == []
+    await asyncio.sleep(max(0.0, (first_retry - datetime.now(UTC)).total_seconds()) + 0.05)
+    assert summary(await rec.tick(fence)) == [("scale_up", 3, "error")]
+    second = (await steps(cp))[-1]
+    assert second["attempt"] == 2
+    # The delay doubles (0.2 s, then 0.4 s; ±20% jitter).
+    gap = (datetime.fromisoformat(second["next_attempt_at"]) - datetime.fromisoformat(second["at"])).total_seconds()
+    assert 0.3 < gap <= 0.5
+
+    # The autoscaler settles for what fits: the next attempt succeeds and clears the failures.
+    set_desired(cp, 2)
+    await asyncio.sleep(gap + 0.05)
+    assert summary(await rec.tick(fence)) == [("scale_up", 2, "ok")]
+    (group,) = await groups(cp)
+    assert (group["state"], group["failures"], group["current_size"], group["last_error"]) == ("ready", 0, 2, None)
+    assert (await steps(cp))[-1]["attempt"] == 3
+    with ctx_of(cp).read() as session:
+        actions = session.scalars(select(AuditEntry.action).where(AuditEntry.resource_type == "node_group")).all()
+        assert list(actions) == ["create", "scale_up", "scale_up", "scale_up"]
+
+
+async def test_a_deposed_leaders_write_is_refused(cp: ControlPlane) -> None:
+    await deploy(cp, replicas=1)
+    apply_plan(cp)
+    old = lead(ctx_of(cp), "old")
+    new = lead(ctx_of(cp), "new")
+    assert new.epoch == old.epoch + 1
+
+    with pytest.raises(Deposed):
+        await reconciler(cp).tick(old)
+    with ctx_of(cp).read() as session:
+        assert session.scalars(select(NodeGroup)).all() == []
+        assert session.scalars(select(ReconcileStep)).all() == []
+
+    assert summary(await reconciler(cp).tick(new)) == [("create", 1, "ok"), ("scale_up", 1, "ok")]
