@@ -16,16 +16,33 @@ from fastapi import FastAPI
 from sqlalchemy.exc import IntegrityError
 
 from control_plane import keystore
-from control_plane.api import deployments, health, keys, nodes, routing, tenants, weights
+from control_plane.api import (
+    audit_log,
+    capacity,
+    deployments,
+    health,
+    keys,
+    models,
+    nodes,
+    offerings,
+    placement,
+    residency,
+    routing,
+    scaling,
+    tenants,
+    weights,
+)
 from control_plane.body_limit import BodyLimitMiddleware
 from control_plane.context import AppContext
 from control_plane.db import migrate
 from control_plane.db.engine import make_engine, make_sessionmakers
 from control_plane.errors import register_error_handlers
+from control_plane.fleet import fleet_loops
 from control_plane.reaper import run_reaper
 from control_plane.routing_table import current_version
 from control_plane.version_watch import VersionWatch
 from meridian.settings import ControlPlaneSettings
+from providers.catalog import load_catalog
 from providers.regions import region_catalog
 
 log = logging.getLogger(__name__)
@@ -55,6 +72,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ControlPlaneSettings = app.state.settings
     await asyncio.to_thread(migrate.upgrade, settings.database_url)
     regions = await asyncio.to_thread(region_catalog, settings.onprem_inventory)
+    catalog = await asyncio.to_thread(load_catalog, settings.onprem_inventory)
     engine = make_engine(settings.database_url)
     try:
         reads, writes = make_sessionmakers(engine)
@@ -69,6 +87,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             read_sessions=reads,
             write_sessions=writes,
             regions=regions,
+            catalog=catalog,
             watch=VersionWatch(read_version, asyncio.get_running_loop()),
         )
         await asyncio.to_thread(_ensure_bootstrap_key, ctx)
@@ -76,7 +95,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
         reaper = asyncio.create_task(run_reaper(ctx, stop), name="meridian-reaper")
         try:
-            yield
+            async with fleet_loops(ctx) as elector:
+                app.state.elector = elector
+                yield
         finally:
             stop.set()
             await reaper
@@ -90,7 +111,10 @@ def create_app(settings: ControlPlaneSettings) -> FastAPI:
     app.state.settings = settings
     register_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    for module in (health, nodes, routing, keys, tenants, deployments, weights):
+    for module in (
+        health, nodes, residency, routing, keys, tenants, deployments, models, capacity, offerings, placement,
+        weights, audit_log, scaling,
+    ):
         app.include_router(module.router)
     return app
 

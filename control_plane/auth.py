@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from control_plane.audit import Actor
 from control_plane.context import AppContext
 from control_plane.errors import Forbidden, Unauthorized
 from control_plane.keystore import find_active_key
 from control_plane.scopes import Scope
-from meridian.security import bearer_token, constant_time_equals
+from meridian.security import constant_time_equals
 
 _KNOWN_SCOPES = frozenset(s.value for s in Scope)
 
@@ -38,9 +39,25 @@ class Principal:
     scopes: frozenset[Scope]
 
 
-async def require_cluster_token(ctx: Ctx, authorization: Annotated[str | None, Header()] = None) -> None:
+# Published in the OpenAPI document as two security schemes, so clients (and the fuzz test) see
+# which operations take which credential. Neither answers on its own: a missing or malformed
+# header reaches the dependencies below as None, which answer 401 with a problem body.
+_CLUSTER_TOKEN = HTTPBearer(
+    scheme_name="clusterToken", description="The cluster token nodes and routers share", auto_error=False
+)
+_API_KEY = HTTPBearer(
+    scheme_name="apiKey", description="A scoped API key (admin, operator, read-only)", auto_error=False
+)
+Credentials = HTTPAuthorizationCredentials | None
+
+
+def _token(credentials: Credentials) -> str | None:
+    return credentials.credentials if credentials is not None and credentials.credentials else None
+
+
+async def require_cluster_token(ctx: Ctx, credentials: Annotated[Credentials, Depends(_CLUSTER_TOKEN)]) -> None:
     """Nodes and routers present the shared cluster token."""
-    token = bearer_token(authorization)
+    token = _token(credentials)
     expected = ctx.settings.cluster_token.get_secret_value()
     if token is None or not constant_time_equals(token, expected):
         raise Unauthorized("a valid cluster token is required")
@@ -50,8 +67,8 @@ def require_scopes(allowed: Iterable[Scope]) -> Callable[..., Principal]:
     """Dependency: an unrevoked API key holding at least one of `allowed`."""
     wanted = frozenset(allowed)
 
-    def dependency(ctx: Ctx, authorization: Annotated[str | None, Header()] = None) -> Principal:
-        token = bearer_token(authorization)
+    def dependency(ctx: Ctx, credentials: Annotated[Credentials, Depends(_API_KEY)]) -> Principal:
+        token = _token(credentials)
         if token is None:
             raise Unauthorized("an API key is required (Authorization: Bearer <key>)")
         with ctx.read() as session:

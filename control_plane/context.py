@@ -13,6 +13,7 @@ from control_plane.routing_table import BUMPED
 from control_plane.version_watch import VersionWatch
 from meridian.contracts import RegionInfo
 from meridian.settings import ControlPlaneSettings
+from providers.catalog import Catalog
 
 
 @dataclass
@@ -23,6 +24,8 @@ class AppContext:
     write_sessions: sessionmaker[Session]
     regions: dict[str, RegionInfo]
     watch: VersionWatch
+    # GPU offerings of every provider (static data plus the on-prem inventory), loaded at start-up.
+    catalog: Catalog
 
     @contextmanager
     def read(self) -> Iterator[Session]:

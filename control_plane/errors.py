@@ -10,6 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meridian.contracts import Problem
@@ -97,15 +98,34 @@ async def _on_control_plane_error(_request: Request, exc: Exception) -> JSONResp
     return problem_response(exc.status, exc.detail, headers=exc.headers)
 
 
-async def _on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+def _is_json(content_type: str | None) -> bool:
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
-    return problem_response(422, "request failed validation", errors=_validation_errors(exc))
+    errors = _validation_errors(exc)
+    # FastAPI does not parse a body sent as anything but JSON and reports it as a wrong value.
+    has_body = request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
+    if has_body and not _is_json(request.headers.get("content-type")) and any(e["loc"][:1] == ["body"] for e in errors):
+        return problem_response(415, "send the body as JSON (Content-Type: application/json)")
+    return problem_response(422, "request failed validation", errors=errors)
 
 
 async def _on_http_exception(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
     detail = exc.detail if isinstance(exc.detail, str) else None
     return problem_response(exc.status_code, detail, headers=exc.headers)
+
+
+async def _on_data_error(request: Request, exc: Exception) -> JSONResponse:
+    # The database refused a value the API's validation let through (a NUL byte or an over-long
+    # string, which Postgres rejects and SQLite stores): the request's fault, not the server's.
+    assert isinstance(exc, DataError)
+    # The driver's message only: the statement's parameters are the client's data.
+    log.warning("database refused a value on %s %s: %s", request.method, request.url.path, exc.orig)
+    return problem_response(400, "a value in the request is not storable (too long, out of range or a NUL byte)")
 
 
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -118,4 +138,5 @@ def register_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ControlPlaneError, _on_control_plane_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(DataError, _on_data_error)
     app.add_exception_handler(Exception, _on_unexpected)

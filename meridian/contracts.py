@@ -36,7 +36,9 @@ HEADER_OVERHEAD_MS = "x-meridian-overhead-ms"
 RegionName = Annotated[str, Field(pattern=REGION_PATTERN)]
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
 ZoneName = Annotated[str, Field(pattern=ZONE_PATTERN)]
-ModelName = Annotated[str, Field(min_length=1, max_length=200)]
+# Free text that is safe to store and log: no control characters (Postgres refuses NUL in text).
+PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f]*$"
+ModelName = Annotated[str, Field(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN)]
 
 
 class _Wire(BaseModel):
@@ -293,9 +295,11 @@ class PlacementSpec(_Wire):
     """Where a deployment's replicas may go and how much they must serve (placement input)."""
 
     # Decode tokens/s each client region sends; replicas within the RTT objective of a
-    # client region serve its demand. Empty: `replicas` replicas, spread as below.
+    # client region serve its demand.
     demand: dict[RegionName, float] = Field(default_factory=dict, max_length=64)
-    replicas: int | None = Field(None, ge=1, le=1000)
+    # Or (and) replica counts: at least this many replicas within the RTT objective of each
+    # client region. With neither, one replica in each of min_regions regions.
+    replicas: dict[RegionName, Annotated[int, Field(ge=0, le=1000)]] = Field(default_factory=dict, max_length=64)
     # Active-active: replicas in at least this many regions, of at least this many
     # providers (capped at what the deployment's zone offers).
     min_regions: int = Field(2, ge=1, le=16)

@@ -21,6 +21,7 @@ from control_plane.errors import BadRequest, Conflict, PreconditionFailed
 from control_plane.scopes import FLEET_READERS, Scope
 from meridian.contracts import (
     GLOBAL_ZONE,
+    PRINTABLE_PATTERN,
     AutoscalingSpec,
     DeploymentView,
     PlacementSpec,
@@ -33,7 +34,7 @@ OperatorActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN, Scope.OPERA
 fleet_readers = [Depends(require_scopes(FLEET_READERS))]
 internal = [Depends(require_cluster_token)]
 # Model names may contain '/' ("org/name"), so the path parameter takes the rest of the path.
-ModelParam = Annotated[str, Path(min_length=1, max_length=200)]
+ModelParam = Annotated[str, Path(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN)]
 
 
 class DeploymentUpsert(BaseModel):
@@ -76,9 +77,10 @@ def put_deployment(
     """Create or replace a deployment. If-Match: its ETag (412 if it changed meanwhile);
     If-None-Match: * creates only (412 if it exists)."""
     known_zone(ctx, body.zone)
-    for region in body.placement.demand:
-        if region not in ctx.regions:
-            raise BadRequest(f"placement.demand names unknown region {region!r}")
+    for field, regions in (("demand", body.placement.demand), ("replicas", body.placement.replicas)):
+        unknown = sorted(r for r in regions if r not in ctx.regions)
+        if unknown:
+            raise BadRequest(f"placement.{field} names unknown regions: {', '.join(unknown)}")
     now = datetime.now(UTC)
     try:
         with ctx.write() as session:

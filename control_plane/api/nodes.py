@@ -5,11 +5,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
+from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from control_plane import node_registry
+from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
 from control_plane.auth import Ctx, require_cluster_token, require_scopes
+from control_plane.db.models import Node
 from control_plane.errors import Conflict
 from control_plane.scopes import FLEET_READERS
 from meridian.contracts import (
@@ -19,7 +22,6 @@ from meridian.contracts import (
     NodeRegistered,
     NodeRegistration,
     NodeView,
-    RegionInfo,
 )
 
 router = APIRouter(prefix="/v1")
@@ -58,11 +60,18 @@ def deregister_node(ctx: Ctx, node_id: NodeIdParam) -> Response:
 
 
 @router.get("/nodes", dependencies=fleet_readers)
-def list_nodes(ctx: Ctx) -> list[NodeView]:
+def list_nodes(
+    ctx: Ctx, request: Request, response: Response, page: Annotated[PageParams, Depends(page_params)]
+) -> list[NodeView]:
+    """Every node (lost ones too, until the reaper forgets them), by region and id."""
     with ctx.read() as session:
-        return node_registry.list_nodes(session)
+        rows, next_cursor = paginate(session, select(Node), [Node.region, Node.node_id], page)
+        views = [node_registry.view(session, n) for n in rows]
+    set_next_link(request, response, next_cursor)
+    return views
 
 
-@router.get("/regions", dependencies=fleet_readers)
-def list_regions(ctx: Ctx) -> list[RegionInfo]:
-    return sorted(ctx.regions.values(), key=lambda r: r.name)
+@router.get("/nodes/{node_id}", dependencies=fleet_readers)
+def get_node(ctx: Ctx, node_id: NodeIdParam) -> NodeView:
+    with ctx.read() as session:
+        return node_registry.get(session, node_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Annotated, Any, TypeVar
@@ -25,6 +25,7 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 
 T = TypeVar("T")
+_BAD_CURSOR = "invalid cursor; use the one from the previous page's Link header"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,14 +57,26 @@ def _decode(cursor: str, columns: Sequence[InstrumentedAttribute[Any]]) -> list[
         for column, value in zip(columns, values, strict=True):
             python_type = column.type.python_type
             if python_type is datetime:
-                out.append(datetime.fromisoformat(value))
+                at = datetime.fromisoformat(value)
+                if at.tzinfo is None:
+                    raise ValueError("naive datetime")
+                out.append(at)
             elif python_type in (int, float, str) and isinstance(value, python_type) and not isinstance(value, bool):
-                out.append(value)
+                out.append(_bindable(value))
             else:
                 raise ValueError(f"bad value for {column.key}")
         return out
     except (ValueError, TypeError, binascii.Error, UnicodeDecodeError, NotImplementedError) as e:
-        raise BadRequest("invalid cursor; use the one from the previous page's Link header") from e
+        raise BadRequest(_BAD_CURSOR) from e
+
+
+def _bindable(value: str | int | float) -> str | int | float:
+    """`value` if every database accepts it as a parameter (64-bit ints, strings without NUL)."""
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        raise ValueError("integer out of range")
+    if isinstance(value, str) and "\x00" in value:
+        raise ValueError("NUL in string")
+    return value
 
 
 def paginate(
@@ -92,6 +105,40 @@ def paginate(
     rows = rows[: page.limit]
     last = rows[-1]
     return rows, _encode([getattr(last, c.key) for c in order])
+
+
+def paginate_items(
+    items: Sequence[T], key: Callable[[T], tuple[str | int | float, ...]], page: PageParams
+) -> tuple[list[T], str | None]:
+    """One page of an in-memory listing, ordered by `key` (unique per item), with the same cursors
+    and Link headers as `paginate`."""
+    ordered = sorted(items, key=key)
+    if page.cursor is not None:
+        after = tuple(_decode_plain(page.cursor))
+        if ordered and len(key(ordered[0])) != len(after):
+            raise BadRequest(_BAD_CURSOR)
+        try:
+            ordered = [item for item in ordered if key(item) > after]
+        except TypeError as e:
+            # The cursor's values are not of the key's types: it came from another listing.
+            raise BadRequest(_BAD_CURSOR) from e
+    if len(ordered) <= page.limit:
+        return list(ordered), None
+    rows = list(ordered[: page.limit])
+    return rows, _encode(key(rows[-1]))
+
+
+def _decode_plain(cursor: str) -> list[str | int | float]:
+    """A cursor's values, each a string or a number (no nulls, no nesting)."""
+    try:
+        values = json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)))
+    except (ValueError, TypeError, binascii.Error, UnicodeDecodeError) as e:
+        raise BadRequest(_BAD_CURSOR) from e
+    if not isinstance(values, list) or not values or not all(
+        isinstance(v, str | int | float) and not isinstance(v, bool) for v in values
+    ):
+        raise BadRequest(_BAD_CURSOR)
+    return values
 
 
 def set_next_link(request: Request, response: Response, next_cursor: str | None) -> None:

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Header, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 
 from control_plane import audit, tenant_store
 from control_plane.api.etags import check_if_match, set_etag
@@ -15,7 +16,7 @@ from control_plane.api.pagination import PageParams, page_params, paginate, set_
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import Tenant
-from control_plane.errors import BadRequest
+from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import FLEET_READERS, Scope
 from meridian.contracts import GLOBAL_ZONE, ModelName, ZoneName
 
@@ -75,19 +76,23 @@ def known_zone(ctx: Ctx, zone: str) -> str:
 def create_tenant(ctx: Ctx, actor: AdminActor, body: TenantCreate, response: Response) -> TenantView:
     known_zone(ctx, body.zone)
     now = datetime.now(UTC)
-    with ctx.write() as session:
-        row = tenant_store.create(
-            session,
-            body.name,
-            zone=body.zone,
-            models=body.models,
-            requests_per_minute=body.requests_per_minute,
-            tokens_per_minute=body.tokens_per_minute,
-            now=now,
-        )
-        after = tenant_store.as_dict(row)
-        audit.record(session, actor, action="create", resource_type="tenant", resource_id=row.name,
-                     before=None, after=after, now=now)
+    try:
+        with ctx.write() as session:
+            row = tenant_store.create(
+                session,
+                body.name,
+                zone=body.zone,
+                models=body.models,
+                requests_per_minute=body.requests_per_minute,
+                tokens_per_minute=body.tokens_per_minute,
+                now=now,
+            )
+            after = tenant_store.as_dict(row)
+            audit.record(session, actor, action="create", resource_type="tenant", resource_id=row.name,
+                         before=None, after=after, now=now)
+    except IntegrityError as e:
+        # Postgres lets two creators past the existence check; the second insert loses.
+        raise Conflict(f"tenant {body.name!r} already exists") from e
     set_etag(response, row.resource_version)
     return TenantView.model_validate(after)
 

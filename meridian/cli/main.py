@@ -21,11 +21,13 @@ router_app = typer.Typer(no_args_is_help=True, help="The geo router (global Open
 node_app = typer.Typer(no_args_is_help=True, help="A data-plane node (runtime + node agent).")
 model_app = typer.Typer(no_args_is_help=True, help="Model checkpoints.")
 keys_app = typer.Typer(no_args_is_help=True, help="Tenants' API keys (admin scope).")
+catalog_app = typer.Typer(no_args_is_help=True, help="The GPU SKU catalog: SKUs and providers' offerings.")
 app.add_typer(control_plane_app, name="control-plane")
 app.add_typer(router_app, name="router")
 app.add_typer(node_app, name="node")
 app.add_typer(model_app, name="model")
 app.add_typer(keys_app, name="keys")
+app.add_typer(catalog_app, name="catalog")
 
 console = Console()
 err_console = Console(stderr=True)
@@ -225,6 +227,81 @@ def keys_create(
     console.print(f"key id {k['id']} for tenant {k['tenant']} (zone {k['zone']}, scopes {', '.join(k['scopes'])})")
     console.print("[bold]store it now; it is not shown again:[/bold]")
     print(k["key"])
+
+
+@app.command("plan")
+def plan(
+    apply: Annotated[bool, typer.Option("--apply", help="Apply the plan after showing it")] = False,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask before applying")] = False,
+    time_limit: Annotated[float, typer.Option(help="Solver time limit, seconds")] = 10.0,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Preview a placement of every deployment as a diff against the one in force (operator)."""
+    from meridian.cli.plan_view import plan_diff_table, plan_summary
+
+    try:
+        with _admin(control_plane, api_key) as admin:
+            with console.status("solving placement…"):
+                p = admin.preview_plan(time_limit)
+            if p["status"] == "infeasible":
+                err_console.print("[red]no placement meets every constraint:[/red]")
+                for line in (p.get("explanation") or "").splitlines():
+                    err_console.print(f"  {line}")
+                raise typer.Exit(1)
+            console.print(plan_diff_table(p))
+            console.print(plan_summary(p))
+            if not apply:
+                console.print(f"apply it with: meridian plan --apply (or POST /v1/placement/plans/{p['id']}/apply)")
+                return
+            if not yes and not typer.confirm("apply this plan?"):
+                raise typer.Exit(1)
+            applied = admin.apply_plan(p["id"])
+            console.print(f"[green]plan {applied['id']} applied[/green]")
+    except AdminAPIError as e:
+        err_console.print(f"[red]{e}[/red]")
+        raise typer.Exit(1) from None
+
+
+@catalog_app.command("gpus")
+def catalog_gpus(
+    sku: Annotated[
+        str | None, typer.Argument(help="List this SKU's offerings (any spelling: H100-SXM, a100 80gb)")
+    ] = None,
+    provider: Annotated[str | None, typer.Option(help="aws, gcp or onprem")] = None,
+    region: Annotated[str | None, typer.Option(help="Only this region, e.g. aws:us-east-1")] = None,
+    onprem_inventory: Annotated[
+        Path | None, typer.Option(envvar="MERIDIAN_CP_ONPREM_INVENTORY", help="On-prem inventory YAML")
+    ] = None,
+) -> None:
+    """Show GPU SKUs with the cheapest $/GPU-hour per provider, or one SKU's offerings."""
+    from meridian.cli.catalog_view import gpus_table, sku_offerings_table
+    from providers.catalog import PROVIDERS, load_catalog
+    from providers.onprem.inventory import InventoryError
+    from providers.regions import region_catalog
+    from providers.skus import UnknownGpuError, normalise_gpu_name
+
+    if provider is not None and provider not in PROVIDERS:
+        err_console.print(f"[red]unknown provider {provider!r}: use one of {', '.join(PROVIDERS)}[/red]")
+        raise typer.Exit(2)
+    try:
+        catalog = load_catalog(onprem_inventory)
+        if region is not None and region not in region_catalog(onprem_inventory):
+            err_console.print(f"[red]unknown region {region!r} (regions look like aws:us-east-1)[/red]")
+            raise typer.Exit(2)
+        canonical = normalise_gpu_name(sku).name if sku is not None else None
+    except (InventoryError, UnknownGpuError) as e:
+        err_console.print(f"[red]{e}[/red]")
+        raise typer.Exit(1) from None
+    catalog = catalog.where(provider=provider, region=region)
+    if not catalog.offerings or (canonical and not catalog.for_sku(canonical)):
+        where = (f" provider {provider}" if provider else "") + (f" region {region}" if region else "")
+        console.print(f"no offerings of {canonical or 'GPUs'} match{where}")
+        return
+    if canonical is not None:
+        console.print(sku_offerings_table(catalog, canonical))
+    else:
+        console.print(gpus_table(catalog, (provider,) if provider else PROVIDERS))
 
 
 @app.command("demo")

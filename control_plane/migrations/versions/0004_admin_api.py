@@ -71,6 +71,14 @@ def upgrade() -> None:
     )
     op.create_index(op.f("ix_placement_plans_status"), "placement_plans", ["status"])
     op.create_index(op.f("ix_placement_plans_created_at"), "placement_plans", ["created_at"])
+    op.create_index(
+        "uq_placement_plans_one_applied",
+        "placement_plans",
+        ["status"],
+        unique=True,
+        sqlite_where=sa.text("status = 'applied'"),
+        postgresql_where=sa.text("status = 'applied'"),
+    )
     op.create_table(
         "tenants",
         sa.Column("name", sa.String(200), nullable=False),
@@ -119,6 +127,7 @@ def downgrade() -> None:
     op.drop_index(op.f("ix_audit_log_at"), table_name="audit_log")
     op.drop_table("audit_log")
     op.drop_table("tenants")
+    op.drop_index("uq_placement_plans_one_applied", table_name="placement_plans")
     op.drop_index(op.f("ix_placement_plans_created_at"), table_name="placement_plans")
     op.drop_index(op.f("ix_placement_plans_status"), table_name="placement_plans")
     op.drop_table("placement_plans")

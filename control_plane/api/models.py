@@ -1,0 +1,249 @@
+"""Model specs: operators declare each model's architecture; model fit sizes it on every GPU SKU."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from control_plane import audit, model_store
+from control_plane.api.etags import check_if_match, if_none_match_matches, set_etag
+from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.audit import Actor
+from control_plane.auth import Ctx, require_actor, require_scopes
+from control_plane.db.models import ModelRecord
+from control_plane.errors import Conflict, PreconditionFailed
+from control_plane.placement.fit import ModelFit, fit_model
+from control_plane.scopes import FLEET_READERS, Scope
+from meridian.contracts import PRINTABLE_PATTERN
+from providers.catalog import Catalog
+
+router = APIRouter(prefix="/v1")
+OperatorActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN, Scope.OPERATOR]))]
+fleet_readers = [Depends(require_scopes(FLEET_READERS))]
+# Model names may contain '/' ("org/name"), so the path parameter takes the rest of the path.
+ModelNameParam = Annotated[
+    str, Path(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN, examples=["meta-llama/Llama-3.1-8B"])
+]
+
+# Keys of control_plane.placement.fit.BYTES_PER_WEIGHT and KV_BYTES (a test keeps them in step).
+Quantization = Literal["bf16", "fp16", "fp8", "int8", "int4", "awq", "gptq"]
+KvCacheDtype = Literal["bf16", "fp16", "fp8", "int8"]
+WEIGHTS_URI_PATTERN = r"^(file|s3|gs|https?)://[^\s\x00-\x1f\x7f]+$"
+
+
+class ModelUpsert(BaseModel):
+    """The body of PUT /v1/models/{name}: the model's shape and the workload one replica holds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # At least a thousand parameters: smaller values only make the roofline's numbers overflow.
+    params_b: float = Field(ge=1e-6, le=10_000, allow_inf_nan=False, description="parameters, billions")
+    layers: int = Field(ge=1, le=1000)
+    kv_heads: int = Field(ge=1, le=1024)
+    head_dim: int = Field(ge=1, le=4096)
+    quantization: Quantization = "bf16"
+    kv_cache_dtype: KvCacheDtype = "bf16"
+    attention_heads: int | None = Field(None, ge=1, le=4096)
+    hidden_size: int | None = Field(None, ge=1, le=1_000_000)
+    max_context: int = Field(8192, ge=1, le=10_000_000)
+    target_concurrent_seqs: int = Field(16, ge=1, le=100_000)
+    weights_uri: str | None = Field(None, max_length=2048, pattern=WEIGHTS_URI_PATTERN)
+
+    @model_validator(mode="after")
+    def _grouped_query_attention(self) -> ModelUpsert:
+        if self.attention_heads is not None and self.attention_heads % self.kv_heads:
+            raise ValueError("attention_heads must be a multiple of kv_heads")
+        return self
+
+
+class ModelView(BaseModel):
+    """A model as the API shows it; send resource_version back as If-Match to update it."""
+
+    name: str
+    params_b: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+    quantization: str
+    kv_cache_dtype: str
+    attention_heads: int | None
+    hidden_size: int | None
+    max_context: int
+    target_concurrent_seqs: int
+    weights_uri: str | None
+    resource_version: int
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, row: ModelRecord) -> ModelView:
+        return cls.model_validate(model_store.as_dict(row))
+
+
+class OfferingCost(BaseModel):
+    """The offering that serves a model's tokens cheapest on one SKU, at full load."""
+
+    provider: str
+    region: str
+    instance_type: str
+    gpu_count: int
+    replicas_per_instance: int
+    price_per_hour: float
+    spot: bool
+    usd_per_million_tokens: float
+
+
+class SkuFitView(BaseModel):
+    """One replica of the model on one SKU: GPUs it needs, memory per GPU, roofline throughput."""
+
+    sku: str
+    tensor_parallel: int = Field(description="GPUs per replica (the smallest TP degree that fits)")
+    weights_gib_per_gpu: float
+    kv_cache_gib_per_gpu: float
+    overhead_gib_per_gpu: float
+    used_gib_per_gpu: float
+    usable_gib_per_gpu: float
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+    cheapest: OfferingCost | None = Field(description="None when no provider offers the SKU at a price")
+
+
+class ModelFitView(BaseModel):
+    model: str
+    resource_version: int
+    fits: list[SkuFitView] = Field(description="SKUs the model fits on, cheapest per token first")
+    does_not_fit: list[str] = Field(description="SKUs too small even at the largest TP degree")
+
+
+def _cheapest(fit: ModelFit, catalog: Catalog, sku: str, spot: bool) -> OfferingCost | None:
+    best: OfferingCost | None = None
+    for offering in catalog.offerings:
+        if offering.sku != sku:
+            continue
+        cost = fit.cost_per_million_tokens(offering, spot=spot)
+        price = offering.spot_price_per_hour if spot else offering.price_per_hour
+        if cost is None or price is None or (best is not None and cost >= best.usd_per_million_tokens):
+            continue
+        best = OfferingCost(
+            provider=offering.provider,
+            region=offering.region,
+            instance_type=offering.instance_type,
+            gpu_count=offering.gpu_count,
+            replicas_per_instance=fit.replicas_per_instance(offering),
+            price_per_hour=price,
+            spot=spot,
+            usd_per_million_tokens=cost,
+        )
+    return best
+
+
+def _fit_view(row: ModelRecord, catalog: Catalog, spot: bool) -> ModelFitView:
+    fit = fit_model(model_store.spec_of(row), catalog.skus)
+    fits = [
+        SkuFitView(
+            sku=name,
+            tensor_parallel=f.tp,
+            weights_gib_per_gpu=f.weights_gib_per_gpu,
+            kv_cache_gib_per_gpu=f.kv_gib_per_gpu,
+            overhead_gib_per_gpu=f.overhead_gib_per_gpu,
+            used_gib_per_gpu=f.used_gib_per_gpu,
+            usable_gib_per_gpu=f.usable_gib_per_gpu,
+            decode_tokens_per_s=f.decode_tokens_per_s,
+            prefill_tokens_per_s=f.prefill_tokens_per_s,
+            cheapest=_cheapest(fit, catalog, name, spot),
+        )
+        for name, f in fit.per_sku.items()
+    ]
+    # Unpriced SKUs last, then by cost; the name breaks ties so the order is stable.
+    fits.sort(key=lambda v: (v.cheapest is None, v.cheapest.usd_per_million_tokens if v.cheapest else 0.0, v.sku))
+    return ModelFitView(
+        model=row.name,
+        resource_version=row.resource_version,
+        fits=fits,
+        does_not_fit=sorted(set(catalog.skus) - set(fit.per_sku)),
+    )
+
+
+# Declared before the catch-all {name:path} routes so that ".../fit" is not part of a model name.
+@router.get("/models/{name:path}/fit", dependencies=fleet_readers)
+def get_model_fit(
+    ctx: Ctx,
+    name: ModelNameParam,
+    spot: Annotated[bool, Query(description="price offerings at their spot price")] = False,
+) -> ModelFitView:
+    """Per-SKU fit of the model: TP degree, memory per GPU, throughput and the cheapest offering."""
+    with ctx.read() as session:
+        row = model_store.get(session, name)
+    return _fit_view(row, ctx.catalog, spot)
+
+
+@router.put("/models/{name:path}")
+def put_model(
+    ctx: Ctx,
+    actor: OperatorActor,
+    name: ModelNameParam,
+    body: ModelUpsert,
+    response: Response,
+    if_match: Annotated[str | None, Header()] = None,
+    if_none_match: Annotated[str | None, Header()] = None,
+) -> ModelView:
+    """Create or replace a model. If-Match: its ETag (412 if it changed meanwhile);
+    If-None-Match: * creates only (412 if it exists)."""
+    now = datetime.now(UTC)
+    try:
+        with ctx.write() as session:
+            existing = model_store.find(session, name, for_update=True)
+            check_if_match(if_match, existing.resource_version if existing else None)
+            if existing is not None and if_none_match_matches(if_none_match, existing.resource_version):
+                raise PreconditionFailed(f"model {name!r} already exists (If-None-Match)")
+            before = model_store.as_dict(existing) if existing else None
+            saved = model_store.put(session, name, body.model_dump(), now, existing)
+            after = model_store.as_dict(saved.row)
+            if saved.changed:
+                audit.record(session, actor, action="create" if saved.created else "update",
+                             resource_type="model", resource_id=name, before=before, after=after, now=now)
+    except IntegrityError as e:
+        raise Conflict(f"model {name!r} was created concurrently; retry") from e
+    response.status_code = 201 if saved.created else 200
+    set_etag(response, saved.row.resource_version)
+    return ModelView.model_validate(after)
+
+
+@router.get("/models", dependencies=fleet_readers)
+def list_models(
+    ctx: Ctx, request: Request, response: Response, page: Annotated[PageParams, Depends(page_params)]
+) -> list[ModelView]:
+    with ctx.read() as session:
+        rows, next_cursor = paginate(session, select(ModelRecord), [ModelRecord.name], page)
+        views = [ModelView.of(r) for r in rows]
+    set_next_link(request, response, next_cursor)
+    return views
+
+
+@router.get("/models/{name:path}", dependencies=fleet_readers)
+def get_model(ctx: Ctx, name: ModelNameParam, response: Response) -> ModelView:
+    with ctx.read() as session:
+        view = ModelView.of(model_store.get(session, name))
+    set_etag(response, view.resource_version)
+    return view
+
+
+@router.delete("/models/{name:path}", status_code=204)
+def delete_model(
+    ctx: Ctx, actor: OperatorActor, name: ModelNameParam, if_match: Annotated[str | None, Header()] = None
+) -> Response:
+    """Delete a model; 409 while a deployment of it exists."""
+    now = datetime.now(UTC)
+    with ctx.write() as session:
+        row = model_store.get(session, name, for_update=True)
+        check_if_match(if_match, row.resource_version)
+        before = model_store.as_dict(row)
+        model_store.delete(session, row)
+        audit.record(session, actor, action="delete", resource_type="model", resource_id=name,
+                     before=before, after=None, now=now)
+    return Response(status_code=204)

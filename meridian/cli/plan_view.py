@@ -1,0 +1,42 @@
+"""`meridian plan`: a placement preview as a diff table against the placement in force."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+_KIND_STYLE = {"added": "green", "removed": "red", "changed": "yellow"}
+
+
+def plan_diff_table(plan: dict[str, Any]) -> Table:
+    """One row per deployment × region × instance type whose count changes."""
+    table = Table(title=f"Placement plan {plan['id']} ({plan['status']})", title_justify="left")
+    for column in ("", "Deployment", "Region", "Instance type", "SKU", "Instances", "Replicas", "$/h"):
+        table.add_column(column, justify="right" if column in ("Instances", "Replicas", "$/h") else "left")
+    diff = plan.get("diff") or {}
+    for kind in ("added", "changed", "removed"):
+        style = _KIND_STYLE[kind]
+        sign = {"added": "+", "removed": "-", "changed": "~"}[kind]
+        for c in diff.get(kind, []):
+            delta = c["cost_after"] - c["cost_before"]
+            table.add_row(
+                f"[{style}]{sign}[/{style}]",
+                c["deployment"],
+                c["region"],
+                c["instance_type"] + (" (spot)" if c["spot"] else ""),
+                c["sku"],
+                f"{c['instances_before']} → {c['instances_after']}",
+                f"{c['replicas_before']} → {c['replicas_after']}",
+                f"[{style}]{delta:+,.2f}[/{style}]",
+            )
+    return table
+
+
+def plan_summary(plan: dict[str, Any]) -> str:
+    """The plan's cost and what it changes, in one line."""
+    diff = plan.get("diff") or {}
+    counts = ", ".join(f"{len(diff.get(k, []))} {k}" for k in ("added", "changed", "removed"))
+    cost = plan.get("cost_per_hour") or 0.0
+    delta = diff.get("cost_delta_per_hour", 0.0)
+    return f"${cost:,.2f}/h ({delta:+,.2f} $/h); {counts}; solved in {plan['solve_seconds']:.2f} s"
