@@ -21,7 +21,6 @@ and scales nothing down until it has watched a full stable window.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -38,8 +37,7 @@ from control_plane import audit
 from control_plane.audit import Actor
 from control_plane.context import AppContext
 from control_plane.db.models import AutoscalerDecision, Deployment, Node
-from control_plane.leader import Deposed, Fence, LeaderElector, check_fence
-from meridian.backoff import Backoff
+from control_plane.leader import Fence, check_fence
 from meridian.contracts import AutoscalingSpec, NodeStatus
 
 log = logging.getLogger(__name__)
@@ -344,26 +342,3 @@ class Autoscaler:
             log.info("autoscaler: %s %s", obs.model, decision.reason)
         return applied
 
-
-async def run_autoscaler(ctx: AppContext, elector: LeaderElector, autoscaler: Autoscaler, stop: asyncio.Event) -> None:
-    """Decide every autoscale_interval_s while this replica leads, until `stop`; errors are logged and retried."""
-    interval = ctx.settings.autoscale_interval_s
-    backoff = Backoff(base_s=interval, max_s=max(interval, 60.0))
-    failures = 0
-    while not stop.is_set():
-        delay = interval if failures == 0 else backoff.delay(failures)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
-        if stop.is_set():
-            return
-        fence = elector.fence()
-        if fence is None:
-            continue
-        try:
-            await autoscaler.tick(fence)
-            failures = 0
-        except Deposed as e:
-            log.info("autoscaler stopped acting: %s", e)
-        except Exception:
-            failures += 1
-            log.exception("autoscaler pass failed; retrying")

@@ -5,18 +5,52 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
-from control_plane.autoscaler import Autoscaler, run_autoscaler
+from control_plane.autoscaler import Autoscaler
 from control_plane.context import AppContext
-from control_plane.leader import LeaderElector, make_elector
-from control_plane.reconciler import Reconciler, default_drivers, run_reconciler
+from control_plane.leader import Deposed, Fence, LeaderElector, make_elector
+from control_plane.reconciler import Reconciler, default_drivers
+from meridian.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
 # The elector may need a database round trip to release leadership on the way out.
 _STOP_TIMEOUT_S = 10.0
+
+
+async def run_while_leading(
+    name: str,
+    interval_s: float,
+    elector: LeaderElector,
+    tick: Callable[[Fence], Awaitable[Any]],
+    stop: asyncio.Event,
+) -> None:
+    """Call `tick` every interval_s while this replica leads, until `stop`.
+
+    A failing pass is logged and retried with backoff; the loop never dies of it.
+    """
+    backoff = Backoff(base_s=interval_s, max_s=max(interval_s, 60.0))
+    failures = 0
+    while not stop.is_set():
+        delay = interval_s if failures == 0 else backoff.delay(failures)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay)
+        if stop.is_set():
+            return
+        fence = elector.fence()
+        if fence is None:
+            continue
+        try:
+            await tick(fence)
+            failures = 0
+        except Deposed as e:
+            log.info("%s stopped acting: %s", name, e)
+        except Exception:
+            failures += 1
+            log.exception("%s pass failed; retrying", name)
 
 
 @asynccontextmanager
@@ -32,10 +66,13 @@ async def fleet_loops(ctx: AppContext) -> AsyncIterator[LeaderElector | None]:
     tasks = [asyncio.create_task(elector.run(stop), name="meridian-leader")]
     if settings.reconciler_enabled:
         drivers = await asyncio.to_thread(default_drivers, settings.onprem_inventory)
-        reconciler = Reconciler(ctx, drivers)
-        tasks.append(asyncio.create_task(run_reconciler(ctx, elector, reconciler, stop), name="meridian-reconciler"))
+        loop = run_while_leading(
+            "reconciler", settings.reconcile_interval_s, elector, Reconciler(ctx, drivers).tick, stop
+        )
+        tasks.append(asyncio.create_task(loop, name="meridian-reconciler"))
     if settings.autoscaler_enabled:
-        tasks.append(asyncio.create_task(run_autoscaler(ctx, elector, Autoscaler(ctx), stop), name="meridian-autoscaler"))
+        loop = run_while_leading("autoscaler", settings.autoscale_interval_s, elector, Autoscaler(ctx).tick, stop)
+        tasks.append(asyncio.create_task(loop, name="meridian-autoscaler"))
     try:
         yield elector
     finally:

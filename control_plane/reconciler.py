@@ -20,7 +20,6 @@ jitter (`node_groups.retry_at`), recorded each time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -39,7 +38,7 @@ from control_plane import audit
 from control_plane.audit import Actor
 from control_plane.context import AppContext
 from control_plane.db.models import Deployment, Node, NodeDrain, NodeGroup, PlacementPlan, ReconcileStep
-from control_plane.leader import Deposed, Fence, LeaderElector, check_fence
+from control_plane.leader import Deposed, Fence, check_fence
 from control_plane.routing_table import bump_version
 from meridian.backoff import Backoff
 from meridian.contracts import NodeStatus
@@ -669,7 +668,7 @@ def _bind(fn: Callable[[GroupSpec, str], Awaitable[T]], spec: GroupSpec, node: s
     return lambda: fn(spec, node)
 
 
-# --- the loop ----------------------------------------------------------------------------
+# --- drivers ------------------------------------------------------------------------------
 
 
 def default_drivers(onprem_inventory: Path | None) -> DriverRegistry:
@@ -679,26 +678,3 @@ def default_drivers(onprem_inventory: Path | None) -> DriverRegistry:
     registry.register_driver(OnPremDriver(onprem_inventory))
     return registry
 
-
-async def run_reconciler(ctx: AppContext, elector: LeaderElector, reconciler: Reconciler, stop: asyncio.Event) -> None:
-    """Tick every reconcile_interval_s while this replica leads, until `stop`; errors are logged and retried."""
-    interval = ctx.settings.reconcile_interval_s
-    backoff = Backoff(base_s=interval, max_s=max(interval, 60.0))
-    failures = 0
-    while not stop.is_set():
-        delay = interval if failures == 0 else backoff.delay(failures)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
-        if stop.is_set():
-            return
-        fence = elector.fence()
-        if fence is None:
-            continue
-        try:
-            await reconciler.tick(fence)
-            failures = 0
-        except Deposed as e:
-            log.info("reconciler stopped acting: %s", e)
-        except Exception:
-            failures += 1
-            log.exception("reconciler pass failed; retrying")

@@ -29,3 +29,14 @@ class Offering:
 
 class CatalogDataError(ValueError):
     """A catalog row (cloud CSV or on-prem host) that cannot be read as an offering."""
+
+
+def parse_price(cell: str | None, where: str, column: str) -> float | None:
+    """A catalog price cell in USD/h; blank means not sold that way (no on-demand price, no spot)."""
+    text = (cell or "").strip()
+    if not text:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise CatalogDataError(f"{where}: {column} {text!r} is not a number") from None

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from importlib.resources import files
 
-from providers.offerings import CatalogDataError, Offering
+from providers.offerings import CatalogDataError, Offering, parse_price
 from providers.skus import UnknownGpuError, normalise_gpu_name
 
 DATA_FILES = ("aws_gpu_vms_p_family.csv", "aws_gpu_vms_g_family.csv")
@@ -32,14 +32,7 @@ def _where(row: Row) -> str:
 
 
 def _price(row: Row, column: str) -> float | None:
-    """A price cell; blank means not sold that way (p5e has no on-demand price, some AZs no spot)."""
-    cell = (row.get(column) or "").strip()
-    if not cell:
-        return None
-    try:
-        return float(cell)
-    except ValueError:
-        raise CatalogDataError(f"{_where(row)}: {column} {cell!r} is not a number") from None
+    return parse_price(row.get(column), _where(row), column)
 
 
 def row_sku(row: Row) -> tuple[str, int]:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from importlib.resources import files
 
-from providers.offerings import CatalogDataError, Offering
+from providers.offerings import CatalogDataError, Offering, parse_price
 from providers.skus import UnknownGpuError, normalise_gpu_name
 
 HOST_FILE = "gcp_host_vms.csv"
@@ -84,13 +84,7 @@ def _where(row: Row) -> str:
 
 
 def _price(row: Row, column: str) -> float | None:
-    cell = (row.get(column) or "").strip()
-    if not cell:
-        return None
-    try:
-        return float(cell)
-    except ValueError:
-        raise CatalogDataError(f"{_where(row)}: {column} {cell!r} is not a number") from None
+    return parse_price(row.get(column), _where(row), column)
 
 
 def host_accelerator(instance_type: str) -> tuple[str, int]:
