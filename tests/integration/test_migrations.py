@@ -67,3 +67,27 @@ def test_migrations_match_the_models(database_url: str) -> None:
             assert [tuple(r) for r in rows] == [(1, 0)]
     finally:
         engine.dispose()
+
+
+def test_keys_made_before_tenants_existed_get_their_tenant(database_url: str) -> None:
+    migrate.upgrade(database_url, "0003")
+    engine = make_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            for i, (tenant, zone, at) in enumerate(
+                [("acme", "eu", "2026-01-01"), ("acme", "eu", "2026-02-01"), ("globex", "us", "2026-01-05")]
+            ):
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO api_keys (id, name, tenant, zone, scopes, models, key_hash, key_prefix,"
+                        " created_at) VALUES (:id, 'k', :tenant, :zone, '[\"inference\"]', NULL, :hash, 'mrd_x',"
+                        " :at)"
+                    ),
+                    {"id": f"k{i}", "tenant": tenant, "zone": zone, "hash": f"{i:064x}", "at": f"{at} 00:00:00+00:00"},
+                )
+        migrate.upgrade(database_url)
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT name, zone FROM tenants ORDER BY name")).all()
+        assert [tuple(r) for r in rows] == [("acme", "eu"), ("globex", "us")]
+    finally:
+        engine.dispose()
