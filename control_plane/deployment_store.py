@@ -46,8 +46,9 @@ def upsert(
     placement: PlacementSpec | None = None,
     autoscaling: AutoscalingSpec | None = None,
     row: Deployment | None = None,
-) -> tuple[Deployment, bool]:
-    """Create or update the deployment of `model`; returns it and whether it was created.
+) -> tuple[Deployment, bool, bool]:
+    """Create or update the deployment of `model`; returns it, whether it was created, and
+    whether its spec changed (a new version: created, or any field a client sets).
 
     A new deployment starts at `min_replicas`; an update keeps the desired count that
     scale-ups reached, clamped into the new bounds. Pass `row` when the caller already
@@ -69,13 +70,14 @@ def upsert(
     row.placement = (placement or PlacementSpec()).model_dump(mode="json")
     row.autoscaling = (autoscaling or AutoscalingSpec()).model_dump(mode="json")
     row.desired_replicas = _clamp(row.desired_replicas, min_replicas, max_replicas)
-    if not created and _spec_fields(row) != before_spec:
+    changed = created or _spec_fields(row) != before_spec
+    if changed and not created:
         row.resource_version += 1
     row.updated_at = now
     session.flush()
     if _routing_fields(row) != before_routing:
         bump_version(session)
-    return row, created
+    return row, created, changed
 
 
 def get(session: Session, model: str, *, for_update: bool = False) -> Deployment:

@@ -296,7 +296,9 @@ class PlacementSpec(_Wire):
 
     # Decode tokens/s each client region sends; replicas within the RTT objective of a
     # client region serve its demand.
-    demand: dict[RegionName, float] = Field(default_factory=dict, max_length=64)
+    demand: dict[RegionName, Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]] = Field(
+        default_factory=dict, max_length=64
+    )
     # Or (and) replica counts: at least this many replicas within the RTT objective of each
     # client region. With neither, one replica in each of min_regions regions.
     replicas: dict[RegionName, Annotated[int, Field(ge=0, le=1000)]] = Field(default_factory=dict, max_length=64)
@@ -309,14 +311,6 @@ class PlacementSpec(_Wire):
     # Canonical GPU SKUs (providers.skus) the deployment may run on; None: any that fits.
     allowed_skus: list[Annotated[str, Field(min_length=1, max_length=32)]] | None = Field(None, max_length=32)
     spot: bool = False
-
-    @field_validator("demand")
-    @classmethod
-    def _finite_demand(cls, v: dict[str, float]) -> dict[str, float]:
-        for region, tokens in v.items():
-            if not (0 <= tokens <= 1e9):
-                raise ValueError(f"demand of {region} must be between 0 and 1e9 tokens/s")
-        return v
 
 
 class AutoscalingSpec(_Wire):

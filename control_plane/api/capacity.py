@@ -11,13 +11,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import IntegrityError
 
 from control_plane import audit, capacity_store
-from control_plane.api.etags import check_if_match, if_none_match_matches, set_etag
+from control_plane.api.etags import check_if_match, check_put_preconditions, set_etag
 from control_plane.api.pagination import PageParams, page_params, paginate_items, set_next_link
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.capacity_store import EffectiveCapacity
 from control_plane.context import AppContext
-from control_plane.errors import BadRequest, Conflict, PreconditionFailed
+from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import FLEET_READERS, Scope
 from meridian.contracts import REGION_PATTERN
 from providers.skus import UnknownGpuError, normalise_gpu_name
@@ -120,9 +120,10 @@ def put_capacity(
     try:
         with ctx.write() as session:
             existing = capacity_store.find(session, region, sku, for_update=True)
-            check_if_match(if_match, existing.resource_version if existing else None)
-            if existing is not None and if_none_match_matches(if_none_match, existing.resource_version):
-                raise PreconditionFailed(f"an explicit limit for {sku} in {region} exists (If-None-Match)")
+            check_put_preconditions(
+                if_match, if_none_match, existing.resource_version if existing else None,
+                f"an explicit limit for {sku} in {region}",
+            )
             before = capacity_store.as_dict(existing) if existing else None
             saved = capacity_store.put(session, region, sku, body.max_gpus, now, existing)
             if saved.changed:

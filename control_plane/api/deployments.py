@@ -11,13 +11,13 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from control_plane import audit, deployment_store
-from control_plane.api.etags import check_if_match, if_none_match_matches, set_etag
+from control_plane.api.etags import check_if_match, check_put_preconditions, set_etag
 from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
 from control_plane.api.tenants import known_zone
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_cluster_token, require_scopes
 from control_plane.db.models import Deployment
-from control_plane.errors import BadRequest, Conflict, PreconditionFailed
+from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import FLEET_READERS, Scope
 from meridian.contracts import (
     GLOBAL_ZONE,
@@ -85,13 +85,11 @@ def put_deployment(
     try:
         with ctx.write() as session:
             existing = deployment_store.find(session, model, for_update=True)
-            check_if_match(if_match, existing.resource_version if existing else None)
-            if existing is not None and if_none_match is not None and if_none_match_matches(
-                if_none_match, existing.resource_version
-            ):
-                raise PreconditionFailed(f"deployment {model!r} already exists (If-None-Match)")
+            check_put_preconditions(
+                if_match, if_none_match, existing.resource_version if existing else None, f"deployment {model!r}"
+            )
             before = deployment_store.as_dict(existing) if existing else None
-            row, created = deployment_store.upsert(
+            row, created, changed = deployment_store.upsert(
                 session,
                 model,
                 zone=body.zone,
@@ -104,7 +102,7 @@ def put_deployment(
             )
             view = deployment_store.view(row)
             after = view.model_dump(mode="json")
-            if created or _spec_changed(before, after):
+            if changed:
                 audit.record(session, actor, action="create" if created else "update",
                              resource_type="deployment", resource_id=model, before=before, after=after, now=now)
     except IntegrityError as e:
@@ -112,13 +110,6 @@ def put_deployment(
     response.status_code = 201 if created else 200
     set_etag(response, view.resource_version)
     return view
-
-
-def _spec_changed(before: dict[str, object] | None, after: dict[str, object]) -> bool:
-    ignore = {"updated_at", "created_at"}
-    return before is None or {k: v for k, v in before.items() if k not in ignore} != {
-        k: v for k, v in after.items() if k not in ignore
-    }
 
 
 @router.get("/deployments", dependencies=fleet_readers)

@@ -41,5 +41,15 @@ def check_if_match(if_match: str | None, version: int | None) -> None:
         )
 
 
+def check_put_preconditions(
+    if_match: str | None, if_none_match: str | None, version: int | None, what: str
+) -> None:
+    """The preconditions of a create-or-replace PUT on `what`, at `version` (None: absent):
+    If-Match must name the current version; If-None-Match: * (or the version) means create only."""
+    check_if_match(if_match, version)
+    if version is not None and if_none_match_matches(if_none_match, version):
+        raise PreconditionFailed(f"{what} already exists (If-None-Match)")
+
+
 def set_etag(response: Response, version: int) -> None:
     response.headers["ETag"] = etag(version)

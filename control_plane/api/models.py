@@ -11,12 +11,12 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from control_plane import audit, model_store
-from control_plane.api.etags import check_if_match, if_none_match_matches, set_etag
+from control_plane.api.etags import check_if_match, check_put_preconditions, set_etag
 from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import ModelRecord
-from control_plane.errors import Conflict, PreconditionFailed
+from control_plane.errors import Conflict
 from control_plane.placement.fit import ModelFit, fit_model
 from control_plane.scopes import FLEET_READERS, Scope
 from meridian.contracts import PRINTABLE_PATTERN
@@ -198,9 +198,9 @@ def put_model(
     try:
         with ctx.write() as session:
             existing = model_store.find(session, name, for_update=True)
-            check_if_match(if_match, existing.resource_version if existing else None)
-            if existing is not None and if_none_match_matches(if_none_match, existing.resource_version):
-                raise PreconditionFailed(f"model {name!r} already exists (If-None-Match)")
+            check_put_preconditions(
+                if_match, if_none_match, existing.resource_version if existing else None, f"model {name!r}"
+            )
             before = model_store.as_dict(existing) if existing else None
             saved = model_store.put(session, name, body.model_dump(), now, existing)
             after = model_store.as_dict(saved.row)

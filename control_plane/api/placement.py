@@ -74,9 +74,8 @@ async def preview_plan(ctx: Ctx, actor: OperatorActor, body: PlanRequest | None 
     An infeasible problem is answered 201 too, with status "infeasible" and an explanation
     naming the constraints that cannot be met: the plan is a record, not an error.
     """
-    options = SolveOptions(
-        time_limit_s=body.time_limit_s if body else 10.0, mip_rel_gap=body.mip_rel_gap if body else 0.005
-    )
+    limits = body or PlanRequest()
+    options = SolveOptions(time_limit_s=limits.time_limit_s, mip_rel_gap=limits.mip_rel_gap)
 
     def read() -> planner.PlanningState:
         with ctx.read() as session:
