@@ -43,6 +43,7 @@ from control_plane.routing_table import current_version
 from control_plane.version_watch import VersionWatch
 from meridian.settings import ControlPlaneSettings
 from providers.catalog import load_catalog
+from providers.onprem.inventory import load_inventory
 from providers.regions import region_catalog
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,10 @@ def _ensure_bootstrap_key(ctx: AppContext) -> None:
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ControlPlaneSettings = app.state.settings
     await asyncio.to_thread(migrate.upgrade, settings.database_url)
-    regions = await asyncio.to_thread(region_catalog, settings.onprem_inventory)
-    catalog = await asyncio.to_thread(load_catalog, settings.onprem_inventory)
+    # One parse of the inventory, so the regions and the catalog agree on its sites.
+    inventory = await asyncio.to_thread(load_inventory, settings.onprem_inventory)
+    regions = region_catalog(inventory)
+    catalog = await asyncio.to_thread(load_catalog, inventory)
     engine = make_engine(settings.database_url)
     try:
         reads, writes = make_sessionmakers(engine)

@@ -13,7 +13,7 @@ from providers.aws import offerings as aws_offerings
 from providers.gcp import offerings as gcp_offerings
 from providers.offerings import Offering
 from providers.onprem import offerings as onprem_offerings
-from providers.onprem.inventory import load_inventory
+from providers.onprem.inventory import Inventory, load_inventory
 from providers.skus import SKUS, GpuSku, normalise_gpu_name
 
 PROVIDERS = ("aws", "gcp", "onprem")
@@ -97,7 +97,7 @@ def _price_order(o: Offering) -> tuple[bool, float, int, str, str]:
     return (p is None, round(p, 6) if p is not None else 0.0, o.gpu_count, o.region, o.instance_type)
 
 
-def load_catalog(onprem_inventory: Path | None = None) -> Catalog:
+def load_catalog(onprem_inventory: Path | Inventory | None = None) -> Catalog:
     """The catalog from the vendored AWS and GCP rows and the on-prem inventory (built-in when None)."""
     inventory = load_inventory(onprem_inventory)
     return Catalog(

@@ -36,7 +36,7 @@ class OnPremDriver:
     provider = PROVIDER
 
     def __init__(self, inventory: Inventory | Path | None = None) -> None:
-        inv = inventory if isinstance(inventory, Inventory) else load_inventory(inventory)
+        inv = load_inventory(inventory)
         self._classes: dict[tuple[str, str], tuple[Site, HostClass]] = {
             (site.region, h.instance_type): (site, h) for site in inv.sites for h in site.hosts
         }

@@ -90,9 +90,12 @@ class Inventory(BaseModel):
         return self
 
 
-def load_inventory(path: Path | None = None) -> Inventory:
-    """Parse and validate an inventory file (the built-in default when None); InventoryError when bad."""
-    path = path or DEFAULT_INVENTORY
+def load_inventory(source: Path | Inventory | None = None) -> Inventory:
+    """Parse and validate an inventory file (the built-in default when None; an Inventory
+    already parsed is returned as it is); InventoryError when bad."""
+    if isinstance(source, Inventory):
+        return source
+    path = source or DEFAULT_INVENTORY
     try:
         raw = yaml.safe_load(path.read_text())
         return Inventory.model_validate(raw or {})

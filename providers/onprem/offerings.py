@@ -9,10 +9,6 @@ from providers.offerings import Offering
 from providers.onprem.inventory import Inventory, load_inventory
 
 
-def _inventory(inventory: Path | Inventory | None) -> Inventory:
-    return inventory if isinstance(inventory, Inventory) else load_inventory(inventory)
-
-
 def offerings(inventory: Path | Inventory | None = None) -> list[Offering]:
     """One offering per (site, host class); price is the amortised cost per host, no spot market."""
     return [
@@ -21,21 +17,21 @@ def offerings(inventory: Path | Inventory | None = None) -> list[Offering]:
             gpu_count=h.gpu_count, vcpus=h.vcpus, memory_gib=h.memory_gib,
             price_per_hour=h.price_per_hour, spot_price_per_hour=None,
         )
-        for site in _inventory(inventory).sites
+        for site in load_inventory(inventory).sites
         for h in site.hosts
     ]
 
 
 def host_capacity(inventory: Path | Inventory | None = None) -> dict[tuple[str, str], int]:
     """Hosts per (region, instance type): the most instances of an offering placement may use."""
-    sites = _inventory(inventory).sites
+    sites = load_inventory(inventory).sites
     return {(site.region, h.instance_type): h.count for site in sites for h in site.hosts}
 
 
 def onprem_capacity(inventory: Path | Inventory | None = None) -> dict[tuple[str, str], int]:
     """GPUs per (region, SKU) over all host classes of each site."""
     out: dict[tuple[str, str], int] = defaultdict(int)
-    for site in _inventory(inventory).sites:
+    for site in load_inventory(inventory).sites:
         for h in site.hosts:
             out[(site.region, h.sku)] += h.count * h.gpu_count
     return dict(out)

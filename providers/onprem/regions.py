@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from meridian.contracts import RegionInfo
-from providers.onprem.inventory import DEFAULT_INVENTORY, InventoryError, load_inventory
+from providers.onprem.inventory import DEFAULT_INVENTORY, Inventory, InventoryError, load_inventory
 
 __all__ = ["DEFAULT_INVENTORY", "InventoryError", "regions"]
 
 
-def regions(inventory: Path | None = None) -> list[RegionInfo]:
+def regions(inventory: Path | Inventory | None = None) -> list[RegionInfo]:
     """The inventory's sites as regions `onprem:<site>` (the built-in inventory when None)."""
     return [
         RegionInfo(
