@@ -65,11 +65,14 @@ def assignment_of(data: Mapping[str, Any]) -> Assignment:
     return Assignment(**{f.name: data[f.name] for f in dataclasses.fields(Assignment) if f.name in data})
 
 
-def _deployment(row: Deployment, model: ModelRecord | None, blockers: list[str]) -> PlacementDeployment | None:
+def _deployment(
+    row: Deployment, model: ModelRecord | None, catalog: Catalog, blockers: list[str]
+) -> PlacementDeployment | None:
     if model is None:
         blockers.append(f"deployment {row.model}: no model spec; PUT /v1/models/{row.model} first")
         return None
-    fit = fit_model(model_store.spec_of(model))
+    # The catalog's SKUs, as GET /v1/models/{name}/fit sizes them.
+    fit = fit_model(model_store.spec_of(model), catalog.skus)
     if not fit.per_sku:
         blockers.append(f"deployment {row.model}: the model fits on no GPU SKU (even at tensor parallelism 8)")
         return None
@@ -95,7 +98,7 @@ def read_state(session: Session, catalog: Catalog, regions: Mapping[str, RegionI
     blockers: list[str] = []
     deployments = []
     for row in session.scalars(select(Deployment).order_by(Deployment.model)).all():
-        d = _deployment(row, models.get(row.model), blockers)
+        d = _deployment(row, models.get(row.model), catalog, blockers)
         if d is not None:
             deployments.append(d)
     current = current_plan(session)

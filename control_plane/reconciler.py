@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,10 +34,10 @@ from typing import Any, TypeVar
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from control_plane import audit
+from control_plane import audit, planner
 from control_plane.audit import Actor
 from control_plane.context import AppContext
-from control_plane.db.models import Deployment, Node, NodeDrain, NodeGroup, PlacementPlan, ReconcileStep
+from control_plane.db.models import Deployment, Node, NodeDrain, NodeGroup, ReconcileStep
 from control_plane.leader import Deposed, Fence, check_fence
 from control_plane.routing_table import bump_version
 from meridian.backoff import Backoff
@@ -85,23 +85,18 @@ def parse_assignments(assignments: Iterable[Mapping[str, Any]]) -> list[PlacedGr
     """The plan's assignments (control_plane.placement.problem.Assignment as JSON) as groups;
     assignments of one group are summed."""
     merged: dict[GroupKey, PlacedGroup] = {}
-    for a in assignments:
-        model = str(a.get("deployment") or a.get("model") or "")
-        region, instance_type = str(a.get("region") or ""), str(a.get("instance_type") or "")
-        if not model or not region or not instance_type:
-            log.warning("applied plan has an assignment without deployment/region/instance_type: %s", a)
+    for data in assignments:
+        try:
+            a = planner.assignment_of(data)
+        except (KeyError, TypeError):
+            log.warning("applied plan has an assignment without deployment/region/instance_type: %s", data)
             continue
-        replicas = int(a.get("replicas") or 0)
-        instances = int(a.get("instances") or replicas)
         group = PlacedGroup(
-            model=model, region=region, instance_type=instance_type, sku=str(a.get("sku") or ""),
-            spot=bool(a.get("spot", False)), instances=instances, replicas=replicas,
+            model=a.deployment, region=a.region, instance_type=a.instance_type, sku=a.sku,
+            spot=a.spot, instances=a.instances, replicas=a.replicas,
         )
         if (old := merged.get(group.key)) is not None:
-            group = PlacedGroup(
-                model=model, region=region, instance_type=instance_type, sku=old.sku or group.sku, spot=group.spot,
-                instances=old.instances + instances, replicas=old.replicas + replicas,
-            )
+            group = replace(group, instances=old.instances + a.instances, replicas=old.replicas + a.replicas)
         merged[group.key] = group
     return list(merged.values())
 
@@ -216,9 +211,7 @@ def _group_row(g: NodeGroup) -> GroupRow:
 
 def read_snapshot(session: Session) -> Snapshot:
     """The applied plan, desired counts, node groups, drains and nodes, in one read."""
-    plan = session.scalars(
-        select(PlacementPlan).where(PlacementPlan.status == "applied").order_by(PlacementPlan.applied_at.desc())
-    ).first()
+    plan = planner.current_plan(session)
     desired = {d.model: d.desired_replicas for d in session.scalars(select(Deployment))}
     placed_groups = [g for g in parse_assignments(plan.assignments if plan else []) if g.model in desired]
     by_model: dict[str, list[PlacedGroup]] = defaultdict(list)
