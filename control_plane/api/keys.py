@@ -12,7 +12,7 @@ from sqlalchemy.exc import IntegrityError
 
 from control_plane import audit, keystore, tenant_store
 from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
-from control_plane.api.tenants import TENANT_PATTERN, known_zone
+from control_plane.api.tenants import TENANT_PATTERN, TenantCreate, create_audited, known_zone
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import ApiKey
@@ -88,12 +88,7 @@ def create_api_key(ctx: Ctx, actor: AdminActor, body: ApiKeyCreate) -> ApiKeyCre
             tenant = tenant_store.find(session, body.tenant)
             if tenant is None:
                 zone = known_zone(ctx, body.zone or GLOBAL_ZONE)
-                tenant = tenant_store.create(
-                    session, body.tenant, zone=zone, models=None,
-                    requests_per_minute=None, tokens_per_minute=None, now=now,
-                )
-                audit.record(session, actor, action="create", resource_type="tenant", resource_id=tenant.name,
-                             before=None, after=tenant_store.as_dict(tenant), now=now)
+                tenant = create_audited(session, actor, TenantCreate(name=body.tenant, zone=zone), now)
             elif body.zone is not None and body.zone != tenant.zone:
                 raise Conflict(
                     f"tenant {tenant.name!r} is bound to zone {tenant.zone!r}; its keys take that zone "

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Header, Path, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from control_plane import audit, tenant_store
 from control_plane.api.etags import check_if_match, set_etag
@@ -72,29 +73,34 @@ def known_zone(ctx: Ctx, zone: str) -> str:
     return zone
 
 
+def create_audited(session: Session, actor: Actor, body: TenantCreate, now: datetime) -> Tenant:
+    """Add a tenant and its audit entry to the caller's transaction (409 when the name is taken)."""
+    row = tenant_store.create(
+        session,
+        body.name,
+        zone=body.zone,
+        models=body.models,
+        requests_per_minute=body.requests_per_minute,
+        tokens_per_minute=body.tokens_per_minute,
+        now=now,
+    )
+    audit.record(session, actor, action="create", resource_type="tenant", resource_id=row.name,
+                 before=None, after=tenant_store.as_dict(row), now=now)
+    return row
+
+
 @router.post("/tenants", status_code=201)
 def create_tenant(ctx: Ctx, actor: AdminActor, body: TenantCreate, response: Response) -> TenantView:
     known_zone(ctx, body.zone)
     now = datetime.now(UTC)
     try:
         with ctx.write() as session:
-            row = tenant_store.create(
-                session,
-                body.name,
-                zone=body.zone,
-                models=body.models,
-                requests_per_minute=body.requests_per_minute,
-                tokens_per_minute=body.tokens_per_minute,
-                now=now,
-            )
-            after = tenant_store.as_dict(row)
-            audit.record(session, actor, action="create", resource_type="tenant", resource_id=row.name,
-                         before=None, after=after, now=now)
+            view = TenantView.of(create_audited(session, actor, body, now))
     except IntegrityError as e:
         # Postgres lets two creators past the existence check; the second insert loses.
         raise Conflict(f"tenant {body.name!r} already exists") from e
-    set_etag(response, row.resource_version)
-    return TenantView.model_validate(after)
+    set_etag(response, view.resource_version)
+    return view
 
 
 @router.get("/tenants", dependencies=readers)
