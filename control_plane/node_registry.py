@@ -23,7 +23,8 @@ from meridian.contracts import (
 
 def _routing_fields(node: Node) -> tuple[object, ...]:
     """What routers see of a node; a change here is a new routing version."""
-    return (node.region, node.url, tuple(node.models), node.engine, node.status)
+    return (node.region, node.url, tuple(node.models), node.engine, node.status, node.kv_events,
+            node.kv_events_replay)
 
 
 def _status(session: Session, node_id: str, reported: NodeStatus) -> str:
@@ -55,6 +56,8 @@ def register(session: Session, reg: NodeRegistration, regions: dict[str, RegionI
     node.models = list(reg.models)
     node.engine = reg.engine
     node.version = reg.version
+    node.kv_events = reg.kv_events
+    node.kv_events_replay = reg.kv_events_replay
     node.status = _status(session, reg.node_id, reg.status)
     node.load = NodeLoad(running=0, waiting=0, kv_cache_usage=0.0).model_dump()
     node.registered_at = now

@@ -61,6 +61,8 @@ def build_routing_table(session: Session, regions: dict[str, RegionInfo]) -> Rou
                 models=list(n.models),
                 status=NodeStatus(n.status),
                 engine=n.engine,
+                kv_events=n.kv_events,
+                kv_events_replay=n.kv_events_replay,
             )
             for n in nodes
         ],

@@ -11,6 +11,7 @@ import re
 import socket
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -64,6 +65,57 @@ def advertise_url(settings: NodeSettings) -> str:
     return f"http://{host}:{settings.port}"
 
 
+# tcp://host:port as ZMQ writes it (an IPv6 host in brackets).
+_TCP_ENDPOINT = re.compile(r"^tcp://(\[[^\]]*\]|[^:/]+):([0-9]+|\*)$")
+# Hosts that mean "every interface": a bind address, not one a router can connect to.
+_WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]")
+
+
+def _routable_endpoint(endpoint: str, settings: NodeSettings, *, bound_only: bool) -> str | None:
+    """The endpoint a router connects to for a socket this node opens on `endpoint`, or None.
+
+    `bound_only`: the socket binds only on a wildcard host (the KV event PUB socket follows
+    vLLM's convention: a concrete host:port connects out to a collector, which routers
+    cannot subscribe to); otherwise (the replay socket) it always binds.
+    """
+    if endpoint.startswith("ipc://"):
+        return endpoint  # a local socket file: routers on this machine reach it as it is
+    m = _TCP_ENDPOINT.match(endpoint)
+    if m is None:
+        return None
+    host, port = m.groups()
+    if port == "*":
+        return None  # the port is picked at bind time; only kv_events_*_advertise can name it
+    if host == "0.0.0.0" and bound_only:
+        return None  # the publisher connects to 0.0.0.0 (vLLM's rule): nothing to subscribe to
+    if host not in _WILDCARD_HOSTS:
+        return None if bound_only else endpoint
+    advertised = urlsplit(advertise_url(settings)).hostname or settings.host
+    if ":" in advertised:
+        advertised = f"[{advertised}]"
+    return f"tcp://{advertised}:{port}"
+
+
+def advertise_kv_events(settings: NodeSettings) -> tuple[str | None, str | None]:
+    """(KV events, replay) endpoints routers connect to: the *_advertise settings, else derived
+    from the endpoints the node binds; None where the node publishes nothing routers can reach."""
+    if not settings.kv_events_endpoint:
+        return None, None
+    events = settings.kv_events_advertise or _routable_endpoint(
+        settings.kv_events_endpoint, settings, bound_only=True
+    )
+    if events is None:
+        log.warning(
+            "KV events on %s cannot be advertised to routers (not a wildcard-host bind address); "
+            "set kv_events_advertise", settings.kv_events_endpoint,
+        )
+        return None, None
+    replay = settings.kv_events_replay_advertise
+    if replay is None and settings.kv_events_replay_endpoint:
+        replay = _routable_endpoint(settings.kv_events_replay_endpoint, settings, bound_only=False)
+    return events, replay
+
+
 def control_plane_client(
     settings: NodeSettings, *, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
@@ -109,6 +161,7 @@ class NodeAgent:
         self._retry_base_s = retry_base_s
         self._retry_max_s = retry_max_s
         self._transport = transport
+        kv_events, kv_events_replay = advertise_kv_events(settings)
         # Validated now so a misconfigured node fails at start-up, not in the loop.
         self._registration = NodeRegistration(
             node_id=default_node_id(settings),
@@ -117,6 +170,8 @@ class NodeAgent:
             models=self._models,
             engine="vllm" if settings.engine == "vllm" else "torch",
             version=_package_version()[:64],
+            kv_events=kv_events,
+            kv_events_replay=kv_events_replay,
         )
         self.node_id = self._registration.node_id
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S

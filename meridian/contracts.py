@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -39,10 +40,35 @@ ZoneName = Annotated[str, Field(pattern=ZONE_PATTERN)]
 # Free text that is safe to store and log: no control characters (Postgres refuses NUL in text).
 PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f]*$"
 ModelName = Annotated[str, Field(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN)]
+# A ZMQ endpoint a router can connect to: tcp://host:port (IPv6 host in brackets) or
+# ipc://path. Wildcard hosts ("*") are bind addresses, not connectable, so they are refused.
+ZMQ_ENDPOINT_PATTERN = (
+    r"^(tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9._-]*):[0-9]{1,5}|ipc://[^\x00-\x20\x7f]+)$"
+)
+
+
+def _connectable_port(v: str) -> str:
+    if v.startswith("tcp://") and not 0 < int(v.rsplit(":", 1)[1]) <= 65535:
+        raise ValueError("port must be 1-65535")
+    return v
+
+
+ZmqEndpoint = Annotated[
+    str, Field(max_length=256, pattern=ZMQ_ENDPOINT_PATTERN), AfterValidator(_connectable_port)
+]
 
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+# An optional field left out of the JSON while unset, so that peers of an older version
+# (extra="forbid") still accept what a newer one sends when it does not use the field.
+_OMITTED_WHEN_UNSET = Field(None, exclude_if=_is_none)
 
 
 class NodeStatus(StrEnum):
@@ -74,6 +100,10 @@ class NodeRegistration(_Wire):
     engine: Literal["torch", "vllm"] = "torch"
     version: str = Field("", max_length=64)
     status: NodeStatus = NodeStatus.STARTING
+    # Where routers subscribe to the node's KV cache events (ZMQ PUB, vLLM's format) and
+    # ask for missed batches (ZMQ ROUTER replay); None when the node publishes none.
+    kv_events: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
+    kv_events_replay: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
 
     @field_validator("url")
     @classmethod
@@ -167,6 +197,9 @@ class RoutingNode(_Wire):
     models: list[ModelName]
     status: NodeStatus
     engine: str = "torch"
+    # The node's KV event endpoints (see NodeRegistration); absent in old snapshots.
+    kv_events: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
+    kv_events_replay: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
 
 
 class TenantEntry(_Wire):

@@ -83,6 +83,9 @@ class Node(Base):
     last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
     # meridian.contracts.ColdStart of the node's last start, as it reported it.
     cold_start: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # ZMQ endpoints of the node's KV cache events and their replay, as it advertised them.
+    kv_events: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    kv_events_replay: Mapped[str | None] = mapped_column(String(256), nullable=True)
 
 
 class ApiKey(Base):

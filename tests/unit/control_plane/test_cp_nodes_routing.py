@@ -86,6 +86,25 @@ async def test_reregistration_updates_the_node(cp: ControlPlane) -> None:
     assert [(n["url"], n["status"]) for n in table["nodes"]] == [("http://moved.test:9000", "starting")]
 
 
+async def test_kv_event_endpoints_reach_the_routing_table(cp: ControlPlane) -> None:
+    await cp.register("node-a", status="ready", kv_events="tcp://10.0.0.5:5557",
+                      kv_events_replay="tcp://10.0.0.5:5558")
+    v = await cp.version()
+    node = (await cp.table()).json()["nodes"][0]
+    assert (node["kv_events"], node["kv_events_replay"]) == ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")
+
+    # Routers must reconnect when a node moves its publisher: a new routing version.
+    await cp.register("node-a", status="ready", kv_events="tcp://10.0.0.5:6000")
+    table = (await cp.table()).json()
+    assert table["version"] == v + 1
+    assert table["nodes"][0]["kv_events"] == "tcp://10.0.0.5:6000"
+    assert "kv_events_replay" not in table["nodes"][0]
+
+    # A wildcard bind address is no endpoint a router can connect to.
+    r = await cp.register("node-a", kv_events="tcp://*:5557")
+    assert r.status_code == 422
+
+
 async def test_deregistered_node_leaves_the_table(cp: ControlPlane) -> None:
     await cp.register("node-a")
     v = await cp.version()

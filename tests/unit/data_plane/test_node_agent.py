@@ -22,7 +22,7 @@ from node_testkit import (
     running_server,
 )
 
-from data_plane.agent import NodeAgent
+from data_plane.agent import NodeAgent, advertise_kv_events
 from data_plane.server.app import create_app
 from meridian.contracts import NodeLoad, NodeStatus
 from meridian.localfabric import free_port
@@ -159,3 +159,50 @@ async def test_wrong_token_is_retried_not_fatal(
 def test_misconfiguration_fails_fast(tiny_checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="region"):
         create_app(make_settings(tiny_checkpoint, control_plane_url="http://127.0.0.1:1"))
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "replay", "extra", "expected"),
+    [
+        # Wildcard binds are advertised under the host routers reach the node at.
+        ("tcp://*:5557", "tcp://*:5558", {}, ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")),
+        ("tcp://*:5557", "tcp://0.0.0.0:5558", {}, ("tcp://10.0.0.5:5557", "tcp://10.0.0.5:5558")),
+        # The replay socket always binds, so a concrete host is reachable as it is.
+        ("tcp://*:5557", "tcp://10.0.0.9:5558", {}, ("tcp://10.0.0.5:5557", "tcp://10.0.0.9:5558")),
+        ("ipc:///run/kv.sock", None, {}, ("ipc:///run/kv.sock", None)),
+        ("tcp://*:5557", None, {"advertise_url": "http://[fd00::5]:8000"}, ("tcp://[fd00::5]:5557", None)),
+        # A concrete host makes the publisher connect out to a collector: nothing to subscribe to.
+        ("tcp://10.0.0.9:5557", "tcp://*:5558", {}, (None, None)),
+        # A port picked at bind time is unknown here.
+        ("tcp://*:*", None, {}, (None, None)),
+        # Explicit advertisements win.
+        ("tcp://*:*", "tcp://*:*", {"kv_events_advertise": "tcp://lb.example:7000",
+                                    "kv_events_replay_advertise": "tcp://lb.example:7001"},
+         ("tcp://lb.example:7000", "tcp://lb.example:7001")),
+        (None, "tcp://*:5558", {"kv_events_advertise": "tcp://lb.example:7000"}, (None, None)),
+    ],
+)
+def test_kv_event_endpoints_advertised_to_routers(
+    tiny_checkpoint: Path, endpoint: str | None, replay: str | None, extra: dict[str, Any],
+    expected: tuple[str | None, str | None],
+) -> None:
+    settings = make_settings(tiny_checkpoint, kv_events_endpoint=endpoint, kv_events_replay_endpoint=replay,
+                             **{"advertise_url": "http://10.0.0.5:8000", **extra})
+    assert advertise_kv_events(settings) == expected
+
+
+async def test_registration_carries_the_kv_event_endpoints(
+    control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path
+) -> None:
+    cp, url = control_plane
+    port = free_port()
+    settings = agent_settings(tiny_checkpoint, url, kv_events_endpoint=f"tcp://*:{port}",
+                              advertise_url="http://127.0.0.1:8123")
+    agent = NodeAgent(settings, models=["tiny-llama"], status=lambda: NodeStatus.STARTING, load=NodeLoad)
+    await agent.start()
+    try:
+        assert await agent.wait_registered(5.0)
+    finally:
+        await agent.close()
+    assert cp.registrations()[0].kv_events == f"tcp://127.0.0.1:{port}"
+    assert cp.registrations()[0].kv_events_replay is None
