@@ -1,11 +1,21 @@
-"""The geo router's HTTP app: one global OpenAI-compatible endpoint in front of every node."""
+"""The geo router's HTTP app: one global OpenAI-compatible endpoint in front of every node.
+
+A request goes: authenticate the tenant (its key fixes the residency zone) → rate limits →
+locate the client → candidates (residency, health, circuit breakers) → annotate them
+(load, KV-prefix overlap, LoRA) → order them (the routing policy) → forward, failing over
+before the first byte. The parts live in their own modules; this one builds them from the
+settings, starts and stops their background work, and strings them together.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 
 import uvicorn
@@ -13,9 +23,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from meridian.contracts import HEADER_REQUEST_ID, HEADER_SCALE_WAIT_MS, ModelCard, ModelList
+from meridian.contracts import HEADER_REQUEST_ID, HEADER_SCALE_WAIT_MS, ModelCard, ModelList, TenantEntry
+from meridian.geo import Point
 from meridian.settings import RouterSettings
 
+from .affinity import Affinity
 from .auth import authenticate
 from .errors import (
     ModelNotFound,
@@ -25,17 +37,24 @@ from .errors import (
     RoutingTableUnavailable,
     install_error_handlers,
 )
-from .health import FleetState, InProcessFleetState
-from .locate import locate_client
+from .health import Ejection, FleetState, InProcessFleetState
+from .kv_index import KVIndex
+from .kv_subscriber import KVEventSubscriber
+from .locate import ClientLocator, RttEstimator
 from .metrics import RouterMetrics
+from .outlier import CircuitBreaker, RetryBudget
+from .policies import AffinityPolicy, RoutingPolicy, create_policy
+from .prefix import PrefixKeyBuilder
+from .prefix_history import InProcessPrefixHistory, PrefixHistory, RedisPrefixHistory
+from .probe import NodeProber
 from .proxy import UpstreamForwarder
+from .ratelimit import Admission, RateLimiter, create_rate_limiter, estimate_tokens, usage_tokens
 from .redis_fleet import RedisFleetState
 from .request import parse_inference_request, read_body, request_id_for
 from .scale_from_zero import ScaleFromZero, ScaleUpClient, awaiting_scale_up, deployed_models
 from .selection import (
+    Candidate,
     RoutingContext,
-    RoutingPolicy,
-    create_policy,
     exhausted_error,
     models_for,
     select_candidates,
@@ -59,12 +78,35 @@ class RouterState:
     metrics: RouterMetrics
     forwarder: UpstreamForwarder
     scale_from_zero: ScaleFromZero
+    prober: NodeProber
+    kv_index: KVIndex
+    kv_events: KVEventSubscriber
+    history: PrefixHistory
+    prefixes: PrefixKeyBuilder
+    affinity: Affinity
+    breaker: CircuitBreaker
+    rate_limiter: RateLimiter
+    locator: ClientLocator
+    rtt: RttEstimator
 
     def table(self) -> LoadedTable:
         loaded = self.table_source.current()
         if loaded is None:
             raise RoutingTableUnavailable()
         return loaded
+
+    def region_of(self, node_id: str) -> str:
+        """The region of a node in the current table ("" when it is not there)."""
+        loaded = self.table_source.current()
+        if loaded is None:
+            return ""
+        return next((n.region for n in loaded.table.nodes if n.node_id == node_id), "")
+
+    def select(self, table: LoadedTable, tenant: TenantEntry, model: str, location: Point | None) -> list[Candidate]:
+        """Candidates for the request: residency, health and circuit breakers applied."""
+        return select_candidates(
+            table, tenant, model, self.fleet, location, rtt=self.rtt.rtt_ms, allows=self.breaker.allows
+        )
 
 
 def create_app(
@@ -73,10 +115,11 @@ def create_app(
     *,
     fleet: FleetState | None = None,
 ) -> FastAPI:
-    """Build the router app; its lifespan starts the routing-table source and fleet sync.
+    """Build the router app; its lifespan starts the routing-table source and background work.
 
     Without `fleet`, node health is shared through Redis when `settings.redis_url` is set
-    (the app then starts and stops that sync), else kept in this process.
+    (the app then starts and stops that sync), else kept in this process. The same goes for
+    the approximate prefix index and the rate-limit counters.
     """
     source: TableSource = table_source if table_source is not None else RoutingTableClient(settings)
     shared_fleet: RedisFleetState | None = None
@@ -86,38 +129,82 @@ def create_app(
     elif settings.redis_url:
         fleet_state = shared_fleet = RedisFleetState.from_settings(settings)
     else:
-        fleet_state = InProcessFleetState(settings.ejection_base_s, settings.ejection_max_s)
+        fleet_state = InProcessFleetState.from_settings(settings)
+    history: PrefixHistory = (
+        RedisPrefixHistory.from_settings(settings) if settings.redis_url
+        else InProcessPrefixHistory.from_settings(settings)
+    )
 
     def table_version() -> float:
         loaded = source.current()
         return float(loaded.version) if loaded is not None else -1.0
 
     metrics = RouterMetrics(table_version)
+    prober = NodeProber(settings, fleet_state)
+    kv_index = KVIndex(settings.kv_index_max_blocks_per_node)
+    prefixes = PrefixKeyBuilder(settings)
+    affinity = Affinity(
+        loads=prober, kv_index=kv_index, history=history, prefixes=prefixes,
+        default_service_ms=settings.default_service_ms,
+        balance_half_life_s=settings.affinity_balance_half_life_s,
+    )
+    breaker = CircuitBreaker.from_settings(settings, fleet_state)
     state = RouterState(
         settings=settings,
         table_source=source,
         fleet=fleet_state,
         policy=create_policy(settings.routing_policy, settings),
         metrics=metrics,
-        forwarder=UpstreamForwarder(settings, fleet_state, metrics),
+        forwarder=UpstreamForwarder(
+            settings, fleet_state, metrics,
+            retry_budget=RetryBudget.from_settings(settings),
+            on_first_byte=lambda node_id, s: _first_byte(state, node_id, s),
+        ),
         scale_from_zero=ScaleFromZero(settings, source, metrics, ScaleUpClient(settings, metrics)),
+        prober=prober,
+        kv_index=kv_index,
+        kv_events=KVEventSubscriber(settings, kv_index),
+        history=history,
+        prefixes=prefixes,
+        affinity=affinity,
+        breaker=breaker,
+        rate_limiter=create_rate_limiter(settings),
+        locator=ClientLocator(settings),
+        rtt=RttEstimator.from_settings(settings),
     )
+    fleet_state.add_ejection_listener(lambda e: _count_ejection(state, e))
+    if isinstance(state.policy, AffinityPolicy):
+        policy = state.policy
+        metrics.imbalance_fallbacks.set_function(lambda: policy.imbalance_fallbacks)
+    source.add_listener(lambda loaded: _on_table(state, loaded))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        if shared_fleet is not None:
-            await shared_fleet.start()
-        try:
-            await source.start()
-            try:
-                yield
-            finally:
-                await source.stop()
-                await state.scale_from_zero.aclose()
-                await state.forwarder.aclose()
-        finally:
+        async with AsyncExitStack() as stack:
             if shared_fleet is not None:
-                await shared_fleet.stop()
+                await shared_fleet.start()
+                stack.push_async_callback(shared_fleet.stop)
+            for part in (history, state.rate_limiter):
+                await part.start()
+                stack.push_async_callback(part.stop)
+            stack.callback(state.locator.close)
+            await source.start()
+            stack.push_async_callback(source.stop)
+            stack.push_async_callback(state.scale_from_zero.aclose)
+            stack.push_async_callback(state.forwarder.aclose)
+            await prober.start()
+            stack.push_async_callback(prober.stop)
+            if settings.kv_events_enabled:
+                await state.kv_events.start()
+                stack.push_async_callback(state.kv_events.stop)
+            # A static source never announces its first table; a polled one may have
+            # installed it before the listeners could act on it.
+            loaded = source.current()
+            if loaded is not None:
+                _on_table(state, loaded)
+            refine = asyncio.create_task(_refine_rtt(state), name="rtt-refinement")
+            stack.push_async_callback(_cancel, refine)
+            yield
 
     app = FastAPI(title="Meridian geo router", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.router = state
@@ -154,6 +241,50 @@ def create_app(
     return app
 
 
+def _on_table(state: RouterState, loaded: LoadedTable) -> None:
+    """A new routing table: follow its nodes (probes, KV event subscriptions), forget the gone."""
+    state.prober.on_table(loaded)
+    state.kv_events.on_table(loaded)
+    present = {n.node_id for n in loaded.table.nodes}
+    for node_id in state.kv_index.nodes():
+        if node_id not in present:
+            state.kv_index.remove_node(node_id)
+    for node_id in state.affinity.known_nodes() - present:
+        state.affinity.forget_node(node_id)
+        state.history.forget_node(node_id)
+
+
+def _first_byte(state: RouterState, node_id: str, seconds: float) -> None:
+    """A node answered (status line): learn its service time and record the TTFB."""
+    state.affinity.service_times.observe(node_id, seconds)
+    region = state.region_of(node_id)
+    state.metrics.ttft.labels(region, node_id).observe(seconds)
+
+
+def _count_ejection(state: RouterState, ejection: Ejection) -> None:
+    reason = str(ejection.kind) if ejection.enforced else f"{ejection.kind}-capped"
+    state.metrics.ejections.labels(state.region_of(ejection.node_id), ejection.node_id, reason).inc()
+
+
+async def _refine_rtt(state: RouterState) -> None:
+    """Feed the probes' measured round trips into the client-to-region RTT estimates."""
+    while True:
+        await asyncio.sleep(state.settings.probe_interval_s)
+        loaded = state.table_source.current()
+        if loaded is None:
+            continue
+        for region in loaded.regions.values():
+            measured = state.prober.rtt_ms(region.name)
+            if measured is not None:
+                state.rtt.observe(region, measured, loaded.regions)
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def _route(state: RouterState, request: Request, route: str) -> Response:
     request_id = request_id_for(request.headers.get(HEADER_REQUEST_ID))
     request.state.request_id = request_id
@@ -163,14 +294,14 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         body = await read_body(request, state.settings.max_request_bytes)
         received_at = time.perf_counter()
         inference = parse_inference_request(body)
-        location = locate_client(
-            request.headers.get(state.settings.client_location_header),
-            state.settings.default_client_location,
-            loaded.regions,
+        admission = state.rate_limiter.admit(
+            tenant, estimate_tokens(inference.payload, state.settings.rate_limit_default_completion_tokens)
         )
+        peer = request.client.host if request.client else None
+        location = state.locator.locate(request.headers, peer, loaded.regions)
         queued_s = 0.0
         try:
-            candidates = select_candidates(loaded, tenant, inference.model, state.fleet, location)
+            candidates = state.select(loaded, tenant, inference.model, location)
         except (ModelNotFound, NoHealthyReplica, NoReplicaInZone):
             if awaiting_scale_up(loaded, tenant, inference.model) is None:
                 raise
@@ -179,10 +310,11 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
                 tenant,
                 inference.model,
                 location,
-                lambda table: select_candidates(table, tenant, inference.model, state.fleet, location),
+                lambda table: state.select(table, tenant, inference.model, location),
                 request.receive,
             )
             queued_s = time.perf_counter() - held_at
+        candidates, prefix = state.affinity.annotate(candidates, inference.model, inference.payload)
         ctx = RoutingContext(
             tenant=tenant,
             model=inference.model,
@@ -192,6 +324,11 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
             payload=inference.payload,
         )
         ordered = state.policy.order(candidates, ctx)
+        choice = state.affinity.chosen(ordered[0], inference.model, prefix) if ordered else None
+        if choice is not None:
+            labels = (ordered[0].region.name, choice.node_id)
+            state.metrics.prompt_tokens.labels(*labels).inc(choice.prompt_tokens)
+            state.metrics.predicted_cache_hits.labels(*labels).inc(choice.predicted_hit_tokens)
         response = await state.forwarder.forward(
             route,
             inference,
@@ -203,10 +340,27 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         )
         if queued_s:
             response.headers[HEADER_SCALE_WAIT_MS] = f"{queued_s * 1000:.0f}"
+        response.headers.update(admission.headers)
+        _settle_tokens(state, admission, response)
         return response
     except RouterError as exc:
         state.metrics.requests.labels("", "", str(exc.status)).inc()
         raise
+
+
+def _settle_tokens(state: RouterState, admission: Admission, response: Response) -> None:
+    """Correct the up-front token charge with the usage a whole (non-streamed) answer reports."""
+    if admission.tenant.tokens_per_minute is None or not isinstance(response.body, bytes | bytearray):
+        return
+    if response.status_code >= 300:
+        state.rate_limiter.settle(admission.tenant, admission.tokens, 0)
+        return
+    try:
+        used = usage_tokens(json.loads(response.body))
+    except (ValueError, AttributeError):
+        return
+    if used is not None:
+        state.rate_limiter.settle(admission.tenant, admission.tokens, used)
 
 
 def serve(settings: RouterSettings) -> None:
@@ -217,5 +371,20 @@ def serve(settings: RouterSettings) -> None:
         port=settings.port,
         lifespan="on",
         timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
+        # The fast C implementations (uvicorn[standard]); named so that a missing one fails
+        # at start-up instead of silently costing every request.
+        loop="uvloop",
+        http="httptools",
+        # A log line per request costs more than routing it; requests are counted and timed
+        # in /metrics instead.
+        access_log=False,
+        server_header=False,
+        # The router reads X-Forwarded-For itself, trusting only settings.trusted_proxies
+        # (ClientLocator); uvicorn's own rewrite would trust 127.0.0.1 on top of that.
+        proxy_headers=False,
+        # Longer than the idle timeout of the load balancers that usually sit in front (60 s
+        # on AWS ALB and GCP), so that they, not the router, close idle connections: the
+        # other way round, a request sent as the router closes gets a 502.
+        timeout_keep_alive=75,
     )
     uvicorn.Server(config).run()

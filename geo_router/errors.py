@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -112,6 +113,27 @@ class RouterOverloaded(RouterError):
 
     def __init__(self) -> None:
         super().__init__("The router has no free upstream connection. Retry later.")
+
+
+class RateLimited(RouterError):
+    """The tenant is over its requests- or tokens-per-minute limit: OpenAI's 429."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: Literal["requests", "tokens"],
+        retry_after_s: int | None,
+        headers: dict[str, str],
+    ) -> None:
+        super().__init__(message, headers=headers)
+        # As OpenAI does, `type` names the limit that was hit.
+        self.type_ = limit
+        # None: the request can never be admitted (larger than the whole bucket).
+        self.retry_after_s = retry_after_s
 
 
 class RoutingTableUnavailable(RouterError):

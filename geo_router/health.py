@@ -1,18 +1,66 @@
-"""What this router knows about node health and load: passive ejection and in-flight counts.
+"""What this router knows about node health and load: outlier ejection and in-flight counts.
 
-A node that fails (connect error, timeout, 5xx before the first byte) is ejected, i.e.
-skipped by selection, for `ejection_base_s`, doubling with each consecutive failure up to
-`ejection_max_s`; one success clears its record. A 4xx is the client's fault, never the
-node's. Reads are synchronous on purpose: selection runs on every request, so a shared
-implementation (Redis, several routers) keeps a local view and syncs it in the background.
+Passive outlier detection after Envoy's, fed by the proxy and the active prober:
+
+- a node that cannot be reached (connection refused, connect timeout) is ejected at once:
+  nothing is listening, and every request sent there would fail the same way;
+- a 5xx, a timeout or a stream broken mid-way ejects it after `consecutive_failures_to_eject`
+  of them in a row (Envoy's consecutive_5xx, default 5), since one such failure may be the
+  request's own doing; any answered request resets the count;
+- the prober (geo_router.probe) ejects at once, having applied its own threshold;
+- a 4xx is the client's fault, never the node's: it is not reported as a failure.
+
+An ejection lasts `ejection_base_s`, doubling with each ejection since the node last answered
+a request, up to `ejection_max_s`. Failures reported while the node is ejected (requests sent
+before it was) neither extend nor escalate it. One answered request clears the node's record;
+`uneject` (the prober's healthy threshold) ends an ejection early but keeps the backoff level,
+since a node that answers probes has not yet shown it answers requests.
+
+Ejections never take more than `max_ejected_percent` of the known nodes (the routing table's
+READY nodes, given by `set_known_nodes`) out of service, though one node may always be
+ejected; at the cap a failure is counted but not enforced, and listeners hear of it as an
+`Ejection` with `enforced=False`. Reads are synchronous on purpose: selection runs on every
+request, so a shared implementation (Redis, several routers) keeps a local view and syncs it
+in the background.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Protocol
+
+from meridian.settings import RouterSettings
+
+log = logging.getLogger(__name__)
+
+# At most one "max ejected percent reached" warning per this many seconds.
+_CAP_WARN_EVERY_S = 10.0
+
+
+class FailureKind(StrEnum):
+    """Why a node failed, which decides how soon it is ejected."""
+
+    UNREACHABLE = "unreachable"  # connect refused / timed out: ejected at once
+    ERROR = "error"  # 5xx, timeout, broken stream: ejected after N in a row
+    PROBE = "probe"  # the active prober's verdict: ejected at once
+
+
+@dataclass(frozen=True, slots=True)
+class Ejection:
+    """A failure that ejected a node, or would have but for the max ejected percent."""
+
+    node_id: str
+    kind: FailureKind
+    duration_s: float  # 0 when not enforced
+    enforced: bool
+
+
+EjectionListener = Callable[[Ejection], None]
 
 
 class FleetState(Protocol):
@@ -24,10 +72,24 @@ class FleetState(Protocol):
         """Seconds until the node is tried again (0 when it is not ejected)."""
         ...
 
-    def record_success(self, node_id: str) -> None: ...
+    def record_success(self, node_id: str) -> None:
+        """The node answered a request (a 4xx included): forget its failures."""
+        ...
 
-    def record_failure(self, node_id: str) -> float:
-        """Count a failure and eject the node; returns the ejection in seconds."""
+    def record_failure(self, node_id: str, kind: FailureKind = FailureKind.UNREACHABLE) -> float:
+        """Count a failure; returns the ejection it caused in seconds (0: none)."""
+        ...
+
+    def uneject(self, node_id: str) -> bool:
+        """End the node's ejection now, keeping its backoff level; False if it was not ejected."""
+        ...
+
+    def set_known_nodes(self, node_ids: Iterable[str]) -> None:
+        """The nodes the max ejected percent is a share of (the table's READY nodes)."""
+        ...
+
+    def add_ejection_listener(self, listener: EjectionListener) -> None:
+        """Call `listener` (synchronously, must not block) with each ejection this router decides."""
         ...
 
     def in_flight(self, node_id: str) -> int: ...
@@ -39,16 +101,99 @@ class FleetState(Protocol):
     def end(self, node_id: str) -> None: ...
 
 
-def ejection_s(consecutive_failures: int, base_s: float, max_s: float) -> float:
-    """How long a node is skipped after its `consecutive_failures`-th failure in a row."""
+def ejection_s(ejections: int, base_s: float, max_s: float) -> float:
+    """How long a node is skipped at its `ejections`-th ejection since it last answered."""
     # Cap the exponent too, so a node that fails for days cannot overflow the float.
-    return min(base_s * 2.0 ** min(consecutive_failures - 1, 30), max(max_s, base_s))
+    return min(base_s * 2.0 ** min(ejections - 1, 30), max(max_s, base_s))
 
 
 @dataclass(slots=True)
-class _NodeHealth:
-    consecutive_failures: int = 0
-    ejected_until: float = 0.0
+class NodeRecord:
+    """A node's failure history, as both FleetStates keep it."""
+
+    consecutive_failures: int = 0  # since the last answer or ejection
+    ejections: int = 0  # since the last answer: the backoff level
+    ejected_until: float = 0.0  # time.monotonic()
+
+
+class EjectionRules:
+    """The decisions both FleetStates share: whether a failure ejects, for how long, who hears."""
+
+    def __init__(
+        self,
+        *,
+        ejection_base_s: float,
+        ejection_max_s: float,
+        consecutive_failures_to_eject: int,
+        max_ejected_percent: float,
+    ) -> None:
+        self._base_s = ejection_base_s
+        self._max_s = max(ejection_max_s, ejection_base_s)
+        self._consecutive = max(1, consecutive_failures_to_eject)
+        self._max_percent = max_ejected_percent
+        self.known: frozenset[str] = frozenset()
+        self._listeners: list[EjectionListener] = []
+        self._last_cap_warning = -math.inf
+
+    def add_listener(self, listener: EjectionListener) -> None:
+        self._listeners.append(listener)
+
+    def fail(
+        self,
+        node_id: str,
+        record: NodeRecord,
+        kind: FailureKind,
+        now: float,
+        records: Iterable[tuple[str, NodeRecord]],
+    ) -> float:
+        """Apply one failure to `record` (`records`: every node's, for the cap); the ejection in s."""
+        if record.ejected_until > now:
+            return 0.0  # sent before the ejection: already acted on
+        record.consecutive_failures += 1
+        if kind is FailureKind.ERROR and record.consecutive_failures < self._consecutive:
+            return 0.0
+        if node_id in self.known:
+            ejected_known = sum(1 for n, r in records if r.ejected_until > now and n in self.known)
+            # One node may always go (Envoy's rule), however small the percentage.
+            if ejected_known and (ejected_known + 1) * 100 > self._max_percent * len(self.known):
+                self._capped(node_id, kind, ejected_known, now)
+                return 0.0
+        record.consecutive_failures = 0
+        record.ejections += 1
+        duration = ejection_s(record.ejections, self._base_s, self._max_s)
+        record.ejected_until = now + duration
+        self._notify(Ejection(node_id, kind, duration, enforced=True))
+        return duration
+
+    @staticmethod
+    def uneject(record: NodeRecord, now: float) -> bool:
+        """End `record`'s ejection now, keeping its backoff level; False if it was not ejected."""
+        if record.ejected_until <= now:
+            return False
+        record.ejected_until = 0.0
+        record.consecutive_failures = 0
+        return True
+
+    def _capped(self, node_id: str, kind: FailureKind, ejected_known: int, now: float) -> None:
+        if now - self._last_cap_warning >= _CAP_WARN_EVERY_S:
+            self._last_cap_warning = now
+            log.warning(
+                "node %s failed (%s) but stays in service: %d of %d nodes are ejected already "
+                "(max_ejected_percent=%g)",
+                node_id, kind, ejected_known, len(self.known), self._max_percent,
+            )
+        self._notify(Ejection(node_id, kind, 0.0, enforced=False))
+
+    def _notify(self, ejection: Ejection) -> None:
+        for listener in self._listeners:
+            try:
+                listener(ejection)
+            except Exception:  # noqa: BLE001 - a broken listener must not break routing
+                log.exception("ejection listener %r failed", listener)
+
+
+@dataclass(slots=True)
+class _NodeHealth(NodeRecord):
     in_flight: int = 0
 
 
@@ -60,11 +205,27 @@ class InProcessFleetState:
         ejection_base_s: float,
         ejection_max_s: float,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        consecutive_failures_to_eject: int = 5,
+        max_ejected_percent: float = 50.0,
     ) -> None:
-        self._base_s = ejection_base_s
-        self._max_s = max(ejection_max_s, ejection_base_s)
+        self._rules = EjectionRules(
+            ejection_base_s=ejection_base_s,
+            ejection_max_s=ejection_max_s,
+            consecutive_failures_to_eject=consecutive_failures_to_eject,
+            max_ejected_percent=max_ejected_percent,
+        )
         self._clock = clock
         self._nodes: dict[str, _NodeHealth] = {}
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings) -> InProcessFleetState:
+        return cls(
+            settings.ejection_base_s,
+            settings.ejection_max_s,
+            consecutive_failures_to_eject=settings.consecutive_failures_to_eject,
+            max_ejected_percent=settings.max_ejected_percent,
+        )
 
     def is_ejected(self, node_id: str) -> bool:
         return self.ejected_for_s(node_id) > 0
@@ -80,15 +241,29 @@ class InProcessFleetState:
         if h is None:
             return
         h.consecutive_failures = 0
+        h.ejections = 0
         h.ejected_until = 0.0
         self._forget_if_clean(node_id, h)
 
-    def record_failure(self, node_id: str) -> float:
+    def record_failure(self, node_id: str, kind: FailureKind = FailureKind.UNREACHABLE) -> float:
         h = self._nodes.setdefault(node_id, _NodeHealth())
-        h.consecutive_failures += 1
-        duration = ejection_s(h.consecutive_failures, self._base_s, self._max_s)
-        h.ejected_until = self._clock() + duration
-        return duration
+        return self._rules.fail(node_id, h, kind, self._clock(), self._nodes.items())
+
+    def uneject(self, node_id: str) -> bool:
+        h = self._nodes.get(node_id)
+        return h is not None and self._rules.uneject(h, self._clock())
+
+    def set_known_nodes(self, node_ids: Iterable[str]) -> None:
+        self._rules.known = frozenset(node_ids)
+        for node_id, h in list(self._nodes.items()):
+            # A node that left the table keeps only its in-flight count, until that ends.
+            if node_id not in self._rules.known:
+                h.consecutive_failures = h.ejections = 0
+                h.ejected_until = 0.0
+                self._forget_if_clean(node_id, h)
+
+    def add_ejection_listener(self, listener: EjectionListener) -> None:
+        self._rules.add_listener(listener)
 
     def in_flight(self, node_id: str) -> int:
         h = self._nodes.get(node_id)
@@ -106,5 +281,5 @@ class InProcessFleetState:
 
     def _forget_if_clean(self, node_id: str, h: _NodeHealth) -> None:
         # Nodes come and go; keep entries only for nodes with something to remember.
-        if h.in_flight == 0 and h.consecutive_failures == 0:
+        if h.in_flight == 0 and h.consecutive_failures == 0 and h.ejections == 0:
             del self._nodes[node_id]

@@ -40,6 +40,50 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.ttft = Histogram(
+            "meridian_router_time_to_first_byte_seconds",
+            "Time from request received to the first byte from the node (for streams: the first "
+            "complete event, i.e. the first token), by serving region and node.",
+            ["region", "node"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ejections = Counter(
+            "meridian_router_ejections",
+            "Nodes this router ejected (passive outlier detection or failed active probes).",
+            ["region", "node", "reason"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "meridian_router_prompt_tokens",
+            "Prompt tokens of the requests the router tokenized (affinity routing), by first-choice node.",
+            ["region", "node"],
+            registry=self.registry,
+        )
+        self.predicted_cache_hits = Counter(
+            "meridian_router_predicted_cache_hit_tokens",
+            "Prompt tokens the router predicted the first-choice node holds in its KV cache.",
+            ["region", "node"],
+            registry=self.registry,
+        )
+        self.reported_cache_hits = Gauge(
+            "meridian_router_node_reported_cache_hit_tokens",
+            "Prompt tokens each node reports as prefix-cache hits (vllm:prefix_cache_hits, from probes).",
+            ["node"],
+            registry=self.registry,
+        )
+        # A running total kept by the policy itself, read at scrape time.
+        self.imbalance_fallbacks = Gauge(
+            "meridian_router_imbalance_fallbacks_total",
+            "Requests the affinity policy sent least-load first because affinity would create a hot spot.",
+            registry=self.registry,
+        )
+        self.rate_limited = Counter(
+            "meridian_router_rate_limited",
+            "Requests refused with 429 by tenant rate limits, by limit (requests or tokens).",
+            ["tenant", "limit"],
+            registry=self.registry,
+        )
         self.overhead = Histogram(
             "meridian_router_overhead_seconds",
             "Time spent in the router itself before the upstream request (upstream waits excluded).",

@@ -1,14 +1,19 @@
-"""FleetState shared by several routers through Redis: a node one router saw fail, all skip.
+"""FleetState shared by several routers through Redis: a node one router ejected, all skip.
 
-Selection reads health synchronously on every request, so Redis is never on that path: this
-router reads and writes a local view, and a background task publishes its ejections and
-merges the other routers' every `fleet_sync_interval_s`. An ejection is the key
-`<prefix>ejected:<node_id>` = {"ejected_until": <epoch s>, "failures": <n>}, expiring with
-the ejection; the sorted set `<prefix>ejected` (scored by ejected-until) indexes them, so a
-sync costs O(ejected nodes), not a scan of the keyspace. A success anywhere deletes the key.
-Writers race last-wins: two routers ejecting the same node within one interval is harmless.
+The ejection rules are geo_router.health's. Selection reads health synchronously on every
+request, so Redis is never on that path: this router reads and writes a local view, and a
+background task publishes its ejections and merges the other routers' every
+`fleet_sync_interval_s`. An ejection is the key `<prefix>ejected:<node_id>` =
+{"ejected_until": <epoch s>, "ejections": <n>}, expiring with the ejection (n is the backoff
+level, so a router that ejects the node next continues the backoff); the sorted set
+`<prefix>ejected` (scored by ejected-until) indexes them, so a sync costs O(ejected nodes),
+not a scan of the keyspace. An answered request anywhere, or an early return (`uneject`),
+deletes the key. Writers race last-wins: two routers ejecting the same node within one
+interval is harmless. The max ejected percent counts every ejection this router knows of,
+its own and the others'; two routers ejecting at once may together exceed it by one node each.
 While Redis is unreachable the router keeps its own view and retries in the background.
-In-flight counts are this router's own and never leave it.
+Consecutive-error counts below the ejection threshold and in-flight counts are this
+router's own and never leave it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
@@ -27,7 +33,7 @@ from redis.backoff import NoBackoff
 
 from meridian.settings import RouterSettings
 
-from .health import ejection_s
+from .health import EjectionListener, EjectionRules, FailureKind, NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +50,8 @@ _EXPIRY_SLACK_S = 0.1
 
 
 @dataclass(slots=True)
-class _Health:
-    failures: int = 0
-    ejected_until: float = 0.0  # time.monotonic()
+class _Health(NodeRecord):
+    # consecutive_failures stay this router's own; ejections (the backoff level) are shared.
     shared: bool = False  # Redis holds this ejection as we do
 
 
@@ -62,9 +67,15 @@ class RedisFleetState:
         sync_interval_s: float = 0.5,
         timeout_s: float = 1.0,
         key_prefix: str = "meridian:router:",
+        consecutive_failures_to_eject: int = 5,
+        max_ejected_percent: float = 50.0,
     ) -> None:
-        self._base_s = ejection_base_s
-        self._max_s = max(ejection_max_s, ejection_base_s)
+        self._rules = EjectionRules(
+            ejection_base_s=ejection_base_s,
+            ejection_max_s=ejection_max_s,
+            consecutive_failures_to_eject=consecutive_failures_to_eject,
+            max_ejected_percent=max_ejected_percent,
+        )
         self._interval_s = sync_interval_s
         self._key_prefix = f"{key_prefix}ejected:"
         self._index = f"{key_prefix}ejected"
@@ -79,6 +90,7 @@ class RedisFleetState:
         self._health: dict[str, _Health] = {}
         self._in_flight: dict[str, int] = {}
         self._dirty: set[str] = set()  # nodes whose change Redis has not seen yet
+        self._cleared: set[str] = set()  # of those, nodes whose ejection ended early here
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -96,6 +108,8 @@ class RedisFleetState:
             sync_interval_s=settings.fleet_sync_interval_s,
             timeout_s=settings.redis_timeout_s,
             key_prefix=settings.fleet_key_prefix,
+            consecutive_failures_to_eject=settings.consecutive_failures_to_eject,
+            max_ejected_percent=settings.max_ejected_percent,
         )
 
     # --- FleetState: local and synchronous, never touches Redis ------------------------------
@@ -110,18 +124,39 @@ class RedisFleetState:
         return max(0.0, h.ejected_until - time.monotonic())
 
     def record_success(self, node_id: str) -> None:
-        # Called on every answered request: only a node with a record costs anything.
-        if self._health.pop(node_id, None) is not None:
+        # Called on every answered request: only a node with a record costs anything, and
+        # only one that was ejected has anything in Redis to forgive.
+        h = self._health.pop(node_id, None)
+        if h is not None and h.ejections > 0:
             self._publish(node_id)
 
-    def record_failure(self, node_id: str) -> float:
+    def record_failure(self, node_id: str, kind: FailureKind = FailureKind.UNREACHABLE) -> float:
         h = self._health.setdefault(node_id, _Health())
-        h.failures += 1
-        duration = ejection_s(h.failures, self._base_s, self._max_s)
-        h.ejected_until = time.monotonic() + duration
-        h.shared = False
-        self._publish(node_id)
+        duration = self._rules.fail(node_id, h, kind, time.monotonic(), self._health.items())
+        if duration > 0:
+            h.shared = False
+            self._cleared.discard(node_id)
+            self._publish(node_id)
         return duration
+
+    def uneject(self, node_id: str) -> bool:
+        h = self._health.get(node_id)
+        if h is None or not self._rules.uneject(h, time.monotonic()):
+            return False
+        h.shared = False
+        self._cleared.add(node_id)
+        self._publish(node_id)
+        return True
+
+    def set_known_nodes(self, node_ids: Iterable[str]) -> None:
+        self._rules.known = frozenset(node_ids)
+        for node_id in list(self._health):
+            # A node that left the table: its ejection in Redis simply expires.
+            if node_id not in self._rules.known and node_id not in self._dirty:
+                del self._health[node_id]
+
+    def add_ejection_listener(self, listener: EjectionListener) -> None:
+        self._rules.add_listener(listener)
 
     def in_flight(self, node_id: str) -> int:
         return self._in_flight.get(node_id, 0)
@@ -214,13 +249,14 @@ class RedisFleetState:
         if not self._dirty:
             return
         batch, self._dirty = self._dirty, set()
+        cleared, self._cleared = self._cleared & batch, self._cleared - batch
         published: list[str] = []
         now, wall_now = time.monotonic(), time.time()
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 for node_id in batch:
                     h = self._health.get(node_id)
-                    if h is None:
+                    if h is None or node_id in cleared:
                         pipe.delete(self._key(node_id))
                         pipe.zrem(self._index, node_id)
                         continue
@@ -228,13 +264,15 @@ class RedisFleetState:
                     if remaining_s <= 0:
                         continue  # over before it could be shared
                     ejected_until = wall_now + remaining_s
-                    value = json.dumps({"ejected_until": ejected_until, "failures": h.failures})
+                    value = json.dumps({"ejected_until": ejected_until, "ejections": h.ejections})
                     pipe.set(self._key(node_id), value, px=max(1, math.ceil(remaining_s * 1000)))
                     pipe.zadd(self._index, {node_id: ejected_until})
                     published.append(node_id)
                 await pipe.execute()
         except BaseException:
             self._dirty |= batch
+            # Unless the node was ejected again meanwhile, its early end is still to be told.
+            self._cleared |= {n for n in cleared if self.ejected_for_s(n) == 0}
             raise
         for node_id in published:
             h = self._health.get(node_id)
@@ -256,9 +294,9 @@ class RedisFleetState:
                     pipe.pttl(self._key(node_id))
                 replies = await pipe.execute()
             for node_id, raw, ttl_ms in zip(members, replies[::2], replies[1::2], strict=True):
-                failures = _failures(raw)
-                if failures is not None and ttl_ms > 0:
-                    remote[node_id] = (failures, ttl_ms / 1000)
+                ejections = _ejections(raw)
+                if ejections is not None and ttl_ms > 0:
+                    remote[node_id] = (ejections, ttl_ms / 1000)
         self._merge(remote)
 
     def _merge(self, remote: dict[str, tuple[int, float]]) -> None:
@@ -270,11 +308,11 @@ class RedisFleetState:
                 del self._health[node_id]  # another router saw it answer
             else:
                 h.shared = False  # expired: keep the count, so the next ejection is longer
-        for node_id, (failures, remaining_s) in remote.items():
+        for node_id, (ejections, remaining_s) in remote.items():
             if node_id in self._dirty:
                 continue  # our newer news goes out with the next push
             h = self._health.setdefault(node_id, _Health())
-            h.failures = max(h.failures, failures)
+            h.ejections = max(h.ejections, ejections)
             h.ejected_until = now + remaining_s
             h.shared = True
 
@@ -282,12 +320,14 @@ class RedisFleetState:
         return self._key_prefix + node_id
 
 
-def _failures(raw: object) -> int | None:
-    """The failure count in a stored ejection, None when the value is missing or foreign."""
+def _ejections(raw: object) -> int | None:
+    """The backoff level in a stored ejection, None when the value is missing or foreign."""
     if not isinstance(raw, str):
         return None
     try:
-        failures = json.loads(raw)["failures"]
+        value = json.loads(raw)
+        # "failures": what routers before the consecutive-error threshold wrote.
+        ejections = value["ejections"] if "ejections" in value else value["failures"]
     except (ValueError, KeyError, TypeError):
         return None
-    return failures if isinstance(failures, int) and failures > 0 else None
+    return ejections if isinstance(ejections, int) and ejections > 0 else None

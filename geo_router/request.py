@@ -5,17 +5,21 @@ Everything else in the body is the node's business and is forwarded byte for byt
 
 from __future__ import annotations
 
-import json
 import re
-import uuid
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from .errors import BadRequest, RequestTooLarge
 
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# msgspec, not json: it parses a chat request several times faster, and it refuses what is
+# not JSON (NaN, lone surrogates) rather than forwarding it to a node that would choke.
+_JSON = msgspec.json.Decoder()
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,10 +31,10 @@ class InferenceRequest:
 
 
 def request_id_for(client_value: str | None) -> str:
-    """The client's x-request-id when it is a sane token, else a fresh uuid4 hex."""
+    """The client's x-request-id when it is a sane token, else 32 fresh random hex digits."""
     if client_value and _SANE_REQUEST_ID.match(client_value):
         return client_value
-    return uuid.uuid4().hex
+    return secrets.token_hex(16)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -38,21 +42,32 @@ async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise RequestTooLarge(limit)
+    # The ASGI messages themselves, not Request.stream(): a chat request is nearly always one
+    # message, and this path runs for every request.
+    receive = request.receive
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        chunk: bytes = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise RequestTooLarge(limit)
+        if not message.get("more_body", False):
+            if not chunks:
+                return chunk
+            chunks.append(chunk)
+            return b"".join(chunks)
         chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def parse_inference_request(body: bytes) -> InferenceRequest:
     """Check the body is a JSON object naming a model; 400 otherwise."""
     try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        payload = _JSON.decode(body)
+    except msgspec.DecodeError as exc:
         raise BadRequest(f"Request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise BadRequest("Request body is nested too deeply.") from None

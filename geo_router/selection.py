@@ -1,19 +1,19 @@
-"""Which replicas may serve a request, and in what order to try them.
+"""Which replicas may serve a request.
 
 Residency is a hard filter applied before any policy sees a candidate: a zoned tenant's
 request never reaches a node outside its zone, even when that means answering 503.
-Ordering is pluggable: a `RoutingPolicy` chosen by name from a small registry.
+Ordering is the business of a `RoutingPolicy` (geo_router.policies).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from enum import StrEnum
+from typing import Any
 
 from meridian.contracts import GLOBAL_ZONE, NodeStatus, RegionInfo, RoutingNode, TenantEntry
 from meridian.geo import Point
-from meridian.settings import RouterSettings
 
 from .errors import ModelNotFound, NoHealthyReplica, NoReplicaInZone
 from .health import FleetState
@@ -21,14 +21,43 @@ from .locate import region_rtt_ms
 from .table import LoadedTable
 
 
+class LoraState(StrEnum):
+    """Where a replica stands with the LoRA adapter a request asks for."""
+
+    LOADED = "loaded"
+    FREE_SLOT = "free_slot"
+    NONE = "none"
+    NOT_REQUESTED = "not_requested"
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """A node that may legally and usefully serve the request."""
+    """A node that may legally and usefully serve the request, and what the router knows of it.
+
+    `in_flight` is this router's own count; `running`/`waiting`/`kv_usage` are what the node
+    last reported (all routers' requests); `prefix_hit` is the share of the prompt's KV
+    blocks the node is believed to hold; `queue_ms` estimates how long a request would wait
+    there before its prefill starts; `recent` counts what this router sent there lately.
+    """
 
     node: RoutingNode
     region: RegionInfo
     rtt_ms: float
     in_flight: int
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_hit: float = 0.0
+    lora: LoraState = LoraState.NOT_REQUESTED
+    queue_ms: float = 0.0
+    # Requests this router sent there lately (exponentially decayed): the balance signal
+    # that still works when requests come one at a time and nothing is ever pending.
+    recent: float = 0.0
+
+    @property
+    def pending(self) -> int:
+        """Requests at the node: the fresher of this router's count and the node's report."""
+        return max(self.in_flight, self.running + self.waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,44 +72,12 @@ class RoutingContext:
     payload: Mapping[str, Any] = field(default_factory=dict)
 
 
-class RoutingPolicy(Protocol):
-    """Orders candidates, best first. Must not add any: residency was already applied."""
-
-    name: str
-
-    def order(self, candidates: Sequence[Candidate], ctx: RoutingContext) -> list[Candidate]: ...
-
-
-class NearestPolicy:
-    """Nearest region first; within a region the least busy node (at this router), then id."""
-
-    name = "nearest"
-
-    def order(self, candidates: Sequence[Candidate], ctx: RoutingContext) -> list[Candidate]:
-        return sorted(candidates, key=lambda c: (c.rtt_ms, c.in_flight, c.node.node_id))
-
-
-PolicyFactory = Callable[[RouterSettings], RoutingPolicy]
-
-_POLICIES: dict[str, PolicyFactory] = {"nearest": lambda _settings: NearestPolicy()}
-
-
-def register_policy(name: str, factory: PolicyFactory) -> None:
-    """Make a policy available to `RouterSettings.routing_policy` under `name`."""
-    _POLICIES[name] = factory
-
-
-def policy_names() -> list[str]:
-    return sorted(_POLICIES)
-
-
-def create_policy(name: str, settings: RouterSettings) -> RoutingPolicy:
-    """Build the policy registered under `name` (ValueError when there is none)."""
-    try:
-        factory = _POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {policy_names()}") from None
-    return factory(settings)
+def split_adapter(model: str) -> tuple[str, str | None]:
+    """(base model, LoRA adapter or None) of a requested model name such as `llama:sql`."""
+    base, sep, adapter = model.partition(":")
+    if sep and base and adapter:
+        return base, adapter
+    return model, None
 
 
 def tenant_may_use(tenant: TenantEntry, region: RegionInfo) -> bool:
@@ -94,11 +91,22 @@ def select_candidates(
     model: str,
     fleet: FleetState,
     client_location: Point | None,
+    *,
+    rtt: Callable[[Point | None, RegionInfo], float] = region_rtt_ms,
+    allows: Callable[[str], bool] | None = None,
 ) -> list[Candidate]:
-    """Every usable replica for this tenant and model, unordered; typed errors when none."""
-    if tenant.models is not None and model not in tenant.models:
+    """Every usable replica for this tenant and model, unordered; typed errors when none.
+
+    `rtt` estimates client-to-region round trips; `allows` is a circuit breaker: a node it
+    refuses (too many requests pending there) is left out like an ejected one.
+    """
+    base, _adapter = split_adapter(model)
+    if tenant.models is not None and model not in tenant.models and base not in tenant.models:
         raise ModelNotFound(model)
     serving = [n for n in table.table.nodes if model in n.models]
+    if not serving and base != model:
+        # A LoRA adapter (`base:adapter`, as nodes name them) runs on its base model's nodes.
+        serving = [n for n in table.table.nodes if base in n.models]
     if not serving:
         raise ModelNotFound(model)
     out: list[Candidate] = []
@@ -109,11 +117,13 @@ def select_candidates(
             continue
         if node.status != NodeStatus.READY or fleet.is_ejected(node.node_id):
             continue
+        if allows is not None and not allows(node.node_id):
+            continue
         out.append(
             Candidate(
                 node=node,
                 region=region,
-                rtt_ms=region_rtt_ms(client_location, region),
+                rtt_ms=rtt(client_location, region),
                 in_flight=fleet.in_flight(node.node_id),
             )
         )

@@ -5,6 +5,11 @@ Control plane (SQLite), geo router and one data-plane node per region, each a se
 nodes drain first, then the router, then the control plane. Nothing here imports a
 plane: processes are started through the CLI and spoken to over HTTP only.
 
+Each node publishes its KV cache events (and serves their replay) on ZMQ ipc sockets in
+a private temporary directory: the publisher binds only wildcard TCP hosts, and a socket
+file readable by this user alone keeps the prompts' token ids off the network. Nodes
+advertise these endpoints, so the router builds its KV-prefix index from them.
+
 Deployments declared in the spec are created in the control plane; with one declared, a
 small local scaler (a thread) starts a node whenever a deployment's desired_replicas
 exceeds the nodes it has, which is how scale-from-zero works on one machine. It never
@@ -20,10 +25,12 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -105,6 +112,13 @@ class FabricSpec:
     # Run the local scaler when deployments are declared, polling the control plane this often.
     local_scaler: bool = True
     scaler_interval_s: float = 0.5
+    # Nodes started in each region (benchmarks run several replicas in one region).
+    nodes_per_region: int = 1
+    # Serve this checkpoint instead of generating the tiny one (its name is model_name).
+    model_dir: Path | None = None
+    # Extra environment of every node / of the router (e.g. MERIDIAN_ROUTER_ROUTING_POLICY).
+    node_env: dict[str, str] = field(default_factory=dict)
+    router_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,6 +130,9 @@ class Proc:
     region: str | None = None
     node_id: str | None = None
     model: str | None = None
+    # The node's KV event endpoints (ZMQ PUB and replay), which routers subscribe to.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
 
 
 @dataclass
@@ -150,6 +167,10 @@ class LocalFabric:
         self._scaler: threading.Thread | None = None
         self._scaler_stop = threading.Event()
         self._scaled = 0
+        self._routers = 0
+        # Holds the nodes' KV event sockets; short, as a socket path may not exceed ~100 bytes.
+        self._kv_dir: Path | None = None
+        self._kv_sockets = 0
         self.info: FabricInfo | None = None
         self._cluster_token = secrets.token_urlsafe(32)
         self._admin_key = generate_api_key()
@@ -182,10 +203,14 @@ class LocalFabric:
             cp = self._start_control_plane()
             keys = self._create_keys(cp.url)
             self._create_deployments(cp.url)
-            for i, region in enumerate(spec.regions):
-                port = spec.node_ports[i] if i < len(spec.node_ports) else 0
-                self._start_node(region, model_uri, cp.url, port)
-            router = self._start_router(cp.url)
+            i = 0
+            for region in spec.regions:
+                for k in range(spec.nodes_per_region):
+                    port = spec.node_ports[i] if i < len(spec.node_ports) else 0
+                    node_id = _node_id(region) + (f"-{k + 1}" if spec.nodes_per_region > 1 else "")
+                    self._start_node(region, model_uri, cp.url, port, node_id=node_id)
+                    i += 1
+            router = self._start_router(cp.url, spec.router_port, spec.router_env)
             self.info = FabricInfo(
                 router_url=router.url,
                 control_plane_url=cp.url,
@@ -231,9 +256,17 @@ class LocalFabric:
                     on_stopped(p.name)
         with self._lock:
             self._procs.clear()
+        if self._kv_dir is not None:
+            shutil.rmtree(self._kv_dir, ignore_errors=True)
+            self._kv_dir = None
+
+    @property
+    def node_processes(self) -> list[Proc]:
+        """Every node process, the scaled ones included."""
+        return [p for p in self.processes if p.node_id]
 
     def kill_node(self, region: str, sig: signal.Signals = signal.SIGKILL) -> None:
-        """Fault injection: signal the node of a region (SIGKILL by default) and reap it."""
+        """Fault injection: signal the (first) node of a region (SIGKILL by default) and reap it."""
         for p in self.processes:
             if p.region == region:
                 p.popen.send_signal(sig)
@@ -242,12 +275,41 @@ class LocalFabric:
                 return
         raise KeyError(region)
 
+    def kill_region(self, region: str, sig: signal.Signals = signal.SIGKILL) -> list[str]:
+        """Fault injection: signal every node of a region at once, then reap them; their ids."""
+        victims = [p for p in self.processes if p.region == region and p.popen.poll() is None]
+        if not victims:
+            raise KeyError(region)
+        for p in victims:
+            p.popen.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            for p in victims:
+                p.popen.wait(timeout=30)
+        return [p.node_id or p.name for p in victims]
+
+    def start_router(self, env: dict[str, str] | None = None) -> Proc:
+        """Start one more router against the same control plane (e.g. another policy); stopped with the rest."""
+        assert self.info is not None, "start the fabric first"
+        p = self._start_router(self.info.control_plane_url, 0, {**self.spec.router_env, **(env or {})})
+        self._wait_http(p, "/health")
+        key = self.info.keys["global"]
+        deadline = time.monotonic() + self.spec.start_timeout_s
+        with httpx.Client(timeout=5.0) as http:
+            while time.monotonic() < deadline:
+                self._check_alive()
+                with contextlib.suppress(httpx.HTTPError):
+                    r = http.get(f"{p.url}/v1/models", headers={"authorization": f"Bearer {key}"})
+                    if r.status_code == 200 and r.json().get("data"):
+                        return p
+                time.sleep(0.2)
+        raise FabricError(f"router {p.name} did not serve in time; see {p.log}")
+
     # -- steps -----------------------------------------------------------------------
 
     def _ensure_model(self) -> str:
         """The tiny checkpoint, pushed to a file:// weight origin (the embedded default);
         nodes pull it from there into their own caches, as GPU nodes pull from S3/GCS."""
-        model_dir = self.spec.work_dir / "models" / self.spec.model_name
+        model_dir = self.spec.model_dir or self.spec.work_dir / "models" / self.spec.model_name
         origin = (self.spec.work_dir / "origin" / self.spec.model_name).resolve()
         if not (model_dir / "model.safetensors").exists():
             self._on_step(f"generating tiny checkpoint {model_dir}")
@@ -304,14 +366,28 @@ class LocalFabric:
         args = ["node", "run", "--model-uri", model_uri, "--model-name", model_name,
                 "--region", region, "--node-id", node_id, "--host", self.spec.host,
                 "--port", str(port), "--control-plane-url", cp_url]
+        kv_events, kv_events_replay = self._kv_event_endpoints()
         env = {
             "MERIDIAN_NODE_DRAIN_TIMEOUT_S": str(self.spec.drain_timeout_s),
             # One cache per node, as on separate machines.
             "MERIDIAN_WEIGHTS_CACHE_DIR": str((self.spec.work_dir / "weights" / node_id).resolve()),
+            "MERIDIAN_NODE_KV_EVENTS_ENDPOINT": kv_events,
+            "MERIDIAN_NODE_KV_EVENTS_REPLAY_ENDPOINT": kv_events_replay,
+            **self.spec.node_env,
         }
         p = self._spawn(node_id, args, env, f"http://{self.spec.host}:{port}")
         p.region, p.node_id, p.model = region, node_id, model_name
+        p.kv_events, p.kv_events_replay = kv_events, kv_events_replay
         return p
+
+    def _kv_event_endpoints(self) -> tuple[str, str]:
+        """Fresh (events, replay) ipc endpoints for the next node."""
+        with self._lock:
+            if self._kv_dir is None:
+                self._kv_dir = Path(tempfile.mkdtemp(prefix="meridian-kv-"))  # mode 0700
+            self._kv_sockets += 1
+            base = self._kv_dir / str(self._kv_sockets)
+        return f"ipc://{base}.events", f"ipc://{base}.replay"
 
     # -- local scaler ----------------------------------------------------------------
 
@@ -360,13 +436,19 @@ class LocalFabric:
         ordered = [*self.spec.regions, *sorted(allowed)]
         return next((name for name in ordered if name in allowed), None)
 
-    def _start_router(self, cp_url: str) -> Proc:
-        port = _port_or_free(self.spec.router_port, self.spec.host)
+    def _start_router(self, cp_url: str, port: int, env: dict[str, str]) -> Proc:
+        port = _port_or_free(port, self.spec.host)
+        self._routers += 1
+        name = "router" if self._routers == 1 else f"router-{self._routers}"
+        snapshot = self.spec.work_dir / f"{name.replace('router', 'routing')}-table.json"
         args = ["router", "serve", "--host", self.spec.host, "--port", str(port),
                 "--control-plane-url", cp_url,
-                "--snapshot-path", str((self.spec.work_dir / "routing-table.json").resolve()),
+                "--snapshot-path", str(snapshot.resolve()),
                 "--default-client-location", self.spec.default_client_location]
-        return self._spawn("router", args, {}, f"http://{self.spec.host}:{port}")
+        # The router tokenizes prompts with the model's own tokenizer to match KV blocks.
+        model_dir = (self.spec.model_dir or self.spec.work_dir / "models" / self.spec.model_name).resolve()
+        env = {"MERIDIAN_ROUTER_TOKENIZER_DIRS": json.dumps({self.spec.model_name: str(model_dir)}), **env}
+        return self._spawn(name, args, env, f"http://{self.spec.host}:{port}")
 
     def _wait_serving(self) -> None:
         """Every node healthy, and the router able to route to each of them."""

@@ -91,8 +91,28 @@ class RouterSettings(BaseSettings):
     ejection_base_s: float = Field(5.0, gt=0)
     ejection_max_s: float = Field(60.0, gt=0)
     max_request_bytes: int = Field(1_000_000, gt=0)
-    # Name of the RoutingPolicy (geo_router.selection registry) that orders replicas.
-    routing_policy: str = "nearest"
+    # Name of the RoutingPolicy (geo_router.policies registry) that orders replicas:
+    # affinity (default), nearest, least-load or round-robin.
+    routing_policy: str = "affinity"
+    # affinity policy: weights of KV-prefix overlap, LoRA residency, load and KV usage in a
+    # replica's score; a region whose RTT plus queueing exceeds the latency objective spills
+    # to the next one; the imbalance gate falls back to least-load when the best-scoring
+    # replica has more than imbalance_abs_threshold pending requests beyond the least loaded
+    # one and more than imbalance_ratio times its load.
+    affinity_prefix_weight: float = Field(1.0, ge=0)
+    affinity_lora_weight: float = Field(0.5, ge=0)
+    affinity_load_weight: float = Field(1.0, ge=0)
+    affinity_kv_usage_weight: float = Field(0.2, ge=0)
+    latency_objective_ms: float = Field(1000.0, gt=0)
+    imbalance_abs_threshold: int = Field(4, ge=0)
+    imbalance_ratio: float = Field(1.5, ge=1)
+    # Pending requests that count as "fully loaded" in the affinity score (at least).
+    affinity_load_scale: int = Field(2, ge=1)
+    # Weight of a replica's excess share of recent requests, decaying with this half-life.
+    affinity_balance_weight: float = Field(0.5, ge=0)
+    affinity_balance_half_life_s: float = Field(60.0, gt=0)
+    # Time to first byte assumed for a node until the router has measured it.
+    default_service_ms: float = Field(200.0, gt=0)
     # Size of the one pooled HTTP client the router uses to reach every node.
     max_upstream_connections: int = Field(512, gt=0)
     # With Redis, routers share node ejections (a node one router saw fail is skipped by
@@ -104,6 +124,74 @@ class RouterSettings(BaseSettings):
     redis_timeout_s: float = Field(1.0, gt=0)
     # Keys are `<prefix>ejected:<node_id>` plus the index `<prefix>ejected`.
     fleet_key_prefix: str = "meridian:router:"
+    # Prefix keys (geo_router.prefix) and the approximate prefix index (geo_router.prefix_history).
+    # Tokenizers let the router template and tokenise prompts as nodes do, so its block hashes
+    # equal those in the nodes' KV events: a JSON object model -> checkpoint directory (with
+    # tokenizer.json and tokenizer_config.json) and/or a root with one directory per model.
+    tokenizer_dirs: dict[str, Path] = Field(default_factory=dict)
+    tokenizer_root: Path | None = None
+    # Only this many leading prompt tokens are tokenised and hashed: it is CPU on the event loop.
+    prefix_max_tokens: int = Field(8192, ge=16)
+    # Routing-history keys hash the prompt's text in chunks of this many bytes (no tokenizer).
+    prefix_text_chunk_bytes: int = Field(128, ge=16)
+    # A node is believed to hold a prompt prefix this long after a request with it went there;
+    # at most max_keys chunk keys are remembered (least recently routed dropped first).
+    prefix_history_ttl_s: float = Field(300.0, gt=0)
+    prefix_history_max_keys: int = Field(100_000, ge=1)
+    # With Redis, routers share routing history through the stream `<prefix>prefix-history`,
+    # trimmed to this many entries and to entries younger than prefix_history_ttl_s.
+    prefix_history_stream_maxlen: int = Field(10_000, ge=100)
+    # Tenant rate limits (geo_router.ratelimit): token buckets hold this many seconds of a
+    # tenant's per-minute limits (60: bursts of up to one minute's worth).
+    rate_limit_burst_s: float = Field(60.0, gt=0)
+    # Completion tokens charged up front for a request that sets neither max_tokens nor
+    # max_completion_tokens; settled against the answer's `usage` when it comes.
+    rate_limit_default_completion_tokens: int = Field(256, ge=0)
+    # Client location (geo_router.locate): a MaxMind DB (GeoIP2/GeoLite2 City .mmdb) that
+    # locates clients the edge header does not; unset, they are at default_client_location.
+    geoip_database: Path | None = None
+    # Peers in these networks are proxies whose X-Forwarded-For is believed (a JSON list of
+    # CIDRs such as ["10.0.0.0/8"], checked when the router starts); nobody else's is.
+    trusted_proxies: list[str] = Field(default_factory=list)
+    # Where this router runs ("lat,lon" or a region name): measured round trips from here to
+    # regions refine the great-circle RTT estimates.
+    router_location: str | None = None
+    # Node health, Envoy-style (geo_router.probe, geo_router.health, geo_router.outlier).
+    # Active probes: every READY node's GET /metrics every probe_interval_s (jittered), which
+    # also reads its load; probe_unhealthy_threshold failures in a row eject the node, and
+    # probe_healthy_threshold successes in a row while it is ejected bring it back early.
+    probe_enabled: bool = True
+    probe_interval_s: float = Field(1.0, gt=0)
+    probe_timeout_s: float = Field(1.0, gt=0)
+    probe_unhealthy_threshold: int = Field(2, ge=1)
+    probe_healthy_threshold: int = Field(2, ge=1)
+    probe_concurrency: int = Field(32, ge=1)
+    # Passive outlier detection: a node that cannot be reached is ejected at once; 5xx,
+    # timeouts and broken streams eject it after this many in a row (Envoy's consecutive_5xx).
+    consecutive_failures_to_eject: int = Field(5, ge=1)
+    # Ejection never takes more than this share of the routing table's READY nodes out (at
+    # least one node may always be ejected); beyond it a failure is counted, not enforced.
+    max_ejected_percent: float = Field(50.0, ge=0, le=100)
+    # Circuit breaker: a node with this many requests in flight from this router takes no more.
+    max_pending_per_node: int = Field(256, ge=1)
+    # Retry budget: failover attempts in flight may be at most this percentage of the requests
+    # in flight, but never fewer than min_retry_concurrency.
+    retry_budget_percent: float = Field(20.0, ge=0, le=100)
+    min_retry_concurrency: int = Field(3, ge=0)
+    # KV-prefix index from the nodes' KV cache events (geo_router.kv_index, kv_subscriber):
+    # the router subscribes to every node that advertises a kv_events endpoint.
+    kv_events_enabled: bool = True
+    # ZMQ topic (prefix) subscribed to; the nodes' kv_events_topic.
+    kv_events_topic: str = "kv-events"
+    # Safety cap on one node's indexed blocks (its oldest are forgotten beyond it); keep it
+    # above the largest node's KV cache size in blocks, offloaded tiers included.
+    kv_index_max_blocks_per_node: int = Field(262_144, ge=1)
+    # A replay (missed batches) that sends nothing for this long is given up: the node's
+    # entries are cleared instead.
+    kv_events_replay_timeout_s: float = Field(2.0, gt=0)
+    # On (re)connecting to a node, replay what its publisher still buffers, so a router
+    # that starts late knows the blocks cached before it subscribed.
+    kv_events_replay_on_connect: bool = True
     # Scale-from-zero: a request for a deployed model with no ready replica waits here
     # (at most this many per model) while the control plane is asked to scale it up.
     scale_from_zero_queue_size: int = Field(64, ge=1)
@@ -215,6 +303,10 @@ class NodeSettings(BaseSettings):
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = "kv-events"
+    # The endpoints routers connect to, advertised when the node registers; by default
+    # derived from the ones above, a wildcard host replaced by the advertised URL's host.
+    kv_events_advertise: str | None = None
+    kv_events_replay_advertise: str | None = None
     drain_timeout_s: float = Field(30.0, ge=0)
     control_plane_timeout_s: float = Field(5.0, gt=0)
     # The weight store and cache (MERIDIAN_WEIGHTS_*), used when model_uri is set.

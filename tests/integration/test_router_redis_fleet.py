@@ -1,14 +1,16 @@
-"""Routers on one Redis share node health: a node one router saw fail, the others skip."""
+"""Routers on one Redis share node health: a node one router ejected, the others skip."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -29,6 +31,7 @@ from router_harness import (
 )
 
 from geo_router import create_app
+from geo_router.health import Ejection, FailureKind
 from geo_router.redis_fleet import RedisFleetState
 from geo_router.table import StaticTableSource
 from meridian.contracts import HEADER_NODE
@@ -69,9 +72,9 @@ async def make_fleet(redis_url: str, prefix: str) -> AsyncIterator[MakeFleet]:
     """Starts RedisFleetStates (one per simulated router) on this test's prefix."""
     started: list[RedisFleetState] = []
 
-    async def make(url: str = redis_url, base_s: float = 5.0) -> RedisFleetState:
+    async def make(url: str = redis_url, base_s: float = 5.0, **kwargs: Any) -> RedisFleetState:
         fleet = RedisFleetState(url, ejection_base_s=base_s, ejection_max_s=60.0,
-                                sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix)
+                                sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix, **kwargs)
         await fleet.start()
         started.append(fleet)
         return fleet
@@ -96,9 +99,19 @@ async def test_a_node_ejected_by_one_router_is_skipped_by_another(make_fleet: Ma
     await seen_within(lambda: b.is_ejected("node-x"))
     assert 3.0 < b.ejected_for_s("node-x") <= 5.0
     assert not b.is_ejected("node-y")
-    # The failure count is shared too: B's own failure on the node continues the backoff.
-    assert b.record_failure("node-x") == 10.0
-    await seen_within(lambda: a.ejected_for_s("node-x") > 5.0)
+    # B's requests that were already on their way fail too: no new evidence, no longer ejection.
+    assert b.record_failure("node-x") == 0.0
+    assert b.ejected_for_s("node-x") <= 5.0
+
+
+async def test_the_backoff_level_is_shared(make_fleet: MakeFleet):
+    a, b = await make_fleet(base_s=1.0), await make_fleet(base_s=1.0)
+    a.record_failure("node-x")
+    await seen_within(lambda: b.is_ejected("node-x"))
+    await eventually(lambda: not b.is_ejected("node-x"))
+    # B ejects it next: its second ejection since it last answered, so twice as long.
+    assert b.record_failure("node-x") == 2.0
+    await seen_within(lambda: a.ejected_for_s("node-x") > 1.0)
 
 
 async def test_a_success_at_one_router_clears_the_ejection_everywhere(
@@ -119,6 +132,46 @@ async def test_a_success_at_one_router_clears_the_ejection_everywhere(
     assert a.record_failure("node-x") == 5.0  # forgiven: the backoff starts over
 
 
+async def test_an_early_return_at_one_router_returns_the_node_everywhere(
+    make_fleet: MakeFleet, redis: Redis, prefix: str
+):
+    a, b = await make_fleet(), await make_fleet()
+    a.record_failure("node-x")
+    await seen_within(lambda: b.is_ejected("node-x"))
+    assert b.uneject("node-x")  # B's probes see the node answer again
+    await seen_within(lambda: not a.is_ejected("node-x"))
+    assert await redis.exists(f"{prefix}ejected:node-x") == 0
+    # An early return is not forgiveness: the next ejection is longer.
+    assert b.record_failure("node-x") == 10.0
+    await seen_within(lambda: a.is_ejected("node-x"))
+
+
+async def test_errors_below_the_threshold_are_counted_per_router(make_fleet: MakeFleet):
+    a = await make_fleet(consecutive_failures_to_eject=3)
+    b = await make_fleet(consecutive_failures_to_eject=3)
+    for fleet in (a, b, a, b):
+        assert fleet.record_failure("node-x", FailureKind.ERROR) == 0.0
+    await asyncio.sleep(2 * INTERVAL_S)  # syncs happen: nothing of this is shared
+    assert not a.is_ejected("node-x") and not b.is_ejected("node-x")
+    assert a.record_failure("node-x", FailureKind.ERROR) == 5.0
+    await seen_within(lambda: b.is_ejected("node-x"))
+
+
+async def test_the_max_ejected_percent_counts_other_routers_ejections(make_fleet: MakeFleet):
+    a = await make_fleet(max_ejected_percent=50)
+    b = await make_fleet(max_ejected_percent=50)
+    events: list[Ejection] = []
+    b.add_ejection_listener(events.append)
+    for fleet in (a, b):
+        fleet.set_known_nodes(["n1", "n2", "n3", "n4"])
+    a.record_failure("n1")
+    a.record_failure("n2")
+    await seen_within(lambda: b.is_ejected("n1") and b.is_ejected("n2"))
+    assert b.record_failure("n3") == 0.0
+    assert not b.is_ejected("n3")
+    assert events == [Ejection("n3", FailureKind.UNREACHABLE, 0.0, enforced=False)]
+
+
 async def test_an_ejection_expires_by_itself(make_fleet: MakeFleet, redis: Redis, prefix: str):
     a, b = await make_fleet(base_s=0.6), await make_fleet(base_s=0.6)
     a.record_failure("node-x")
@@ -130,6 +183,19 @@ async def test_an_ejection_expires_by_itself(make_fleet: MakeFleet, redis: Redis
     assert await redis.exists(key) == 0
     # Expiry is not forgiveness: the next failure ejects for longer, as with one router.
     assert a.record_failure("node-x") == pytest.approx(1.2)
+
+
+async def test_an_ejection_written_by_an_older_router_is_understood(
+    make_fleet: MakeFleet, redis: Redis, prefix: str
+):
+    b = await make_fleet(base_s=1.0)
+    until = time.time() + 0.6
+    # Routers before the error threshold stored the backoff level as "failures".
+    await redis.set(f"{prefix}ejected:node-x", json.dumps({"ejected_until": until, "failures": 2}), px=600)
+    await redis.zadd(f"{prefix}ejected", {"node-x": until})
+    await seen_within(lambda: b.is_ejected("node-x"))
+    await eventually(lambda: not b.is_ejected("node-x"))
+    assert b.record_failure("node-x") == 4.0  # the third ejection
 
 
 async def test_without_redis_each_router_still_ejects_on_its_own(
@@ -177,8 +243,9 @@ async def test_a_router_skips_a_node_another_router_saw_fail(redis_url: str, pre
         behaviours = {name: NodeBehaviour(name) for name in ("us", "eu")}
         urls = {name: await servers.start(node_app(b)) for name, b in behaviours.items()}
         table = make_table([node(name, url) for name, url in urls.items()])
+        # One 500 ejects here, whatever the default threshold (this test is about sharing).
         settings = router_settings(redis_url=redis_url, fleet_key_prefix=prefix,
-                                   fleet_sync_interval_s=INTERVAL_S)
+                                   fleet_sync_interval_s=INTERVAL_S, consecutive_failures_to_eject=1)
         apps = [create_app(settings, table_source=StaticTableSource(table)) for _ in range(2)]
         for app in apps:
             assert isinstance(app.state.router.fleet, RedisFleetState)

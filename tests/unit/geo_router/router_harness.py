@@ -299,6 +299,10 @@ def router_settings(**overrides: Any) -> RouterSettings:
         "read_timeout_s": 5.0,
         "request_timeout_s": 10.0,
         "max_request_bytes": 10_000,
+        # Stand-in nodes fail on purpose: one 5xx ejects (the default needs 5 in a row, which
+        # tests of health.py cover), and any share of three nodes may be ejected.
+        "consecutive_failures_to_eject": 1,
+        "max_ejected_percent": 100,
     }
     values.update(overrides)
     return RouterSettings(**values)

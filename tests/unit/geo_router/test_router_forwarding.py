@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import re
+from collections.abc import Callable
 
 from router_harness import (
     CLUSTER_TOKEN,
@@ -20,7 +23,7 @@ from router_harness import (
 )
 
 from geo_router import create_app
-from geo_router.selection import register_policy
+from geo_router.policies import register_policy
 from geo_router.table import StaticTableSource
 from meridian.contracts import HEADER_NODE, HEADER_OVERHEAD_MS, HEADER_REGION, HEADER_REQUEST_ID
 
@@ -215,3 +218,141 @@ async def test_unexpected_errors_are_a_clean_500(fabric: Fabric):
     assert r.status_code == 500
     assert r.json()["error"]["code"] == "internal_error"
     assert "secret" not in r.text and "Traceback" not in r.text
+
+
+# --- the upstream connection itself: keep-alive, stale connections, framing ---------------
+
+ANSWER = (b'{"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "tiny-llama", '
+          b'"choices": [{"index": 0, "message": {"role": "assistant", "content": "raw"}, '
+          b'"finish_reason": "stop"}]}')
+OK = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: "
+      + str(len(ANSWER)).encode() + b"\r\n\r\n" + ANSWER)
+
+
+class RawNode:
+    """A node speaking HTTP/1.1 by hand, so that a test decides what happens to the connection.
+
+    `answer(nth)` gets the POST's number on its connection (from 0) and returns the bytes
+    to send back, None to close the connection without answering, or b"" to never answer.
+    The router's health probes (GET) are answered 404 and not counted.
+    """
+
+    def __init__(self, answer: Callable[[int], bytes | None], *, close_after: bool = False) -> None:
+        self.answer = answer
+        self.close_after = close_after
+        self.connections = 0  # that carried a POST
+        self.paths: list[str] = []
+        self._server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        posts = itertools.count()
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"content-length: (\d+)", head, re.IGNORECASE)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                method, path = head.decode("latin-1").split(" ")[:2]
+                if method != "POST":
+                    writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                nth = next(posts)
+                if nth == 0:
+                    self.connections += 1
+                self.paths.append(path)
+                reply = self.answer(nth)
+                if reply is None:
+                    break
+                if reply:
+                    writer.write(reply)
+                    await writer.drain()
+                    if self.close_after:
+                        break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_keep_alive_reuses_one_connection_and_a_node_path_prefix_is_kept(fabric: Fabric):
+    node_side = RawNode(lambda _n: OK)
+    async with node_side as url:
+        fabric.set_nodes([node("us", url + "/serving/")])
+        client = fabric.client()
+        for _ in range(5):
+            r = await client.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "raw"
+    assert node_side.connections == 1
+    assert node_side.paths == ["/serving/v1/chat/completions"] * 5
+
+
+async def test_a_pooled_connection_the_node_dropped_is_retried_on_a_new_one(fabric: Fabric):
+    # The node's keep-alive timeout strikes as the second request arrives: it closes the
+    # connection without reading it. That is not a node failure, and nothing ran twice.
+    node_side = RawNode(lambda nth: OK if nth == 0 else None)
+    async with node_side as url:
+        fabric.set_nodes([node("us", url), node("eu", fabric.node_urls["eu"])])
+        client = fabric.client()
+        for _ in range(2):
+            r = await client.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200 and r.headers[HEADER_REGION] == "aws:us-east-1"
+    assert node_side.connections == 2
+    assert hits(fabric)["eu"] == 0
+    text = (await client.get("/metrics")).text
+    assert metric(text, "meridian_router_upstream_failures_total",
+                  region="aws:us-east-1", node="us-1", reason="protocol") == 0
+
+
+async def test_a_body_ended_by_closing_the_connection_is_passed_whole(fabric: Fabric):
+    until_close = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n" + ANSWER
+    node_side = RawNode(lambda _n: until_close, close_after=True)
+    async with node_side as url:
+        fabric.set_nodes([node("us", url)])
+        client = fabric.client()
+        for _ in range(2):
+            r = await client.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200 and r.content == ANSWER
+    assert node_side.connections == 2  # such a connection cannot be reused
+
+
+async def test_garbage_instead_of_http_fails_over(fabric: Fabric):
+    async with RawNode(lambda _n: b"SSH-2.0-OpenSSH_9.2\r\n\r\n") as url:
+        fabric.set_nodes([node("us", url), node("eu", fabric.node_urls["eu"])])
+        client = fabric.client()
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.headers[HEADER_REGION] == "gcp:europe-west4"
+        text = (await client.get("/metrics")).text
+    assert metric(text, "meridian_router_upstream_failures_total",
+                  region="aws:us-east-1", node="us-1", reason="protocol") == 1
+
+
+async def test_failover_stops_when_the_retry_budget_is_spent(fabric: Fabric):
+    fabric.behaviours["us"].mode = "error500"
+    app = create_app(router_settings(retry_budget_percent=0, min_retry_concurrency=0),
+                     table_source=StaticTableSource(make_table(fabric.nodes())))
+    async with running(app) as url:
+        r = await fabric.client().post(url + "/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_replica"
+    assert hits(fabric) == {"us": 1, "eu": 0, "apac": 0}
+
+
+async def test_a_stream_that_does_not_start_within_the_read_timeout_fails_over(fabric: Fabric):
+    async with RawNode(lambda _n: b"") as silent:  # takes the request, never answers
+        nodes = [node("us", silent), node("eu", fabric.node_urls["eu"])]
+        app = create_app(router_settings(read_timeout_s=0.3),
+                         table_source=StaticTableSource(make_table(nodes)))
+        async with running(app) as url:
+            client = fabric.client()
+            r = await client.post(url + "/v1/chat/completions", json=CHAT | {"stream": True})
+            text = (await client.get(url + "/metrics")).text
+    assert r.status_code == 200 and r.headers[HEADER_REGION] == "gcp:europe-west4"
+    assert "eu0" in r.text
+    assert metric(text, "meridian_router_upstream_failures_total",
+                  region="aws:us-east-1", node="us-1", reason="timeout") == 1

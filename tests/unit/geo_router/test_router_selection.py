@@ -11,13 +11,11 @@ from geo_router.auth import authenticate
 from geo_router.errors import InvalidApiKey, ModelNotFound, NoHealthyReplica, NoReplicaInZone
 from geo_router.health import InProcessFleetState
 from geo_router.locate import locate_client
+from geo_router.policies import NearestPolicy, create_policy, register_policy
 from geo_router.selection import (
     Candidate,
-    NearestPolicy,
     RoutingContext,
-    create_policy,
     models_for,
-    register_policy,
     select_candidates,
 )
 from geo_router.table import LoadedTable

@@ -9,6 +9,7 @@ import openai
 import pytest
 from router_harness import EU_KEY, GLOBAL_KEY, MODEL, Fabric, eventually
 
+from geo_router.proxy import Origin, UpstreamConnection
 from meridian.contracts import HEADER_NODE, HEADER_REGION, HEADER_REQUEST_ID
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -102,3 +103,42 @@ async def test_official_openai_client_streams_and_sees_errors(fabric: Fabric):
         assert e.value.status_code == 503 and e.value.body["code"] == "no_replica_in_zone"
     finally:
         await eu.close()
+
+
+class _Transport:
+    """Just enough of an asyncio transport to see whether its reading is paused."""
+
+    def __init__(self) -> None:
+        self.paused = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_slow_client_makes_the_router_stop_reading_from_the_node():
+    # Backpressure: what the client has not taken yet is bounded; past that the router stops
+    # reading, so TCP slows the node down instead of the router buffering a whole answer.
+    conn = UpstreamConnection(Origin.parse("http://node.invalid"))
+    transport = _Transport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    conn.send(b"POST /v1/chat/completions HTTP/1.1\r\n\r\n", b"")
+    conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                       b"transfer-encoding: chunked\r\n\r\n")
+    event = b"data: " + b"x" * 1000 + b"\n\n"
+    chunk = f"{len(event):x}\r\n".encode() + event + b"\r\n"
+    sent = 0
+    while not transport.paused and sent < 10_000:
+        conn.data_received(chunk)
+        sent += 1
+    assert transport.paused and 200 < sent < 400  # about 256 KiB held
+    assert len(await conn.read_chunk()) == sent * len(event)
+    assert not transport.paused

@@ -1,0 +1,242 @@
+"""Routers on one Redis enforce a tenant's rate limits together: N routers admit about the limit,
+not N times it; without Redis each router still enforces the limit on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import httpx
+import pytest
+from redis.asyncio import Redis
+from router_harness import eventually, reserve_port
+
+from geo_router.errors import RateLimited
+from geo_router.ratelimit import RedisRateLimiter
+from meridian.contracts import TenantEntry
+
+INTERVAL_S = 0.1
+
+MakeLimiter = Callable[..., Awaitable[RedisRateLimiter]]
+
+
+def tenant(rpm: int | None = None, tpm: int | None = None, name: str = "acme") -> TenantEntry:
+    return TenantEntry(key_hash="a" * 64, key_prefix="mrd_a", tenant=name, zone="global",
+                       requests_per_minute=rpm, tokens_per_minute=tpm)
+
+
+def admit_all(limiter: RedisRateLimiter, t: TenantEntry, tokens: int = 0, upto: int = 10_000) -> int:
+    """Requests admitted back to back until the first refusal."""
+    for n in range(upto):
+        try:
+            limiter.admit(t, tokens)
+        except RateLimited:
+            return n
+    return upto
+
+
+@pytest.fixture
+async def prefix(redis_url: str) -> AsyncIterator[str]:
+    """A key prefix of this test's own; its keys are deleted afterwards."""
+    p = f"meridian-test:{uuid.uuid4().hex}:"
+    yield p
+    client = Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
+    try:
+        keys = [k async for k in client.scan_iter(match=p + "*")]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture
+async def make_limiter(redis_url: str, prefix: str) -> AsyncIterator[MakeLimiter]:
+    """RedisRateLimiters (one per simulated router) on this test's prefix; `started` runs the
+    background sync, else the test calls sync_once() itself and so decides when routers sync."""
+    made: list[RedisRateLimiter] = []
+
+    async def make(url: str = redis_url, *, started: bool = False) -> RedisRateLimiter:
+        limiter = RedisRateLimiter(url, sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix)
+        made.append(limiter)
+        if started:
+            await limiter.start()
+        else:
+            await limiter.sync_once()
+        return limiter
+
+    yield make
+    for limiter in made:
+        await limiter.stop()
+
+
+async def sync(*limiters: RedisRateLimiter) -> None:
+    for limiter in limiters:
+        assert await limiter.sync_once()
+
+
+@pytest.mark.redis
+async def test_two_routers_bursting_together_get_one_bucket_not_two(make_limiter: MakeLimiter):
+    a, b = await make_limiter(), await make_limiter()
+    await sync(a)  # both know the fleet has two routers
+    t = tenant(rpm=60)  # a bucket of 60, refilling 1/s
+    started = time.monotonic()
+    total = 0
+    for _ in range(6):  # six sync intervals of both hammering the idle tenant
+        total += admit_all(a, t) + admit_all(b, t)
+        await sync(a, b)
+    refill = time.monotonic() - started + 1
+    # Overshoot bound (RedisRateLimiter): what the other router admitted within one interval,
+    # halved - a quarter of the bucket when both start at the same instant. Twice would be 120.
+    assert 60 <= total <= 60 * 1.25 + refill
+
+
+@pytest.mark.redis
+async def test_a_tenant_busy_at_one_router_gets_the_whole_limit_there(make_limiter: MakeLimiter):
+    a, b = await make_limiter(), await make_limiter()
+    await sync(a)
+    t = tenant(rpm=60)
+    admitted = [admit_all(a, t)]
+    for _ in range(3):
+        await sync(a)
+        admitted.append(admit_all(a, t))
+    assert admitted[0] == 30  # before its first sync: a provisional 1/fleet of a full bucket
+    assert 59 <= sum(admitted) <= 62  # within a few syncs, all of it
+    await sync(b)
+    assert admit_all(b, t) <= 1  # and the other router knows it is spent
+
+
+@pytest.mark.redis
+async def test_routers_hammering_concurrently_stay_near_the_limit(make_limiter: MakeLimiter):
+    routers = [await make_limiter(started=True) for _ in range(3)]
+    await eventually(lambda: all(r.fleet_size == 3 for r in routers), timeout_s=5)
+    t = tenant(rpm=600)  # a bucket of 600, refilling 10/s
+    admitted = [0] * len(routers)
+
+    async def hammer(i: int, until: float) -> None:
+        while time.monotonic() < until:
+            with contextlib.suppress(RateLimited):
+                routers[i].admit(t, 0)
+                admitted[i] += 1
+            await asyncio.sleep(0.0005)
+
+    started = time.monotonic()
+    await asyncio.gather(*(hammer(i, started + 1.5) for i in range(len(routers))))
+    refill = 10 * (time.monotonic() - started + INTERVAL_S)
+    # The cold-start bound (less than half a bucket beyond it) plus the refill; three routers
+    # each on its own would admit 1800 and more.
+    assert 600 <= sum(admitted) <= 600 * 1.5 + refill
+    assert all(n > 0 for n in admitted)
+
+
+@pytest.mark.redis
+async def test_tokens_settled_at_one_router_count_at_the_other(make_limiter: MakeLimiter):
+    a, b = await make_limiter(), await make_limiter()
+    t = tenant(tpm=1000)
+    admission = a.admit(t, 400)
+    assert admission.headers["x-ratelimit-limit-tokens"] == "1000"
+    a.settle(t, estimated=400, actual=900)
+    b.admit(t, 0)
+    await sync(a, b, a, b)
+    assert admit_all(b, t, 100) == 0  # the fleet's 100 left are shared by two routers
+    assert 50 <= int(b.admit(t, 0).headers["x-ratelimit-remaining-tokens"]) <= 110
+
+
+@pytest.mark.redis
+async def test_every_key_has_a_ttl(make_limiter: MakeLimiter, redis_url: str, prefix: str):
+    a = await make_limiter()
+    a.admit(tenant(rpm=10, tpm=1000), 5)
+    await sync(a)
+    client = Redis.from_url(redis_url, socket_timeout=3, decode_responses=True)
+    try:
+        keys = [k async for k in client.scan_iter(match=prefix + "*")]
+        # Live routers, tenants with demand, the tenant's buckets and its routers with demand.
+        assert len(keys) == 4
+        for key in keys:
+            assert 0 < await client.pttl(key) <= (2 * 60 + 10) * 1000
+    finally:
+        await client.aclose()
+
+
+async def test_without_redis_each_router_enforces_the_full_limit_itself(
+    make_limiter: MakeLimiter, caplog: pytest.LogCaptureFixture
+):
+    caplog.set_level(logging.WARNING, logger="geo_router.ratelimit")
+    closed = reserve_port()  # bound, never listening: connections are refused
+    try:
+        limiter = await make_limiter(f"redis://127.0.0.1:{closed.getsockname()[1]}/0")
+        assert not limiter.redis_reachable
+        t = tenant(rpm=5)
+        assert admit_all(limiter, t) == 5
+        for _ in range(3):
+            assert not await limiter.sync_once()
+        assert admit_all(limiter, t) == 0
+        warnings = [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
+        assert len(warnings) == 1  # once per 30 s, not once per failed sync
+    finally:
+        closed.close()
+
+
+@pytest.mark.redis
+async def test_losing_redis_falls_back_to_local_limits_without_a_fresh_burst(
+    make_limiter: MakeLimiter, redis_url: str
+):
+    async with closable_redis_proxy(redis_url) as (url, close_proxy):
+        limiter = await make_limiter(url)
+        assert limiter.redis_reachable
+        t = tenant(rpm=10)
+        assert admit_all(limiter, t, upto=6) == 6
+        await close_proxy()
+        assert not await limiter.sync_once()
+        assert not limiter.redis_reachable
+        assert admit_all(limiter, t) == 4  # the local buckets were charged all along
+
+
+# --- a TCP proxy in front of Redis that can be cut ------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def closable_redis_proxy(
+    redis_url: str,
+) -> AsyncIterator[tuple[str, Callable[[], Awaitable[None]]]]:
+    """A URL that reaches Redis until `close_proxy()`, and is refused after."""
+    target = httpx.URL(redis_url)
+    writers: list[asyncio.StreamWriter] = []
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(target.host, target.port or 6379)
+        writers.extend((writer, up_writer))
+        for task in (asyncio.create_task(pump(reader, up_writer)),
+                     asyncio.create_task(pump(up_reader, writer))):
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+
+    async def close_proxy() -> None:
+        server.close()
+        for writer in writers:
+            writer.close()
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        yield str(target.copy_with(host="127.0.0.1", port=port)), close_proxy
+    finally:
+        await close_proxy()
