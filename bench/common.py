@@ -25,7 +25,8 @@ class Figure:
 
     def json_line(self) -> str:
         d = asdict(self)
-        d["ratio"] = round(self.ratio, 4)
+        # A zero baseline (e.g. "lost requests") has no ratio; JSON has no Infinity.
+        d["ratio"] = round(self.ratio, 4) if self.baseline else None
         d["ours"], d["baseline"] = round(self.ours, 4), round(self.baseline, 4)
         return json.dumps(d)
 

@@ -1,0 +1,653 @@
+"""Router overhead and throughput against nginx `proxy_pass` and LiteLLM's proxy, one node, one run.
+
+    python -m bench.router [--rate 500] [--seconds 4] [--rounds 3] [--full] [--no-litellm]
+
+Four paths to the same upstream "node", measured in the same run:
+  direct    the node itself;
+  router    a real `meridian router serve` process (uvicorn, one process) serving a routing
+            table from a snapshot file (its control-plane URL refuses connections);
+  nginx     Debian's nginx, one worker, `proxy_pass` with upstream keep-alive;
+  litellm   LiteLLM's proxy from PyPI (one worker, master key), the node configured as an
+            `openai/` model with `api_base`; installed on demand into `.venv-litellm`
+            (bench/litellm_proxy.py). Without it (no network) its figures are null.
+
+The node is nginx answering every POST with `return 200` and a fixed OpenAI
+chat.completion body: a C event loop that answers from memory costs a few microseconds
+a request, so on two shared cores it takes as little CPU as possible from the proxy under
+test and adds no Python of its own to the latency being subtracted (a minimal asyncio
+server would cost tens of microseconds a request and jitter with the GC).
+
+The load generator is this process (the proxies are separate processes): raw keep-alive
+HTTP/1.1 connections on uvloop, responses parsed with httptools, latency measured at the
+client. Latency is open-loop at a fixed rate (`--rate` req/s for `--seconds`, after a
+warm-up that is not counted): requests are sent on schedule whether or not earlier ones
+have been answered, each timed from when it was due, on up to 128 connections (more wait
+in the client, still timed from when they were due), so a proxy that cannot keep up
+queues and shows it. Answers still missing 5 s after the last request count with the
+time waited so far: a saturated proxy's percentiles are then lower bounds (stderr says
+how many). Maximum throughput is closed-loop: `--concurrency` connections each sending
+the next request as soon as the previous one is answered. Paths take turns in rounds (the
+order rotating each round), and after each phase the bench waits until the proxy is idle
+again, so machine noise and backlogs hit all alike; figures are medians over rounds, an
+added latency being the median of per-round differences against `direct`.
+On two cores the load generator, node and proxy share the CPU, so nginx's throughput is
+bounded by them rather than by nginx: that ratio is reported, not a goal.
+
+Figures (bench `router`): added_p50_ms and added_p99_ms (ours: router - direct; baseline:
+nginx - direct), throughput_vs_nginx, throughput_vs_litellm, added_p99_vs_litellm.
+Raw per-path figures go to stderr as `#` lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import cast
+
+import httptools
+import httpx
+import uvloop
+
+from bench.common import Figure, median, percentile
+from bench.litellm_proxy import LiteLLMProxy, ensure_litellm
+from bench.nginx import NginxServer, nginx_available
+from geo_router.snapshot import write_snapshot
+from meridian.contracts import NodeStatus, RegionInfo, RoutingNode, RoutingTable, TenantEntry
+from meridian.security import hash_api_key, key_prefix
+
+BENCH = "router"
+MODEL = "bench-model"
+ROUTE = "/v1/chat/completions"
+REGION = RegionInfo(name="aws:us-east-1", provider="aws", location="us-east-1", zones=["us"],
+                    latitude=38.9, longitude=-77.4)
+TENANT_KEY = "mrd_router-bench-tenant-key"
+REQUEST_BODY = json.dumps(
+    {"model": MODEL, "messages": [{"role": "user", "content": "Say ok."}], "max_tokens": 1}
+).encode()
+NODE_ANSWER = json.dumps({
+    "id": "chatcmpl-bench", "object": "chat.completion", "created": 1700000000, "model": MODEL,
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+}, separators=(",", ":"))
+IDLE_NODE_METRICS = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
+START_TIMEOUT_S = 60.0
+# Requests in flight per path at most: more wait in the client, timed from when they were
+# due, so a path that cannot keep up shows it without being buried under a backlog.
+MAX_IN_FLIGHT = 128
+# An open-loop phase waits at most this long for its last answers; those still missing
+# count with the time waited so far (so percentiles are then lower bounds).
+DRAIN_S = 5.0
+# After each phase, wait (at most this long) until the proxy has worked off its backlog.
+IDLE_TIMEOUT_S = 30.0
+
+
+# --- the node and the nginx proxy ---------------------------------------------------
+
+
+class _NginxConf(NginxServer):
+    """NginxServer with a caller-written `http` block body (the port goes where `{port}` is)."""
+
+    def __init__(self, work_dir: Path, server_block: str) -> None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(root=work_dir, work_dir=work_dir, workers=1)
+        self._server_block = server_block
+
+    def _conf(self) -> str:
+        tmp = self.work_dir / "tmp"
+        temp_paths = "\n".join(
+            f"    {kind}_temp_path {tmp / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        user = "user root;\n" if os.geteuid() == 0 else ""
+        return f"""{user}daemon off;
+worker_processes 1;
+pid {self.pid_path};
+error_log {self.error_log} warn;
+events {{
+    worker_connections 4096;
+}}
+http {{
+    access_log off;
+{temp_paths}
+    keepalive_timeout 65s;
+    keepalive_requests 1000000;
+{self._server_block.replace("{port}", str(self.port))}
+}}
+"""
+
+
+def chat_node(work_dir: Path) -> NginxServer:
+    """nginx answering every POST to the chat route with NODE_ANSWER from memory, and the
+    router's load probe (GET /metrics, vLLM's names) with an idle node."""
+    return _NginxConf(work_dir, f"""    server {{
+        listen 127.0.0.1:{{port}};
+        location = {ROUTE} {{
+            default_type application/json;
+            return 200 '{NODE_ANSWER}';
+        }}
+        location = /metrics {{
+            default_type text/plain;
+            return 200 '{IDLE_NODE_METRICS}';
+        }}
+    }}""")
+
+
+def nginx_proxy(work_dir: Path, upstream_port: int) -> NginxServer:
+    """nginx `proxy_pass` to the node over pooled keep-alive connections, as one would deploy it."""
+    return _NginxConf(work_dir, f"""    upstream node {{
+        server 127.0.0.1:{upstream_port};
+        keepalive 256;
+    }}
+    server {{
+        listen 127.0.0.1:{{port}};
+        location / {{
+            proxy_pass http://node;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+        }}
+    }}""")
+
+
+# --- the router -----------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def bench_table(node_url: str) -> RoutingTable:
+    """One region, one ready node serving MODEL, one global tenant with TENANT_KEY."""
+    return RoutingTable(
+        version=1,
+        generated_at=datetime.now(UTC),
+        regions=[REGION],
+        nodes=[RoutingNode(node_id="bench-node-1", region=REGION.name, url=node_url, models=[MODEL],
+                           status=NodeStatus.READY)],
+        tenants=[TenantEntry(key_hash=hash_api_key(TENANT_KEY), key_prefix=key_prefix(TENANT_KEY),
+                             tenant="bench", zone="global")],
+    )
+
+
+@dataclass(frozen=True)
+class RunningRouter:
+    url: str
+    pid: int
+
+
+@contextlib.contextmanager
+def router_process(work_dir: Path, node_url: str) -> Iterator[RunningRouter]:
+    """`meridian router serve` in front of the node, serving from a snapshot."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    snapshot = work_dir / "routing-table.json"
+    write_snapshot(snapshot, bench_table(node_url))
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env |= {"MERIDIAN_CLUSTER_TOKEN": "router-bench-cluster-token", "PYTHONUNBUFFERED": "1",
+            "MERIDIAN_ROUTER_DEFAULT_CLIENT_LOCATION": REGION.name}
+    log = work_dir / "router.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "meridian", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
+             # Nothing listens there: the router serves from its snapshot (static stability).
+             "--control-plane-url", f"http://127.0.0.1:{_free_port()}", "--snapshot-path", str(snapshot)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with httpx.Client(timeout=2.0, trust_env=False) as http:
+            while True:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"router did not start:\n{log.read_text(errors='replace')[-2000:]}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if http.get(url + "/health").status_code == 200:
+                        break
+                time.sleep(0.1)
+        yield RunningRouter(url, process.pid)
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=10)
+
+
+# --- the load generator ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """One path under test: where to connect, the request bytes to send, and the process
+    group of the proxy (to wait for it to go idle between phases; None: not needed)."""
+
+    name: str
+    port: int
+    request: bytes = field(repr=False)
+    pgid: int | None = None
+
+
+def make_target(name: str, url: str, api_key: str, pgid: int | None = None) -> Target:
+    port = int(url.rsplit(":", 1)[1])
+    head = (f"POST {ROUTE} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {api_key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(REQUEST_BODY)}\r\n\r\n")
+    return Target(name, port, head.encode() + REQUEST_BODY, pgid)
+
+
+def _group_cpu_s(pgid: int) -> float:
+    """CPU seconds used so far by the processes of a process group."""
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def wait_idle(target: Target) -> None:
+    """Wait until the proxy uses under 10% of a CPU (a backlog left by the last phase is done)."""
+    if target.pgid is None:
+        return
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    before = _group_cpu_s(target.pgid)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+        now = _group_cpu_s(target.pgid)
+        if now - before < 0.025:
+            return
+        before = now
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 client connection carrying one request at a time."""
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._waiter: asyncio.Future[int] | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio subclasses
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(exc)
+            self.close()
+
+    def on_message_complete(self) -> None:
+        if not self._parser.should_keep_alive():
+            self.close()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(self._parser.get_status_code())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._fail(exc or ConnectionResetError("connection closed by the server"))
+
+    def _fail(self, exc: Exception) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+    def send(self, request: bytes) -> asyncio.Future[int]:
+        """Write `request`; the future gets the response's status code."""
+        assert self._transport is not None
+        self._waiter = asyncio.get_running_loop().create_future()
+        self._transport.write(request)
+        return self._waiter
+
+    def close(self) -> None:
+        self.closed = True
+        if self._transport is not None:
+            self._transport.close()
+
+
+class _Pool:
+    """Keep-alive connections to one port, at most `limit` open; waiters are served in turn."""
+
+    def __init__(self, port: int, limit: int) -> None:
+        self._port = port
+        self._limit = limit
+        self._idle: list[_Conn] = []
+        self._all: set[_Conn] = set()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def _connect(self) -> _Conn:
+        loop = asyncio.get_running_loop()
+        conn = _Conn()
+        self._all.add(conn)
+        try:
+            await loop.create_connection(lambda: conn, "127.0.0.1", self._port)
+        except BaseException:
+            self._all.discard(conn)
+            raise
+        return conn
+
+    async def fill(self, n: int) -> None:
+        for conn in await asyncio.gather(*(self._connect() for _ in range(min(n, self._limit)))):
+            self._idle.append(conn)
+
+    async def acquire(self) -> _Conn:
+        while True:
+            while self._idle:
+                conn = self._idle.pop()
+                if not conn.closed:
+                    return conn
+                self._all.discard(conn)
+            if len(self._all) < self._limit:
+                return await self._connect()
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+
+    def release(self, conn: _Conn) -> None:
+        if conn.closed:
+            self._all.discard(conn)
+        else:
+            self._idle.append(conn)
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
+    def close(self) -> None:
+        for conn in self._all:
+            conn.close()
+        self._all.clear()
+        self._idle.clear()
+
+
+@dataclass
+class LatencyRun:
+    latencies_ms: list[float]  # the unanswered included, as lower bounds
+    errors: int  # error answers and broken connections
+    unanswered: int  # still waiting when the phase ended
+    sent: int
+
+
+async def open_loop(target: Target, rate: float, seconds: float, warmup_s: float,
+                    max_in_flight: int = MAX_IN_FLIGHT, drain_s: float = DRAIN_S) -> LatencyRun:
+    """Send at a fixed `rate` for warmup_s + seconds; latencies of the requests after the warm-up."""
+    loop = asyncio.get_running_loop()
+    pool = _Pool(target.port, max_in_flight)
+    await pool.fill(16)
+    n_warm = int(rate * warmup_s)
+    n = n_warm + int(rate * seconds)
+    latencies: list[float] = []
+    waiting: dict[int, float] = {}  # measured requests not answered yet: their start
+    errors = 0
+
+    async def one(i: int, t0: float) -> None:
+        nonlocal errors
+        try:
+            conn = await pool.acquire()
+        except OSError:
+            errors += 1
+            return
+        try:
+            status = await conn.send(target.request)
+        except (OSError, httptools.HttpParserError):
+            errors += 1
+            return
+        finally:
+            pool.release(conn)
+            waiting.pop(i, None)
+        if status != 200:
+            errors += 1
+        elif i >= n_warm:
+            latencies.append((time.perf_counter() - t0) * 1000.0)
+
+    tasks: list[asyncio.Task[None]] = []
+    start = loop.time() + 0.005
+    for i in range(n):
+        delay = start + i / rate - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        # Timed from when it is due to go out, so any wait for a free connection counts.
+        t0 = time.perf_counter()
+        if i >= n_warm:
+            waiting[i] = t0
+        tasks.append(loop.create_task(one(i, t0)))
+    _, pending = await asyncio.wait(tasks, timeout=drain_s)
+    cutoff = time.perf_counter()
+    latencies += [(cutoff - t0) * 1000.0 for t0 in waiting.values()]
+    unanswered = len(waiting)
+    for t in pending:
+        t.cancel()
+    pool.close()
+    return LatencyRun(latencies, errors, unanswered, n - n_warm)
+
+
+async def closed_loop(target: Target, concurrency: int, seconds: float, warmup_s: float) -> tuple[float, int]:
+    """Requests/s answered with `concurrency` back-to-back clients over `seconds` (after a warm-up)."""
+    pool = _Pool(target.port, concurrency)
+    await pool.fill(concurrency)
+    begin = time.perf_counter() + warmup_s
+    end = begin + seconds
+    done = 0
+    errors = 0
+
+    async def client() -> None:
+        nonlocal done, errors
+        conn = await pool.acquire()
+        while True:
+            now = time.perf_counter()
+            if now >= end:
+                break
+            if conn.closed:
+                pool.release(conn)
+                conn = await pool.acquire()
+            try:
+                status = await conn.send(target.request)
+            except (OSError, httptools.HttpParserError):
+                errors += 1
+                continue
+            if status != 200:
+                errors += 1
+            elif begin <= time.perf_counter() <= end:
+                done += 1
+        pool.release(conn)
+
+    tasks = [asyncio.ensure_future(client()) for _ in range(concurrency)]
+    _, pending = await asyncio.wait(tasks, timeout=seconds + warmup_s + DRAIN_S)
+    for t in pending:
+        t.cancel()
+    pool.close()
+    return done / seconds, errors + len(pending)
+
+
+# --- the run --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    rate: float = 500.0
+    seconds: float = 3.0
+    warmup_s: float = 0.5
+    rounds: int = 3
+    throughput_seconds: float = 2.0
+    throughput_rounds: int = 2
+    concurrency: int = 32
+    litellm: bool = True
+
+
+@dataclass
+class PathFigures:
+    p50_ms: list[float] = field(default_factory=list)
+    p99_ms: list[float] = field(default_factory=list)
+    throughput: list[float] = field(default_factory=list)
+    errors: int = 0
+    unanswered: int = 0
+    sent: int = 0
+
+
+def _check(target: Target, url: str, headers: dict[str, str]) -> None:
+    """One request by an ordinary client: the path answers a chat completion."""
+    with httpx.Client(timeout=30.0, trust_env=False) as http:
+        r = http.post(url + ROUTE, content=REQUEST_BODY, headers={"content-type": "application/json", **headers})
+    if r.status_code != 200 or r.json().get("choices", [{}])[0].get("message", {}).get("content") != "ok":
+        raise RuntimeError(f"{target.name} answered {r.status_code}: {r.text[:300]}")
+
+
+async def _measure(targets: list[Target], s: Settings) -> dict[str, PathFigures]:
+    out = {t.name: PathFigures() for t in targets}
+    for r in range(s.rounds):
+        for t in targets[r % len(targets):] + targets[: r % len(targets)]:
+            run = await open_loop(t, s.rate, s.seconds, s.warmup_s)
+            f = out[t.name]
+            f.errors += run.errors
+            f.unanswered += run.unanswered
+            f.sent += run.sent
+            if run.latencies_ms:
+                f.p50_ms.append(percentile(run.latencies_ms, 0.50))
+                f.p99_ms.append(percentile(run.latencies_ms, 0.99))
+            print(f"# round {r + 1} {t.name:8s} p50 {f.p50_ms[-1] if f.p50_ms else math.nan:9.3f} ms"
+                  f"  p99 {f.p99_ms[-1] if f.p99_ms else math.nan:9.3f} ms  errors {run.errors}"
+                  f"  unanswered after {DRAIN_S:g} s {run.unanswered}", file=sys.stderr, flush=True)
+            await wait_idle(t)
+    for r in range(s.throughput_rounds):
+        for t in targets[r % len(targets):] + targets[: r % len(targets)]:
+            rps, errors = await closed_loop(t, s.concurrency, s.throughput_seconds, warmup_s=0.5)
+            out[t.name].throughput.append(rps)
+            out[t.name].errors += errors
+            print(f"# round {r + 1} {t.name:8s} {rps:9.0f} req/s at concurrency {s.concurrency}"
+                  f"  errors {errors}", file=sys.stderr, flush=True)
+            await wait_idle(t)
+    return out
+
+
+class _NullBaselineFigure(Figure):
+    """A figure whose baseline could not be measured: baseline and ratio print as null."""
+
+    def json_line(self) -> str:
+        d = json.loads(Figure(self.bench, self.metric, self.ours, 1.0, self.baseline_name, self.goal,
+                              self.unit).json_line())
+        d["baseline"] = d["ratio"] = None
+        return json.dumps(d)
+
+
+def _added(ours: list[float], direct: list[float]) -> float:
+    return median([a - b for a, b in zip(ours, direct, strict=True)])
+
+
+def run(settings: Settings | None = None) -> list[Figure]:
+    s = settings or Settings()
+    if not nginx_available():
+        raise RuntimeError("nginx is needed for the node and the proxy_pass baseline (apt-get install nginx)")
+    litellm_exe: Path | None = None
+    litellm_reason = "disabled (--no-litellm)"
+    if s.litellm:
+        install = ensure_litellm()
+        litellm_exe, litellm_reason = install.path, install.reason
+        if litellm_exe is None:
+            print(f"# LiteLLM unavailable, its figures are null: {litellm_reason}", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="bench-router-") as tmp, contextlib.ExitStack() as stack:
+        work = Path(tmp)
+        node = stack.enter_context(chat_node(work / "node"))
+        proxy = stack.enter_context(nginx_proxy(work / "nginx", node.port))
+        router = stack.enter_context(router_process(work / "router", node.url))
+        router_url = router.url
+        targets = [make_target("direct", node.url, "none"), make_target("router", router_url, TENANT_KEY, router.pid),
+                   make_target("nginx", proxy.url, "none")]
+        urls = {"direct": node.url, "router": router_url, "nginx": proxy.url}
+        if litellm_exe is not None:
+            litellm = stack.enter_context(
+                LiteLLMProxy(litellm_exe, work / "litellm", model=MODEL, api_base=node.url + "/v1"))
+            targets.append(make_target("litellm", litellm.url, litellm.master_key, litellm.pid))
+            urls["litellm"] = litellm.url
+        for t in targets:
+            key = {"router": TENANT_KEY, "litellm": "sk-meridian-bench"}.get(t.name, "none")
+            _check(t, urls[t.name], {"authorization": f"Bearer {key}"})
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            figs = runner.run(_measure(targets, s))
+
+    for name, f in figs.items():
+        print(f"# {name:8s} p50 {median(f.p50_ms):8.3f} ms  p99 {median(f.p99_ms):8.3f} ms  "
+              f"max {median(f.throughput):8.0f} req/s  errors {f.errors}/{f.sent}  unanswered {f.unanswered}",
+              file=sys.stderr, flush=True)
+    if figs["router"].errors:
+        raise AssertionError(f"the router failed {figs['router'].errors} requests")
+    direct, router, nginx = figs["direct"], figs["router"], figs["nginx"]
+    added_p50 = _added(router.p50_ms, direct.p50_ms)
+    added_p99 = _added(router.p99_ms, direct.p99_ms)
+    rate = f"at {s.rate:g} req/s"
+    out: list[Figure] = [
+        Figure(BENCH, "added_p50_ms", added_p50, _added(nginx.p50_ms, direct.p50_ms),
+               f"nginx proxy_pass added p50 {rate}", "<= 1", "ms"),
+        Figure(BENCH, "added_p99_ms", added_p99, _added(nginx.p99_ms, direct.p99_ms),
+               f"nginx proxy_pass added p99 {rate}", "<= 5", "ms"),
+        Figure(BENCH, "throughput_vs_nginx", median(router.throughput), median(nginx.throughput),
+               f"nginx proxy_pass max req/s (concurrency {s.concurrency})", "reported", "req/s"),
+    ]
+    lite = figs.get("litellm")
+    # Every round must have answers (a proxy failing every request of a round has no latency).
+    if lite is not None and len(lite.p99_ms) == len(direct.p99_ms) and lite.throughput:
+        out += [
+            Figure(BENCH, "throughput_vs_litellm", median(router.throughput), median(lite.throughput),
+                   f"LiteLLM proxy max req/s (concurrency {s.concurrency})", ">= 1", "req/s"),
+            Figure(BENCH, "added_p99_vs_litellm", added_p99, _added(lite.p99_ms, direct.p99_ms),
+                   f"LiteLLM proxy added p99 {rate}" + (
+                       f" (a lower bound: {lite.unanswered} of {lite.sent} unanswered {DRAIN_S:g} s after"
+                       " the last request)" if lite.unanswered else ""), "<= 1", "ms"),
+        ]
+    else:
+        why = litellm_reason or "no answers"
+        out += [
+            _NullBaselineFigure(BENCH, "throughput_vs_litellm", median(router.throughput), math.nan,
+                                f"LiteLLM proxy: not measured ({why})", ">= 1", "req/s"),
+            _NullBaselineFigure(BENCH, "added_p99_vs_litellm", added_p99, math.nan,
+                                f"LiteLLM proxy: not measured ({why})", "<= 1", "ms"),
+        ]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rate", type=float, default=500.0, help="open-loop request rate (req/s)")
+    ap.add_argument("--seconds", type=float, default=None, help="measured seconds per path and round")
+    ap.add_argument("--rounds", type=int, default=None, help="latency rounds (each path once per round)")
+    ap.add_argument("--concurrency", type=int, default=32, help="closed-loop connections for max throughput")
+    ap.add_argument("--full", action="store_true", help="5 rounds of 10 s, 3 throughput rounds of 5 s")
+    ap.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (its figures print as null)")
+    args = ap.parse_args()
+    s = Settings(rate=args.rate, concurrency=args.concurrency, litellm=not args.no_litellm)
+    if args.full:
+        s = replace(s, seconds=10.0, rounds=5, throughput_seconds=5.0, throughput_rounds=3)
+    if args.seconds is not None:
+        s = replace(s, seconds=args.seconds)
+    if args.rounds is not None:
+        s = replace(s, rounds=args.rounds)
+    for fig in run(s):
+        print(fig.json_line(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

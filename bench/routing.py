@@ -1,0 +1,243 @@
+"""Routing quality: KV-aware routing (the `affinity` policy) against round robin on a
+multi-turn chat workload, and against least-load on a workload with no shared prefixes.
+
+    python -m bench.routing [--full]
+
+One local fabric: a control plane, four torch-engine nodes in one region publishing KV
+events, and one router process per policy, all reading the same routing table. Every
+policy gets its own copy of the workload with different words (a per-run salt), so no
+run finds another's KV blocks in the nodes' caches. Chat workload: users share a few
+system prompts and hold conversations that grow a turn at a time (the assistant's answer
+and a new user message appended each turn), streamed so that time to first token is
+measured at the client. Hit rate is what the nodes themselves report
+(`vllm:prefix_cache_hits` / `vllm:prefix_cache_queries`, summed over nodes, before and
+after the run); load balance is requests per node as the router's `x-meridian-node`
+header tells.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.common import Figure
+from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
+from meridian.contracts import HEADER_NODE
+from meridian.localfabric import FabricSpec, LocalFabric, local_fabric
+
+BENCH = "routing"
+REGION = "aws:us-east-1"
+MODEL = "bench-llama"
+# Big enough that prefill dominates time to first token on a CPU, small enough for 2 cores.
+ARCH = TinyArch(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                intermediate_size=688, max_position_embeddings=4096)
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
+         "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu red green blue amber "
+         "river mountain cloud stone market harbor engine signal vector matrix orbit canyon meadow").split()
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    nodes: int = 4
+    users: int = 4  # concurrent clients
+    conversations: int = 12
+    turns: int = 6
+    system_prompts: int = 2
+    system_words: int = 12
+    user_words: int = 50
+    max_tokens: int = 8
+    unique_requests: int = 32  # no-shared-prefix workload
+    unique_words: int = 200
+
+
+QUICK = Workload()
+FULL = Workload(conversations=48, turns=8, unique_requests=160)
+
+
+@dataclass
+class RunResult:
+    policy: str
+    ttfts: list[float] = field(default_factory=list)
+    per_node: Counter[str] = field(default_factory=Counter)
+    hits: float = 0.0
+    queries: float = 0.0
+    errors: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    @property
+    def mean_ttft(self) -> float:
+        return statistics.fmean(self.ttfts) if self.ttfts else float("nan")
+
+    def max_over_mean(self, nodes: int) -> float:
+        counts = [self.per_node.get(n, 0) for n in self.per_node] + [0] * max(0, nodes - len(self.per_node))
+        mean = sum(counts) / nodes
+        return max(counts) / mean if mean else float("inf")
+
+
+def log(msg: str) -> None:
+    print(f"[bench.routing] {msg}", file=sys.stderr, flush=True)
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+async def _node_cache_counters(http: httpx.AsyncClient, node_urls: list[str], token: str) -> tuple[float, float]:
+    """Sum of prefix-cache hits and queries (tokens) the nodes report."""
+    hits = queries = 0.0
+    for url in node_urls:
+        r = await http.get(f"{url}/metrics", headers={"authorization": f"Bearer {token}"})
+        r.raise_for_status()
+        for family in text_string_to_metric_families(r.text):
+            for sample in family.samples:
+                if sample.name == "vllm:prefix_cache_hits_total":
+                    hits += sample.value
+                elif sample.name == "vllm:prefix_cache_queries_total":
+                    queries += sample.value
+    return hits, queries
+
+
+async def _chat(http: httpx.AsyncClient, url: str, key: str, messages: list[dict[str, str]],
+                max_tokens: int, result: RunResult) -> str:
+    """One streamed chat turn; records TTFT and the serving node; returns the answer."""
+    body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}
+    t0 = time.perf_counter()
+    ttft: float | None = None
+    text: list[str] = []
+    async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
+                           headers={"authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            await r.aread()
+            result.errors += 1
+            return ""
+        result.per_node[r.headers.get(HEADER_NODE, "?")] += 1
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                text.append(choice.get("delta", {}).get("content") or "")
+    if ttft is not None:
+        result.ttfts.append(ttft)
+    return "".join(text)
+
+
+async def chat_workload(url: str, key: str, w: Workload, salt: int, result: RunResult) -> None:
+    """Users working through conversations that share system prompts and grow turn by turn."""
+    rng = random.Random(salt)
+    systems = [f"[{salt}] " + _words(rng, w.system_words) for _ in range(w.system_prompts)]
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(w.conversations):
+        queue.put_nowait(i)
+
+    async def user(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            conv = queue.get_nowait()
+            crng = random.Random(salt * 1000 + conv)
+            messages = [{"role": "system", "content": systems[conv % len(systems)]}]
+            for _turn in range(w.turns):
+                messages.append({"role": "user", "content": _words(crng, w.user_words)})
+                answer = await _chat(http, url, key, messages, w.max_tokens, result)
+                messages.append({"role": "assistant", "content": answer})
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        await asyncio.gather(*(user(http) for _ in range(w.users)))
+
+
+async def unique_workload(url: str, key: str, w: Workload, salt: int, result: RunResult) -> None:
+    """Single-turn requests that share nothing: affinity has nothing to find."""
+    rng = random.Random(salt)
+    prompts = [f"[{salt}:{i}] " + _words(rng, w.unique_words) for i in range(w.unique_requests)]
+    queue: asyncio.Queue[str] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+
+    async def user(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            prompt = queue.get_nowait()
+            await _chat(http, url, key, [{"role": "user", "content": prompt}], w.max_tokens, result)
+
+    async with httpx.AsyncClient(timeout=120) as http:
+        await asyncio.gather(*(user(http) for _ in range(w.users)))
+
+
+
+
+async def measure(fabric: LocalFabric, router_url: str, policy: str, workload: Workload, salt: int,
+                  runner: Callable[..., object]) -> RunResult:
+    info = fabric.info
+    assert info is not None
+    node_urls = [p.url for p in fabric.node_processes]
+    result = RunResult(policy)
+    async with httpx.AsyncClient(timeout=10) as http:
+        h0, q0 = await _node_cache_counters(http, node_urls, info.cluster_token)
+        await runner(router_url, info.keys["global"], workload, salt, result)  # type: ignore[misc]
+        h1, q1 = await _node_cache_counters(http, node_urls, info.cluster_token)
+    result.hits, result.queries = h1 - h0, q1 - q0
+    log(f"{policy:12s} salt={salt}: hit rate {result.hit_rate:.3f}, mean TTFT {result.mean_ttft * 1000:.1f} ms, "
+        f"requests per node {dict(sorted(result.per_node.items()))}, errors {result.errors}")
+    return result
+
+
+def run(full: bool = False) -> list[Figure]:
+    w = FULL if full else QUICK
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_checkpoint(Path(tmp) / MODEL, seed=0, arch=ARCH)
+        spec = FabricSpec(work_dir=Path(tmp) / "fabric", regions=(REGION,), model_name=MODEL,
+                          model_dir=model_dir, nodes_per_region=w.nodes, default_client_location=REGION,
+                          node_env={"MERIDIAN_NODE_MAX_MODEL_LEN": "4096"})
+        with local_fabric(spec, on_step=log) as fabric:
+            routers = {p: fabric.start_router({"MERIDIAN_ROUTER_ROUTING_POLICY": p}).url
+                       for p in ("affinity", "round-robin", "least-load")}
+
+            async def main() -> list[RunResult]:
+                out = []
+                # Each policy gets fresh words; the order alternates so drift hits both alike.
+                out.append(await measure(fabric, routers["round-robin"], "round-robin", w, 1, chat_workload))
+                out.append(await measure(fabric, routers["affinity"], "affinity", w, 2, chat_workload))
+                out.append(await measure(fabric, routers["affinity"], "affinity", w, 3, unique_workload))
+                out.append(await measure(fabric, routers["least-load"], "least-load", w, 4, unique_workload))
+                return out
+
+            rr, aff, aff_unique, ll_unique = asyncio.run(main())
+    return [
+        Figure(BENCH, "hit_rate_vs_round_robin", aff.hit_rate, rr.hit_rate, "round robin",
+               "ratio >= 3 (prefix-cache hit rate the nodes report)", "ratio"),
+        Figure(BENCH, "mean_ttft_vs_round_robin", aff.mean_ttft * 1000, rr.mean_ttft * 1000, "round robin",
+               "ratio <= 0.5", "ms"),
+        Figure(BENCH, "max_over_mean_load", aff.max_over_mean(w.nodes), rr.max_over_mean(w.nodes),
+               "round robin", "ours <= 1.3 (requests per node, max / mean)", "ratio"),
+        Figure(BENCH, "mean_ttft_vs_least_load_no_shared_prefix", aff_unique.mean_ttft * 1000,
+               ll_unique.mean_ttft * 1000, "least-load", "ratio <= 1.1 (no worse than least-load)", "ms"),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--full", action="store_true", help="more conversations and turns")
+    args = ap.parse_args()
+    for fig in run(full=args.full):
+        print(fig.json_line(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
