@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -37,20 +36,6 @@ def admit_all(limiter: RedisRateLimiter, t: TenantEntry, tokens: int = 0, upto: 
         except RateLimited:
             return n
     return upto
-
-
-@pytest.fixture
-async def prefix(redis_url: str) -> AsyncIterator[str]:
-    """A key prefix of this test's own; its keys are deleted afterwards."""
-    p = f"meridian-test:{uuid.uuid4().hex}:"
-    yield p
-    client = Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
-    try:
-        keys = [k async for k in client.scan_iter(match=p + "*")]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import json
 import logging
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -44,20 +43,6 @@ SEEN_WITHIN_S = 2 * INTERVAL_S + 0.3
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 MakeFleet = Callable[..., Awaitable[RedisFleetState]]
-
-
-@pytest.fixture
-async def prefix(redis_url: str) -> AsyncIterator[str]:
-    """A key prefix of this test's own; its keys are deleted afterwards."""
-    p = f"meridian-test:{uuid.uuid4().hex}:"
-    yield p
-    client = Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
-    try:
-        keys = [k async for k in client.scan_iter(match=p + "*")]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
 
 
 @pytest.fixture
