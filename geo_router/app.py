@@ -14,9 +14,10 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -33,6 +34,7 @@ from .errors import (
     ModelNotFound,
     NoHealthyReplica,
     NoReplicaInZone,
+    RateLimited,
     RouterError,
     RoutingTableUnavailable,
     install_error_handlers,
@@ -47,8 +49,15 @@ from .policies import AffinityPolicy, RoutingPolicy, create_policy
 from .prefix import PrefixKeyBuilder
 from .prefix_history import InProcessPrefixHistory, PrefixHistory, RedisPrefixHistory
 from .probe import NodeProber
-from .proxy import UpstreamForwarder
-from .ratelimit import Admission, RateLimiter, create_rate_limiter, estimate_tokens, usage_tokens
+from .proxy import StreamTally, UpstreamForwarder, when_stream_ends
+from .ratelimit import (
+    Admission,
+    RateLimiter,
+    create_rate_limiter,
+    estimate_prompt_tokens,
+    estimate_tokens,
+    usage_tokens,
+)
 from .redis_fleet import RedisFleetState
 from .request import parse_inference_request, read_body, request_id_for
 from .scale_from_zero import ScaleFromZero, ScaleUpClient, awaiting_scale_up, deployed_models
@@ -100,7 +109,7 @@ class RouterState:
         loaded = self.table_source.current()
         if loaded is None:
             return ""
-        return next((n.region for n in loaded.table.nodes if n.node_id == node_id), "")
+        return loaded.node_regions.get(node_id, "")
 
     def select(self, table: LoadedTable, tenant: TenantEntry, model: str, location: Point | None) -> list[Candidate]:
         """Candidates for the request: residency, health and circuit breakers applied."""
@@ -236,6 +245,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
+        metrics.set_reported_cache(prober.loads())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -294,9 +304,13 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         body = await read_body(request, state.settings.max_request_bytes)
         received_at = time.perf_counter()
         inference = parse_inference_request(body)
-        admission = state.rate_limiter.admit(
-            tenant, estimate_tokens(inference.payload, state.settings.rate_limit_default_completion_tokens)
-        )
+        try:
+            admission = state.rate_limiter.admit(
+                tenant, estimate_tokens(inference.payload, state.settings.rate_limit_default_completion_tokens)
+            )
+        except RateLimited as exc:
+            state.metrics.rate_limited.labels(tenant.tenant, exc.type_).inc()
+            raise
         peer = request.client.host if request.client else None
         location = state.locator.locate(request.headers, peer, loaded.regions)
         queued_s = 0.0
@@ -341,26 +355,38 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         if queued_s:
             response.headers[HEADER_SCALE_WAIT_MS] = f"{queued_s * 1000:.0f}"
         response.headers.update(admission.headers)
-        _settle_tokens(state, admission, response)
+        _settle_tokens(state, admission, inference.payload, response)
         return response
     except RouterError as exc:
         state.metrics.requests.labels("", "", str(exc.status)).inc()
         raise
 
 
-def _settle_tokens(state: RouterState, admission: Admission, response: Response) -> None:
-    """Correct the up-front token charge with the usage a whole (non-streamed) answer reports."""
-    if admission.tenant.tokens_per_minute is None or not isinstance(response.body, bytes | bytearray):
+def _settle_tokens(state: RouterState, admission: Admission, payload: Mapping[str, Any], response: Response) -> None:
+    """Correct the up-front token charge with what the answer used: the usage a whole answer
+    reports, or once a stream ends, its usage chunk (else its prompt estimate plus one token
+    per streamed chunk, as nodes stream a token at a time)."""
+    if admission.tenant.tokens_per_minute is None:
+        return
+    settle = state.rate_limiter.settle
+
+    def settle_stream(tally: StreamTally) -> None:
+        used = usage_tokens({"usage": tally.usage}) if tally.usage is not None else None
+        if used is None:
+            used = estimate_prompt_tokens(payload) + tally.events
+        settle(admission.tenant, admission.tokens, used)
+
+    if when_stream_ends(response, settle_stream) or not isinstance(response.body, bytes | bytearray):
         return
     if response.status_code >= 300:
-        state.rate_limiter.settle(admission.tenant, admission.tokens, 0)
+        settle(admission.tenant, admission.tokens, 0)
         return
     try:
         used = usage_tokens(json.loads(response.body))
     except (ValueError, AttributeError):
         return
     if used is not None:
-        state.rate_limiter.settle(admission.tenant, admission.tokens, used)
+        settle(admission.tenant, admission.tokens, used)
 
 
 def serve(settings: RouterSettings) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .node_load import NodeLoad
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
@@ -72,6 +74,12 @@ class RouterMetrics:
             ["node"],
             registry=self.registry,
         )
+        self.reported_cache_queries = Gauge(
+            "meridian_router_node_reported_cache_query_tokens",
+            "Prompt tokens each node looked up in its prefix cache (vllm:prefix_cache_queries, from probes).",
+            ["node"],
+            registry=self.registry,
+        )
         # A running total kept by the policy itself, read at scrape time.
         self.imbalance_fallbacks = Gauge(
             "meridian_router_imbalance_fallbacks_total",
@@ -126,6 +134,16 @@ class RouterMetrics:
             registry=self.registry,
         )
         version.set_function(table_version)
+
+    def set_reported_cache(self, loads: Mapping[str, NodeLoad]) -> None:
+        """The nodes' own prefix-cache counters as last probed (to compare with the predictions)."""
+        self.reported_cache_hits.clear()
+        self.reported_cache_queries.clear()
+        for node_id, load in loads.items():
+            if load.prefix_cache_hits is not None:
+                self.reported_cache_hits.labels(node_id).set(load.prefix_cache_hits)
+            if load.prefix_cache_queries is not None:
+                self.reported_cache_queries.labels(node_id).set(load.prefix_cache_queries)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,7 +20,9 @@ _WAITING = "vllm:num_requests_waiting"
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # new name, pre-v0.10 name
 _LORA_INFO = "vllm:lora_requests_info"
 _CACHE_CONFIG = "vllm:cache_config_info"
-_WANTED = (_RUNNING, _WAITING, *_KV_USAGE, _LORA_INFO, _CACHE_CONFIG)
+_CACHE_HITS = "vllm:prefix_cache_hits_total"
+_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
+_WANTED = (_RUNNING, _WAITING, *_KV_USAGE, _LORA_INFO, _CACHE_CONFIG, _CACHE_HITS, _CACHE_QUERIES)
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 _ESCAPE = re.compile(r"\\(.)")
@@ -40,6 +42,9 @@ class NodeLoad:
     max_loras: int = 0
     active_adapters: frozenset[str] = frozenset()
     block_size: int | None = None
+    # Running totals of prompt tokens found in / looked up in the prefix cache (None: not exported).
+    prefix_cache_hits: float | None = None
+    prefix_cache_queries: float | None = None
     observed_at: float = 0.0
 
 
@@ -49,6 +54,8 @@ def parse_node_metrics(text: str, *, observed_at: float | None = None) -> NodeLo
     kv_usage = 0.0
     max_loras = 0
     block_size: int | None = None
+    hits: float | None = None
+    queries: float | None = None
     # vLLM keeps one lora_requests_info series per label combination it ever saw; the one
     # with the newest timestamp (its value) is current, per engine.
     lora_latest: dict[str, tuple[float, str, str, str]] = {}
@@ -74,6 +81,10 @@ def parse_node_metrics(text: str, *, observed_at: float | None = None) -> NodeLo
                 )
         elif name == _CACHE_CONFIG and block_size is None:
             block_size = _positive_int(_labels(labels).get("block_size"))
+        elif name == _CACHE_HITS:
+            hits = (hits or 0.0) + value
+        elif name == _CACHE_QUERIES:
+            queries = (queries or 0.0) + value
     adapters: set[str] = set()
     for _, max_lora, running_loras, waiting_loras in lora_latest.values():
         max_loras = max(max_loras, _positive_int(max_lora) or 0)
@@ -86,6 +97,8 @@ def parse_node_metrics(text: str, *, observed_at: float | None = None) -> NodeLo
         max_loras=max_loras,
         active_adapters=frozenset(adapters),
         block_size=block_size,
+        prefix_cache_hits=hits,
+        prefix_cache_queries=queries,
         observed_at=time.monotonic() if observed_at is None else observed_at,
     )
 

@@ -25,6 +25,8 @@ from meridian.settings import RouterSettings
 from .selection import Candidate, LoraState, RoutingContext
 
 # What a replica's LoRA state is worth to a request for an adapter (0..1).
+# Prefix shares closer than this (one block in twenty) count as the same.
+_SAME_PREFIX = 0.05
 _LORA_VALUE = {
     LoraState.LOADED: 1.0,
     LoraState.FREE_SLOT: 0.5,
@@ -119,7 +121,7 @@ class AffinityWeights:
 
     prefix: float = 1.0
     lora: float = 0.5
-    load: float = 1.0
+    load: float = 0.5
     kv_usage: float = 0.2
     balance: float = 0.5
 
@@ -132,10 +134,14 @@ class AffinityPolicy:
     load_scale)) − kv_usage·(KV cache usage) − balance·(excess of its share of the requests
     this router sent lately over the region's mean: (recent+1)/(mean+1) − 1, at least 0).
     `load_scale` keeps one request more or less from outweighing a whole cached prompt on
-    lightly loaded replicas; the balance term spreads new conversations (which share only a
-    system prompt) while a long cached conversation still outweighs a modest excess. The imbalance gate: when the best-scoring replica has more
-    than `imbalance_abs` pending requests beyond the least loaded one and more than
-    `imbalance_ratio` times its load, the region is ordered least-load first instead.
+    lightly loaded replicas; the balance term spreads new conversations while a long cached
+    conversation still outweighs a modest excess. When no replica holds more of the prompt
+    or is readier for its adapter than another, scoring has nothing to trade against load:
+    the region is ordered least-load, then by the recent-share excess and KV usage (as
+    SGLang's cache-aware router falls back to the shortest queue). The imbalance gate: when
+    the best-scoring replica has more than `imbalance_abs` pending requests beyond the least
+    loaded one and more than `imbalance_ratio` times its load, the region is ordered
+    least-load first instead.
     """
 
     name = "affinity"
@@ -198,8 +204,7 @@ class AffinityPolicy:
 
     def score(self, c: Candidate, most_pending: int, mean_recent: float) -> float:
         w = self.weights
-        # How far above its fair share of recent requests the replica is (0 at or below it).
-        excess = max(0.0, (c.recent + 1.0) / (mean_recent + 1.0) - 1.0)
+        excess = self._excess(c, mean_recent)
         return (
             w.prefix * c.prefix_hit
             + w.lora * _LORA_VALUE[c.lora]
@@ -214,14 +219,30 @@ class AffinityPolicy:
         most = max(c.pending for c in cands)
         least = min(c.pending for c in cands)
         mean_recent = sum(c.recent for c in cands) / len(cands)
-        scores = {c.node.node_id: self.score(c, most, mean_recent) for c in cands}
         rotated = self._rotation.rotated(cands, turn)
+        if not _affinity_differs(cands):
+            # Nothing cached or loaded sets a replica apart (a new conversation whose system
+            # prompt every replica holds, a prompt nobody has seen): least-load, then the
+            # replica that took fewest of the recent requests, so new conversations spread.
+            return sorted(rotated, key=lambda c: (c.pending, self._excess(c, mean_recent), c.kv_usage))
+        scores = {c.node.node_id: self.score(c, most, mean_recent) for c in cands}
         ranked = sorted(rotated, key=lambda c: (-scores[c.node.node_id], c.pending))
         best = ranked[0]
         if best.pending - least > self.imbalance_abs and best.pending > self.imbalance_ratio * max(least, 1):
             self.imbalance_fallbacks += 1
             ranked = sorted(rotated, key=lambda c: (c.pending, -scores[c.node.node_id]))
         return ranked
+
+    @staticmethod
+    def _excess(c: Candidate, mean_recent: float) -> float:
+        """How far above its fair share of recent requests the replica is (0 at or below it)."""
+        return max(0.0, (c.recent + 1.0) / (mean_recent + 1.0) - 1.0)
+
+
+def _affinity_differs(cands: Sequence[Candidate]) -> bool:
+    """Whether some replica holds more of the prompt, or is readier for its adapter, than another."""
+    hits = [c.prefix_hit for c in cands]
+    return max(hits) - min(hits) > _SAME_PREFIX or len({c.lora for c in cands}) > 1
 
 
 PolicyFactory = Callable[[RouterSettings], RoutingPolicy]

@@ -25,8 +25,6 @@ and logs once per 30 s.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
 import struct
@@ -42,14 +40,12 @@ from redis.backoff import NoBackoff
 
 from meridian.settings import RouterSettings
 
+from .redis_sync import RedisSyncLoop
+
 log = logging.getLogger(__name__)
 
 # More nodes than this holding one key tell a router nothing more about where to send it.
 _MAX_NODES_PER_KEY = 16
-# One warning per this many seconds while Redis stays unreachable.
-_WARN_EVERY_S = 30.0
-# While Redis is unreachable, retries back off up to this.
-_MAX_RETRY_S = 5.0
 # Keys per stream entry, entries per XRANGE page and pages per sync.
 _KEYS_PER_ENTRY = 1024
 _PAGE = 500
@@ -220,7 +216,6 @@ class RedisPrefixHistory:
         self._ttl_ms = max(1, math.ceil(ttl_s * 1000))
         self._max_pending = max_keys
         self._maxlen = stream_maxlen
-        self._interval_s = sync_interval_s
         self._clock = clock
         self._stream = f"{key_prefix}prefix-history"
         self._router_id = uuid.uuid4().hex.encode()
@@ -236,11 +231,15 @@ class RedisPrefixHistory:
         self._pending_keys = 0
         self._last_id: bytes | None = None  # the last stream entry merged (or skipped)
         self._server_ms = 0  # Redis's clock at the last read, for trimming by age
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
-        self._redis_down = False
-        self._last_warning_at = -math.inf
+        self._sync_loop = RedisSyncLoop(
+            self._sync,
+            interval_s=sync_interval_s,
+            task_name="prefix-history-sync",
+            while_down="routing history stays local to this router",
+            once_back="routing history is shared with the other routers",
+            log=log,
+            final_flush=self._push,  # what the others recorded is of no use to a router that stops
+        )
 
     @classmethod
     def from_settings(
@@ -281,56 +280,24 @@ class RedisPrefixHistory:
     @property
     def redis_reachable(self) -> bool:
         """False since the last sync failed, until one succeeds."""
-        return not self._redis_down
+        return self._sync_loop.reachable
 
     async def start(self) -> None:
         """Learn the other routers' recent history (when Redis answers), then keep in sync."""
-        if self._task is not None:
-            return
-        self._stopping = False
-        await self.sync_once()
-        self._task = asyncio.create_task(self._run(), name="prefix-history-sync")
+        await self._sync_loop.start()
 
     async def stop(self) -> None:
         """Stop syncing; hands over records not yet published (best effort)."""
-        task, self._task = self._task, None
-        if task is not None:
-            # As RedisFleetState.stop: the flag too, a cancel can be lost as the loop wakes.
-            self._stopping = True
-            self._wake.set()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._outbox and not self._redis_down:
-            with contextlib.suppress(Exception):
-                await self._push()
+        await self._sync_loop.stop()
         await self._redis.aclose()
 
     async def sync_once(self) -> bool:
         """Publish local records, merge the other routers'; False if Redis failed."""
-        try:
-            await self._push()
-            await self._pull()
-        except Exception as exc:  # noqa: BLE001 - whatever Redis does, routing goes on locally
-            self._note_unreachable(exc)
-            return False
-        if self._redis_down:
-            log.info("Redis is reachable again; routing history is shared with the other routers")
-            self._redis_down = False
-        return True
+        return await self._sync_loop.sync_once()
 
-    async def _run(self) -> None:
-        delay = self._interval_s
-        while not self._stopping:
-            # Not wait_for: on 3.11 it swallows a cancel that comes as the event fires.
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await self._wake.wait()
-            self._wake.clear()
-            if self._stopping:
-                return
-            ok = await self.sync_once()
-            delay = self._interval_s if ok else min(max(delay * 2, self._interval_s), _MAX_RETRY_S)
+    async def _sync(self) -> None:
+        await self._push()
+        await self._pull()
 
     def _enqueue(self, node_id: str, keys: list[int] | None) -> None:
         self._outbox.append((node_id, keys))
@@ -342,16 +309,6 @@ class RedisPrefixHistory:
         while self._pending_keys > self._max_pending and len(self._outbox) > 1:
             _, dropped = self._outbox.popleft()
             self._pending_keys -= len(dropped) if dropped else 1
-
-    def _note_unreachable(self, exc: Exception) -> None:
-        now = time.monotonic()
-        if not self._redis_down or now - self._last_warning_at >= _WARN_EVERY_S:
-            log.warning(
-                "Redis unreachable (%s: %s); routing history stays local to this router until it is back",
-                type(exc).__name__, exc,
-            )
-            self._last_warning_at = now
-        self._redis_down = True
 
     def _entries(self, batch: Sequence[tuple[str, list[int] | None]]) -> list[dict[bytes, bytes]]:
         """Stream entries for a batch: one record per node between forgets, in order."""

@@ -134,6 +134,10 @@ class NodeProber:
             return None
         return t.load
 
+    def loads(self) -> dict[str, NodeLoad]:
+        """Every node's last reported load that is not stale."""
+        return {node_id: load for node_id in self._targets if (load := self.load(node_id)) is not None}
+
     def rtt_ms(self, region: str) -> float | None:
         """Smoothed probe round trip to the region's nodes; None when not measured lately."""
         r = self._rtt.get(region)

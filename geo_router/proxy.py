@@ -25,6 +25,7 @@ cluster-internal, and one client serves every tenant.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import ssl
@@ -74,7 +75,8 @@ _JOIN_BODY_BELOW = 64 * 1024
 
 
 class UpstreamError(Exception):
-    """Talking to a node failed; `reason` is "connect", "timeout" or "protocol"."""
+    """Talking to a node failed; `reason` is "connect", "closed" (before any answer),
+    "timeout" or "protocol"."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -152,7 +154,9 @@ class UpstreamConnection(asyncio.Protocol):
             self._finish()  # a body delimited by the end of the connection
             return
         detail = f"connection closed by the node ({exc})" if exc else "connection closed by the node"
-        self._fail(UpstreamError("protocol", detail))
+        # Before the status line the node is gone (crashed, killed), not misbehaving.
+        reason = "protocol" if self._head is not None and self._head.done() else "closed"
+        self._fail(UpstreamError(reason, detail))
 
     # httptools callbacks
 
@@ -352,6 +356,10 @@ def make_upstream_client(settings: RouterSettings) -> UpstreamPool:
 # --- forwarding -----------------------------------------------------------------------
 
 
+# Failure reasons that mean the node never took the request or vanished before answering.
+_NODE_GONE = frozenset({"connect", "closed"})
+
+
 class _NodeFailed(Exception):
     """The attempt failed because of the node; the next candidate may be tried."""
 
@@ -388,6 +396,38 @@ class _SSEFramer:
         return out
 
 
+@dataclass
+class StreamTally:
+    """What a passed-through SSE stream carried: its JSON data events, and the `usage`
+    object of the chunk that reported one (the last, when the client asked for usage)."""
+
+    events: int = 0
+    usage: dict[str, Any] | None = None
+
+    def feed(self, events: bytes) -> None:
+        """Count complete events; parse only those that carry token counts."""
+        self.events += events.count(b"data: {")
+        if b'"total_tokens"' not in events:
+            return
+        for event in reversed(events.split(b"\n\n")):
+            data = event.strip()
+            if data.startswith(b"data: {") and b'"total_tokens"' in data:
+                with contextlib.suppress(ValueError):
+                    usage = json.loads(data[6:]).get("usage")
+                    if isinstance(usage, dict):
+                        self.usage = usage
+                return
+
+
+def when_stream_ends(response: Response, callback: Callable[[StreamTally], None]) -> bool:
+    """Call `callback` with the stream's tally once a streamed answer is over (however it
+    ended); False, and no call, when `response` is not a passed-through stream."""
+    if not isinstance(response, _UpstreamStreamingResponse):
+        return False
+    response.upstream.on_close.append(callback)
+    return True
+
+
 def _error_event(message: str, code: str) -> bytes:
     body = openai_error(message, type_="server_error", code=code)
     return b"data: " + json.dumps(body).encode("utf-8") + b"\n\n"
@@ -416,9 +456,12 @@ class _UpstreamStream:
         self._deadline = deadline
         self._received_at = received_at
         self._closed = False
+        self.tally = StreamTally()
+        self.on_close: list[Callable[[StreamTally], None]] = []
 
     async def body(self) -> AsyncIterator[bytes]:
         if self._first:
+            self.tally.feed(self._first)
             yield self._first
         if self._ended:
             return
@@ -441,10 +484,12 @@ class _UpstreamStream:
             if not chunk:
                 tail = self._framer.flush()
                 if tail:
+                    self.tally.feed(tail)
                     yield tail
                 return
             out = self._framer.feed(chunk)
             if out:
+                self.tally.feed(out)
                 yield out
 
     async def close(self) -> None:
@@ -457,6 +502,11 @@ class _UpstreamStream:
         self._fw.release(self._conn)
         self._fw.finish(self._candidate, time.perf_counter() - self._received_at)
         self._fw.end_request()
+        for callback in self.on_close:
+            try:
+                callback(self.tally)
+            except Exception:  # bookkeeping must not break the connection's release
+                log.exception("stream close callback failed")
 
 
 class _UpstreamStreamingResponse(StreamingResponse):
@@ -464,7 +514,7 @@ class _UpstreamStreamingResponse(StreamingResponse):
 
     def __init__(self, stream: _UpstreamStream, status_code: int, headers: dict[str, str]) -> None:
         super().__init__(stream.body(), status_code=status_code, headers=headers)
-        self._stream = stream
+        self.upstream = stream
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -474,7 +524,7 @@ class _UpstreamStreamingResponse(StreamingResponse):
                 body = self.body_iterator
                 if hasattr(body, "aclose"):
                     await body.aclose()
-                await self._stream.close()
+                await self.upstream.close()
 
 
 def _passthrough(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -489,7 +539,10 @@ class UpstreamForwarder:
     """Sends requests to nodes in the order a policy chose, failing over before the first byte.
 
     With `retry_budget`, a failover attempt is made only while the budget allows it (the
-    request is answered `exhausted` otherwise). `on_first_byte(node_id, seconds)` is told how
+    request is answered `exhausted` otherwise). Failing over from a node that is gone (the
+    connection refused, or closed before any answer) does not draw on the budget: the
+    budget guards overloaded replicas against retry storms, and a dead region's in-flight
+    requests all failing over at once is exactly what failover is for. `on_first_byte(node_id, seconds)` is told how
     long each node took from the request going out to its answer's status line.
     """
 
@@ -598,13 +651,15 @@ class UpstreamForwarder:
         deadline = asyncio.get_running_loop().time() + s.request_timeout_s
         upstream_wait = queued_s
         previous: Candidate | None = None
+        previous_gone = False
         for candidate in list(candidates)[: s.max_attempts]:
             retrying = False
             if previous is not None:
-                if budget is not None and not budget.try_acquire():
-                    log.warning("request %s: retry budget exhausted; not failing over", request_id)
-                    break
-                retrying = budget is not None
+                if budget is not None and not previous_gone:
+                    if not budget.try_acquire():
+                        log.warning("request %s: retry budget exhausted; not failing over", request_id)
+                        break
+                    retrying = True
                 self._metrics.failovers.labels(previous.region.name, candidate.region.name).inc()
             previous = candidate
             node = candidate.node.node_id
@@ -628,6 +683,7 @@ class UpstreamForwarder:
                 log.warning("request %s: node %s failed (%s); trying the next replica",
                             request_id, node, exc)
                 self.note_failure(candidate, exc.reason)
+                previous_gone = exc.reason in _NODE_GONE
                 continue
             except TimeoutError:
                 self._fleet.end(node)

@@ -16,8 +16,6 @@ Admission is synchronous and local, microseconds: it runs on every request. With
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
 import os
@@ -37,6 +35,7 @@ from meridian.contracts import TenantEntry
 from meridian.settings import RouterSettings
 
 from .errors import RateLimited
+from .redis_sync import RedisSyncLoop
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +51,6 @@ _MAX_CHOICES = 128
 # lost). Longer than any request, so a settle finds the state its admission left.
 _FORGET_S = 600.0
 _SWEEP_EVERY_S = 60.0
-# One warning per this many seconds while Redis stays unreachable.
-_WARN_EVERY_S = 30.0
-# While Redis is unreachable, syncs back off up to this.
-_MAX_RETRY_S = 5.0
 # A router's first syncs of a tenant divide its level by the whole fleet, not only by the
 # routers known to want it (see RedisRateLimiter).
 _COLD_SYNCS = 2
@@ -107,7 +102,6 @@ def estimate_tokens(
     The budget is max_completion_tokens, else max_tokens, else `default_completion_tokens`,
     times `n` choices.
     """
-    chars, token_ids = _prompt_size(payload)
     budget = _int_field(payload, "max_completion_tokens")
     if budget is None:
         budget = _int_field(payload, "max_tokens")
@@ -115,7 +109,13 @@ def estimate_tokens(
         budget = default_completion_tokens
     choices = _int_field(payload, "n")
     choices = min(max(choices or 1, 1), _MAX_CHOICES)
-    return -(-chars // _CHARS_PER_TOKEN) + token_ids + budget * choices
+    return estimate_prompt_tokens(payload) + budget * choices
+
+
+def estimate_prompt_tokens(payload: Mapping[str, Any]) -> int:
+    """The prompt part of `estimate_tokens`: characters / 4 (rounded up) plus token ids given as such."""
+    chars, token_ids = _prompt_size(payload)
+    return -(-chars // _CHARS_PER_TOKEN) + token_ids
 
 
 def usage_tokens(answer: Mapping[str, Any]) -> int | None:
@@ -566,7 +566,6 @@ class RedisRateLimiter:
         clock: Clock = time.monotonic,
     ) -> None:
         self._burst_s = burst_s
-        self._interval_s = sync_interval_s
         self._clock = clock
         self._prefix = f"{key_prefix}rl:"
         self._routers_key = f"{key_prefix}rl-routers"
@@ -592,11 +591,15 @@ class RedisRateLimiter:
         self._fleet_size = 1
         # Local limits until the first sync succeeds.
         self._shared = False
-        self._redis_down = False
-        self._last_warning_at = -math.inf
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
+        self._sync_loop = RedisSyncLoop(
+            self._sync_or_fall_back,
+            interval_s=sync_interval_s,
+            task_name="rate-limit-sync",
+            while_down="each router enforces tenant rate limits on its own",
+            once_back="tenant rate limits are shared with the other routers",
+            log=log,
+            final_flush=self._flush,
+        )
 
     @classmethod
     def from_settings(cls, settings: RouterSettings) -> RedisRateLimiter:
@@ -665,7 +668,7 @@ class RedisRateLimiter:
         if state is None:
             state = _SharedTenant(None, None, self._fleet_size, now, now)
             self._tenants[tenant.tenant] = state
-            self._wake.set()  # learn the real level now, not in up to one interval
+            self._sync_loop.wake()  # learn the real level now, not in up to one interval
         state.requests = self._share(state.requests, tenant.requests_per_minute)
         state.tokens = self._share(state.tokens, tenant.tokens_per_minute)
         state.used_at = now
@@ -683,71 +686,35 @@ class RedisRateLimiter:
 
     async def start(self) -> None:
         """Sync once (when Redis answers), then keep syncing in the background."""
-        if self._task is not None:
-            return
-        self._stopping = False
-        await self.sync_once()
-        self._task = asyncio.create_task(self._run(), name="rate-limit-sync")
+        await self._sync_loop.start()
 
     async def stop(self) -> None:
         """Stop syncing; publishes what this router used since the last sync (best effort)."""
-        task, self._task = self._task, None
-        if task is not None:
-            # The flag too: a cancel landing as the loop wakes can be lost on 3.11.
-            self._stopping = True
-            self._wake.set()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._shared:
-            await self.sync_once()
-            with contextlib.suppress(Exception):
-                await self._redis.zrem(self._routers_key, self._router_id)
+        await self._sync_loop.stop()
         await self._redis.aclose()
 
     async def sync_once(self) -> bool:
         """Publish this router's use, learn the fleet's; False (local limits) if Redis failed."""
+        return await self._sync_loop.sync_once()
+
+    async def _sync_or_fall_back(self) -> None:
+        """_sync, switching to the local limits when it fails and back when it succeeds."""
         try:
             await self._sync()
-        except Exception as exc:  # noqa: BLE001 - whatever Redis does, limits go on locally
-            self._note_unreachable(exc)
-            return False
-        if self._redis_down:
-            log.info("Redis is reachable again; tenant rate limits are shared with the other routers")
-            self._redis_down = False
+        except Exception:
+            if self._shared:
+                self._shared = False
+                # What was used while Redis was down is not published later: the fleet's
+                # buckets refill meanwhile, and a late charge would lock tenants out.
+                self._tenants.clear()
+            raise
         self._shared = True
-        return True
 
-    async def _run(self) -> None:
-        delay = self._interval_s
-        while not self._stopping:
-            if self._redis_down:
-                await asyncio.sleep(delay)
-            else:
-                # Not wait_for: on 3.11 it swallows a cancel that comes as the event fires.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(delay):
-                        await self._wake.wait()
-            self._wake.clear()
-            if self._stopping:
-                return
-            ok = await self.sync_once()
-            delay = self._interval_s if ok else min(max(delay * 2, self._interval_s), _MAX_RETRY_S)
-
-    def _note_unreachable(self, exc: Exception) -> None:
-        now = time.monotonic()
-        if not self._redis_down or now - self._last_warning_at >= _WARN_EVERY_S:
-            log.warning(
-                "Redis unreachable (%s: %s); each router enforces tenant rate limits on its own "
-                "until it is back", type(exc).__name__, exc,
-            )
-            self._last_warning_at = now
-        self._redis_down = True
+    async def _flush(self) -> None:
         if self._shared:
-            self._shared = False
-            # What was used while Redis was down is not published later: the fleet's
-            # buckets refill meanwhile, and a late charge would lock tenants out.
-            self._tenants.clear()
+            await self.sync_once()
+            # Out of the live routers now, not a demand horizon later.
+            await self._redis.zrem(self._routers_key, self._router_id)
 
     async def _sync(self) -> None:
         # Taken now, before the await: use during the call is published by the next sync.

@@ -18,8 +18,6 @@ router's own and never leave it.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import math
@@ -34,13 +32,10 @@ from redis.backoff import NoBackoff
 from meridian.settings import RouterSettings
 
 from .health import EjectionListener, EjectionRules, FailureKind, NodeRecord
+from .redis_sync import RedisSyncLoop
 
 log = logging.getLogger(__name__)
 
-# One warning per this many seconds while Redis stays unreachable.
-_WARN_EVERY_S = 30.0
-# While Redis is unreachable, retries back off up to this.
-_MAX_RETRY_S = 5.0
 # Index entries are pruned this long after their ejection ended, so a router whose clock is
 # somewhat behind does not lose its entries to another's pruning.
 _INDEX_GRACE_S = 60.0
@@ -76,7 +71,6 @@ class RedisFleetState:
             consecutive_failures_to_eject=consecutive_failures_to_eject,
             max_ejected_percent=max_ejected_percent,
         )
-        self._interval_s = sync_interval_s
         self._key_prefix = f"{key_prefix}ejected:"
         self._index = f"{key_prefix}ejected"
         # No retries inside redis-py: the sync loop is the retry, and it must not stall.
@@ -91,11 +85,15 @@ class RedisFleetState:
         self._in_flight: dict[str, int] = {}
         self._dirty: set[str] = set()  # nodes whose change Redis has not seen yet
         self._cleared: set[str] = set()  # of those, nodes whose ejection ended early here
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._stopping = False
-        self._redis_down = False
-        self._last_warning_at = -math.inf
+        self._sync_loop = RedisSyncLoop(
+            self._sync,
+            interval_s=sync_interval_s,
+            task_name="fleet-health-sync",
+            while_down="node health stays local to this router",
+            once_back="node health is shared with the other routers",
+            log=log,
+            final_flush=self._flush,
+        )
 
     @classmethod
     def from_settings(cls, settings: RouterSettings) -> RedisFleetState:
@@ -176,74 +174,33 @@ class RedisFleetState:
     @property
     def redis_reachable(self) -> bool:
         """False since the last sync failed, until one succeeds."""
-        return not self._redis_down
+        return self._sync_loop.reachable
 
     async def start(self) -> None:
         """Learn the fleet's current ejections (when Redis answers), then keep in sync."""
-        if self._task is not None:
-            return
-        self._stopping = False
-        await self.sync_once()
-        self._task = asyncio.create_task(self._run(), name="fleet-health-sync")
+        await self._sync_loop.start()
 
     async def stop(self) -> None:
         """Stop syncing; hands over ejections not yet published (best effort)."""
-        task, self._task = self._task, None
-        if task is not None:
-            # The flag too: a cancel landing as the loop wakes was seen lost on 3.11, and
-            # then `await task` never returned.
-            self._stopping = True
-            self._wake.set()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        if self._dirty and not self._redis_down:
-            await self.sync_once()
+        await self._sync_loop.stop()
         await self._redis.aclose()
 
     async def sync_once(self) -> bool:
         """Publish local changes, merge the other routers' ejections; False if Redis failed."""
-        try:
-            await self._push()
-            await self._pull()
-        except Exception as exc:  # noqa: BLE001 - whatever Redis does, routing goes on locally
-            self._note_unreachable(exc)
-            return False
-        if self._redis_down:
-            log.info("Redis is reachable again; node health is shared with the other routers")
-            self._redis_down = False
-        return True
+        return await self._sync_loop.sync_once()
 
-    async def _run(self) -> None:
-        delay = self._interval_s
-        while not self._stopping:
-            if self._redis_down:
-                await asyncio.sleep(delay)
-            else:
-                # A local ejection is published at once, not at the next tick. (Not
-                # wait_for: on 3.11 it swallows a cancel that comes as the event fires.)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(delay):
-                        await self._wake.wait()
-            self._wake.clear()
-            if self._stopping:
-                return
-            ok = await self.sync_once()
-            delay = self._interval_s if ok else min(max(delay * 2, self._interval_s), _MAX_RETRY_S)
+    async def _sync(self) -> None:
+        await self._push()
+        await self._pull()
+
+    async def _flush(self) -> None:
+        if self._dirty:
+            await self.sync_once()
 
     def _publish(self, node_id: str) -> None:
         self._dirty.add(node_id)
-        self._wake.set()
-
-    def _note_unreachable(self, exc: Exception) -> None:
-        now = time.monotonic()
-        if not self._redis_down or now - self._last_warning_at >= _WARN_EVERY_S:
-            log.warning(
-                "Redis unreachable (%s: %s); node health stays local to this router until it is back",
-                type(exc).__name__, exc,
-            )
-            self._last_warning_at = now
-        self._redis_down = True
+        # A local ejection is published at once, not at the next tick.
+        self._sync_loop.wake()
 
     async def _push(self) -> None:
         if not self._dirty:

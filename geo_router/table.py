@@ -37,6 +37,7 @@ class LoadedTable:
     regions: Mapping[str, RegionInfo]
     tenants: Mapping[str, TenantEntry]  # by key hash
     deployments: Mapping[str, DeploymentEntry]  # by model
+    node_regions: Mapping[str, str]  # node id -> region name
 
     @classmethod
     def build(cls, table: RoutingTable) -> LoadedTable:
@@ -45,6 +46,7 @@ class LoadedTable:
             regions={r.name: r for r in table.regions},
             tenants={t.key_hash: t for t in table.tenants},
             deployments={d.model: d for d in table.deployments},
+            node_regions={n.node_id: n.region for n in table.nodes},
         )
 
     @property

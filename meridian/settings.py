@@ -1,7 +1,8 @@
 """All of Meridian's settings, in one place (pydantic-settings, env prefix `MERIDIAN_`).
 
 Each process reads its own class: `MERIDIAN_CP_*` for the control plane,
-`MERIDIAN_ROUTER_*` for the geo router, `MERIDIAN_NODE_*` for a data-plane node.
+`MERIDIAN_ROUTER_*` for the geo router, `MERIDIAN_NODE_*` for a data-plane node,
+`MERIDIAN_PROVIDER_*` for how the control plane reaches the clouds.
 `MERIDIAN_CLUSTER_TOKEN` is shared: nodes and routers present it to the control plane.
 CLI flags override the environment.
 """
@@ -9,6 +10,7 @@ CLI flags override the environment.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -63,6 +65,29 @@ class ControlPlaneSettings(BaseSettings):
     autoscale_hold_record_s: float = Field(60.0, gt=0)
 
 
+class ProviderSettings(BaseSettings):
+    """How the control plane reaches each provider's API (its node-group drivers and quotas)."""
+
+    model_config = SettingsConfigDict(env_prefix="MERIDIAN_PROVIDER_", extra="ignore")
+
+    # Providers whose drivers the reconciler uses; the on-prem one needs no credentials.
+    enabled: list[Literal["aws", "gcp", "onprem"]] = Field(default_factory=lambda: ["onprem"])
+    # AWS: credentials come from boto3's usual chain (env, profile, instance role).
+    # An endpoint URL points every AWS client at an S3/EC2-compatible stand-in (moto in tests).
+    aws_endpoint_url: str | None = None
+    # Names of the Auto Scaling groups and launch templates iac creates: "<prefix>-<...>".
+    aws_name_prefix: str = "meridian"
+    # GCP: the project that holds the managed instance groups; credentials from Application
+    # Default Credentials unless an endpoint (a local stand-in) is set, which needs none.
+    gcp_project: str | None = None
+    gcp_endpoint_url: str | None = None
+    gcp_name_prefix: str = "meridian"
+    # Upper bound on one call to a provider's API (each SDK call; waits poll within it).
+    call_timeout_s: float = Field(30.0, gt=0)
+    # How long a driver waits for a cloud operation (a resize, an instance group) to finish.
+    operation_timeout_s: float = Field(300.0, gt=0)
+
+
 class RouterSettings(BaseSettings):
     """Settings of `meridian router serve`."""
 
@@ -101,7 +126,7 @@ class RouterSettings(BaseSettings):
     # one and more than imbalance_ratio times its load.
     affinity_prefix_weight: float = Field(1.0, ge=0)
     affinity_lora_weight: float = Field(0.5, ge=0)
-    affinity_load_weight: float = Field(1.0, ge=0)
+    affinity_load_weight: float = Field(0.5, ge=0)
     affinity_kv_usage_weight: float = Field(0.2, ge=0)
     latency_objective_ms: float = Field(1000.0, gt=0)
     imbalance_abs_threshold: int = Field(4, ge=0)

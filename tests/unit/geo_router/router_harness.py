@@ -133,7 +133,8 @@ def node_app(b: NodeBehaviour) -> FastAPI:
             return JSONResponse(openai_error("temperature must be <= 2", param="temperature"),
                                 status_code=400)
         if body.get("stream"):
-            return StreamingResponse(_events(b), media_type="text/event-stream")
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(_events(b, usage), media_type="text/event-stream")
         return JSONResponse({
             "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": MODEL,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": f"hi from {b.name}"},
@@ -146,7 +147,11 @@ def node_app(b: NodeBehaviour) -> FastAPI:
     return app
 
 
-async def _events(b: NodeBehaviour) -> AsyncIterator[str]:
+# The usage chunk a stream ends with when the client asked for it (stream_options.include_usage).
+STREAM_USAGE = {"prompt_tokens": 1000, "completion_tokens": 2000, "total_tokens": 3000}
+
+
+async def _events(b: NodeBehaviour, usage: bool = False) -> AsyncIterator[str]:
     try:
         if b.mode == "die_early":
             raise RuntimeError("node died during prefill")
@@ -158,6 +163,10 @@ async def _events(b: NodeBehaviour) -> AsyncIterator[str]:
                 yield 'data: {"id": "chatcmpl-1", "choi'
                 raise RuntimeError("node crashed mid-stream")
             await asyncio.sleep(0.05 if b.mode == "slow" else 0)
+        if usage:
+            last = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
+                    "choices": [], "usage": STREAM_USAGE}
+            yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         b.stream_closed.set()

@@ -49,6 +49,17 @@ def test_affinity_accepts_a_little_more_load_for_a_long_prefix_but_not_a_hot_spo
     assert policy.imbalance_fallbacks == 1
 
 
+def test_with_nothing_cached_anywhere_affinity_is_least_load_then_fewest_recent():
+    # A prompt no replica holds (or whose shared system prompt all hold): the recent-share
+    # balance only breaks ties in load; it never sends a request to a longer queue.
+    policy = AffinityPolicy()
+    cands = [cand("busy-but-rarely-used", in_flight=3, recent=0.0, prefix_hit=0.2),
+             cand("idle-but-often-used", in_flight=1, recent=9.0, prefix_hit=0.2),
+             cand("idle-rarely-used", in_flight=1, recent=2.0, prefix_hit=0.2)]
+    assert ids(policy.order(cands, CTX)) == ["idle-rarely-used", "idle-but-often-used", "busy-but-rarely-used"]
+    assert policy.imbalance_fallbacks == 0
+
+
 def test_reported_load_counts_even_when_this_router_sent_nothing():
     # Another router's requests show in the node's running/waiting, not in our in-flight.
     policy = AffinityPolicy()

@@ -40,13 +40,14 @@ US = REGIONS["us"].name
 def test_parses_the_load_a_node_exports():
     stats = EngineStats(running=3, waiting=2, kv_cache_usage=0.25, max_loras=4,
                         running_loras=("sql", "chat", "sql"), waiting_loras=("legal",),
-                        loaded_loras=("sql", "chat", "legal"))
+                        loaded_loras=("sql", "chat", "legal"),
+                        prefix_cache_queries_total=900, prefix_cache_hits_total=600)
     metrics = NodeMetrics("tiny-llama", lambda: stats,
                           cache_config={"block_size": "32", "enable_prefix_caching": "True"})
     load = parse_node_metrics(metrics.render().decode(), observed_at=12.5)
     assert load == NodeLoad(running=3, waiting=2, kv_usage=0.25, max_loras=4,
                             active_adapters=frozenset({"sql", "chat", "legal"}), block_size=32,
-                            observed_at=12.5)
+                            prefix_cache_hits=600, prefix_cache_queries=900, observed_at=12.5)
 
 
 def test_a_node_without_lora_or_cache_config_reads_as_none_of_either():
@@ -72,6 +73,10 @@ vllm:lora_requests_info{max_lora="8",running_lora_adapters="a,b",waiting_lora_ad
 vllm:lora_requests_info{max_lora="8",running_lora_adapters="",waiting_lora_adapters="x"} 1.75e9
 vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",swap_space="4"} 1.0
 vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="1",swap_space="4"} 1.0
+vllm:prefix_cache_queries_total{engine="0",model_name="llama"} 1000.0
+vllm:prefix_cache_queries_total{engine="1",model_name="llama"} 500.0
+vllm:prefix_cache_hits_total{engine="0",model_name="llama"} 250.0
+vllm:prefix_cache_hits_total{engine="1",model_name="llama"} 50.0
 vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="llama"} 0.0
 this line is not prometheus at all
 vllm:num_requests_running{engine="2",model_name="llama"} not-a-number
@@ -84,6 +89,7 @@ def test_parses_a_vllm_page_summing_engines_and_taking_the_newest_lora_series():
     assert load.kv_usage == 0.75  # the fullest engine; the pre-0.10 metric name
     assert (load.max_loras, load.active_adapters) == (8, frozenset({"a", "b", "c"}))
     assert load.block_size == 16
+    assert (load.prefix_cache_hits, load.prefix_cache_queries) == (300, 1500)
 
 
 def test_an_empty_or_foreign_page_reads_as_idle():

@@ -10,6 +10,7 @@ import pytest
 from router_harness import (
     GLOBAL_KEY,
     MODEL,
+    STREAM_USAGE,
     NodeBehaviour,
     ServerGroup,
     make_table,
@@ -26,6 +27,8 @@ from meridian.contracts import HEADER_NODE, RoutingTable
 from meridian.security import hash_api_key
 
 LIMITED_RPM_KEY = "mrd_rpm-limited-key"
+TPM_KEY = "mrd_tpm-limited-key"
+TPM = 20_000
 
 
 def _table() -> RoutingTable:
@@ -35,7 +38,11 @@ def _table() -> RoutingTable:
         "key_hash": hash_api_key(LIMITED_RPM_KEY), "key_prefix": LIMITED_RPM_KEY[:10], "tenant": "small-co",
         "requests_per_minute": 2,
     })
-    return table.model_copy(update={"tenants": [*table.tenants, extra]})
+    tpm = tenants()[0].model_copy(update={
+        "key_hash": hash_api_key(TPM_KEY), "key_prefix": TPM_KEY[:10], "tenant": "token-co",
+        "tokens_per_minute": TPM,
+    })
+    return table.model_copy(update={"tenants": [*table.tenants, extra, tpm]})
 
 
 class ThreeNodes:
@@ -126,10 +133,36 @@ async def test_a_tenant_over_its_request_rate_gets_openai_429_with_retry_after(a
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(refused.headers["retry-after"]) >= 1
+    assert affinity.client is not None
+    text = (await affinity.client.get("/metrics")).text
+    assert metric(text, "meridian_router_rate_limited_total", tenant="small-co", limit="requests") == 1
     hits_before = sum(b.hits for b in affinity.behaviours.values())
     # Other tenants are not affected, and the refused request never reached a node.
     assert (await affinity.chat(msgs)).status_code == 200
     assert sum(b.hits for b in affinity.behaviours.values()) == hits_before + 1
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_a_stream_settles_its_token_charge_when_it_ends(affinity: ThreeNodes, include_usage: bool):
+    # Charged up front for its whole max_tokens budget; once the stream is over, only for
+    # what it used: the usage chunk when asked for, else the prompt plus one token a chunk.
+    assert affinity.client is not None
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000,
+            "stream": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    auth = {"authorization": f"Bearer {TPM_KEY}"}
+    r = await affinity.client.post("/v1/chat/completions", json=body, headers=auth)
+    assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) < TPM - 5000
+    nxt = await affinity.client.post("/v1/chat/completions", headers=auth,
+                                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                           "max_tokens": 1})
+    used_by_stream = STREAM_USAGE["total_tokens"] if include_usage else 1 + 3  # "hi" ~ 1 token, 3 chunks
+    # The bucket refills TPM/60 a second, so compare within a few hundred tokens; unsettled,
+    # the stream would still hold its 5000.
+    remaining = int(nxt.headers["x-ratelimit-remaining-tokens"])
+    assert abs(remaining - (TPM - used_by_stream)) < 400
 
 
 async def test_metrics_show_ttfb_and_predicted_cache_hits_per_node(affinity: ThreeNodes):

@@ -306,8 +306,9 @@ async def test_a_pooled_connection_the_node_dropped_is_retried_on_a_new_one(fabr
     assert node_side.connections == 2
     assert hits(fabric)["eu"] == 0
     text = (await client.get("/metrics")).text
-    assert metric(text, "meridian_router_upstream_failures_total",
-                  region="aws:us-east-1", node="us-1", reason="protocol") == 0
+    for reason in ("protocol", "closed"):
+        assert metric(text, "meridian_router_upstream_failures_total",
+                      region="aws:us-east-1", node="us-1", reason=reason) == 0
 
 
 async def test_a_body_ended_by_closing_the_connection_is_passed_whole(fabric: Fabric):
@@ -341,6 +342,27 @@ async def test_failover_stops_when_the_retry_budget_is_spent(fabric: Fabric):
         r = await fabric.client().post(url + "/v1/chat/completions", json=CHAT)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_replica"
     assert hits(fabric) == {"us": 1, "eu": 0, "apac": 0}
+
+
+async def test_failing_over_from_a_node_that_is_gone_does_not_need_the_retry_budget(fabric: Fabric):
+    # A killed region: one node refuses connections, another drops the request unanswered.
+    # The budget guards overloaded replicas; these are gone, so the request still fails over.
+    dead = reserve_port()
+    async with RawNode(lambda _n: None) as dropping:
+        nodes = [node("us", url_of(dead)), node("us2", dropping, region="us"),
+                 node("eu", fabric.node_urls["eu"])]
+        app = create_app(router_settings(retry_budget_percent=0, min_retry_concurrency=0),
+                         table_source=StaticTableSource(make_table(nodes)))
+        async with running(app) as url:
+            client = fabric.client()
+            r = await client.post(url + "/v1/chat/completions", json=CHAT)
+            text = (await client.get(url + "/metrics")).text
+    dead.close()
+    assert r.status_code == 200 and r.headers[HEADER_REGION] == "gcp:europe-west4"
+    assert metric(text, "meridian_router_upstream_failures_total",
+                  region="aws:us-east-1", node="us-1", reason="connect") == 1
+    assert metric(text, "meridian_router_upstream_failures_total",
+                  region="aws:us-east-1", node="us2-1", reason="closed") == 1
 
 
 async def test_a_stream_that_does_not_start_within_the_read_timeout_fails_over(fabric: Fabric):

@@ -1,0 +1,122 @@
+"""The background sync of router state shared through Redis, kept off the request path.
+
+`RedisSyncLoop` runs its owner's `sync` (push local changes, pull the other routers') every
+interval and at once after `wake()`, backs off while Redis is unreachable, warns about that
+once per _WARN_EVERY_S and says when Redis is back. The owner keeps serving from its local
+state meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+
+# One warning per this many seconds while Redis stays unreachable.
+_WARN_EVERY_S = 30.0
+# While Redis is unreachable, retries back off up to this.
+_MAX_RETRY_S = 5.0
+
+
+class RedisSyncLoop:
+    """Calls `sync` every `interval_s` (and at once after `wake()`) in a task of its own."""
+
+    def __init__(
+        self,
+        sync: Callable[[], Awaitable[None]],
+        *,
+        interval_s: float,
+        task_name: str,
+        while_down: str,
+        once_back: str,
+        log: logging.Logger,
+        final_flush: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        """`while_down` ends the warning ("... until it is back"), `once_back` the info that
+        Redis is reachable again; `log` is the owner's, so its records keep their logger."""
+        self._sync = sync
+        self._interval_s = interval_s
+        self._task_name = task_name
+        self._while_down = while_down
+        self._once_back = once_back
+        self._log = log
+        self._final_flush = final_flush
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._down = False
+        self._last_warning_at = -math.inf
+
+    @property
+    def reachable(self) -> bool:
+        """False since the last sync failed, until one succeeds."""
+        return not self._down
+
+    def wake(self) -> None:
+        """Sync now rather than at the next tick (unless Redis is down: then the backoff holds)."""
+        self._wake.set()
+
+    async def start(self) -> None:
+        """Sync once (when Redis answers), then keep syncing in the background."""
+        if self._task is not None:
+            return
+        self._stopping = False
+        await self.sync_once()
+        self._task = asyncio.create_task(self._run(), name=self._task_name)
+
+    async def stop(self) -> None:
+        """Stop syncing, then run the final flush if Redis was reachable (best effort)."""
+        task, self._task = self._task, None
+        if task is not None:
+            # The flag too: a cancel landing as the loop wakes was seen lost on 3.11, and
+            # then `await task` never returned.
+            self._stopping = True
+            self._wake.set()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._final_flush is not None and not self._down:
+            # Stopping must not fail for a Redis that went away meanwhile.
+            with contextlib.suppress(Exception):
+                await self._final_flush()
+
+    async def sync_once(self) -> bool:
+        """Run `sync` now; False if it raised (Redis then counts as unreachable)."""
+        try:
+            await self._sync()
+        except Exception as exc:  # noqa: BLE001 - whatever Redis does, the owner goes on locally
+            self._note_unreachable(exc)
+            return False
+        if self._down:
+            self._log.info("Redis is reachable again; %s", self._once_back)
+            self._down = False
+        return True
+
+    async def _run(self) -> None:
+        delay = self._interval_s
+        while not self._stopping:
+            if self._down:
+                # Wakes come with every local change: heeding them would defeat the backoff.
+                await asyncio.sleep(delay)
+            else:
+                # Not wait_for: on 3.11 it swallows a cancel that comes as the event fires.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
+            self._wake.clear()
+            if self._stopping:
+                return
+            ok = await self.sync_once()
+            delay = self._interval_s if ok else min(max(delay * 2, self._interval_s), _MAX_RETRY_S)
+
+    def _note_unreachable(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if not self._down or now - self._last_warning_at >= _WARN_EVERY_S:
+            self._log.warning(
+                "Redis unreachable (%s: %s); %s until it is back", type(exc).__name__, exc, self._while_down
+            )
+            self._last_warning_at = now
+        self._down = True
