@@ -42,9 +42,11 @@ from control_plane.leader import Deposed, Fence, check_fence
 from control_plane.routing_table import bump_version
 from meridian.backoff import Backoff
 from meridian.contracts import NodeStatus
+from meridian.settings import ProviderSettings
 from providers.driver import DriverRegistry, GroupSpec, GroupState, UnknownDriverError
 from providers.errors import ProviderError
-from providers.onprem.driver import OnPremDriver
+from providers.onprem.inventory import Inventory, load_inventory
+from providers.provider import ProviderConfig, ProviderRegistry
 
 log = logging.getLogger(__name__)
 
@@ -664,10 +666,16 @@ def _bind(fn: Callable[[GroupSpec, str], Awaitable[T]], spec: GroupSpec, node: s
 # --- drivers ------------------------------------------------------------------------------
 
 
-def default_drivers(onprem_inventory: Path | None) -> DriverRegistry:
-    """The drivers the control plane runs with: on-prem hosts from the inventory (AWS and GCP
-    drivers come with their providers' runtime support)."""
-    registry = DriverRegistry()
-    registry.register_driver(OnPremDriver(onprem_inventory))
-    return registry
-
+def default_drivers(
+    onprem_inventory: Path | Inventory | None,
+    settings: ProviderSettings | None = None,
+    providers: ProviderRegistry | None = None,
+) -> DriverRegistry:
+    """The drivers of the enabled providers (`MERIDIAN_PROVIDER_ENABLED`, on-prem alone by
+    default); each cloud's SDK is imported only when its provider is enabled."""
+    config = ProviderConfig(settings or ProviderSettings(), load_inventory(onprem_inventory))
+    registry = providers or ProviderRegistry()
+    drivers = DriverRegistry()
+    for name in config.settings.enabled:
+        drivers.register_driver(registry.create(name, config).driver())
+    return drivers

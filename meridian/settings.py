@@ -84,8 +84,10 @@ class ProviderSettings(BaseSettings):
     gcp_name_prefix: str = "meridian"
     # Upper bound on one call to a provider's API (each SDK call; waits poll within it).
     call_timeout_s: float = Field(30.0, gt=0)
-    # How long a driver waits for a cloud operation (a resize, an instance group) to finish.
-    operation_timeout_s: float = Field(300.0, gt=0)
+    # How long a driver waits for a cloud operation to finish (a resize: until its instances
+    # exist, not until they boot). Below the control plane's driver_timeout_s (60 s), so a
+    # slow resize ends as the driver's own clear error; the reconciler retries it.
+    operation_timeout_s: float = Field(45.0, gt=0)
 
 
 class RouterSettings(BaseSettings):

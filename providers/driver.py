@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 
@@ -43,6 +44,15 @@ class GroupState:
         return len(self.nodes)
 
 
+@dataclass(frozen=True, slots=True)
+class PreemptionNotice:
+    """A node the provider will take back (a spot interruption): drain it before `deadline`."""
+
+    node: str
+    deadline: datetime
+    reason: str
+
+
 @runtime_checkable
 class NodeGroupDriver(Protocol):
     """One provider's node groups. Methods are async; callers bound them with timeouts."""
@@ -68,6 +78,10 @@ class NodeGroupDriver(Protocol):
 
     async def delete_group(self, spec: GroupSpec) -> None:
         """Remove the group and any node left in it; idempotent."""
+        ...
+
+    async def preemption_notices(self, spec: GroupSpec) -> list[PreemptionNotice]:
+        """The group's nodes the provider has announced it will take back (spot interruptions)."""
         ...
 
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
@@ -15,10 +15,12 @@ from control_plane import planner
 from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
-from control_plane.db.models import PlacementPlan
-from control_plane.errors import Conflict, NotFound
+from control_plane.db.models import Deployment, PlacementPlan
+from control_plane.errors import BadRequest, Conflict, NotFound
+from control_plane.infra_export import InfraExportError, InfraOptions, infra_plan
 from control_plane.placement.problem import SolveOptions
 from control_plane.scopes import FLEET_READERS, Scope
+from meridian.infra_plan import KubernetesTarget
 
 router = APIRouter(prefix="/v1/placement")
 readers = [Depends(require_scopes(FLEET_READERS))]
@@ -33,6 +35,22 @@ class PlanRequest(BaseModel):
 
     time_limit_s: float = Field(10.0, gt=0, le=120)
     mip_rel_gap: float = Field(0.005, ge=0, le=0.5)
+
+
+class InfraRequest(BaseModel):
+    """What the placement does not know about the infrastructure (see control_plane.infra_export)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    control_plane_url: str = Field(pattern=r"^https?://", max_length=500)
+    endpoint_domain: str = Field(min_length=3, max_length=253)
+    dns_zone: str = Field(min_length=3, max_length=253)
+    global_region: str = Field(min_length=3, max_length=80)
+    router_addresses: list[str] = Field(default_factory=list, max_length=64)
+    name: str = Field("meridian", min_length=1, max_length=63)
+    agent_package: str = Field("meridian", min_length=1, max_length=200)
+    kubernetes_sites: dict[str, KubernetesTarget] = Field(default_factory=dict, max_length=256)
+    max_scale: float = Field(2.0, ge=1, le=100)
 
 
 class PlanView(BaseModel):
@@ -119,6 +137,33 @@ def current_placement(ctx: Ctx) -> PlanView:
 def get_plan(ctx: Ctx, plan_id: PlanIdParam) -> PlanView:
     with ctx.read() as session:
         return PlanView.of(planner.get_plan(session, plan_id))
+
+
+@router.post("/plans/{plan_id}/infra", dependencies=readers)
+def infra_of_plan(ctx: Ctx, plan_id: PlanIdParam, body: InfraRequest) -> dict[str, Any]:
+    """The plan as an infrastructure plan, the file `meridian iac synth --plan` reads."""
+    options = InfraOptions(
+        control_plane_url=body.control_plane_url, endpoint_domain=body.endpoint_domain,
+        dns_zone=body.dns_zone, global_region=body.global_region,
+        router_addresses=tuple(body.router_addresses), name=body.name, agent_package=body.agent_package,
+        kubernetes_sites=body.kubernetes_sites, max_scale=body.max_scale,
+    )
+    with ctx.read() as session:
+        plan = planner.get_plan(session, plan_id)
+        zones = {d.model: d.zone for d in session.scalars(select(Deployment)).all()}
+        assignments = [planner.assignment_of(a) for a in plan.assignments]
+    try:
+        infra = infra_plan(assignments, zones, ctx.regions, ctx.catalog, options, plan_id=plan_id)
+    except (InfraExportError, ValidationError) as e:
+        raise BadRequest(f"plan {plan_id} cannot be written as infrastructure: {_first_error(e)}") from e
+    return infra.model_dump(mode="json", by_alias=True)
+
+
+def _first_error(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        err = e.errors()[0]
+        return str(err.get("ctx", {}).get("error") or err["msg"])
+    return str(e)
 
 
 @router.post("/plans/{plan_id}/apply")

@@ -11,6 +11,7 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from iac.cli import app as iac_app
 from meridian.cli.admin_client import AdminAPIError, AdminClient
 from meridian.cli.status_view import status_table
 from meridian.settings import CLISettings, ControlPlaneSettings, NodeSettings, RouterSettings, WeightSettings
@@ -28,6 +29,8 @@ app.add_typer(node_app, name="node")
 app.add_typer(model_app, name="model")
 app.add_typer(keys_app, name="keys")
 app.add_typer(catalog_app, name="catalog")
+# cdktf stays inside iac/ (imported by its commands only, so other commands start fast).
+app.add_typer(iac_app, name="iac", help="Terraform stacks from an infrastructure plan (cdktf synth, diff).")
 
 console = Console()
 err_console = Console(stderr=True)

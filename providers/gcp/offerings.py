@@ -87,6 +87,16 @@ def _price(row: Row, column: str) -> float | None:
     return parse_price(row.get(column), _where(row), column)
 
 
+_ATTACHED = re.compile(rf"^{N1}\+(?P<count>\d+)x(?P<accelerator>[A-Za-z0-9-]+)$")
+
+
+def attached_accelerator(instance_type: str) -> tuple[str, int] | None:
+    """(GCP accelerator name, count) of an attached-GPU offering ("n1+4xT4" → ("T4", 4)); None for
+    a machine type."""
+    m = _ATTACHED.match(instance_type)
+    return (m.group("accelerator"), int(m.group("count"))) if m else None
+
+
 def host_accelerator(instance_type: str) -> tuple[str, int]:
     """(GCP accelerator name, count) a host machine type carries, e.g. a3-highgpu-8g → ("H100", 8)."""
     if (m := re.fullmatch(r"g2-standard-(\d+)", instance_type)) and int(m.group(1)) in _G2_L4_COUNT:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meridian.contracts import NODE_ID_PATTERN
-from providers.driver import GroupSpec, GroupState
+from providers.driver import GroupSpec, GroupState, PreemptionNotice
 from providers.errors import CapacityError, ProviderError
 from providers.onprem.inventory import HostClass, Inventory, Site, load_inventory
 
@@ -127,6 +127,10 @@ class OnPremDriver:
 
     async def delete_group(self, spec: GroupSpec) -> None:
         self._groups.pop(spec.group_id, None)
+
+    async def preemption_notices(self, spec: GroupSpec) -> list[PreemptionNotice]:
+        """Owned hosts are never taken back."""
+        return []
 
     def free_hosts(self, region: str, instance_type: str) -> int:
         """Hosts of a class at a site that no group holds."""
