@@ -39,6 +39,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.common import Figure
+from bench.engine import BENCH_ARCH
 from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
 from meridian.contracts import HEADER_NODE
 from meridian.localfabric import FabricSpec, LocalFabric, local_fabric
@@ -46,15 +47,8 @@ from meridian.localfabric import FabricSpec, LocalFabric, local_fabric
 BENCH = "routing"
 REGION = "aws:us-east-1"
 MODEL = "bench-llama"
-# Big enough that prefill dominates time to first token on a CPU, small enough for 2 cores.
-ARCH = TinyArch(
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=688,
-    max_position_embeddings=4096,
-)
+# The engine bench's checkpoint: big enough that prefill dominates time to first token on a CPU.
+ARCH = BENCH_ARCH
 WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
     "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu red green blue amber "
