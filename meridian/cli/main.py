@@ -29,6 +29,8 @@ app.add_typer(node_app, name="node")
 app.add_typer(model_app, name="model")
 app.add_typer(keys_app, name="keys")
 app.add_typer(catalog_app, name="catalog")
+chaos_app = typer.Typer(no_args_is_help=True, help="Chaos drills: faults under load, checked from the request history.")
+app.add_typer(chaos_app, name="chaos")
 # cdktf stays inside iac/ (imported by its commands only, so other commands start fast).
 app.add_typer(iac_app, name="iac", help="Terraform stacks from an infrastructure plan (cdktf synth, diff).")
 
@@ -264,6 +266,35 @@ def plan(
     except AdminAPIError as e:
         err_console.print(f"[red]{e}[/red]")
         raise typer.Exit(1) from None
+
+
+@chaos_app.command("list")
+def chaos_list(
+    directory: Annotated[
+        Path | None, typer.Option("--dir", help="A folder of drill YAML files (default: the built-in drills)")
+    ] = None,
+) -> None:
+    """The drills: their fault, its target, and how long each runs (in full and in CI's short form)."""
+    from rich.table import Table
+
+    from chaos.drill import DRILLS_DIR, DrillError, load_drills
+
+    try:
+        drills = load_drills(directory or DRILLS_DIR)
+    except DrillError as e:
+        err_console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+    table = Table(title=f"{len(drills)} drills")
+    for column in ("drill", "fault", "target", "fault window", "full", "short", "what it proves"):
+        table.add_column(column, overflow="fold")
+    for d in drills:
+        t = d.fault.target
+        target = next((f"{k} {v}" for k, v in (("node", t.node), ("region", t.region), ("provider", t.provider),
+                                                ("service", t.service), ("model", t.model)) if v), "-")
+        short = d.short_version()
+        table.add_row(d.name, d.fault.kind, target, f"{d.fault.start_s:g}–{d.fault.end_s:g} s",
+                      f"{d.load.duration_s:g} s", f"{short.load.duration_s:g} s", d.description.splitlines()[0])
+    console.print(table)
 
 
 @catalog_app.command("gpus")

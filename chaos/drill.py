@@ -1,0 +1,344 @@
+"""Drill definitions: one YAML file per drill, validated with pydantic at the file boundary.
+
+A drill states a steady-state hypothesis, the open-loop load that runs for the whole
+drill, one fault with its target and its window, abort conditions and pass criteria.
+All times are seconds from the start of the load. `short` overrides the durations
+for CI; every drill's short version runs at most `MAX_SHORT_DURATION_S` seconds.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from meridian.contracts import REGION_PATTERN, ZONE_PATTERN
+
+MAX_SHORT_DURATION_S = 60.0
+DRILLS_DIR = Path(__file__).parent / "drills"
+
+FaultKind = Literal[
+    "process_crash",
+    "process_hang",
+    "spot_preemption",
+    "proxy_latency",
+    "proxy_bandwidth",
+    "proxy_reset",
+    "proxy_blackhole",
+    "proxy_slow_close",
+    "region_outage",
+    "provider_outage",
+    "control_plane_outage",
+    "redis_outage",
+    "postgres_restart",
+    "corrupt_weight_chunk",
+    "disk_full_during_fetch",
+    "scale_from_zero_burst",
+    "clock_skew",
+]
+
+# Parameters each injector understands: (required, optional). Anything else is a typo the
+# injector would silently ignore, so it is refused here.
+FAULT_PARAMS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "process_crash": (frozenset(), frozenset({"restart_after_s"})),
+    "process_hang": (frozenset(), frozenset()),
+    "spot_preemption": (frozenset({"drain_deadline_s"}), frozenset()),
+    "proxy_latency": (frozenset({"latency_ms"}), frozenset({"jitter_ms"})),
+    "proxy_bandwidth": (frozenset({"bytes_per_s"}), frozenset()),
+    "proxy_reset": (frozenset(), frozenset({"probability"})),
+    "proxy_blackhole": (frozenset(), frozenset()),
+    "proxy_slow_close": (frozenset(), frozenset({"delay_ms"})),
+    "region_outage": (frozenset(), frozenset()),
+    "provider_outage": (frozenset(), frozenset()),
+    "control_plane_outage": (frozenset(), frozenset()),
+    "redis_outage": (frozenset(), frozenset()),
+    "postgres_restart": (frozenset(), frozenset({"down_s"})),
+    "corrupt_weight_chunk": (frozenset(), frozenset({"chunk_index"})),
+    "disk_full_during_fetch": (frozenset(), frozenset({"free_bytes"})),
+    "scale_from_zero_burst": (frozenset({"burst_requests"}), frozenset({"queue_deadline_s"})),
+    "clock_skew": (frozenset({"offset_s"}), frozenset()),
+}
+
+# Properties that are not visible in a request history; the runner observes them (leader
+# leases, the weight cache, the control plane's database) and hands the results to the verdict.
+Invariant = Literal[
+    "outlier_ejected",
+    "region_ejected",
+    "served_from_snapshot",
+    "kv_routing_degraded_gracefully",
+    "acknowledged_writes_present",
+    "node_drained_within_deadline",
+    "replacement_node_ready",
+    "corruption_detected_by_digest",
+    "corrupt_model_never_served",
+    "clear_disk_full_error",
+    "cache_consistent",
+    "node_recovers_after_space_freed",
+    "single_leader",
+    "no_healthy_node_flapped",
+]
+
+Service = Literal["control_plane", "router", "node", "redis", "postgres", "weights_origin"]
+_NAME = r"^[a-z0-9][a-z0-9-]{0,62}$"
+
+
+class DrillError(ValueError):
+    """A drill file is unreadable or invalid; the message names the file and the field."""
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class SteadyState(_Spec):
+    """What "healthy" means, measured over `window_s` seconds before the fault starts."""
+
+    min_success_rate: float = Field(ge=0, le=1)
+    max_p99_ms: float | None = Field(None, gt=0)
+    window_s: float = Field(gt=0)
+
+
+class TenantLoad(_Spec):
+    """A tenant of the load: its residency zone and its share of the arrivals."""
+
+    name: str = Field(pattern=_NAME)
+    zone: str = Field(pattern=ZONE_PATTERN)
+    weight: float = Field(gt=0)
+
+
+class Load(_Spec):
+    """Open-loop load: arrivals do not wait for answers, so a slow fabric meets full load."""
+
+    arrivals_per_s: float = Field(gt=0)
+    duration_s: float = Field(gt=0)
+    streaming_fraction: float = Field(ge=0, le=1)
+    tenants: list[TenantLoad] = Field(min_length=1)
+    shared_prefix: bool = False
+    max_tokens: int = Field(16, ge=1, le=4096)
+    # After this the client gives up and records the request as indeterminate.
+    request_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _unique_tenants(self) -> Load:
+        names = [t.name for t in self.tenants]
+        if len(names) != len(set(names)):
+            raise ValueError(f"tenant names must be unique, got {names}")
+        return self
+
+
+class Topology(_Spec):
+    """The fabric the drill needs; the runner starts it (locally) or checks it (deployed)."""
+
+    # None: the local fabric's demo regions.
+    regions: list[str] | None = Field(None, min_length=1)
+    nodes_per_region: int = Field(1, ge=1, le=8)
+    routers: int = Field(1, ge=1, le=8)
+    control_plane_replicas: int = Field(1, ge=1, le=4)
+    redis: bool = False
+    postgres: bool = False
+    # Settings the fabric's processes need for this drill (e.g. a short router read timeout).
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> Topology:
+        bad = [r for r in self.regions or () if not re.match(REGION_PATTERN, r)]
+        if bad:
+            raise ValueError(f"regions {bad} do not look like <provider>:<location>")
+        bad = [k for k in self.env if not re.match(r"^MERIDIAN_[A-Z0-9_]+$", k)]
+        if bad:
+            raise ValueError(f"env keys {bad} are not MERIDIAN_* settings")
+        return self
+
+
+class Target(_Spec):
+    """What the fault hits. `node: any` lets the runner pick one node matching the rest."""
+
+    node: str | None = None
+    region: str | None = Field(None, pattern=REGION_PATTERN)
+    provider: Literal["aws", "gcp", "onprem"] | None = None
+    service: Service | None = None
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> Target:
+        if not any(v is not None for v in (self.node, self.region, self.provider, self.service, self.model)):
+            raise ValueError("a target needs at least one of node, region, provider, service, model")
+        return self
+
+
+class Fault(_Spec):
+    """One fault, injected at `start_s` and removed at `end_s`.
+
+    For instantaneous faults (a crash, a preemption, a burst) `end_s` is when the injector
+    heals what it broke (restarts the process), and the fault window the checker measures.
+    """
+
+    kind: FaultKind
+    target: Target
+    params: dict[str, float | int | str | bool] = Field(default_factory=dict)
+    start_s: float = Field(ge=0)
+    end_s: float = Field(ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Fault:
+        if self.end_s < self.start_s:
+            raise ValueError(f"end_s ({self.end_s}) is before start_s ({self.start_s})")
+        required, optional = FAULT_PARAMS[self.kind]
+        missing = sorted(required - self.params.keys())
+        unknown = sorted(self.params.keys() - required - optional)
+        if missing:
+            raise ValueError(f"{self.kind} needs params {missing}")
+        if unknown:
+            raise ValueError(f"{self.kind} does not take params {unknown} (known: {sorted(required | optional)})")
+        if self.kind == "region_outage" and self.target.region is None:
+            raise ValueError("region_outage needs target.region")
+        if self.kind == "provider_outage" and self.target.provider is None:
+            raise ValueError("provider_outage needs target.provider")
+        return self
+
+
+class AbortCondition(_Spec):
+    """Stop the drill early (and fail it) when errors stay above a rate for a while."""
+
+    error_rate_above: float = Field(gt=0, le=1)
+    for_s: float = Field(gt=0)
+
+
+class AllowedError(_Spec):
+    """A failure that is the correct answer under this fault (a clean error)."""
+
+    status: int = Field(ge=400, le=599)
+    code: str = Field(min_length=1)
+    retry_after: bool = False  # the answer must carry Retry-After
+
+
+class PassCriteria(_Spec):
+    """What the checker asserts; see chaos.checker for the exact definitions."""
+
+    max_lost: int = Field(0, ge=0)
+    max_duplicated: int = Field(0, ge=0)
+    max_unexpected: int = Field(0, ge=0)
+    max_residency_violations: int = Field(0, ge=0)
+    max_unclean_errors: int = Field(0, ge=0)
+    max_indeterminate: int | None = Field(None, ge=0)
+    max_error_rate_during_fault: float | None = Field(None, ge=0, le=1)
+    max_p99_during_fault_ms: float | None = Field(None, gt=0)
+    max_latency_during_fault_ms: float | None = Field(None, gt=0)
+    max_recovery_s: float | None = Field(None, ge=0)
+    recovery_from: Literal["fault_end", "fault_start"] = "fault_end"
+    recovery_window_s: float = Field(2.0, gt=0)
+    allowed_errors: list[AllowedError] = Field(default_factory=list)
+    # A stream that breaks after its first byte must end with an SSE error event; such a
+    # stream then counts as a clean error.
+    streams_end_with_error_event: bool = False
+    invariants: list[Invariant] = Field(default_factory=list)
+
+
+class ShortOverride(_Spec):
+    """Shorter timings for CI; the rest of the drill is unchanged."""
+
+    duration_s: float = Field(gt=0, le=MAX_SHORT_DURATION_S)
+    fault_start_s: float = Field(ge=0)
+    fault_end_s: float = Field(ge=0)
+    steady_state_window_s: float | None = Field(None, gt=0)
+    arrivals_per_s: float | None = Field(None, gt=0)
+
+
+class Drill(_Spec):
+    """A chaos drill."""
+
+    name: str = Field(pattern=_NAME)
+    description: str = Field(min_length=1)
+    topology: Topology = Field(default_factory=Topology)
+    steady_state: SteadyState
+    load: Load
+    fault: Fault
+    abort: list[AbortCondition] = Field(default_factory=list)
+    pass_criteria: PassCriteria = Field(alias="pass")
+    short: ShortOverride | None = None
+
+    @model_validator(mode="after")
+    def _timeline(self) -> Drill:
+        f, duration = self.fault, self.load.duration_s
+        if f.start_s < self.steady_state.window_s:
+            raise ValueError(
+                f"fault.start_s ({f.start_s}) leaves no room for the steady-state window "
+                f"({self.steady_state.window_s} s) before it"
+            )
+        if f.end_s > duration:
+            raise ValueError(f"fault.end_s ({f.end_s}) is after the load ends ({duration} s)")
+        c = self.pass_criteria
+        if c.max_recovery_s is not None:
+            ref = f.end_s if c.recovery_from == "fault_end" else f.start_s
+            # Otherwise the bound could never be confirmed before the load stops.
+            if duration - ref < c.max_recovery_s + c.recovery_window_s:
+                raise ValueError(
+                    f"the load ends {duration - ref:g} s after the {c.recovery_from.replace('_', ' ')}, "
+                    f"too soon to measure recovery within {c.max_recovery_s:g} s "
+                    f"(+ a {c.recovery_window_s:g} s window)"
+                )
+        if self.short is None and duration > MAX_SHORT_DURATION_S:
+            raise ValueError(f"load.duration_s is {duration} s: add a `short` block of at most {MAX_SHORT_DURATION_S:g} s")
+        if self.short is not None:
+            self.short_version()  # its timeline must be valid too
+        return self
+
+    def short_version(self) -> Drill:
+        """The drill with the `short` timings applied (itself when it has none)."""
+        s = self.short
+        if s is None:
+            return self
+        data: dict[str, Any] = self.model_dump(by_alias=True)
+        data["short"] = None
+        data["load"]["duration_s"] = s.duration_s
+        data["fault"]["start_s"] = s.fault_start_s
+        data["fault"]["end_s"] = s.fault_end_s
+        if s.steady_state_window_s is not None:
+            data["steady_state"]["window_s"] = s.steady_state_window_s
+        if s.arrivals_per_s is not None:
+            data["load"]["arrivals_per_s"] = s.arrivals_per_s
+        try:
+            return Drill.model_validate(data)
+        except ValidationError as e:
+            raise ValueError(f"short version is invalid: {_describe(e)}") from None
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def load_drill(path: str | Path) -> Drill:
+    """Read and validate one drill file."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as e:
+        raise DrillError(f"{path}: cannot read drill: {e}") from None
+    if not isinstance(data, dict):
+        raise DrillError(f"{path}: a drill is a YAML mapping, got {type(data).__name__}")
+    try:
+        return Drill.model_validate(data)
+    except ValidationError as e:
+        raise DrillError(f"{path}: {_describe(e)}") from None
+
+
+def load_drills(directory: str | Path = DRILLS_DIR) -> list[Drill]:
+    """Every drill in a directory (*.yaml, *.yml), sorted by name; duplicate names are refused."""
+    directory = Path(directory)
+    files = sorted([*directory.glob("*.yaml"), *directory.glob("*.yml")])
+    seen: dict[str, Path] = {}
+    drills = []
+    for path in files:
+        drill = load_drill(path)
+        if drill.name in seen:
+            raise DrillError(f"{path}: drill name {drill.name!r} is already used by {seen[drill.name]}")
+        seen[drill.name] = path
+        drills.append(drill)
+    return sorted(drills, key=lambda d: d.name)

@@ -1,0 +1,249 @@
+"""Drill histories: what the load generator, the routers and the nodes record, as JSON lines.
+
+Three record types, told apart by `type`:
+
+- `client`: one request as the load generator saw it. Times are seconds from the start of
+  the load. A generator may append a record with no `outcome` when it sends a request
+  and a complete one when it ends; the checker keeps the complete one, so a request
+  whose end was never recorded still shows up as invoked.
+- `routed`: a router sent attempt number `attempt` of a request to a node.
+- `served`: a node finished working on a request; `completed` is false when it stopped
+  before the end (aborted, client gone, crashed mid-way and recorded on the way down).
+
+Files are append-only and every line is flushed as it is written, so a process killed with
+SIGKILL loses at most the line it was writing. Readers therefore forgive a torn last line
+and nothing else: a bad line in the middle means the file was damaged or mis-written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from types import TracebackType
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+log = logging.getLogger(__name__)
+
+
+class HistoryError(ValueError):
+    """A history file is malformed; the message names the file and line."""
+
+
+class Outcome(StrEnum):
+    """How a request ended for the client."""
+
+    OK = "ok"  # a complete answer
+    FAIL = "fail"  # a definite failure: an error status, or a stream that ended with an error event
+    INDETERMINATE = "indeterminate"  # timeout or connection lost after sending: may or may not have run
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOp:
+    """One request as the load generator saw it (`outcome` None: sent, end not recorded)."""
+
+    key: str  # the idempotency key
+    tenant: str
+    zone: str
+    stream: bool
+    invoke_s: float
+    first_byte_s: float | None = None
+    end_s: float | None = None
+    outcome: Outcome | None = None
+    status: int | None = None
+    error_code: str | None = None  # OpenAI error JSON's `code` (or the stream error event's)
+    retry_after: bool = False  # the answer carried a Retry-After header
+    region: str | None = None  # x-meridian-region
+    node: str | None = None  # x-meridian-node
+    stream_error_event: bool = False  # the stream ended with an SSE error event
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A router sent one attempt of a request to a node."""
+
+    key: str
+    node: str
+    region: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A node stopped working on a request, at the end (`completed`) or before it."""
+
+    key: str
+    node: str
+    completed: bool
+
+
+Record = ClientOp | Routed | Served
+
+
+@dataclass(slots=True)
+class History:
+    """Records of one drill run from every source."""
+
+    client: list[ClientOp] = field(default_factory=list)
+    routed: list[Routed] = field(default_factory=list)
+    served: list[Served] = field(default_factory=list)
+
+    def add(self, records: Iterable[Record]) -> History:
+        """Sort records into their lists; returns self so reads can be chained."""
+        for r in records:
+            if isinstance(r, ClientOp):
+                self.client.append(r)
+            elif isinstance(r, Routed):
+                self.routed.append(r)
+            else:
+                self.served.append(r)
+        return self
+
+    @classmethod
+    def read(cls, *paths: str | Path) -> History:
+        """Merge history files (client, router and node logs, in any combination)."""
+        h = cls()
+        for p in paths:
+            h.add(read_records(p))
+        return h
+
+
+# --- the file boundary -------------------------------------------------------------------
+
+
+class _Line(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _ClientLine(_Line):
+    type: Literal["client"]
+    key: str = Field(min_length=1)
+    tenant: str
+    zone: str
+    stream: bool
+    invoke_s: float
+    first_byte_s: float | None = None
+    end_s: float | None = None
+    outcome: Outcome | None = None
+    status: int | None = None
+    error_code: str | None = None
+    retry_after: bool = False
+    region: str | None = None
+    node: str | None = None
+    stream_error_event: bool = False
+
+
+class _RoutedLine(_Line):
+    type: Literal["routed"]
+    key: str = Field(min_length=1)
+    node: str
+    region: str
+    attempt: int = Field(ge=1)
+
+
+class _ServedLine(_Line):
+    type: Literal["served"]
+    key: str = Field(min_length=1)
+    node: str
+    completed: bool
+
+
+_LINE = TypeAdapter(Annotated[_ClientLine | _RoutedLine | _ServedLine, Field(discriminator="type")])
+_TYPES: dict[type, str] = {ClientOp: "client", Routed: "routed", Served: "served"}
+
+
+def _to_record(line: _ClientLine | _RoutedLine | _ServedLine) -> Record:
+    fields = line.model_dump(exclude={"type"})
+    if isinstance(line, _ClientLine):
+        return ClientOp(**fields)
+    if isinstance(line, _RoutedLine):
+        return Routed(**fields)
+    return Served(**fields)
+
+
+def encode(record: Record) -> str:
+    """One JSON line (without the newline)."""
+    data = {"type": _TYPES[type(record)], **asdict(record)}
+    return json.dumps(data, separators=(",", ":"))
+
+
+def decode(text: str) -> Record:
+    """Parse one JSON line; raises ValueError (json or validation) when it is not a record."""
+    return _to_record(_LINE.validate_json(text))
+
+
+def iter_records(path: str | Path) -> Iterator[Record]:
+    """Records of one file in order; a torn last line (no newline, unparsable) is skipped."""
+    path = Path(path)
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    # After the final newline split() leaves b"": a complete file. Anything else there is a
+    # last line whose newline was never written.
+    tail = lines.pop()
+    for n, raw in enumerate(lines, start=1):
+        try:
+            yield decode(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise HistoryError(f"{path}:{n}: not a history record: {_reason(e)}") from None
+    if tail:
+        try:
+            yield decode(tail.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            log.warning("%s:%d: ignoring a torn last line (the writer stopped mid-line)", path, len(lines) + 1)
+
+
+def read_records(path: str | Path) -> list[Record]:
+    """All records of one file (see iter_records)."""
+    return list(iter_records(path))
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, x['loc'])) or 'line'}: {x['msg']}" for x in e.errors())
+    return str(e)
+
+
+class HistoryWriter:
+    """Append-only JSON-lines writer, flushed per line (a SIGKILL loses at most one line)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_torn_tail(self.path)
+        # Unbuffered binary: each record goes to the kernel in one write() with its newline.
+        self._file = open(self.path, "ab", buffering=0)  # closed in close()
+
+    def append(self, record: Record) -> None:
+        self._file.write((encode(record) + "\n").encode("utf-8"))
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> HistoryWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    # Appending after a torn line would glue the next record onto it and turn a forgivable
+    # torn tail into a corrupt middle line, so cut the file back to its last newline first.
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data.endswith(b"\n"):
+            return
+        keep = data.rfind(b"\n") + 1
+        log.warning("%s: dropping a torn last line of %d bytes before appending", path, len(data) - keep)
+        f.truncate(keep)
+        os.fsync(f.fileno())
