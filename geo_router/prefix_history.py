@@ -34,13 +34,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from meridian.settings import RouterSettings
 
-from .redis_sync import RedisSyncLoop
+from .redis_sync import RedisSyncLoop, connect_redis
 
 log = logging.getLogger(__name__)
 
@@ -219,13 +215,7 @@ class RedisPrefixHistory:
         self._clock = clock
         self._stream = f"{key_prefix}prefix-history"
         self._router_id = uuid.uuid4().hex.encode()
-        # No retries inside redis-py: the sync loop is the retry, and it must not stall.
-        self._redis = Redis.from_url(
-            redis_url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-        )
+        self._redis = connect_redis(redis_url, timeout_s)
         # What Redis has not seen yet, in order: (node, keys) records and (node, None) forgets.
         self._outbox: deque[tuple[str, list[int] | None]] = deque()
         self._pending_keys = 0

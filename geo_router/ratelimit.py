@@ -27,15 +27,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal, Protocol
 
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from meridian.contracts import TenantEntry
 from meridian.settings import RouterSettings
 
 from .errors import RateLimited
-from .redis_sync import RedisSyncLoop
+from .redis_sync import RedisSyncLoop, connect_redis
 
 log = logging.getLogger(__name__)
 
@@ -576,14 +572,7 @@ class RedisRateLimiter:
         # A bucket unused this long has refilled from any debt: it is the same as none.
         self._window_s = 2 * burst_s + 10
         self._window_ms = math.ceil(self._window_s * 1000)
-        # No retries inside redis-py: the sync loop is the retry, and it must not stall.
-        self._redis = Redis.from_url(
-            redis_url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-        )
+        self._redis = connect_redis(redis_url, timeout_s, decode_responses=True)
         self._buckets_script = self._redis.register_script(_BUCKETS_LUA)
         self._fleet_script = self._redis.register_script(_FLEET_LUA)
         self._local = InProcessRateLimiter(burst_s=burst_s, clock=clock)

@@ -25,14 +25,10 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from redis.asyncio import Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-
 from meridian.settings import RouterSettings
 
 from .health import EjectionListener, EjectionRules, FailureKind, NodeRecord
-from .redis_sync import RedisSyncLoop
+from .redis_sync import RedisSyncLoop, connect_redis
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +69,7 @@ class RedisFleetState:
         )
         self._key_prefix = f"{key_prefix}ejected:"
         self._index = f"{key_prefix}ejected"
-        # No retries inside redis-py: the sync loop is the retry, and it must not stall.
-        self._redis = Redis.from_url(
-            redis_url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 0),
-            decode_responses=True,
-        )
+        self._redis = connect_redis(redis_url, timeout_s, decode_responses=True)
         self._health: dict[str, _Health] = {}
         self._in_flight: dict[str, int] = {}
         self._dirty: set[str] = set()  # nodes whose change Redis has not seen yet

@@ -1,6 +1,6 @@
 """The background sync of router state shared through Redis, kept off the request path.
 
-`RedisSyncLoop` runs its owner's `sync` (push local changes, pull the other routers') every
+`connect_redis` makes the client every such owner uses; `RedisSyncLoop` runs its owner's `sync` (push local changes, pull the other routers') every
 interval and at once after `wake()`, backs off while Redis is unreachable, warns about that
 once per _WARN_EVERY_S and says when Redis is back. The owner keeps serving from its local
 state meanwhile.
@@ -14,11 +14,28 @@ import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 # One warning per this many seconds while Redis stays unreachable.
 _WARN_EVERY_S = 30.0
 # While Redis is unreachable, retries back off up to this.
 _MAX_RETRY_S = 5.0
+
+
+def connect_redis(url: str, timeout_s: float, *, decode_responses: bool = False) -> Redis[Any]:
+    """A client whose every call (connect and read) ends within `timeout_s`, with no retries
+    inside redis-py: the sync loop is the retry, and it must not stall."""
+    return Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        decode_responses=decode_responses,
+    )
 
 
 class RedisSyncLoop:
