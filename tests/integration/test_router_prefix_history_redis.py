@@ -5,22 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
+from redis_sharing import INTERVAL_S, seen_within
 from router_harness import eventually, reserve_port
 
 from geo_router.prefix_history import RedisPrefixHistory
 
 pytestmark = pytest.mark.redis
 
-INTERVAL_S = 0.2
-# "Within about one interval": A's push and B's pull each wait up to one, plus slack for a
-# busy 2-core machine.
-SEEN_WITHIN_S = 2 * INTERVAL_S + 0.3
 NODES = ["n1", "n2", "n3"]
 
 MakeHistory = Callable[..., Awaitable[RedisPrefixHistory]]
@@ -50,15 +46,6 @@ async def make_history(redis_url: str, prefix: str) -> AsyncIterator[MakeHistory
     yield make
     for history in started:
         await history.stop()
-
-
-async def seen_within(condition: Callable[[], bool], limit_s: float = SEEN_WITHIN_S) -> float:
-    """Seconds until `condition()` held; fails when that took longer than `limit_s`."""
-    t0 = time.monotonic()
-    await eventually(condition, timeout_s=limit_s + 2)
-    elapsed = time.monotonic() - t0
-    assert elapsed <= limit_s, f"took {elapsed:.2f}s"
-    return elapsed
 
 
 async def test_a_prefix_routed_by_one_router_is_matched_at_another(make_history: MakeHistory):

@@ -9,9 +9,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import httpx
 import pytest
 from redis.asyncio import Redis
+from redis_sharing import RedisProxy
 from router_harness import eventually, reserve_port
 
 from geo_router.errors import RateLimited
@@ -169,59 +169,13 @@ async def test_without_redis_each_router_enforces_the_full_limit_itself(
 async def test_losing_redis_falls_back_to_local_limits_without_a_fresh_burst(
     make_limiter: MakeLimiter, redis_url: str
 ):
-    async with closable_redis_proxy(redis_url) as (url, close_proxy):
-        limiter = await make_limiter(url)
+    async with RedisProxy(redis_url) as proxy:
+        await proxy.open()
+        limiter = await make_limiter(proxy.url)
         assert limiter.redis_reachable
         t = tenant(rpm=10)
         assert admit_all(limiter, t, upto=6) == 6
-        await close_proxy()
+        await proxy.close()
         assert not await limiter.sync_once()
         assert not limiter.redis_reachable
         assert admit_all(limiter, t) == 4  # the local buckets were charged all along
-
-
-# --- a TCP proxy in front of Redis that can be cut ------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def closable_redis_proxy(
-    redis_url: str,
-) -> AsyncIterator[tuple[str, Callable[[], Awaitable[None]]]]:
-    """A URL that reaches Redis until `close_proxy()`, and is refused after."""
-    target = httpx.URL(redis_url)
-    writers: list[asyncio.StreamWriter] = []
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(target.host, target.port or 6379)
-        writers.extend((writer, up_writer))
-        for task in (asyncio.create_task(pump(reader, up_writer)),
-                     asyncio.create_task(pump(up_reader, writer))):
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-
-    async def close_proxy() -> None:
-        server.close()
-        for writer in writers:
-            writer.close()
-        for task in list(tasks):
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-    try:
-        yield str(target.copy_with(host="127.0.0.1", port=port)), close_proxy
-    finally:
-        await close_proxy()

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -16,6 +14,7 @@ import pytest
 from redis.asyncio import Redis
 
 # The router tests' stand-in nodes and uvicorn runner are shared, not copied.
+from redis_sharing import INTERVAL_S, RedisProxy, seen_within
 from router_harness import (
     GLOBAL_KEY,
     MODEL,
@@ -37,9 +36,6 @@ from meridian.contracts import HEADER_NODE
 
 pytestmark = pytest.mark.redis
 
-INTERVAL_S = 0.2
-# "Within about one interval": one interval, plus slack for a busy 2-core machine.
-SEEN_WITHIN_S = 2 * INTERVAL_S + 0.3
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 MakeFleet = Callable[..., Awaitable[RedisFleetState]]
@@ -67,15 +63,6 @@ async def make_fleet(redis_url: str, prefix: str) -> AsyncIterator[MakeFleet]:
     yield make
     for fleet in started:
         await fleet.stop()
-
-
-async def seen_within(condition: Callable[[], bool], limit_s: float = SEEN_WITHIN_S) -> float:
-    """Seconds until `condition()` held; fails when that took longer than `limit_s`."""
-    t0 = time.monotonic()
-    await eventually(condition, timeout_s=limit_s + 2)
-    elapsed = time.monotonic() - t0
-    assert elapsed <= limit_s, f"took {elapsed:.2f}s"
-    return elapsed
 
 
 async def test_a_node_ejected_by_one_router_is_skipped_by_another(make_fleet: MakeFleet):
@@ -208,14 +195,13 @@ async def test_without_redis_each_router_still_ejects_on_its_own(
 async def test_a_router_shares_its_ejections_once_redis_is_back(
     make_fleet: MakeFleet, redis_url: str
 ):
-    async with redis_proxy(redis_url) as (proxy_sock, open_proxy):
-        proxied = httpx.URL(redis_url).copy_with(host="127.0.0.1", port=proxy_sock.getsockname()[1])
-        a = await make_fleet(url=str(proxied))
+    async with RedisProxy(redis_url) as proxy:
+        a = await make_fleet(url=proxy.url)
         b = await make_fleet()
         a.record_failure("node-x")
         await asyncio.sleep(2 * INTERVAL_S)
         assert not a.redis_reachable and not b.is_ejected("node-x")
-        await open_proxy()
+        await proxy.open()
         # A backs off while Redis is down (0.4 s, 0.8 s, ...), so allow a few intervals.
         await seen_within(lambda: b.is_ejected("node-x"), limit_s=3.0)
         assert a.redis_reachable
@@ -258,44 +244,3 @@ async def test_a_router_skips_a_node_another_router_saw_fail(redis_url: str, pre
 
 
 # --- a TCP proxy in front of Redis that can be switched on later --------------------------
-
-
-@contextlib.asynccontextmanager
-async def redis_proxy(
-    redis_url: str,
-) -> AsyncIterator[tuple[socket.socket, Callable[[], Awaitable[None]]]]:
-    """A port that refuses connections until `open_proxy()`, then forwards them to Redis."""
-    target = httpx.URL(redis_url)
-    sock = reserve_port()
-    servers: list[asyncio.Server] = []
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(65536):
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(target.host, target.port or 6379)
-        for t in (asyncio.create_task(pump(reader, up_writer)),
-                  asyncio.create_task(pump(up_reader, writer))):
-            tasks.add(t)
-            t.add_done_callback(tasks.discard)
-
-    async def open_proxy() -> None:
-        servers.append(await asyncio.start_server(handle, sock=sock))
-
-    try:
-        yield sock, open_proxy
-    finally:
-        for server in servers:
-            server.close()
-        for t in list(tasks):
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        sock.close()

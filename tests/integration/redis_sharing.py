@@ -1,0 +1,80 @@
+"""Helpers for the tests of router state shared through Redis: the sync interval they run
+at, "seen by the other router within about one interval", and a TCP proxy in front of
+Redis that a test opens and cuts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from types import TracebackType
+
+import httpx
+from router_harness import eventually, reserve_port
+
+INTERVAL_S = 0.2
+# "Within about one interval": A's push and B's pull each wait up to one, plus slack for a
+# busy 2-core machine.
+SEEN_WITHIN_S = 2 * INTERVAL_S + 0.3
+
+
+async def seen_within(condition: Callable[[], bool], limit_s: float = SEEN_WITHIN_S) -> float:
+    """Seconds until `condition()` held; fails when that took longer than `limit_s`."""
+    t0 = time.monotonic()
+    await eventually(condition, timeout_s=limit_s + 2)
+    elapsed = time.monotonic() - t0
+    assert elapsed <= limit_s, f"took {elapsed:.2f}s"
+    return elapsed
+
+
+class RedisProxy:
+    """A TCP proxy to Redis on a port of its own: connections are refused until `open()`,
+    forwarded while open, and dropped and refused again after `close()`."""
+
+    def __init__(self, redis_url: str) -> None:
+        self._target = httpx.URL(redis_url)
+        self._sock = reserve_port()  # bound, not listening: connections are refused
+        self.url = str(self._target.copy_with(host="127.0.0.1", port=self._sock.getsockname()[1]))
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def open(self) -> None:
+        self._server = await asyncio.start_server(self._handle, sock=self._sock)
+
+    async def close(self) -> None:
+        """Stop listening (the port refuses from now on) and drop every connection."""
+        if self._server is not None:
+            self._server.close()
+        self._sock.close()
+        for writer in self._writers:
+            writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def __aenter__(self) -> RedisProxy:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(self._target.host, self._target.port or 6379)
+        self._writers.extend((writer, up_writer))
+        for task in (asyncio.create_task(_pump(reader, up_writer)), asyncio.create_task(_pump(up_reader, writer))):
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    except (ConnectionError, asyncio.CancelledError):
+        pass
+    finally:
+        writer.close()
