@@ -22,8 +22,9 @@ class GcpProvider:
     def __init__(self, settings: ProviderSettings) -> None:
         self._settings = settings
         self._clients = LazyClients(settings)
-        self._offerings: list[Offering] | None = None
-        self._driver = GcpDriver(settings, clients=self._clients, offerings=None)
+        # Parsed once, for the driver and for offerings() alike.
+        self._offerings = gcp_offerings.offerings()
+        self._driver = GcpDriver(settings, clients=self._clients, offerings=self._offerings)
 
     @classmethod
     def from_config(cls, config: ProviderConfig) -> GcpProvider:
@@ -33,8 +34,6 @@ class GcpProvider:
         return gcp_regions.regions()
 
     def offerings(self) -> list[Offering]:
-        if self._offerings is None:
-            self._offerings = gcp_offerings.offerings()
         return list(self._offerings)
 
     async def quotas(self, region: str) -> list[Quota]:
