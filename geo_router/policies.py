@@ -24,9 +24,9 @@ from meridian.settings import RouterSettings
 
 from .selection import Candidate, LoraState, RoutingContext
 
-# What a replica's LoRA state is worth to a request for an adapter (0..1).
 # Prefix shares closer than this (one block in twenty) count as the same.
 _SAME_PREFIX = 0.05
+# What a replica's LoRA state is worth to a request for an adapter (0..1).
 _LORA_VALUE = {
     LoraState.LOADED: 1.0,
     LoraState.FREE_SLOT: 0.5,
