@@ -302,6 +302,10 @@ def _at_most(name: str, measured: float | None, bound: float | None, what: str =
     return CriterionResult(name, measured <= bound, measured, bound, what)
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    return "none" if value is None else format(value, spec)
+
+
 def _keys(keys: Sequence[str], limit: int = 5) -> str:
     more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
     return ", ".join(keys[:limit]) + more
@@ -322,7 +326,8 @@ def _judge(r: CheckResult, drill: Drill, invariants: Mapping[str, bool]) -> Verd
             ss_ok,
             r.steady_state_success_rate,
             ss.min_success_rate,
-            f"success rate {r.steady_state_success_rate}, p99 {r.steady_state_p99_ms} ms (bound {ss.max_p99_ms})",
+            f"success rate {_fmt(r.steady_state_success_rate, '.4f')}, "
+            f"p99 {_fmt(r.steady_state_p99_ms, '.1f')} ms (bound {ss.max_p99_ms})",
         )
     )
     counted = [

@@ -10,7 +10,9 @@ Three record types, told apart by `type`:
 - `served`: a node finished working on a request; `completed` is false when it stopped
   before the end (aborted, client gone, crashed mid-way and recorded on the way down).
 
-Files are append-only and every line is flushed as it is written, so a process killed with
+Routers and nodes write their records with meridian.request_journal (the planes do not
+import chaos); this module owns the format's validation. Files are append-only and every
+line is flushed as it is written, so a process killed with
 SIGKILL loses at most the line it was writing. Readers therefore forgive a torn last line
 and nothing else: a bad line in the middle means the file was damaged or mis-written.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -28,6 +29,8 @@ from types import TracebackType
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from meridian.request_journal import JsonLinesFile
 
 log = logging.getLogger(__name__)
 
@@ -210,17 +213,14 @@ def _reason(e: Exception) -> str:
 
 
 class HistoryWriter:
-    """Append-only JSON-lines writer, flushed per line (a SIGKILL loses at most one line)."""
+    """Append-only JSON-lines writer, one unbuffered write per line (a SIGKILL loses at most one line)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        _drop_torn_tail(self.path)
-        # Unbuffered binary: each record goes to the kernel in one write() with its newline.
-        self._file = open(self.path, "ab", buffering=0)  # closed in close()
+        self._file = JsonLinesFile(path)
+        self.path = self._file.path
 
     def append(self, record: Record) -> None:
-        self._file.write((encode(record) + "\n").encode("utf-8"))
+        self._file.append({"type": _TYPES[type(record)], **asdict(record)})
 
     def close(self) -> None:
         self._file.close()
@@ -232,18 +232,3 @@ class HistoryWriter:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
-
-
-def _drop_torn_tail(path: Path) -> None:
-    # Appending after a torn line would glue the next record onto it and turn a forgivable
-    # torn tail into a corrupt middle line, so cut the file back to its last newline first.
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    with open(path, "rb+") as f:
-        data = f.read()
-        if data.endswith(b"\n"):
-            return
-        keep = data.rfind(b"\n") + 1
-        log.warning("%s: dropping a torn last line of %d bytes before appending", path, len(data) - keep)
-        f.truncate(keep)
-        os.fsync(f.fileno())

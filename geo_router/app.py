@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from meridian.contracts import HEADER_REQUEST_ID, HEADER_SCALE_WAIT_MS, ModelCard, ModelList, TenantEntry
 from meridian.geo import Point
+from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
 from meridian.settings import RouterSettings
 
 from .affinity import Affinity
@@ -167,6 +168,7 @@ def create_app(
         forwarder=UpstreamForwarder(
             settings, fleet_state, metrics,
             retry_budget=RetryBudget.from_settings(settings),
+            journal=RequestJournal(settings.request_journal_path),
             on_first_byte=lambda node_id, s: _first_byte(state, node_id, s),
         ),
         scale_from_zero=ScaleFromZero(settings, source, metrics, ScaleUpClient(settings, metrics)),
@@ -296,7 +298,9 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 
 async def _route(state: RouterState, request: Request, route: str) -> Response:
-    request_id = request_id_for(request.headers.get(HEADER_REQUEST_ID))
+    headers = request.headers
+    # An idempotency key names the request end to end (journals, nodes, logs).
+    request_id = request_id_for(headers.get(HEADER_IDEMPOTENCY_KEY) or headers.get(HEADER_REQUEST_ID))
     request.state.request_id = request_id
     try:
         loaded = state.table()

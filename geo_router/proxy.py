@@ -48,6 +48,7 @@ from meridian.contracts import (
     HEADER_REQUEST_ID,
     openai_error,
 )
+from meridian.request_journal import RequestJournal
 from meridian.settings import RouterSettings
 
 from .errors import RouterError, RouterOverloaded, UpstreamTimeout
@@ -554,9 +555,11 @@ class UpstreamForwarder:
         client: UpstreamPool | None = None,
         *,
         retry_budget: RetryBudget | None = None,
+        journal: RequestJournal | None = None,
         on_first_byte: Callable[[str, float], None] | None = None,
     ) -> None:
         self._settings = settings
+        self._journal = journal or RequestJournal(None)
         self._retry_budget = retry_budget
         self._on_first_byte = on_first_byte
         self._node_auth = f"Bearer {settings.cluster_token.get_secret_value()}"
@@ -572,6 +575,7 @@ class UpstreamForwarder:
 
     async def aclose(self) -> None:
         await self._client.aclose()
+        self._journal.close()
 
     def note_failure(self, candidate: Candidate, reason: str) -> None:
         node = candidate.node.node_id
@@ -652,7 +656,7 @@ class UpstreamForwarder:
         upstream_wait = queued_s
         previous: Candidate | None = None
         previous_gone = False
-        for candidate in list(candidates)[: s.max_attempts]:
+        for attempt, candidate in enumerate(list(candidates)[: s.max_attempts], start=1):
             retrying = False
             if previous is not None:
                 if budget is not None and not previous_gone:
@@ -673,6 +677,7 @@ class UpstreamForwarder:
                 HEADER_OVERHEAD_MS: f"{overhead_s * 1000:.3f}",
             }
             self._fleet.begin(node)
+            self._journal.routed(request_id, node, candidate.region.name, attempt)
             try:
                 response = await self._attempt(
                     route, request, candidate, request_id, deadline, received_at, reply_headers

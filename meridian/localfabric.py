@@ -119,6 +119,14 @@ class FabricSpec:
     # Extra environment of every node / of the router (e.g. MERIDIAN_ROUTER_ROUTING_POLICY).
     node_env: dict[str, str] = field(default_factory=dict)
     router_env: dict[str, str] = field(default_factory=dict)
+    # Routers started against the one control plane.
+    routers: int = 1
+    # With a directory, each router and node journals what it routed and served there
+    # (<name>.jsonl, meridian.request_journal): the histories chaos drills check.
+    journal_dir: Path | None = None
+    # Called with (node_id, port) before a node starts; returns the URL the node advertises
+    # instead of its own (a chaos drill's fault-injecting proxy in front of it).
+    node_front: Callable[[str, int], str] | None = None
 
 
 @dataclass
@@ -127,6 +135,9 @@ class Proc:
     popen: subprocess.Popen[bytes]
     url: str
     log: Path
+    # What started it, so that restart() starts it again the same way (same port).
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
     region: str | None = None
     node_id: str | None = None
     model: str | None = None
@@ -145,6 +156,8 @@ class FabricInfo:
     # Inference keys by residency zone ("global", "eu", "us", "apac").
     keys: dict[str, str]
     nodes: dict[str, Proc] = field(default_factory=dict)
+    # Every router's URL, the first being router_url.
+    router_urls: list[str] = field(default_factory=list)
 
 
 def _node_id(region: str) -> str:
@@ -174,6 +187,8 @@ class LocalFabric:
         self.info: FabricInfo | None = None
         self._cluster_token = secrets.token_urlsafe(32)
         self._admin_key = generate_api_key()
+        self._model_uri = ""
+        self._replacements = 0
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -199,7 +214,7 @@ class LocalFabric:
         spec.work_dir.mkdir(parents=True, exist_ok=True)
         (spec.work_dir / "logs").mkdir(exist_ok=True)
         try:
-            model_uri = self._ensure_model()
+            model_uri = self._model_uri = self._ensure_model()
             cp = self._start_control_plane()
             keys = self._create_keys(cp.url)
             self._create_deployments(cp.url)
@@ -210,14 +225,16 @@ class LocalFabric:
                     node_id = _node_id(region) + (f"-{k + 1}" if spec.nodes_per_region > 1 else "")
                     self._start_node(region, model_uri, cp.url, port, node_id=node_id)
                     i += 1
-            router = self._start_router(cp.url, spec.router_port, spec.router_env)
+            routers = [self._start_router(cp.url, spec.router_port, spec.router_env)]
+            routers += [self._start_router(cp.url, 0, spec.router_env) for _ in range(spec.routers - 1)]
             self.info = FabricInfo(
-                router_url=router.url,
+                router_url=routers[0].url,
                 control_plane_url=cp.url,
                 admin_key=self._admin_key,
                 cluster_token=self._cluster_token,
                 keys=keys,
                 nodes={p.region: p for p in self._procs if p.region},
+                router_urls=[r.url for r in routers],
             )
             self._wait_serving()
             self._write_state()
@@ -286,6 +303,46 @@ class LocalFabric:
             for p in victims:
                 p.popen.wait(timeout=30)
         return [p.node_id or p.name for p in victims]
+
+    def restart(self, proc: Proc) -> Proc:
+        """Start a process that exited (crashed, killed by a drill) again, with the same
+        arguments, environment and port; the returned Proc replaces it. Does not wait."""
+        if proc.popen.poll() is None:
+            raise FabricError(f"{proc.name} is still running (pid {proc.popen.pid})")
+        fresh = self._spawn(proc.name, proc.args, proc.env, proc.url)
+        fresh.region, fresh.node_id, fresh.model = proc.region, proc.node_id, proc.model
+        fresh.kv_events, fresh.kv_events_replay = proc.kv_events, proc.kv_events_replay
+        with self._lock:
+            self._procs = [p for p in self._procs if p is not proc]
+        return fresh
+
+    def start_replacement_node(self, region: str) -> Proc:
+        """Start a new node in `region` (a fresh node id), as a driver replaces a lost instance."""
+        assert self.info is not None, "start the fabric first"
+        with self._lock:
+            self._replacements += 1
+            node_id = f"{_node_id(region)}-r{self._replacements}"
+        return self._start_node(region, self._model_uri, self.info.control_plane_url, 0, node_id=node_id)
+
+    def wait_ready(self, proc: Proc, timeout_s: float) -> None:
+        """Block until node `proc` is healthy and READY in the control plane."""
+        assert self.info is not None, "start the fabric first"
+        deadline = time.monotonic() + timeout_s
+        self.wait_healthy(proc, timeout_s)
+        headers = {"authorization": f"Bearer {self.info.admin_key}"}
+        with httpx.Client(timeout=5.0) as http:
+            while time.monotonic() < deadline:
+                self._check_alive([proc])
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    nodes = http.get(f"{self.info.control_plane_url}/v1/nodes", headers=headers).json()
+                    if any(n["node_id"] == proc.node_id and n["status"] == "ready" for n in nodes):
+                        return
+                time.sleep(0.2)
+        raise FabricError(f"{proc.name} was not ready in the control plane within {timeout_s:g}s")
+
+    def wait_healthy(self, proc: Proc, timeout_s: float | None = None) -> None:
+        """Block until `proc` answers /health with 200 (FabricError after the start timeout)."""
+        self._wait_http(proc, "/health", timeout_s, alone=True)
 
     def start_router(self, env: dict[str, str] | None = None) -> Proc:
         """Start one more router against the same control plane (e.g. another policy); stopped with the rest."""
@@ -368,6 +425,7 @@ class LocalFabric:
                 "--port", str(port), "--control-plane-url", cp_url]
         kv_events, kv_events_replay = self._kv_event_endpoints()
         env = {
+            **self._journal_env("MERIDIAN_NODE_REQUEST_JOURNAL_PATH", node_id),
             "MERIDIAN_NODE_DRAIN_TIMEOUT_S": str(self.spec.drain_timeout_s),
             # One cache per node, as on separate machines.
             "MERIDIAN_WEIGHTS_CACHE_DIR": str((self.spec.work_dir / "weights" / node_id).resolve()),
@@ -375,10 +433,17 @@ class LocalFabric:
             "MERIDIAN_NODE_KV_EVENTS_REPLAY_ENDPOINT": kv_events_replay,
             **self.spec.node_env,
         }
+        if self.spec.node_front is not None:
+            env["MERIDIAN_NODE_ADVERTISE_URL"] = self.spec.node_front(node_id, port)
         p = self._spawn(node_id, args, env, f"http://{self.spec.host}:{port}")
         p.region, p.node_id, p.model = region, node_id, model_name
         p.kv_events, p.kv_events_replay = kv_events, kv_events_replay
         return p
+
+    def _journal_env(self, variable: str, name: str) -> dict[str, str]:
+        if self.spec.journal_dir is None:
+            return {}
+        return {variable: str((self.spec.journal_dir / f"{name}.jsonl").resolve())}
 
     def _kv_event_endpoints(self) -> tuple[str, str]:
         """Fresh (events, replay) ipc endpoints for the next node."""
@@ -447,7 +512,11 @@ class LocalFabric:
                 "--default-client-location", self.spec.default_client_location]
         # The router tokenizes prompts with the model's own tokenizer to match KV blocks.
         model_dir = (self.spec.model_dir or self.spec.work_dir / "models" / self.spec.model_name).resolve()
-        env = {"MERIDIAN_ROUTER_TOKENIZER_DIRS": json.dumps({self.spec.model_name: str(model_dir)}), **env}
+        env = {
+            "MERIDIAN_ROUTER_TOKENIZER_DIRS": json.dumps({self.spec.model_name: str(model_dir)}),
+            **self._journal_env("MERIDIAN_ROUTER_REQUEST_JOURNAL_PATH", name),
+            **env,
+        }
         return self._spawn(name, args, env, f"http://{self.spec.host}:{port}")
 
     def _wait_serving(self) -> None:
@@ -520,22 +589,23 @@ class LocalFabric:
                 # stops the processes in order.
                 start_new_session=True, preexec_fn=_die_with_parent,
             )
-        p = Proc(name=name, popen=popen, url=url, log=log)
+        p = Proc(name=name, popen=popen, url=url, log=log, args=list(args), env=dict(env))
         with self._lock:
             self._procs.append(p)
         return p
 
-    def _check_alive(self) -> None:
-        for p in self.processes:
+    def _check_alive(self, procs: list[Proc] | None = None) -> None:
+        for p in self.processes if procs is None else procs:
             if p.popen.poll() is not None:
                 tail = p.log.read_text(errors="replace")[-3000:] if p.log.exists() else ""
                 raise FabricError(f"{p.name} exited with code {p.popen.returncode}:\n{tail}")
 
-    def _wait_http(self, p: Proc, path: str) -> None:
-        deadline = time.monotonic() + self.spec.start_timeout_s
+    def _wait_http(self, p: Proc, path: str, timeout_s: float | None = None, alone: bool = False) -> None:
+        """Wait for `p` to answer `path`; fails fast when it (or, unless `alone`, any process) exits."""
+        deadline = time.monotonic() + (self.spec.start_timeout_s if timeout_s is None else timeout_s)
         with httpx.Client(timeout=2.0) as http:
             while True:
-                self._check_alive()
+                self._check_alive([p] if alone else None)
                 with contextlib.suppress(httpx.HTTPError):
                     if http.get(p.url + path).status_code == 200:
                         return

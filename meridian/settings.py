@@ -114,6 +114,9 @@ class RouterSettings(BaseSettings):
     # Longest silence allowed between two chunks of a streamed answer.
     read_timeout_s: float = Field(60.0, gt=0)
     max_attempts: int = Field(3, ge=1, le=10)
+    # With a path, every attempt sent to a node is journalled there as a JSON line keyed by
+    # the request's idempotency key (meridian.request_journal; chaos drills read it).
+    request_journal_path: Path | None = None
     # A node that failed is skipped for this long (doubling on repeated failures).
     ejection_base_s: float = Field(5.0, gt=0)
     ejection_max_s: float = Field(60.0, gt=0)
@@ -336,6 +339,9 @@ class NodeSettings(BaseSettings):
     kv_events_replay_advertise: str | None = None
     drain_timeout_s: float = Field(30.0, ge=0)
     control_plane_timeout_s: float = Field(5.0, gt=0)
+    # With a path, every request the node stops working on is journalled there as a JSON
+    # line keyed by its x-request-id (meridian.request_journal; chaos drills read it).
+    request_journal_path: Path | None = None
     # The weight store and cache (MERIDIAN_WEIGHTS_*), used when model_uri is set.
     weights: WeightSettings = Field(default_factory=WeightSettings)
 

@@ -19,6 +19,7 @@ from data_plane.server.errors import install_error_handlers
 from data_plane.server.metrics import NodeMetrics
 from data_plane.weights.node_weights import with_model_uri
 from meridian.contracts import ModelList
+from meridian.request_journal import RequestJournal
 from meridian.settings import NodeSettings
 
 
@@ -42,7 +43,8 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
         },
     )
     metrics.track_cold_start(lambda: runtime.cold_start)
-    service = CompletionService(runtime, metrics)
+    journal = RequestJournal(settings.request_journal_path)
+    service = CompletionService(runtime, metrics, journal)
     started = int(time.time())
 
     @asynccontextmanager
@@ -52,6 +54,7 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
             yield
         finally:
             await runtime.shutdown()
+            journal.close()
 
     app = FastAPI(
         title="Meridian node", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

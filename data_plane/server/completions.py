@@ -52,7 +52,8 @@ from data_plane.server.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
-from meridian.contracts import ModelCard, ModelList, openai_error
+from meridian.contracts import HEADER_REQUEST_ID, ModelCard, ModelList, openai_error
+from meridian.request_journal import RequestJournal
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,9 @@ class _Exchange:
     last_token_at: float | None = None
     # Characters of completion text streamed so far (completions' text_offset).
     streamed_chars: int = 0
+    # The router's request id (the client's idempotency key): the journal's key.
+    key: str | None = None
+    journalled: bool = False
 
     def usage(self) -> UsageInfo:
         details = PromptTokensDetails(cached_tokens=self.cached_tokens) if self.cached_tokens else None
@@ -139,8 +143,9 @@ class _Exchange:
 class CompletionService:
     """The two generation endpoints of a node."""
 
-    def __init__(self, runtime: NodeRuntime, metrics: NodeMetrics) -> None:
+    def __init__(self, runtime: NodeRuntime, metrics: NodeMetrics, journal: RequestJournal | None = None) -> None:
         self._runtime = runtime
+        self._journal = journal or RequestJournal(None)
         self._settings = runtime.settings
         self._engine = runtime.engine
         self._metrics = metrics
@@ -263,6 +268,7 @@ class CompletionService:
             logprobs=sampling.logprobs,
             token_texts=self._texts() if sampling.logprobs is not None else None,
             tokens_as_ids=bool(params.return_tokens_as_token_ids),
+            key=request.headers.get(HEADER_REQUEST_ID),
         )
         lifecycle = self._runtime.lifecycle
         # No await between this check and request_started(): a drain that begins
@@ -279,6 +285,7 @@ class CompletionService:
             # failing engine still gets a proper status the router can fail over on.
             first = await anext(outputs)
         except BaseException:
+            self._journal_end(ex, completed=False)
             lifecycle.request_finished()
             await outputs.aclose()
             raise
@@ -289,12 +296,28 @@ class CompletionService:
             )
         try:
             texts, logprobs = await self._collect_unless_disconnected(request, ex, first, outputs)
+            if ex.finish_reason == "abort":
+                raise UnavailableError("the request was aborted before it finished", code="aborted")
+            # A router that gave up on this node (its read timeout, while the node was paused
+            # or slow) has retried elsewhere: an answer nobody reads must not count as served.
+            await asyncio.sleep(0)
+            if await request.is_disconnected():
+                raise APIError("client disconnected", code="client_disconnected")
+            response = self._full_response(ex, "".join(texts), logprobs)
+            # Journalled before the answer's bytes go out: a client that got the answer then
+            # always finds it served, even if the node dies right after sending it.
+            self._journal_end(ex, completed=True)
+        except BaseException:
+            self._journal_end(ex, completed=False)
+            raise
         finally:
             await self._close(ex, outputs)
-        if ex.finish_reason == "abort":
-            raise UnavailableError("the request was aborted before it finished", code="aborted")
-        response = self._full_response(ex, "".join(texts), logprobs)
         return JSONResponse(response.model_dump(mode="json"))
+
+    def _journal_end(self, ex: _Exchange, *, completed: bool) -> None:
+        if ex.key is not None and not ex.journalled:
+            ex.journalled = True
+            self._journal.served(ex.key, self._settings.node_id, completed)
 
     def _observe(self, ex: _Exchange, out: GenerationOutput) -> None:
         ex.completion_tokens = out.completion_tokens
@@ -319,6 +342,8 @@ class CompletionService:
     ) -> None:
         """Release the request: abort it in the engine if unfinished, record the outcome."""
         reason = ex.finish_reason or "abort"
+        # A stream whose client went away mid-way ends here without reaching [DONE].
+        self._journal_end(ex, completed=False)
         self._metrics.request_finished(reason)
         if reason != "abort":
             self._metrics.e2e_latency.observe(time.perf_counter() - ex.arrival)
@@ -454,7 +479,8 @@ class CompletionService:
         except Exception:
             log.exception("request %s failed while streaming", ex.id)
             yield _sse(openai_error("The server had an internal error.", type_="server_error"))
-        if ex.include_usage and ex.finish_reason in ("stop", "length"):
+        finished = ex.finish_reason in ("stop", "length")
+        if ex.include_usage and finished:
             usage_chunk: BaseModel
             if ex.kind == "chat":
                 usage_chunk = ChatCompletionChunk(
@@ -465,4 +491,6 @@ class CompletionService:
                     id=ex.id, created=ex.created, model=ex.model, choices=[], usage=ex.usage()
                 )
             yield _sse(usage_chunk)
+        # Before [DONE], the bytes that make the stream complete for its client.
+        self._journal_end(ex, completed=finished)
         yield SSE_DONE

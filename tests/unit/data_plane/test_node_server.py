@@ -21,6 +21,7 @@ from node_testkit import (
     running_server,
 )
 
+from chaos.history import Served, read_records
 from data_plane.engine.base import GenerationOutput, GenerationRequest
 from data_plane.engine.torch_engine import TorchEngine
 from data_plane.server.app import create_app
@@ -324,3 +325,38 @@ async def test_load_failure_is_reported_not_hidden(tmp_path: Path) -> None:
         async with httpx.AsyncClient(transport=transport, base_url="http://node") as client:
             health = await client.get("/health")
             assert health.status_code == 503 and health.json() == {"status": "failed"}
+
+
+async def test_journal_records_each_request_once_with_its_end(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """A chaos drill joins these records with the client's: completed only when the answer
+    was whole, never for a request whose client had gone."""
+    journal = tmp_path / "node.jsonl"
+    app = create_app(make_settings(tiny_checkpoint, max_tokens_limit=1500, node_id="node-a",
+                                   request_journal_path=journal))
+    async with running_server(app) as url, httpx.AsyncClient(base_url=url, timeout=10) as client:
+        await app.state.runtime.wait_ready()
+        r = await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 4},
+                              headers={"x-request-id": "whole"})
+        assert r.status_code == 200
+        async with client.stream("POST", "/v1/chat/completions", headers={"x-request-id": "streamed"},
+                                 json={**CHAT, "max_tokens": 4, "stream": True}) as resp:
+            assert [line async for line in resp.aiter_lines() if line][-1] == "data: [DONE]"
+        # Client gone mid-stream, and a non-streamed client that gave up: not completed.
+        long = {**CHAT, **GREEDY, "max_tokens": 1500}
+        async with client.stream("POST", "/v1/chat/completions", headers={"x-request-id": "cut"},
+                                 json={**long, "stream": True}) as resp:
+            async for line in resp.aiter_lines():
+                if "content" in line:
+                    break
+        with pytest.raises(httpx.ReadTimeout):
+            await client.post("/v1/chat/completions", json=long, headers={"x-request-id": "gave-up"}, timeout=0.3)
+        # Unnamed requests are not journalled.
+        assert (await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 2})).status_code == 200
+        await eventually(lambda: app.state.runtime.lifecycle.in_flight == 0)
+    records = read_records(journal)
+    assert sorted(records, key=lambda r: r.key) == [
+        Served(key="cut", node="node-a", completed=False),
+        Served(key="gave-up", node="node-a", completed=False),
+        Served(key="streamed", node="node-a", completed=True),
+        Served(key="whole", node="node-a", completed=True),
+    ]

@@ -13,15 +13,19 @@ from router_harness import (
     LIMITED_KEY,
     MODEL,
     Fabric,
+    NodeBehaviour,
+    ServerGroup,
     make_table,
     metric,
     node,
+    node_app,
     reserve_port,
     router_settings,
     running,
     url_of,
 )
 
+from chaos.history import Routed, read_records
 from geo_router import create_app
 from geo_router.policies import register_policy
 from geo_router.table import StaticTableSource
@@ -378,3 +382,30 @@ async def test_a_stream_that_does_not_start_within_the_read_timeout_fails_over(f
     assert "eu0" in r.text
     assert metric(text, "meridian_router_upstream_failures_total",
                   region="aws:us-east-1", node="us-1", reason="timeout") == 1
+
+
+async def test_journal_records_every_attempt_under_the_idempotency_key(tmp_path):
+    """A drill's checker joins these with the nodes' journals: each attempt, in order."""
+    servers = ServerGroup()
+    journal = tmp_path / "router.jsonl"
+    try:
+        behaviours = {name: NodeBehaviour(name) for name in ("us", "eu", "apac")}
+        urls = {name: await servers.start(node_app(b)) for name, b in behaviours.items()}
+        source = StaticTableSource(make_table([node(n, u) for n, u in urls.items()]))
+        app = create_app(router_settings(request_journal_path=journal), table_source=source)
+        f = Fabric(await servers.start(app), behaviours, urls, source, app)
+        client = f.client()
+        behaviours["us"].mode = "error500"
+        r = await client.post("/v1/chat/completions", json=CHAT, headers={"idempotency-key": "order-7"})
+        assert r.status_code == 200 and r.headers[HEADER_REQUEST_ID] == "order-7"
+        # The key reaches the node as its request id, so the node's journal uses it too.
+        assert behaviours["eu"].request_ids == ["order-7"]
+        await client.post("/v1/chat/completions", json=CHAT, headers={HEADER_REQUEST_ID: "plain-id"})
+        await client.aclose()
+    finally:
+        await servers.stop()
+    assert read_records(journal) == [
+        Routed(key="order-7", node="us-1", region="aws:us-east-1", attempt=1),
+        Routed(key="order-7", node="eu-1", region="gcp:europe-west4", attempt=2),
+        Routed(key="plain-id", node="eu-1", region="gcp:europe-west4", attempt=1),
+    ]
