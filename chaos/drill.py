@@ -135,6 +135,8 @@ class Topology(_Spec):
     # None: the local fabric's demo regions.
     regions: list[str] | None = Field(None, min_length=1)
     nodes_per_region: int = Field(1, ge=1, le=8)
+    # Exceptions to nodes_per_region (e.g. two nodes only where the fault strikes).
+    region_nodes: dict[str, int] = Field(default_factory=dict)
     routers: int = Field(1, ge=1, le=8)
     control_plane_replicas: int = Field(1, ge=1, le=4)
     redis: bool = False
@@ -144,9 +146,11 @@ class Topology(_Spec):
 
     @model_validator(mode="after")
     def _check(self) -> Topology:
-        bad = [r for r in self.regions or () if not re.match(REGION_PATTERN, r)]
+        bad = [r for r in [*(self.regions or ()), *self.region_nodes] if not re.match(REGION_PATTERN, r)]
         if bad:
             raise ValueError(f"regions {bad} do not look like <provider>:<location>")
+        if any(not 1 <= n <= 8 for n in self.region_nodes.values()):
+            raise ValueError(f"region_nodes counts must be 1 to 8, got {self.region_nodes}")
         bad = [k for k in self.env if not re.match(r"^MERIDIAN_[A-Z0-9_]+$", k)]
         if bad:
             raise ValueError(f"env keys {bad} are not MERIDIAN_* settings")

@@ -78,6 +78,15 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def renice(pid: int, niceness: int) -> None:
+    """Set the niceness of every thread of a process (Linux keeps it per thread)."""
+    tasks = Path(f"/proc/{pid}/task")
+    tids = [int(t.name) for t in tasks.iterdir()] if tasks.exists() else [pid]
+    for tid in tids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+
+
 @dataclass(frozen=True)
 class LocalDeployment:
     """A deployment created at start-up, served from the fabric's tiny checkpoint.
@@ -112,8 +121,14 @@ class FabricSpec:
     # Run the local scaler when deployments are declared, polling the control plane this often.
     local_scaler: bool = True
     scaler_interval_s: float = 0.5
-    # Nodes started in each region (benchmarks run several replicas in one region).
+    # Nodes started in each region (benchmarks run several replicas in one region), and
+    # per-region exceptions to it.
     nodes_per_region: int = 1
+    region_nodes: dict[str, int] = field(default_factory=dict)
+
+    def nodes_in(self, region: str) -> int:
+        """How many nodes start in `region`."""
+        return self.region_nodes.get(region, self.nodes_per_region)
     # Serve this checkpoint instead of generating the tiny one (its name is model_name).
     model_dir: Path | None = None
     # Extra environment of every node / of the router (e.g. MERIDIAN_ROUTER_ROUTING_POLICY).
@@ -220,9 +235,9 @@ class LocalFabric:
             self._create_deployments(cp.url)
             i = 0
             for region in spec.regions:
-                for k in range(spec.nodes_per_region):
+                for k in range(spec.nodes_in(region)):
                     port = spec.node_ports[i] if i < len(spec.node_ports) else 0
-                    node_id = _node_id(region) + (f"-{k + 1}" if spec.nodes_per_region > 1 else "")
+                    node_id = _node_id(region) + (f"-{k + 1}" if spec.nodes_in(region) > 1 else "")
                     self._start_node(region, model_uri, cp.url, port, node_id=node_id)
                     i += 1
             routers = [self._start_router(cp.url, spec.router_port, spec.router_env)]
@@ -304,25 +319,32 @@ class LocalFabric:
                 p.popen.wait(timeout=30)
         return [p.node_id or p.name for p in victims]
 
-    def restart(self, proc: Proc) -> Proc:
+    def restart(self, proc: Proc, niceness: int = 0) -> Proc:
         """Start a process that exited (crashed, killed by a drill) again, with the same
-        arguments, environment and port; the returned Proc replaces it. Does not wait."""
+        arguments, environment and port; the returned Proc replaces it. Does not wait.
+
+        A positive `niceness` starts it at a lower CPU priority: on one machine a node's cold
+        start (imports, loading) otherwise takes its CPU from the nodes serving traffic,
+        which separate machines would not (renice() it back once it is up).
+        """
         if proc.popen.poll() is None:
             raise FabricError(f"{proc.name} is still running (pid {proc.popen.pid})")
-        fresh = self._spawn(proc.name, proc.args, proc.env, proc.url)
+        fresh = self._spawn(proc.name, proc.args, proc.env, proc.url, niceness)
         fresh.region, fresh.node_id, fresh.model = proc.region, proc.node_id, proc.model
         fresh.kv_events, fresh.kv_events_replay = proc.kv_events, proc.kv_events_replay
         with self._lock:
             self._procs = [p for p in self._procs if p is not proc]
         return fresh
 
-    def start_replacement_node(self, region: str) -> Proc:
-        """Start a new node in `region` (a fresh node id), as a driver replaces a lost instance."""
+    def start_replacement_node(self, region: str, niceness: int = 0) -> Proc:
+        """Start a new node in `region` (a fresh node id), as a driver replaces a lost
+        instance; `niceness` as in restart()."""
         assert self.info is not None, "start the fabric first"
         with self._lock:
             self._replacements += 1
             node_id = f"{_node_id(region)}-r{self._replacements}"
-        return self._start_node(region, self._model_uri, self.info.control_plane_url, 0, node_id=node_id)
+        return self._start_node(region, self._model_uri, self.info.control_plane_url, 0, node_id=node_id,
+                                niceness=niceness)
 
     def wait_ready(self, proc: Proc, timeout_s: float) -> None:
         """Block until node `proc` is healthy and READY in the control plane."""
@@ -416,7 +438,7 @@ class LocalFabric:
                     raise FabricError(f"creating deployment {d.model_name} failed: {r.status_code} {r.text}")
 
     def _start_node(self, region: str, model_uri: str, cp_url: str, port: int,
-                    model_name: str | None = None, node_id: str | None = None) -> Proc:
+                    model_name: str | None = None, node_id: str | None = None, niceness: int = 0) -> Proc:
         port = _port_or_free(port, self.spec.host)
         model_name = model_name or self.spec.model_name
         node_id = node_id or _node_id(region)
@@ -425,6 +447,9 @@ class LocalFabric:
                 "--port", str(port), "--control-plane-url", cp_url]
         kv_events, kv_events_replay = self._kv_event_endpoints()
         env = {
+            # Nodes share this machine's cores: torch's default of one thread per core in
+            # every node oversubscribes them and a busy fabric slows to a crawl.
+            "OMP_NUM_THREADS": str(self._threads_per_node()),
             **self._journal_env("MERIDIAN_NODE_REQUEST_JOURNAL_PATH", node_id),
             "MERIDIAN_NODE_DRAIN_TIMEOUT_S": str(self.spec.drain_timeout_s),
             # One cache per node, as on separate machines.
@@ -435,10 +460,14 @@ class LocalFabric:
         }
         if self.spec.node_front is not None:
             env["MERIDIAN_NODE_ADVERTISE_URL"] = self.spec.node_front(node_id, port)
-        p = self._spawn(node_id, args, env, f"http://{self.spec.host}:{port}")
+        p = self._spawn(node_id, args, env, f"http://{self.spec.host}:{port}", niceness)
         p.region, p.node_id, p.model = region, node_id, model_name
         p.kv_events, p.kv_events_replay = kv_events, kv_events_replay
         return p
+
+    def _threads_per_node(self) -> int:
+        nodes = max(1, sum(self.spec.nodes_in(r) for r in self.spec.regions))
+        return max(1, (os.cpu_count() or 1) // nodes)
 
     def _journal_env(self, variable: str, name: str) -> dict[str, str]:
         if self.spec.journal_dir is None:
@@ -577,7 +606,7 @@ class LocalFabric:
         if r.returncode != 0:
             raise FabricError(f"meridian {' '.join(args)} failed:\n{r.stderr[-2000:]}")
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str], url: str) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str], url: str, niceness: int = 0) -> Proc:
         log = self.spec.work_dir / "logs" / f"{name}.log"
         self._on_step(f"starting {name} at {url}")
         full_env = {**self._base_env(), **env}
@@ -589,6 +618,10 @@ class LocalFabric:
                 # stops the processes in order.
                 start_new_session=True, preexec_fn=_die_with_parent,
             )
+        if niceness:
+            # Right after fork: the interpreter is still starting, its threads come later and
+            # inherit this.
+            renice(popen.pid, niceness)
         p = Proc(name=name, popen=popen, url=url, log=log, args=list(args), env=dict(env))
         with self._lock:
             self._procs.append(p)

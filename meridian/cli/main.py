@@ -297,6 +297,33 @@ def chaos_list(
     console.print(table)
 
 
+@chaos_app.command("run")
+def chaos_run(
+    drills: Annotated[list[str], typer.Argument(help="Drill names, or `all`")],
+    short: Annotated[bool, typer.Option("--short/--full", help="CI's short form (each at most 60 s) or the full drill")] = False,
+    out: Annotated[Path, typer.Option(help="Reports go to OUT/<drill>/ (report.json, report.md, timeline.png)")] = Path(
+        ".meridian/chaos"),
+    seed: Annotated[int, typer.Option(help="Seeds the load's arrivals and the injectors' choices")] = 0,
+    directory: Annotated[
+        Path | None, typer.Option("--dir", help="A folder of drill YAML files (default: the built-in drills)")
+    ] = None,
+    redis_url: Annotated[str, typer.Option(
+        envvar="MERIDIAN_CHAOS_REDIS_URL", help="Redis for drills whose routers share state (through a fault proxy)"
+    )] = "redis://127.0.0.1:6379/0",
+) -> None:
+    """Run drills against a local fabric; exit code 1 when one fails or cannot run yet."""
+    from chaos.drill import DRILLS_DIR, DrillError, load_drills
+    from meridian.cli import chaos_cmd
+
+    try:
+        chosen = chaos_cmd.pick(load_drills(directory or DRILLS_DIR), drills)
+    except (DrillError, ValueError) as e:
+        err_console.print(f"[red]{e}[/red]")
+        raise typer.Exit(2) from None
+    if not chaos_cmd.run(chosen, out, short=short, seed=seed, redis_url=redis_url, console=console):
+        raise typer.Exit(1)
+
+
 @catalog_app.command("gpus")
 def catalog_gpus(
     sku: Annotated[

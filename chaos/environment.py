@@ -1,0 +1,146 @@
+"""What a fault injector acts on: the running local fabric, the proxies in front of its
+nodes and of Redis, and the run's clock and event log."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from chaos.drill import Target
+from chaos.faults.tcp_proxy import FaultProxy
+from chaos.report import FaultEvent
+from meridian.localfabric import FabricInfo, LocalFabric, Proc, renice
+
+# Niceness of a process cold-starting during a drill (see DrillEnvironment.restart).
+COLD_START_NICENESS = 15
+
+log = logging.getLogger(__name__)
+
+
+class InjectionError(RuntimeError):
+    """A fault could not be injected or healed (its target is missing, a process would not stop)."""
+
+
+@dataclass
+class DrillEnvironment:
+    """The fabric under test as injectors see it; times are seconds from the load's start."""
+
+    fabric: LocalFabric
+    info: FabricInfo
+    clock_start: float
+    node_proxies: dict[str, FaultProxy] = field(default_factory=dict)
+    redis_proxy: FaultProxy | None = None
+    seed: int = 0
+    events: list[FaultEvent] = field(default_factory=list)
+    http_timeout_s: float = 5.0
+
+    def now_s(self) -> float:
+        return time.monotonic() - self.clock_start
+
+    def event(self, action: str, detail: str) -> None:
+        """Record what an injector did, for the report's timeline."""
+        at = round(self.now_s(), 3)
+        self.events.append(FaultEvent(at_s=at, action=action, detail=detail))
+        log.info("%.2fs %s: %s", at, action, detail)
+
+    # -- targets -----------------------------------------------------------------------
+
+    def live_nodes(self) -> list[Proc]:
+        return sorted((p for p in self.fabric.node_processes if p.popen.poll() is None), key=lambda p: p.name)
+
+    def nodes(self, target: Target) -> list[Proc]:
+        """Live nodes matching the target; `node: any` picks one of them (seeded)."""
+        found = [p for p in self.live_nodes() if _matches(p, target)]
+        if not found:
+            raise InjectionError(f"no live node matches the target {target.model_dump(exclude_none=True)}")
+        if target.node == "any":
+            return [random.Random(self.seed).choice(found)]
+        return found
+
+    def control_plane(self) -> Proc:
+        for p in self.fabric.processes:
+            if p.name == "control-plane":
+                return p
+        raise InjectionError("the fabric has no control plane process")
+
+    def proxies_of(self, procs: Iterable[Proc]) -> list[FaultProxy]:
+        out = []
+        for p in procs:
+            proxy = self.node_proxies.get(p.node_id or "")
+            if proxy is None:
+                raise InjectionError(f"{p.name} has no fault proxy in front of it")
+            out.append(proxy)
+        return out
+
+    # -- processes ---------------------------------------------------------------------
+
+    async def signal(self, procs: Iterable[Proc], sig: signal.Signals, *, reap: bool) -> None:
+        """Send `sig` to each process; with `reap`, wait for them to exit."""
+        procs = list(procs)
+        for p in procs:
+            p.popen.send_signal(sig)
+            self.event("signal", f"{sig.name} {p.name} (pid {p.popen.pid})")
+        if reap:
+            await asyncio.gather(*(asyncio.to_thread(p.popen.wait, 30) for p in procs))
+
+    async def restart(self, procs: Iterable[Proc], timeout_s: float = 120.0) -> list[Proc]:
+        """Start exited processes again (same port and settings) and wait until each is healthy.
+
+        They start at a low CPU priority, raised once they are up: on one machine a cold
+        start would otherwise starve the nodes serving the drill's load.
+        """
+        fresh = [self.fabric.restart(p, niceness=COLD_START_NICENESS) for p in procs]
+        for p in fresh:
+            self.event("restart", f"{p.name} started again (pid {p.popen.pid})")
+        await asyncio.gather(*(asyncio.to_thread(self.fabric.wait_healthy, p, timeout_s) for p in fresh))
+        for p in fresh:
+            renice(p.popen.pid, 0)
+            self.event("healthy", f"{p.name} answers /health")
+        return fresh
+
+    # -- observation -------------------------------------------------------------------
+
+    async def router_metric(self, name: str, **labels: str) -> float:
+        """Sum of a counter/gauge sample over every router (labels must match); routers that
+        do not answer count as 0."""
+        total = 0.0
+        async with httpx.AsyncClient(timeout=self.http_timeout_s) as http:
+            for url in self.info.router_urls:
+                try:
+                    text = (await http.get(f"{url}/metrics")).text
+                except httpx.HTTPError as exc:
+                    log.warning("could not scrape %s/metrics: %s", url, exc)
+                    continue
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        if sample.name in (name, f"{name}_total") and all(
+                            sample.labels.get(k) == v for k, v in labels.items()
+                        ):
+                            total += sample.value
+        return total
+
+    async def answers(self, url: str, path: str = "/health") -> bool:
+        """Whether `url` answers `path` with 200 right now."""
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                return (await http.get(url + path)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def _matches(p: Proc, t: Target) -> bool:
+    region = p.region or ""
+    return (
+        (t.region is None or region == t.region)
+        and (t.provider is None or region.split(":", 1)[0] == t.provider)
+        and (t.node in (None, "any") or p.node_id == t.node)
+        and (t.model is None or p.model == t.model)
+    )

@@ -1,0 +1,76 @@
+"""Faults on the network, through the fault-injecting proxies the runner puts in front of
+every node and of Redis (kernel latency injection is not available on these machines)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from chaos.drill import Fault
+from chaos.environment import DrillEnvironment, InjectionError
+from chaos.faults.injector import register
+from chaos.faults.tcp_proxy import FaultProxy
+from chaos.history import History
+from meridian.localfabric import Proc
+
+
+@register("proxy_latency", "proxy_bandwidth", "proxy_reset", "proxy_blackhole", "proxy_slow_close")
+class NodeLinkFault:
+    """A proxy fault on the links to the target's nodes (one node, a region: a partition)."""
+
+    def __init__(self, fault: Fault, env: DrillEnvironment) -> None:
+        self._fault, self._env = fault, env
+        self._victims: list[Proc] = []
+        self._proxies: list[FaultProxy] = []
+        self._ejections_before: dict[str, float] = {}
+
+    async def inject(self) -> None:
+        self._victims = self._env.nodes(self._fault.target)
+        self._proxies = self._env.proxies_of(self._victims)
+        for p in self._victims:
+            self._ejections_before[p.node_id or ""] = await self._env.router_metric(
+                "meridian_router_ejections", node=p.node_id or "")
+        params = {k: float(v) for k, v in self._fault.params.items()}
+        for p, proxy in zip(self._victims, self._proxies, strict=True):
+            proxy.apply(self._fault.kind, params)
+            self._env.event("inject", f"{self._fault.kind} {params or ''} on the link to {p.name}")
+
+    async def heal(self) -> None:
+        for p, proxy in zip(self._victims, self._proxies, strict=True):
+            proxy.heal()
+            self._env.event("heal", f"link to {p.name} healed")
+
+    async def observe(self, history: History) -> Mapping[str, bool]:
+        # Every node behind the cut must have been ejected by the routers at least once.
+        ejected = bool(self._victims)
+        for p in self._victims:
+            after = await self._env.router_metric("meridian_router_ejections", node=p.node_id or "")
+            ejected &= after > self._ejections_before.get(p.node_id or "", 0.0)
+        return {"region_ejected": ejected, "outlier_ejected": ejected}
+
+
+@register("redis_outage")
+class RedisOutage:
+    """Redis unreachable for the routers: every connection reset, new ones refused by reset."""
+
+    def __init__(self, fault: Fault, env: DrillEnvironment) -> None:
+        if env.redis_proxy is None:
+            raise InjectionError("redis_outage needs topology.redis: true (routers sharing state through Redis)")
+        self._env = env
+        self._proxy: FaultProxy = env.redis_proxy
+        self._hits_at_start = 0.0
+        self._hits_at_end = 0.0
+
+    async def inject(self) -> None:
+        self._hits_at_start = await self._env.router_metric("meridian_router_predicted_cache_hit_tokens")
+        self._proxy.reset(1.0)
+        self._env.event("inject", f"Redis down: {self._proxy.stats.reset} connections reset, new ones refused")
+
+    async def heal(self) -> None:
+        self._hits_at_end = await self._env.router_metric("meridian_router_predicted_cache_hit_tokens")
+        self._proxy.heal()
+        self._env.event("heal", "Redis reachable again")
+
+    async def observe(self, history: History) -> Mapping[str, bool]:
+        # Graceful: while shared state was gone the routers still predicted prefix-cache hits
+        # from their own indexes and routing history instead of routing blind.
+        return {"kv_routing_degraded_gracefully": self._hits_at_end > self._hits_at_start}

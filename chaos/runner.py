@@ -1,0 +1,357 @@
+"""Run a drill against a local fabric: start it as the drill's topology says, drive the
+load, inject and heal the fault on time, watch the abort conditions, then check the
+joined histories and write the report.
+
+Every request's history comes from three sources: the load generator's client records,
+and the journals of every router and node (meridian.request_journal), keyed by the
+request's idempotency key. The fabric runs as separate processes; the proxies in front
+of its nodes and of Redis run on this process's event loop, next to the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from chaos.checker import check
+from chaos.drill import Drill
+from chaos.environment import DrillEnvironment, InjectionError
+from chaos.faults.injector import Injector, NotRunnable, create_injector, supported_kinds
+from chaos.faults.tcp_proxy import FaultProxy
+from chaos.history import History, HistoryWriter
+from chaos.load import LoadGenerator, LoadStats, LoadTarget
+from chaos.report import ReportFiles, RunReport, write_report
+from meridian.localfabric import DEMO_MODEL, DEMO_REGIONS, FabricError, FabricSpec, LocalFabric
+
+log = logging.getLogger(__name__)
+
+# Topology features the local runner cannot provide yet, with what is missing.
+_UNSUPPORTED_TOPOLOGY: tuple[tuple[Callable[[Drill], bool], str], ...] = (
+    (lambda d: d.topology.postgres, "a control plane on Postgres (topology.postgres)"),
+    (lambda d: d.topology.control_plane_replicas > 1, "several control-plane replicas"),
+)
+# How long the fabric may take to serve every tenant after it started.
+_WARM_UP_TIMEOUT_S = 120.0
+_MONITOR_INTERVAL_S = 0.25
+
+
+@dataclass
+class RunOptions:
+    """Where a run writes and how it reports progress."""
+
+    out_dir: Path
+    short: bool = True
+    seed: int = 0
+    # Redis the routers share (through a fault proxy) when the drill's topology asks for it.
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Settings of every router, over the drill's own: how a test builds a deliberately
+    # broken fabric (e.g. MERIDIAN_ROUTER_MAX_ATTEMPTS=1, no retries) to show a drill fails.
+    router_env: dict[str, str] = field(default_factory=dict)
+    # Called with what the runner is doing, and every monitor tick with the load's counters.
+    on_step: Callable[[str], None] | None = None
+    on_tick: Callable[[float, float, LoadStats], None] | None = None  # (now_s, duration_s, stats)
+    keep_fabric_dir: bool = False
+
+
+@dataclass
+class RunOutcome:
+    """A finished run: its report and the files written."""
+
+    report: RunReport
+    files: ReportFiles
+
+    @property
+    def passed(self) -> bool:
+        return self.report.passed
+
+
+def runnable(drill: Drill) -> str | None:
+    """Why the local runner cannot run `drill` yet; None when it can."""
+    if drill.fault.kind not in supported_kinds():
+        return f"no local injector for {drill.fault.kind!r} yet"
+    for needs, what in _UNSUPPORTED_TOPOLOGY:
+        if needs(drill):
+            return f"the local runner cannot start {what} yet"
+    return None
+
+
+def run_drill(drill: Drill, options: RunOptions) -> RunOutcome:
+    """Run one drill (its short version with options.short) and write its report."""
+    return asyncio.run(_Run(drill, options).run())
+
+
+@dataclass
+class _FaultState:
+    injector: Injector | None = None
+    injected_at: float | None = None
+    healed_at: float | None = None
+    aborted: str | None = None
+    not_checked: list[str] = field(default_factory=list)
+
+
+class _Run:
+    def __init__(self, drill: Drill, options: RunOptions) -> None:
+        self.drill = drill.short_version() if options.short else drill
+        self.options = options
+        self.out = options.out_dir
+        self.run_id = f"{self.drill.name}-{secrets.token_hex(3)}"
+        self._step = options.on_step or (lambda _m: None)
+        self._proxies: dict[str, FaultProxy] = {}
+        self._redis_proxy: FaultProxy | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def run(self) -> RunOutcome:
+        why = runnable(self.drill)
+        if why is not None:
+            raise NotRunnable(f"drill {self.drill.name}: {why}")
+        self._loop = asyncio.get_running_loop()
+        self.out.mkdir(parents=True, exist_ok=True)
+        journals = self.out / "journals"
+        shutil.rmtree(journals, ignore_errors=True)
+        client_log = self.out / "client.jsonl"
+        client_log.unlink(missing_ok=True)
+        fabric_dir = self.out / "fabric"
+        started_at = datetime.now(UTC)
+        fabric = LocalFabric(self._spec(fabric_dir, journals), on_step=self._step)
+        try:
+            if self.drill.topology.redis:
+                redis = urlsplit(self.options.redis_url)
+                self._redis_proxy = FaultProxy("127.0.0.1", 0, redis.hostname or "127.0.0.1", redis.port or 6379,
+                                               seed=self.options.seed)
+                await self._redis_proxy.start()
+                fabric.spec.router_env.update(self._redis_env())
+            self._step(f"starting the fabric for {self.drill.name}")
+            info = await asyncio.to_thread(fabric.start)
+            keys = await self._tenant_keys(info.control_plane_url, info.admin_key)
+            await self._warm_up(info.router_urls, keys)
+            await self._warm_nodes(fabric, info.cluster_token)
+            # Warm-up requests are not the drill's: the journals start empty (their writers
+            # append, so the next line lands at the start of the truncated file).
+            for path in journals.glob("*.jsonl"):
+                os.truncate(path, 0)
+            region_zones = await self._region_zones(info.control_plane_url, info.admin_key)
+            env = DrillEnvironment(fabric=fabric, info=info, clock_start=0.0, node_proxies=self._proxies,
+                                   redis_proxy=self._redis_proxy, seed=self.options.seed)
+            state = _FaultState()
+            with HistoryWriter(client_log) as writer:
+                generator = LoadGenerator(
+                    self.drill.load, LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL), writer,
+                    seed=self.options.seed, key_prefix=self.run_id,
+                )
+                await self._drive(generator, env, state)
+            history = self._history(client_log, journals)
+            invariants: dict[str, bool] = {}
+            if state.injector is not None:
+                invariants.update(await state.injector.observe(history))
+        finally:
+            self._step("stopping the fabric")
+            await asyncio.to_thread(fabric.stop)
+            for proxy in [*self._proxies.values(), *([self._redis_proxy] if self._redis_proxy else [])]:
+                await proxy.stop()
+            if not self.options.keep_fabric_dir:
+                # The checkpoint and weight caches are large; the logs are worth keeping.
+                for sub in ("models", "origin", "weights"):
+                    shutil.rmtree(fabric_dir / sub, ignore_errors=True)
+        # A history read after every writer stopped: no journal line is still on its way.
+        history = self._history(client_log, journals)
+        fault_start = state.injected_at if state.injected_at is not None else self.drill.fault.start_s
+        fault_end = state.healed_at if state.healed_at is not None else self.drill.fault.end_s
+        result = check(history, self.drill, region_zones, fault_start_s=fault_start, fault_end_s=fault_end)
+        # An aborted run never passes (RunReport.passed), however its partial history looks.
+        verdict = result.verdict(self.drill, invariants)
+        report = RunReport(
+            drill=self.drill, short=self.options.short, started_at=started_at,
+            duration_s=self.drill.load.duration_s, fault_start_s=fault_start, fault_end_s=fault_end,
+            events=tuple(env.events), result=result, verdict=verdict, invariants=invariants,
+            aborted=state.aborted, not_checked=tuple(state.not_checked),
+        )
+        files = write_report(report, history, self.out)
+        return RunOutcome(report=report, files=files)
+
+    # -- set-up ------------------------------------------------------------------------
+
+    def _spec(self, fabric_dir: Path, journals: Path) -> FabricSpec:
+        topo = self.drill.topology
+        router_env = {k: v for k, v in topo.env.items() if k.startswith("MERIDIAN_ROUTER_")}
+        router_env.update(self.options.router_env)
+        node_env = {k: v for k, v in topo.env.items() if k.startswith("MERIDIAN_NODE_")}
+        drain_s = 10.0
+        if self.drill.fault.kind == "spot_preemption":
+            # Leave the node's own shutdown some of the deadline after its drain.
+            drain_s = max(1.0, float(self.drill.fault.params["drain_deadline_s"]) * 0.7)
+        return FabricSpec(
+            work_dir=fabric_dir,
+            regions=tuple(topo.regions or DEMO_REGIONS),
+            nodes_per_region=topo.nodes_per_region,
+            region_nodes=dict(topo.region_nodes),
+            routers=topo.routers,
+            seed=self.options.seed,
+            router_env=router_env,
+            node_env=node_env,
+            drain_timeout_s=drain_s,
+            journal_dir=journals,
+            node_front=self._front_node,
+        )
+
+    def _front_node(self, node_id: str, port: int) -> str:
+        """Called from the fabric's thread: a fault proxy in front of the node, on our loop."""
+        assert self._loop is not None
+        existing = self._proxies.get(node_id)
+        if existing is not None:  # a restarted node keeps its proxy (and its port)
+            existing.upstream_port = port
+            return f"http://127.0.0.1:{existing.port}"
+        proxy = FaultProxy("127.0.0.1", 0, "127.0.0.1", port, seed=self.options.seed)
+        asyncio.run_coroutine_threadsafe(proxy.start(), self._loop).result(timeout=10)
+        self._proxies[node_id] = proxy
+        return f"http://127.0.0.1:{proxy.port}"
+
+    def _redis_env(self) -> dict[str, str]:
+        assert self._redis_proxy is not None
+        redis = urlsplit(self.options.redis_url)
+        netloc = f"{redis.username or ''}{':' + redis.password if redis.password else ''}"
+        netloc = f"{netloc}@" if netloc else ""
+        proxied = urlunsplit((redis.scheme, f"{netloc}127.0.0.1:{self._redis_proxy.port}", redis.path, "", ""))
+        return {
+            "MERIDIAN_ROUTER_REDIS_URL": proxied,
+            # Runs never see each other's (or a production router's) shared state.
+            "MERIDIAN_ROUTER_FLEET_KEY_PREFIX": f"meridian:chaos:{self.run_id}:",
+        }
+
+    async def _tenant_keys(self, cp_url: str, admin_key: str) -> dict[str, str]:
+        """One API key per drill tenant, in its residency zone."""
+        keys: dict[str, str] = {}
+        headers = {"authorization": f"Bearer {admin_key}"}
+        async with httpx.AsyncClient(base_url=cp_url, headers=headers, timeout=10.0) as http:
+            for t in self.drill.load.tenants:
+                r = await http.post("/v1/api-keys", json={
+                    "name": f"chaos-{t.name}", "tenant": t.name, "zone": t.zone,
+                    "scopes": ["inference"], "models": None,
+                })
+                if r.status_code != 201:
+                    raise FabricError(f"creating the key of tenant {t.name} failed: {r.status_code} {r.text}")
+                keys[t.name] = r.json()["key"]
+        return keys
+
+    async def _warm_up(self, router_urls: list[str], keys: Mapping[str, str]) -> None:
+        """Until every router answers every tenant: new keys reach routers with the next
+        routing table, and each node's first generation is slower than the rest."""
+        self._step("warming up: every router answers every tenant")
+        body = {"model": DEMO_MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4}
+        deadline = asyncio.get_running_loop().time() + _WARM_UP_TIMEOUT_S
+        async with httpx.AsyncClient(timeout=30.0) as http:
+            for url in router_urls:
+                for tenant, key in keys.items():
+                    while True:
+                        with contextlib.suppress(httpx.HTTPError):
+                            r = await http.post(f"{url}/v1/chat/completions", json=body,
+                                                headers={"authorization": f"Bearer {key}"})
+                            if r.status_code == 200:
+                                break
+                        if asyncio.get_running_loop().time() > deadline:
+                            raise FabricError(f"router {url} did not serve tenant {tenant} within "
+                                              f"{_WARM_UP_TIMEOUT_S:g}s")
+                        await asyncio.sleep(0.3)
+
+    async def _warm_nodes(self, fabric: LocalFabric, cluster_token: str) -> None:
+        """One generation on every node: a node's first one is much slower than the rest."""
+        body = {"model": DEMO_MODEL, "messages": [{"role": "user", "content": "warm up"}],
+                "max_tokens": self.drill.load.max_tokens}
+        headers = {"authorization": f"Bearer {cluster_token}"}
+        async with httpx.AsyncClient(timeout=60.0, headers=headers) as http:
+            for p in fabric.node_processes:
+                r = await http.post(f"{p.url}/v1/chat/completions", json=body)
+                if r.status_code != 200:
+                    raise FabricError(f"warming {p.name} up failed: {r.status_code} {r.text[:200]}")
+
+    async def _region_zones(self, cp_url: str, admin_key: str) -> dict[str, list[str]]:
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            r = await http.get(f"{cp_url}/v1/regions", headers={"authorization": f"Bearer {admin_key}"})
+            r.raise_for_status()
+            return {x["name"]: list(x["zones"]) for x in r.json()}
+
+    # -- the run -----------------------------------------------------------------------
+
+    async def _drive(self, generator: LoadGenerator, env: DrillEnvironment, state: _FaultState) -> None:
+        env.clock_start = time.monotonic()
+        load = asyncio.create_task(generator.run(env.clock_start), name="chaos-load")
+        fault = asyncio.create_task(self._fault(env, state), name="chaos-fault")
+        duration = self.drill.load.duration_s
+        try:
+            while not load.done():
+                await asyncio.sleep(_MONITOR_INTERVAL_S)
+                now = env.now_s()
+                if self.options.on_tick is not None:
+                    self.options.on_tick(now, duration, generator.stats)
+                reason = self._abort_reason(generator.stats, now) if state.aborted is None else None
+                if reason is not None:
+                    state.aborted = reason
+                    env.event("abort", reason)
+                    generator.stop()
+                    fault.cancel()
+                if fault.done() and not fault.cancelled() and fault.exception() is not None:
+                    exc = fault.exception()
+                    state.aborted = state.aborted or f"the fault injector failed: {exc}"
+                    env.event("abort", state.aborted)
+                    generator.stop()
+            await load
+        finally:
+            if not fault.done():
+                fault.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await fault
+            # Whatever happened, leave the fabric healed before it is observed and stopped.
+            if state.injector is not None and state.injected_at is not None and state.healed_at is None:
+                state.healed_at = env.now_s()
+                with contextlib.suppress(Exception):
+                    await state.injector.heal()
+
+    async def _fault(self, env: DrillEnvironment, state: _FaultState) -> None:
+        f = self.drill.fault
+        await _sleep_until(env, f.start_s)
+        try:
+            state.injector = create_injector(f, env)
+            state.injected_at = env.now_s()
+            env.event("inject", f"{f.kind} on {f.target.model_dump(exclude_none=True)}")
+            await state.injector.inject()
+        except (InjectionError, OSError, FabricError) as exc:
+            raise InjectionError(f"injecting {f.kind} failed: {exc}") from exc
+        await _sleep_until(env, f.end_s)
+        # The fault ends when healing starts; a restart's cold start is part of the recovery.
+        state.healed_at = env.now_s()
+        env.event("heal", f"healing {f.kind}")
+        await state.injector.heal()
+
+    def _abort_reason(self, stats: LoadStats, now_s: float) -> str | None:
+        for cond in self.drill.abort:
+            if now_s < cond.for_s:
+                continue
+            rate = stats.recent_error_rate(cond.for_s, now_s)
+            if rate is not None and rate > cond.error_rate_above:
+                return (f"error rate {rate:.0%} over the last {cond.for_s:g}s exceeded the abort "
+                        f"threshold {cond.error_rate_above:.0%}")
+        return None
+
+    # -- results -----------------------------------------------------------------------
+
+    def _history(self, client_log: Path, journals: Path) -> History:
+        paths = [client_log, *sorted(journals.glob("*.jsonl"))] if journals.exists() else [client_log]
+        return History.read(*[p for p in paths if p.exists()])
+
+
+async def _sleep_until(env: DrillEnvironment, at_s: float) -> None:
+    delay = at_s - env.now_s()
+    if delay > 0:
+        await asyncio.sleep(delay)
+

@@ -1,0 +1,59 @@
+"""The short chaos suite: every drill the local runner can run, against a real local fabric,
+judged by the checker from the joined client, router and node histories.
+
+Each drill's short form runs at most 60 s of load (plus the fabric's start and stop).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from chaos.drill import Drill, load_drills
+from chaos.runner import RunOptions, RunOutcome, run_drill, runnable
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
+DRILLS = load_drills()
+RUNNABLE = [d for d in DRILLS if runnable(d) is None]
+
+
+def _explain(outcome: RunOutcome) -> str:
+    report = outcome.report
+    lines = [f"{c.name}: measured {c.measured} bound {c.bound} {c.detail}" for c in report.verdict.failures()]
+    if report.aborted:
+        lines.append(f"aborted: {report.aborted}")
+    lines += [f"{e.at_s:7.2f}s {e.action}: {e.detail}" for e in report.events]
+    return f"{report.drill.name} failed (report {outcome.files.report_md}):\n" + "\n".join(lines)
+
+
+def _run(drill: Drill, tmp_path: Path, **options: Any) -> RunOutcome:
+    return run_drill(drill, RunOptions(out_dir=tmp_path / drill.name, short=True, **options))
+
+
+@pytest.mark.parametrize("drill", RUNNABLE, ids=[d.name for d in RUNNABLE])
+def test_short_drill_passes(drill: Drill, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    # Drills whose routers share state need the test Redis (and fail, never skip, in CI).
+    options = {"redis_url": request.getfixturevalue("redis_url")} if drill.topology.redis else {}
+    outcome = _run(drill, tmp_path, **options)
+    assert outcome.passed, _explain(outcome)
+    # The run leaves a report a person can read and a machine can parse.
+    report = json.loads(outcome.files.report_json.read_text())
+    assert report["passed"] is True
+    assert outcome.report.result.attempts >= drill.short_version().load.arrivals_per_s * 10
+    assert outcome.files.timeline_png is not None and outcome.files.timeline_png.stat().st_size > 10_000
+
+
+def test_node_crash_fails_with_retries_and_health_checks_disabled(tmp_path: Path) -> None:
+    """A deliberately broken build: the router neither fails over nor probes nodes, so the
+    requests that meet the crashed node get errors and the drill must say so."""
+    drill = next(d for d in DRILLS if d.name == "node-crash")
+    outcome = _run(drill, tmp_path, router_env={
+        "MERIDIAN_ROUTER_MAX_ATTEMPTS": "1", "MERIDIAN_ROUTER_PROBE_ENABLED": "false",
+    })
+    assert not outcome.passed
+    failed = {c.name for c in outcome.report.verdict.failures()}
+    assert failed & {"unclean_errors", "error_rate_during_fault", "lost"}, failed
