@@ -8,14 +8,16 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from chaos.drill import Target
+from chaos.drill import Load, Target
 from chaos.faults.tcp_proxy import FaultProxy
+from chaos.history import HistoryWriter
+from chaos.load import LoadTarget
 from chaos.report import FaultEvent
 from meridian.localfabric import FabricInfo, LocalFabric, Proc, renice
 
@@ -38,9 +40,20 @@ class DrillEnvironment:
     clock_start: float
     node_proxies: dict[str, FaultProxy] = field(default_factory=dict)
     redis_proxy: FaultProxy | None = None
+    postgres_proxy: FaultProxy | None = None
     seed: int = 0
     events: list[FaultEvent] = field(default_factory=list)
     http_timeout_s: float = 5.0
+    # The drill's load, for injectors that send requests of their own (a burst): its target,
+    # the client history they record into, and the run's key prefix.
+    load: Load | None = None
+    load_target: LoadTarget | None = None
+    writer: HistoryWriter | None = None
+    key_prefix: str = "req"
+    # Work an injector started that must end before the history is read (its requests).
+    background: list[asyncio.Task[None]] = field(default_factory=list)
+    # Undone after the fabric stopped, last first, even when the run failed (a mount).
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
 
     def now_s(self) -> float:
         return time.monotonic() - self.clock_start
@@ -66,10 +79,16 @@ class DrillEnvironment:
         return found
 
     def control_plane(self) -> Proc:
-        for p in self.fabric.processes:
-            if p.name == "control-plane":
-                return p
-        raise InjectionError("the fabric has no control plane process")
+        """The replica nodes and routers use."""
+        return self.control_planes()[0]
+
+    def control_planes(self) -> list[Proc]:
+        """Every control-plane replica, the one nodes and routers use first."""
+        found = sorted((p for p in self.fabric.processes if p.name.startswith("control-plane")),
+                       key=lambda p: (p.name != "control-plane", p.name))
+        if not found:
+            raise InjectionError("the fabric has no control plane process")
+        return found
 
     def proxies_of(self, procs: Iterable[Proc]) -> list[FaultProxy]:
         out = []

@@ -30,7 +30,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -159,6 +159,7 @@ class LoadGenerator:
         key_prefix: str = "req",
         max_in_flight: int = 2000,
         http: httpx.AsyncClient | None = None,
+        schedule: Sequence[Arrival] | None = None,
     ) -> None:
         if not target.router_urls:
             raise ValueError("LoadTarget.router_urls is empty")
@@ -185,7 +186,8 @@ class LoadGenerator:
             write=load.request_timeout_s,
             pool=load.request_timeout_s,
         )
-        self._schedule = _make_schedule(load, seed)
+        # An explicit schedule (a burst) replaces the load's Poisson arrivals.
+        self._schedule = list(schedule) if schedule is not None else _make_schedule(load, seed)
         self._stop = asyncio.Event()
         self._started = False
 
@@ -444,6 +446,17 @@ def _make_schedule(load: Load, seed: int) -> list[Arrival]:
         out.append(Arrival(t, tenant, stream, conversation, turn))
         t += rng.expovariate(load.arrivals_per_s)
     return out
+
+
+def burst_schedule(load: Load, count: int, at_s: float, seed: int, spread_s: float = 0.5) -> list[Arrival]:
+    """`count` arrivals within `spread_s` seconds of `at_s`: tenants by weight, streams by
+    the load's fraction, fresh prompts (a burst of new users, not ongoing conversations)."""
+    rng = random.Random(seed)
+    names = [t.name for t in load.tenants]
+    weights = [t.weight for t in load.tenants]
+    times = sorted(at_s + rng.uniform(0, spread_s) for _ in range(count))
+    return [Arrival(t, rng.choices(names, weights)[0], rng.random() < load.streaming_fraction, None, 0)
+            for t in times]
 
 
 def _words(rng: random.Random, count: int) -> str:

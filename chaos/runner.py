@@ -28,7 +28,14 @@ import httpx
 from chaos.checker import check
 from chaos.drill import Drill
 from chaos.environment import DrillEnvironment, InjectionError
-from chaos.faults.injector import Injector, NotRunnable, create_injector, supported_kinds
+from chaos.faults.injector import (
+    Injector,
+    NotRunnable,
+    create_injector,
+    prepare_fabric,
+    supported_kinds,
+    unavailable,
+)
 from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadStats, LoadTarget
@@ -37,10 +44,10 @@ from meridian.localfabric import DEMO_MODEL, DEMO_REGIONS, FabricError, FabricSp
 
 log = logging.getLogger(__name__)
 
-# Topology features the local runner cannot provide yet, with what is missing.
+# Topology features the local runner cannot provide, with what is missing.
 _UNSUPPORTED_TOPOLOGY: tuple[tuple[Callable[[Drill], bool], str], ...] = (
-    (lambda d: d.topology.postgres, "a control plane on Postgres (topology.postgres)"),
-    (lambda d: d.topology.control_plane_replicas > 1, "several control-plane replicas"),
+    (lambda d: d.topology.control_plane_replicas > 1 and not d.topology.postgres,
+     "several control-plane replicas without Postgres (SQLite serves one replica)"),
 )
 # How long the fabric may take to serve every tenant after it started.
 _WARM_UP_TIMEOUT_S = 120.0
@@ -56,6 +63,9 @@ class RunOptions:
     seed: int = 0
     # Redis the routers share (through a fault proxy) when the drill's topology asks for it.
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # The Postgres server a drill's control plane uses (a fresh database of its own, through
+    # a fault proxy) when the topology asks for Postgres.
+    postgres_url: str = "postgresql://postgres@127.0.0.1:5432/postgres"
     # Settings of every router, over the drill's own: how a test builds a deliberately
     # broken fabric (e.g. MERIDIAN_ROUTER_MAX_ATTEMPTS=1, no retries) to show a drill fails.
     router_env: dict[str, str] = field(default_factory=dict)
@@ -81,6 +91,9 @@ def runnable(drill: Drill) -> str | None:
     """Why the local runner cannot run `drill` yet; None when it can."""
     if drill.fault.kind not in supported_kinds():
         return f"no local injector for {drill.fault.kind!r} yet"
+    why = unavailable(drill.fault.kind)
+    if why is not None:
+        return f"{drill.fault.kind} cannot be injected on this machine: {why}"
     for needs, what in _UNSUPPORTED_TOPOLOGY:
         if needs(drill):
             return f"the local runner cannot start {what} yet"
@@ -110,6 +123,7 @@ class _Run:
         self._step = options.on_step or (lambda _m: None)
         self._proxies: dict[str, FaultProxy] = {}
         self._redis_proxy: FaultProxy | None = None
+        self._postgres_proxy: FaultProxy | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self) -> RunOutcome:
@@ -125,6 +139,9 @@ class _Run:
         fabric_dir = self.out / "fabric"
         started_at = datetime.now(UTC)
         fabric = LocalFabric(self._spec(fabric_dir, journals), on_step=self._step)
+        env: DrillEnvironment | None = None
+        # Undone last first after the fabric stopped (the run's database).
+        cleanups: list[Callable[[], None]] = []
         try:
             if self.drill.topology.redis:
                 redis = urlsplit(self.options.redis_url)
@@ -132,6 +149,8 @@ class _Run:
                                                seed=self.options.seed)
                 await self._redis_proxy.start()
                 fabric.spec.router_env.update(self._redis_env())
+            if self.drill.topology.postgres:
+                fabric.spec.database_url = await self._postgres_database(cleanups)
             self._step(f"starting the fabric for {self.drill.name}")
             info = await asyncio.to_thread(fabric.start)
             keys = await self._tenant_keys(info.control_plane_url, info.admin_key)
@@ -142,15 +161,20 @@ class _Run:
             for path in journals.glob("*.jsonl"):
                 os.truncate(path, 0)
             region_zones = await self._region_zones(info.control_plane_url, info.admin_key)
-            env = DrillEnvironment(fabric=fabric, info=info, clock_start=0.0, node_proxies=self._proxies,
-                                   redis_proxy=self._redis_proxy, seed=self.options.seed)
             state = _FaultState()
             with HistoryWriter(client_log) as writer:
-                generator = LoadGenerator(
-                    self.drill.load, LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL), writer,
-                    seed=self.options.seed, key_prefix=self.run_id,
-                )
+                target = LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL)
+                env = DrillEnvironment(fabric=fabric, info=info, clock_start=0.0, node_proxies=self._proxies,
+                                       redis_proxy=self._redis_proxy, postgres_proxy=self._postgres_proxy,
+                                       seed=self.options.seed, cleanups=cleanups,
+                                       load=self.drill.load, load_target=target, writer=writer,
+                                       key_prefix=self.run_id)
+                generator = LoadGenerator(self.drill.load, target, writer, seed=self.options.seed,
+                                          key_prefix=self.run_id)
                 await self._drive(generator, env, state)
+                # An injector's own requests (a burst) end before the history is read.
+                if env.background:
+                    await asyncio.gather(*env.background, return_exceptions=True)
             history = self._history(client_log, journals)
             invariants: dict[str, bool] = {}
             if state.injector is not None:
@@ -158,12 +182,19 @@ class _Run:
         finally:
             self._step("stopping the fabric")
             await asyncio.to_thread(fabric.stop)
-            for proxy in [*self._proxies.values(), *([self._redis_proxy] if self._redis_proxy else [])]:
+            services = [p for p in (self._redis_proxy, self._postgres_proxy) if p is not None]
+            for proxy in [*self._proxies.values(), *services]:
                 await proxy.stop()
+            for cleanup in reversed(cleanups):
+                try:
+                    await asyncio.to_thread(cleanup)
+                except Exception:  # one failed cleanup must not keep the others from running
+                    log.exception("cleaning up after %s failed", self.drill.name)
             if not self.options.keep_fabric_dir:
                 # The checkpoint and weight caches are large; the logs are worth keeping.
                 for sub in ("models", "origin", "weights"):
                     shutil.rmtree(fabric_dir / sub, ignore_errors=True)
+        assert env is not None
         # A history read after every writer stopped: no journal line is still on its way.
         history = self._history(client_log, journals)
         fault_start = state.injected_at if state.injected_at is not None else self.drill.fault.start_s
@@ -187,11 +218,7 @@ class _Run:
         router_env = {k: v for k, v in topo.env.items() if k.startswith("MERIDIAN_ROUTER_")}
         router_env.update(self.options.router_env)
         node_env = {k: v for k, v in topo.env.items() if k.startswith("MERIDIAN_NODE_")}
-        drain_s = 10.0
-        if self.drill.fault.kind == "spot_preemption":
-            # Leave the node's own shutdown some of the deadline after its drain.
-            drain_s = max(1.0, float(self.drill.fault.params["drain_deadline_s"]) * 0.7)
-        return FabricSpec(
+        spec = FabricSpec(
             work_dir=fabric_dir,
             regions=tuple(topo.regions or DEMO_REGIONS),
             nodes_per_region=topo.nodes_per_region,
@@ -200,10 +227,14 @@ class _Run:
             seed=self.options.seed,
             router_env=router_env,
             node_env=node_env,
-            drain_timeout_s=drain_s,
+            drain_timeout_s=10.0,
+            control_plane_replicas=topo.control_plane_replicas,
+            control_plane_env={k: v for k, v in topo.env.items() if k.startswith("MERIDIAN_CP_")},
             journal_dir=journals,
             node_front=self._front_node,
         )
+        prepare_fabric(self.drill.fault, spec)
+        return spec
 
     def _front_node(self, node_id: str, port: int) -> str:
         """Called from the fabric's thread: a fault proxy in front of the node, on our loop."""
@@ -228,6 +259,30 @@ class _Run:
             # Runs never see each other's (or a production router's) shared state.
             "MERIDIAN_ROUTER_FLEET_KEY_PREFIX": f"meridian:chaos:{self.run_id}:",
         }
+
+    async def _postgres_database(self, cleanups: list[Callable[[], None]]) -> str:
+        """A fresh database for the run's control plane, reached through a fault proxy."""
+        import psycopg
+        from psycopg import sql
+        from sqlalchemy.engine import make_url
+
+        server = make_url(self.options.postgres_url)
+        name = f"meridian_chaos_{secrets.token_hex(6)}"
+        maintenance = server.set(drivername="postgresql").render_as_string(hide_password=False)
+
+        def execute(statement: sql.Composable) -> None:
+            with psycopg.connect(maintenance, autocommit=True, connect_timeout=5) as conn:
+                conn.execute(statement)
+
+        await asyncio.to_thread(execute, sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        # FORCE: the control plane's connections may outlive a failed run.
+        cleanups.append(lambda: execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name))))
+        self._postgres_proxy = FaultProxy("127.0.0.1", 0, server.host or "127.0.0.1", server.port or 5432,
+                                          seed=self.options.seed)
+        await self._postgres_proxy.start()
+        return server.set(host="127.0.0.1", port=self._postgres_proxy.port, database=name).render_as_string(
+            hide_password=False)
 
     async def _tenant_keys(self, cp_url: str, admin_key: str) -> dict[str, str]:
         """One API key per drill tenant, in its residency zone."""

@@ -184,6 +184,7 @@ def create_app(
         rtt=RttEstimator.from_settings(settings),
     )
     fleet_state.add_ejection_listener(lambda e: _count_ejection(state, e))
+    fleet_state.add_ejection_listener(state.forwarder.on_ejection)
     if isinstance(state.policy, AffinityPolicy):
         policy = state.policy
         metrics.imbalance_fallbacks.set_function(lambda: policy.imbalance_fallbacks)

@@ -107,6 +107,19 @@ class UpstreamTimeout(RouterError):
         super().__init__(f"The model did not answer within {timeout_s:g} seconds.")
 
 
+class UpstreamLost(RouterError):
+    """The node stopped answering health checks while a request waited for its answer."""
+
+    status = 504
+    code = "upstream_timeout"
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(
+            f"Node {node_id} stopped answering health checks before it answered this request. "
+            "It was not retried on another node because it may have run; retry it if it is safe to."
+        )
+
+
 class RouterOverloaded(RouterError):
     status = 503
     code = "router_overloaded"

@@ -51,8 +51,8 @@ from meridian.contracts import (
 from meridian.request_journal import RequestJournal
 from meridian.settings import RouterSettings
 
-from .errors import RouterError, RouterOverloaded, UpstreamTimeout
-from .health import FailureKind, FleetState
+from .errors import RouterError, RouterOverloaded, UpstreamLost, UpstreamTimeout
+from .health import Ejection, FailureKind, FleetState
 from .metrics import RouterMetrics
 from .outlier import RetryBudget
 from .request import InferenceRequest
@@ -369,6 +369,14 @@ class _NodeFailed(Exception):
         self.reason = reason
 
 
+@dataclass(slots=True, eq=False)  # identity-hashed: a set member
+class _Waiter:
+    """An attempt waiting for a node's answer, which an ejection by health checks abandons."""
+
+    task: asyncio.Task[Any]
+    abandoned: bool = False
+
+
 class _SSEFramer:
     """Releases only complete SSE events, holding back a trailing partial one."""
 
@@ -572,6 +580,23 @@ class UpstreamForwarder:
         self._children: dict[tuple[str, ...], Any] = {}
         # Upstream exchanges in flight: at most one connection each, so this bounds the pool.
         self._slots = asyncio.Semaphore(settings.max_upstream_connections)
+        # Attempts still waiting for their node's answer, by node.
+        self._waiting: dict[str, set[_Waiter]] = {}
+
+    def on_ejection(self, ejection: Ejection) -> None:
+        """A node failed its active health checks: abandon the attempts still waiting for it.
+
+        A partitioned or frozen node keeps its connections open and answers nothing, and a
+        non-streamed answer has no read timeout short of the request's deadline (generation
+        can be long), so without this they would hang for minutes. They end with a 504 and
+        are not failed over: the node may have run them, and a retry could run one twice
+        (Envoy's close_connections_on_host_health_failure, for the same reason).
+        """
+        if ejection.kind is not FailureKind.PROBE or not ejection.enforced:
+            return
+        for waiter in self._waiting.pop(ejection.node_id, ()):
+            waiter.abandoned = True
+            waiter.task.cancel()
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -779,6 +804,9 @@ class UpstreamForwarder:
         await self._take_slot()
         conn: UpstreamConnection | None = None
         committed = False
+        node_id = candidate.node.node_id
+        waiter = _Waiter(cast(asyncio.Task[Any], asyncio.current_task()))
+        self._waiting.setdefault(node_id, set()).add(waiter)
         try:
             async with asyncio.timeout_at(deadline):
                 sent_at = time.perf_counter()
@@ -810,7 +838,17 @@ class UpstreamForwarder:
                 committed = True
         except UpstreamError as exc:
             raise _NodeFailed(exc.reason, str(exc)) from None
+        except asyncio.CancelledError:
+            if not waiter.abandoned:
+                raise
+            waiter.task.uncancel()
+            raise UpstreamLost(node_id) from None
         finally:
+            waiting = self._waiting.get(node_id)
+            if waiting is not None:
+                waiting.discard(waiter)
+                if not waiting:
+                    del self._waiting[node_id]
             if not committed:
                 # A non-streamed answer has been read whole (its connection is reused); a
                 # failed one is closed. A streamed one belongs to the response passing it on.

@@ -134,8 +134,14 @@ class FabricSpec:
     # Extra environment of every node / of the router (e.g. MERIDIAN_ROUTER_ROUTING_POLICY).
     node_env: dict[str, str] = field(default_factory=dict)
     router_env: dict[str, str] = field(default_factory=dict)
-    # Routers started against the one control plane.
+    # Routers started against the first control-plane replica.
     routers: int = 1
+    # The control plane's database (postgresql://…; None: a SQLite file in work_dir), and its
+    # replicas: more than one needs a shared database, and only the first serves nodes and
+    # routers (the others contend for leadership of the fleet loops).
+    database_url: str | None = None
+    control_plane_replicas: int = 1
+    control_plane_env: dict[str, str] = field(default_factory=dict)
     # With a directory, each router and node journals what it routed and served there
     # (<name>.jsonl, meridian.request_journal): the histories chaos drills check.
     journal_dir: Path | None = None
@@ -173,6 +179,8 @@ class FabricInfo:
     nodes: dict[str, Proc] = field(default_factory=dict)
     # Every router's URL, the first being router_url.
     router_urls: list[str] = field(default_factory=list)
+    # Every control-plane replica's URL, the first being control_plane_url.
+    control_plane_urls: list[str] = field(default_factory=list)
 
 
 def _node_id(region: str) -> str:
@@ -230,7 +238,10 @@ class LocalFabric:
         (spec.work_dir / "logs").mkdir(exist_ok=True)
         try:
             model_uri = self._model_uri = self._ensure_model()
+            if spec.control_plane_replicas > 1 and spec.database_url is None:
+                raise FabricError("several control-plane replicas need a shared database (database_url)")
             cp = self._start_control_plane()
+            standbys = [self._start_control_plane(i) for i in range(2, spec.control_plane_replicas + 1)]
             keys = self._create_keys(cp.url)
             self._create_deployments(cp.url)
             i = 0
@@ -245,6 +256,7 @@ class LocalFabric:
             self.info = FabricInfo(
                 router_url=routers[0].url,
                 control_plane_url=cp.url,
+                control_plane_urls=[cp.url, *(p.url for p in standbys)],
                 admin_key=self._admin_key,
                 cluster_token=self._cluster_token,
                 keys=keys,
@@ -319,32 +331,46 @@ class LocalFabric:
                 p.popen.wait(timeout=30)
         return [p.node_id or p.name for p in victims]
 
-    def restart(self, proc: Proc, niceness: int = 0) -> Proc:
+    def restart(self, proc: Proc, niceness: int = 0, env: dict[str, str] | None = None) -> Proc:
         """Start a process that exited (crashed, killed by a drill) again, with the same
         arguments, environment and port; the returned Proc replaces it. Does not wait.
 
         A positive `niceness` starts it at a lower CPU priority: on one machine a node's cold
         start (imports, loading) otherwise takes its CPU from the nodes serving traffic,
-        which separate machines would not (renice() it back once it is up).
+        which separate machines would not (renice() it back once it is up). `env` is laid
+        over its environment (and kept for later restarts).
         """
         if proc.popen.poll() is None:
             raise FabricError(f"{proc.name} is still running (pid {proc.popen.pid})")
-        fresh = self._spawn(proc.name, proc.args, proc.env, proc.url, niceness)
+        fresh = self._spawn(proc.name, proc.args, {**proc.env, **(env or {})}, proc.url, niceness)
         fresh.region, fresh.node_id, fresh.model = proc.region, proc.node_id, proc.model
         fresh.kv_events, fresh.kv_events_replay = proc.kv_events, proc.kv_events_replay
         with self._lock:
             self._procs = [p for p in self._procs if p is not proc]
         return fresh
 
-    def start_replacement_node(self, region: str, niceness: int = 0) -> Proc:
-        """Start a new node in `region` (a fresh node id), as a driver replaces a lost
-        instance; `niceness` as in restart()."""
-        assert self.info is not None, "start the fabric first"
+    def new_node_id(self, region: str) -> str:
+        """A node id not used yet in `region` (for a node started while the fabric runs)."""
         with self._lock:
             self._replacements += 1
-            node_id = f"{_node_id(region)}-r{self._replacements}"
-        return self._start_node(region, self._model_uri, self.info.control_plane_url, 0, node_id=node_id,
-                                niceness=niceness)
+            return f"{_node_id(region)}-r{self._replacements}"
+
+    def node_cache_dir(self, node_id: str) -> Path:
+        """The weight cache directory of a node (each node has its own, as on its own disk)."""
+        return (self.spec.work_dir / "weights" / node_id).resolve()
+
+    @property
+    def origin_dir(self) -> Path:
+        """The file:// weight origin the nodes pull the model from."""
+        return (self.spec.work_dir / "origin" / self.spec.model_name).resolve()
+
+    def start_replacement_node(self, region: str, niceness: int = 0, node_id: str | None = None,
+                               env: dict[str, str] | None = None) -> Proc:
+        """Start a new node in `region`, as a driver replaces a lost instance: a fresh node id
+        unless given, `env` over the nodes' settings, `niceness` as in restart()."""
+        assert self.info is not None, "start the fabric first"
+        return self._start_node(region, self._model_uri, self.info.control_plane_url, 0,
+                                node_id=node_id or self.new_node_id(region), niceness=niceness, env=env)
 
     def wait_ready(self, proc: Proc, timeout_s: float) -> None:
         """Block until node `proc` is healthy and READY in the control plane."""
@@ -389,7 +415,7 @@ class LocalFabric:
         """The tiny checkpoint, pushed to a file:// weight origin (the embedded default);
         nodes pull it from there into their own caches, as GPU nodes pull from S3/GCS."""
         model_dir = self.spec.model_dir or self.spec.work_dir / "models" / self.spec.model_name
-        origin = (self.spec.work_dir / "origin" / self.spec.model_name).resolve()
+        origin = self.origin_dir
         if not (model_dir / "model.safetensors").exists():
             self._on_step(f"generating tiny checkpoint {model_dir}")
             self._run_cli(["model", "make-tiny", str(model_dir), "--seed", str(self.spec.seed)])
@@ -399,17 +425,21 @@ class LocalFabric:
             self._run_cli(["model", "push", str(model_dir), f"file://{origin}"])
         return f"file://{origin}"
 
-    def _start_control_plane(self) -> Proc:
-        port = _port_or_free(self.spec.control_plane_port, self.spec.host)
-        db = (self.spec.work_dir / "state.db").resolve()
+    def _start_control_plane(self, replica: int = 1) -> Proc:
+        """Replica 1 is the one nodes and routers use; more replicas share its database."""
+        port = _port_or_free(self.spec.control_plane_port if replica == 1 else 0, self.spec.host)
+        database_url = self.spec.database_url or f"sqlite:///{(self.spec.work_dir / 'state.db').resolve()}"
+        name = "control-plane" if replica == 1 else f"control-plane-{replica}"
         env = {
             "MERIDIAN_CP_BOOTSTRAP_ADMIN_KEY": self._admin_key,
             "MERIDIAN_CP_HEARTBEAT_INTERVAL_S": str(self.spec.heartbeat_interval_s),
             "MERIDIAN_CP_NODE_TTL_S": str(self.spec.node_ttl_s),
+            "MERIDIAN_CP_REPLICA_ID": name,
+            **self.spec.control_plane_env,
         }
         args = ["control-plane", "serve", "--host", self.spec.host, "--port", str(port),
-                "--database-url", f"sqlite:///{db}"]
-        p = self._spawn("control-plane", args, env, f"http://{self.spec.host}:{port}")
+                "--database-url", database_url]
+        p = self._spawn(name, args, env, f"http://{self.spec.host}:{port}")
         self._wait_http(p, "/health")
         return p
 
@@ -438,7 +468,8 @@ class LocalFabric:
                     raise FabricError(f"creating deployment {d.model_name} failed: {r.status_code} {r.text}")
 
     def _start_node(self, region: str, model_uri: str, cp_url: str, port: int,
-                    model_name: str | None = None, node_id: str | None = None, niceness: int = 0) -> Proc:
+                    model_name: str | None = None, node_id: str | None = None, niceness: int = 0,
+                    env: dict[str, str] | None = None) -> Proc:
         port = _port_or_free(port, self.spec.host)
         model_name = model_name or self.spec.model_name
         node_id = node_id or _node_id(region)
@@ -446,6 +477,7 @@ class LocalFabric:
                 "--region", region, "--node-id", node_id, "--host", self.spec.host,
                 "--port", str(port), "--control-plane-url", cp_url]
         kv_events, kv_events_replay = self._kv_event_endpoints()
+        extra_env = env or {}
         env = {
             # Nodes share this machine's cores: torch's default of one thread per core in
             # every node oversubscribes them and a busy fabric slows to a crawl.
@@ -453,10 +485,11 @@ class LocalFabric:
             **self._journal_env("MERIDIAN_NODE_REQUEST_JOURNAL_PATH", node_id),
             "MERIDIAN_NODE_DRAIN_TIMEOUT_S": str(self.spec.drain_timeout_s),
             # One cache per node, as on separate machines.
-            "MERIDIAN_WEIGHTS_CACHE_DIR": str((self.spec.work_dir / "weights" / node_id).resolve()),
+            "MERIDIAN_WEIGHTS_CACHE_DIR": str(self.node_cache_dir(node_id)),
             "MERIDIAN_NODE_KV_EVENTS_ENDPOINT": kv_events,
             "MERIDIAN_NODE_KV_EVENTS_REPLAY_ENDPOINT": kv_events_replay,
             **self.spec.node_env,
+            **extra_env,
         }
         if self.spec.node_front is not None:
             env["MERIDIAN_NODE_ADVERTISE_URL"] = self.spec.node_front(node_id, port)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from chaos.drill import Fault, FaultKind
 from chaos.history import History
+from meridian.localfabric import FabricSpec
 
 if TYPE_CHECKING:
     from chaos.environment import DrillEnvironment
@@ -32,6 +33,18 @@ class Injector(Protocol):
 
 InjectorFactory = Callable[[Fault, "DrillEnvironment"], Injector]
 
+
+class PreparesFabric(Protocol):
+    """Optional hooks of an injector class: `prepare(fault, spec)` adjusts the FabricSpec
+    before it starts (a deployment, a setting); `unavailable()` says why this machine cannot
+    inject the fault (no root for a mount), None when it can."""
+
+    @staticmethod
+    def prepare(fault: Fault, spec: FabricSpec) -> None: ...
+
+    @staticmethod
+    def unavailable() -> str | None: ...
+
 _REGISTRY: dict[str, InjectorFactory] = {}
 
 
@@ -48,13 +61,28 @@ def register(*kinds: FaultKind) -> Callable[[InjectorFactory], InjectorFactory]:
 
 def _load_builtins() -> None:
     # Importing the modules registers their injectors.
-    from chaos.faults import network, process  # noqa: F401
+    from chaos.faults import burst, network, process, weights  # noqa: F401
+
+
+def unavailable(kind: str) -> str | None:
+    """Why this machine cannot inject `kind` (its injector's own check); None when it can."""
+    _load_builtins()
+    check = getattr(_REGISTRY.get(kind), "unavailable", None)
+    return check() if check is not None else None
 
 
 def supported_kinds() -> list[str]:
     """Fault kinds the local runner can inject."""
     _load_builtins()
     return sorted(_REGISTRY)
+
+
+def prepare_fabric(fault: Fault, spec: FabricSpec) -> None:
+    """Let the fault's injector adjust the fabric it will run against (before it starts)."""
+    _load_builtins()
+    prepare = getattr(_REGISTRY.get(fault.kind), "prepare", None)
+    if prepare is not None:
+        prepare(fault, spec)
 
 
 def create_injector(fault: Fault, env: DrillEnvironment) -> Injector:

@@ -3,7 +3,11 @@ every node and of Redis (kernel latency injection is not available on these mach
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
 from collections.abc import Mapping
+
+import httpx
 
 from chaos.drill import Fault
 from chaos.environment import DrillEnvironment, InjectionError
@@ -74,3 +78,76 @@ class RedisOutage:
         # Graceful: while shared state was gone the routers still predicted prefix-cache hits
         # from their own indexes and routing history instead of routing blind.
         return {"kv_routing_degraded_gracefully": self._hits_at_end > self._hits_at_start}
+
+
+# Admin API writes made while the database restarts; every acknowledged one must survive.
+_WRITE_INTERVAL_S = 0.2
+_WRITES_AFTER_HEAL_S = 3.0
+
+
+@register("postgres_restart")
+class PostgresRestart:
+    """The control plane's Postgres goes away for `down_s` (every connection cut, new ones
+    reset, as clients see a restart) while an operator keeps writing through the admin API."""
+
+    def __init__(self, fault: Fault, env: DrillEnvironment) -> None:
+        if env.postgres_proxy is None:
+            raise InjectionError("postgres_restart needs topology.postgres: true (a control plane on Postgres)")
+        self._env = env
+        self._proxy: FaultProxy = env.postgres_proxy
+        self._acknowledged: list[str] = []
+        self._statuses: Counter[str] = Counter()
+        self._writing = True
+        self._writer: asyncio.Task[None] | None = None
+
+    async def inject(self) -> None:
+        self._writer = asyncio.create_task(self._write_keys(), name="chaos-admin-writes")
+        self._env.background.append(self._writer)
+        await asyncio.sleep(1.0)  # some writes acknowledged before the restart
+        self._proxy.reset(1.0)
+        self._env.event("inject", f"Postgres down: {self._proxy.stats.reset} connections cut, new ones reset")
+
+    async def heal(self) -> None:
+        self._proxy.heal()
+        self._env.event("heal", "Postgres accepts connections again")
+        await asyncio.sleep(_WRITES_AFTER_HEAL_S)  # and writes acknowledged after it
+        self._writing = False
+
+    async def _write_keys(self) -> None:
+        info = self._env.info
+        headers = {"authorization": f"Bearer {info.admin_key}"}
+        n = 0
+        async with httpx.AsyncClient(base_url=info.control_plane_url, headers=headers, timeout=10.0) as http:
+            while self._writing:
+                n += 1
+                name = f"ack-{n:05d}"
+                try:
+                    r = await http.post("/v1/api-keys", json={
+                        "name": name, "tenant": "chaos-writes", "zone": "global", "scopes": ["inference"],
+                        "models": None,
+                    })
+                    self._statuses[str(r.status_code)] += 1
+                    if r.status_code == 201:
+                        self._acknowledged.append(name)
+                except httpx.HTTPError as exc:
+                    self._statuses[type(exc).__name__] += 1
+                await asyncio.sleep(_WRITE_INTERVAL_S)
+        self._env.event("writes", f"{n} admin writes, {len(self._acknowledged)} acknowledged; "
+                                  f"answers {dict(sorted(self._statuses.items()))}")
+
+    async def observe(self, history: History) -> Mapping[str, bool]:
+        if self._writer is not None:
+            await self._writer
+        info = self._env.info
+        present: set[str] = set()
+        url: str | None = f"{info.control_plane_url}/v1/api-keys?tenant=chaos-writes"
+        async with httpx.AsyncClient(timeout=10.0, headers={"authorization": f"Bearer {info.admin_key}"}) as http:
+            while url:  # every page
+                r = await http.get(url)
+                r.raise_for_status()
+                present |= {k["name"] for k in r.json()}
+                url = r.links.get("next", {}).get("url")
+        missing = [n for n in self._acknowledged if n not in present]
+        if missing:
+            self._env.event("check", f"acknowledged writes missing afterwards: {missing[:10]}")
+        return {"acknowledged_writes_present": bool(self._acknowledged) and not missing}

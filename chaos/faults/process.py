@@ -7,12 +7,15 @@ import asyncio
 import signal
 import time
 from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
 
 from chaos.drill import Fault
 from chaos.environment import COLD_START_NICENESS, DrillEnvironment, InjectionError
 from chaos.faults.injector import register
 from chaos.history import History, Outcome
-from meridian.localfabric import Proc, renice
+from meridian.localfabric import FabricSpec, Proc, renice
 
 
 @register("process_crash", "region_outage", "provider_outage")
@@ -74,6 +77,11 @@ class SpotPreemption:
     At the fault's end a replacement is started in the same region with a new node id, as
     the reconciler's driver does after a cloud reclaims an instance.
     """
+
+    @staticmethod
+    def prepare(fault: Fault, spec: FabricSpec) -> None:
+        # Nodes drain for part of the deadline, leaving the rest to their own shutdown.
+        spec.drain_timeout_s = max(1.0, float(fault.params["drain_deadline_s"]) * 0.7)
 
     def __init__(self, fault: Fault, env: DrillEnvironment) -> None:
         self._fault, self._env = fault, env
@@ -146,3 +154,101 @@ class ControlPlaneOutage:
         )
         return {"served_from_snapshot": self._confirmed_down and served}
 
+
+
+_WATCH_INTERVAL_S = 0.5
+
+
+@register("clock_skew")
+class ClockSkew:
+    """Restart one control-plane replica with its wall clock `offset_s` off (libfaketime
+    preloaded; monotonic time stays real, as an NTP-skewed host's does), and watch that the
+    replicas never both lead and that no live node is expired by the skewed clock."""
+
+    @staticmethod
+    def unavailable() -> str | None:
+        return None if _faketime_env(0) is not None else "libfaketime is not installed (pip install 'meridian[chaos]')"
+
+    def __init__(self, fault: Fault, env: DrillEnvironment) -> None:
+        if fault.target.service not in (None, "control_plane"):
+            raise InjectionError("the local runner skews a control-plane replica's clock (target.service control_plane)")
+        self._fault, self._env = fault, env
+        self._offset = float(fault.params["offset_s"])
+        self._victim: Proc | None = None
+        self._watching = True
+        self._two_leaders: list[str] = []
+        self._flapped: set[str] = set()
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def inject(self) -> None:
+        replicas = self._env.control_planes()
+        # A standby when there is one: the replica nodes talk to keeps serving them.
+        victim = replicas[-1]
+        self._watcher = asyncio.create_task(self._watch(), name="chaos-clock-watch")
+        self._env.background.append(self._watcher)
+        await self._env.signal([victim], signal.SIGKILL, reap=True)
+        fake = _faketime_env(self._offset)
+        assert fake is not None
+        self._victim = self._env.fabric.restart(victim, env=fake)
+        self._env.event("restart", f"{victim.name} started again with its clock {self._offset:+g}s off")
+        await asyncio.to_thread(self._env.fabric.wait_healthy, self._victim, 120.0)
+
+    async def heal(self) -> None:
+        if self._victim is None:
+            return
+        await self._env.signal([self._victim], signal.SIGKILL, reap=True)
+        self._victim = self._env.fabric.restart(self._victim, env={"LD_PRELOAD": "", "FAKETIME": ""})
+        self._env.event("restart", f"{self._victim.name} started again with the host's clock")
+        await asyncio.to_thread(self._env.fabric.wait_healthy, self._victim, 120.0)
+
+    async def _watch(self) -> None:
+        """Until observe(): who claims leadership, and which live nodes the control plane expired."""
+        info = self._env.info
+        headers = {"authorization": f"Bearer {info.admin_key}"}
+        async with httpx.AsyncClient(timeout=2.0, headers=headers) as http:
+            while self._watching:
+                leaders = []
+                for url in info.control_plane_urls:
+                    try:
+                        view = (await http.get(f"{url}/v1/leader")).json()
+                        if view.get("is_leader"):
+                            leaders.append(str(view.get("replica")))
+                    except (httpx.HTTPError, ValueError):
+                        continue
+                if len(leaders) > 1 and len(self._two_leaders) < 20:
+                    self._two_leaders.append(f"{self._env.now_s():.1f}s: {', '.join(leaders)}")
+                    self._env.event("two leaders", ", ".join(leaders))
+                try:
+                    nodes = (await http.get(f"{info.control_plane_url}/v1/nodes")).json()
+                except (httpx.HTTPError, ValueError):
+                    nodes = []
+                alive = {p.node_id for p in self._env.live_nodes()}
+                for n in nodes:
+                    if n.get("node_id") in alive and n.get("status") == "lost" and n["node_id"] not in self._flapped:
+                        self._flapped.add(n["node_id"])
+                        self._env.event("flap", f"live node {n['node_id']} marked lost")
+                await asyncio.sleep(_WATCH_INTERVAL_S)
+
+    async def observe(self, history: History) -> Mapping[str, bool]:
+        self._watching = False
+        if self._watcher is not None:
+            await self._watcher
+        return {"single_leader": not self._two_leaders, "no_healthy_node_flapped": not self._flapped}
+
+
+def _faketime_env(offset_s: float) -> dict[str, str] | None:
+    """Environment that preloads libfaketime with the wall clock `offset_s` off; None without it."""
+    try:
+        import libfaketime
+    except ImportError:
+        return None
+    library = Path(libfaketime.__file__).parent / "vendor" / "libfaketime" / "src" / "libfaketime.so.1"
+    if not library.exists():
+        return None
+    return {
+        "LD_PRELOAD": str(library),
+        "FAKETIME": f"{offset_s:+g}s",
+        # Leases and timeouts run on monotonic time, which a skewed wall clock leaves alone.
+        "DONT_FAKE_MONOTONIC": "1",
+        "FAKETIME_NO_CACHE": "1",
+    }

@@ -100,7 +100,8 @@ class NodeBehaviour:
 
     ok: answer; error500: 500 before any byte; error400: 400 (client's fault);
     die_early: stream headers then close before any event; break: two events then close;
-    slow: stream many events slowly (for client-disconnect tests).
+    slow: stream many events slowly (for client-disconnect tests); hang: take the request
+    and never answer (a frozen or partitioned node).
     """
 
     name: str
@@ -110,6 +111,9 @@ class NodeBehaviour:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     stream_closed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set on every request; `hang` waits for `release` (a test sets it when done).
+    received: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def _chunk(name: str, i: int) -> str:
@@ -123,10 +127,13 @@ def node_app(b: NodeBehaviour) -> FastAPI:
 
     async def answer(request: Request) -> Response:
         b.hits += 1
+        b.received.set()
         b.request_ids.append(request.headers.get("x-request-id", ""))
         b.headers.append(dict(request.headers))
         body = await request.json()
         b.bodies.append(body)
+        if b.mode == "hang":
+            await b.release.wait()
         if b.mode == "error500":
             return JSONResponse(openai_error("engine crashed", "server_error"), status_code=500)
         if b.mode == "error400":

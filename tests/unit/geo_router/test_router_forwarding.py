@@ -7,6 +7,8 @@ import itertools
 import re
 from collections.abc import Callable
 
+import httpx
+import pytest
 from router_harness import (
     CLUSTER_TOKEN,
     EU_KEY,
@@ -27,6 +29,7 @@ from router_harness import (
 
 from chaos.history import Routed, read_records
 from geo_router import create_app
+from geo_router.health import FailureKind
 from geo_router.policies import register_policy
 from geo_router.table import StaticTableSource
 from meridian.contracts import HEADER_NODE, HEADER_OVERHEAD_MS, HEADER_REGION, HEADER_REQUEST_ID
@@ -409,3 +412,40 @@ async def test_journal_records_every_attempt_under_the_idempotency_key(tmp_path)
         Routed(key="order-7", node="eu-1", region="gcp:europe-west4", attempt=2),
         Routed(key="plain-id", node="eu-1", region="gcp:europe-west4", attempt=1),
     ]
+
+
+async def test_a_node_failing_health_checks_ends_requests_waiting_on_it_without_retrying(fabric: Fabric):
+    """A frozen or partitioned node holds requests open; its health-check ejection ends them
+    with a 504 at once instead of at the request deadline, and never runs them elsewhere."""
+    us = fabric.behaviours["us"]
+    us.mode = "hang"
+    client = fabric.client()
+    try:
+        pending = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+        await asyncio.wait_for(us.received.wait(), 5)
+        # The prober's verdict after its failed probes (probe.py decides when).
+        fabric.app.state.router.fleet.record_failure("us-1", FailureKind.PROBE)
+        r = await asyncio.wait_for(pending, 2)
+        assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+        assert "not retried" in r.json()["error"]["message"]
+        assert hits(fabric) == {"us": 1, "eu": 0, "apac": 0}
+        # New requests go to the next region meanwhile.
+        r = await client.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and r.headers[HEADER_REGION] == "gcp:europe-west4"
+    finally:
+        us.release.set()
+
+
+async def test_a_failed_request_or_a_5xx_does_not_abandon_other_requests_on_the_node(fabric: Fabric):
+    us = fabric.behaviours["us"]
+    us.mode = "hang"
+    client = fabric.client()
+    try:
+        pending = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT, timeout=0.5))
+        await asyncio.wait_for(us.received.wait(), 5)
+        # Passive errors (5xx, timeouts) say less about a node than its health checks do.
+        fabric.app.state.router.fleet.record_failure("us-1", FailureKind.ERROR)
+        with pytest.raises(httpx.ReadTimeout):
+            await pending
+    finally:
+        us.release.set()
