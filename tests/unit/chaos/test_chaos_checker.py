@@ -291,7 +291,7 @@ def _node_crash_history(d: Drill, *, retries: bool) -> History:
 
 
 def test_node_crash_drill_passes_with_retries_and_fails_when_retries_are_disabled() -> None:
-    d = load_drill(DRILLS_DIR / "01-node-crash.yaml").short_version()
+    d = load_drill(DRILLS_DIR / "01-node-crash.yaml")
 
     with_retries = check(_node_crash_history(d, retries=True), d, ZONES)
     assert with_retries.lost == () and with_retries.unclean_errors == ()

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from chaos.drill import Drill, Target, load_drills
@@ -94,8 +95,15 @@ def test_chaos_run_of_an_unknown_drill_is_a_one_line_error(tmp_path: Path):
 
 
 def test_chaos_run_fails_a_drill_it_cannot_run_without_starting_anything(tmp_path: Path):
-    result = CliRunner().invoke(app, ["chaos", "run", "postgres-restart", "--short", "--out", str(tmp_path)],
+    # Two control-plane replicas on SQLite: a topology the local runner cannot start.
+    data = DRILLS["node-crash"].model_dump(by_alias=True, mode="json")
+    data["name"] = "two-replicas-on-sqlite"
+    data["topology"]["control_plane_replicas"] = 2
+    drills, out = tmp_path / "drills", tmp_path / "out"
+    drills.mkdir()
+    (drills / "d.yaml").write_text(yaml.safe_dump(data))
+    result = CliRunner().invoke(app, ["chaos", "run", "all", "--short", "--dir", str(drills), "--out", str(out)],
                                 env={"COLUMNS": "200"})
     assert result.exit_code == 1, result.output
-    assert "NOT RUN" in result.output and "postgres-restart" in result.output
-    assert not any(tmp_path.iterdir())
+    assert "NOT RUN" in result.output and "two-replicas-on-sqlite" in result.output and "SQLite" in result.output
+    assert not out.exists() or not any(out.iterdir())
