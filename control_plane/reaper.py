@@ -6,11 +6,12 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from sqlalchemy import delete, update
 
 from control_plane.context import AppContext
+from control_plane.db.clock import db_now
 from control_plane.db.models import Node, WeightReplica
 from control_plane.routing_table import bump_version
 from meridian.contracts import NodeStatus
@@ -25,11 +26,15 @@ class ReapResult:
 
 
 def reap_once(ctx: AppContext, now: datetime | None = None) -> ReapResult:
-    """Mark silent nodes lost (bumping the version) and forget long-lost ones, in one transaction."""
-    now = now or datetime.now(UTC)
+    """Mark silent nodes lost (bumping the version) and forget long-lost ones, in one transaction.
+
+    "Now" is the database's clock (control_plane.db.clock), as heartbeats are stamped with it,
+    so a replica whose host clock is off neither expires healthy nodes nor keeps dead ones.
+    """
     ttl = timedelta(seconds=ctx.settings.node_ttl_s)
     retention = timedelta(seconds=ctx.settings.lost_node_retention_s)
     with ctx.write() as session:
+        now = now or db_now(session)
         lost = session.scalars(
             update(Node)
             .where(Node.status != NodeStatus.LOST.value, Node.last_heartbeat < now - ttl)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request, Response
@@ -12,6 +11,7 @@ from sqlalchemy.exc import IntegrityError
 from control_plane import node_registry
 from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
 from control_plane.auth import Ctx, require_cluster_token, require_scopes
+from control_plane.db.clock import db_now
 from control_plane.db.models import Node
 from control_plane.errors import Conflict
 from control_plane.scopes import FLEET_READERS
@@ -34,7 +34,7 @@ NodeIdParam = Annotated[str, Path(pattern=NODE_ID_PATTERN)]
 def register_node(ctx: Ctx, body: NodeRegistration) -> NodeRegistered:
     try:
         with ctx.write() as session:
-            node_registry.register(session, body, ctx.regions, datetime.now(UTC))
+            node_registry.register(session, body, ctx.regions, db_now(session))
     except IntegrityError as e:
         # Two first registrations of one id raced; the node's retry will update the row.
         raise Conflict(f"node {body.node_id!r} was registered concurrently; retry") from e
@@ -48,7 +48,7 @@ def register_node(ctx: Ctx, body: NodeRegistration) -> NodeRegistered:
 @router.post("/nodes/{node_id}/heartbeat", dependencies=internal)
 def node_heartbeat(ctx: Ctx, node_id: NodeIdParam, body: NodeHeartbeat) -> HeartbeatAck:
     with ctx.write() as session:
-        version = node_registry.heartbeat(session, node_id, body, datetime.now(UTC))
+        version = node_registry.heartbeat(session, node_id, body, db_now(session))
     return HeartbeatAck(routing_version=version)
 
 
