@@ -70,6 +70,7 @@ Invariant = Literal[
     "served_from_snapshot",
     "kv_routing_degraded_gracefully",
     "acknowledged_writes_present",
+    "admin_errors_clean",
     "node_drained_within_deadline",
     "replacement_node_ready",
     "corruption_detected_by_digest",

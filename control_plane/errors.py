@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from sqlalchemy.exc import DataError
+from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from meridian.contracts import Problem
@@ -128,6 +128,25 @@ async def _on_data_error(request: Request, exc: Exception) -> JSONResponse:
     return problem_response(400, "a value in the request is not storable (too long, out of range or a NUL byte)")
 
 
+# Seconds a client is told to wait before retrying while the database is unreachable.
+DATABASE_RETRY_AFTER_S = 2
+
+
+async def _on_database_unavailable(request: Request, exc: Exception) -> JSONResponse:
+    # The database went away (a restart, a failover, a cut connection) or refused to go on
+    # (a deadlock, a serialisation failure): retrying is the answer, not a bug report. A
+    # write whose connection broke while committing may have been applied; the client
+    # cannot tell, so the message says so.
+    log.warning("database unavailable on %s %s: %s", request.method, request.url.path,
+                getattr(exc, "orig", exc))
+    return problem_response(
+        503,
+        "the control plane cannot reach its database right now; retry shortly (a write may "
+        "have been applied if the connection broke while it was being committed)",
+        headers={"retry-after": str(DATABASE_RETRY_AFTER_S)},
+    )
+
+
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return problem_response(500, "internal error; see the control plane's log")
@@ -139,4 +158,5 @@ def register_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_exception)
     app.add_exception_handler(DataError, _on_data_error)
+    app.add_exception_handler(OperationalError, _on_database_unavailable)
     app.add_exception_handler(Exception, _on_unexpected)

@@ -96,6 +96,7 @@ class PostgresRestart:
         self._env = env
         self._proxy: FaultProxy = env.postgres_proxy
         self._acknowledged: list[str] = []
+        self._unclean: list[str] = []
         self._statuses: Counter[str] = Counter()
         self._writing = True
         self._writer: asyncio.Task[None] | None = None
@@ -129,8 +130,12 @@ class PostgresRestart:
                     self._statuses[str(r.status_code)] += 1
                     if r.status_code == 201:
                         self._acknowledged.append(name)
+                    elif not (r.status_code == 503 and "retry-after" in r.headers
+                              and r.headers.get("content-type", "").startswith("application/problem+json")):
+                        self._unclean.append(f"{name}: {r.status_code} {r.text[:120]}")
                 except httpx.HTTPError as exc:
                     self._statuses[type(exc).__name__] += 1
+                    self._unclean.append(f"{name}: {type(exc).__name__}")
                 await asyncio.sleep(_WRITE_INTERVAL_S)
         self._env.event("writes", f"{n} admin writes, {len(self._acknowledged)} acknowledged; "
                                   f"answers {dict(sorted(self._statuses.items()))}")
@@ -150,4 +155,7 @@ class PostgresRestart:
         missing = [n for n in self._acknowledged if n not in present]
         if missing:
             self._env.event("check", f"acknowledged writes missing afterwards: {missing[:10]}")
-        return {"acknowledged_writes_present": bool(self._acknowledged) and not missing}
+        if self._unclean:
+            self._env.event("check", f"admin writes answered without a clean 503: {self._unclean[:5]}")
+        return {"acknowledged_writes_present": bool(self._acknowledged) and not missing,
+                "admin_errors_clean": not self._unclean}

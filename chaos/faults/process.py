@@ -184,8 +184,8 @@ class ClockSkew:
         replicas = self._env.control_planes()
         # A standby when there is one: the replica nodes talk to keeps serving them.
         victim = replicas[-1]
+        # Not one of env.background (awaited before observe()): it runs until observe() stops it.
         self._watcher = asyncio.create_task(self._watch(), name="chaos-clock-watch")
-        self._env.background.append(self._watcher)
         await self._env.signal([victim], signal.SIGKILL, reap=True)
         fake = _faketime_env(self._offset)
         assert fake is not None
