@@ -74,8 +74,9 @@ class NodeHang:
 class SpotPreemption:
     """SIGTERM a node as a spot reclaim notice does; it must drain within the deadline.
 
-    At the fault's end a replacement is started in the same region with a new node id, as
-    the reconciler's driver does after a cloud reclaims an instance.
+    Once it has exited a replacement starts in the same region with a new node id, as the
+    provider's group and the reconciler's driver replace a reclaimed instance; the fault's
+    end waits for the replacement to be READY.
     """
 
     @staticmethod
@@ -89,7 +90,7 @@ class SpotPreemption:
         self._victim: Proc | None = None
         self._drained_in_s: float | None = None
         self._replacement_ready = False
-        self._waiter: asyncio.Task[None] | None = None
+        self._replacing: asyncio.Task[None] | None = None
 
     async def inject(self) -> None:
         victims = self._env.nodes(self._fault.target)
@@ -98,26 +99,24 @@ class SpotPreemption:
         self._victim = victims[0]
         sent = time.monotonic()
         await self._env.signal(victims, signal.SIGTERM, reap=False)
-        self._waiter = asyncio.create_task(self._wait_exit(self._victim, sent))
+        self._replacing = asyncio.create_task(self._replace(self._victim, sent), name="chaos-replace")
 
-    async def _wait_exit(self, p: Proc, sent: float) -> None:
+    async def _replace(self, p: Proc, sent: float) -> None:
         # Waited for past the deadline, so a slow drain is measured rather than cut short.
         code = await asyncio.to_thread(p.popen.wait, self._deadline_s * 3 + 30)
         self._drained_in_s = time.monotonic() - sent
         self._env.event("exited", f"{p.name} exited with code {code} {self._drained_in_s:.2f}s after SIGTERM")
-
-    async def heal(self) -> None:
-        if self._victim is None:
-            return
-        if self._waiter is not None:
-            await self._waiter
-        region = self._victim.region or ""
+        region = p.region or ""
         fresh = await asyncio.to_thread(self._env.fabric.start_replacement_node, region, COLD_START_NICENESS)
         self._env.event("replace", f"{fresh.name} started in {region} (pid {fresh.popen.pid})")
         await asyncio.to_thread(self._env.fabric.wait_ready, fresh, 120.0)
         renice(fresh.popen.pid, 0)
         self._replacement_ready = True
         self._env.event("ready", f"{fresh.name} is ready in the routing table")
+
+    async def heal(self) -> None:
+        if self._replacing is not None:
+            await self._replacing
 
     async def observe(self, history: History) -> Mapping[str, bool]:
         return {

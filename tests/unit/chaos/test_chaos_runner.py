@@ -107,3 +107,26 @@ def test_chaos_run_fails_a_drill_it_cannot_run_without_starting_anything(tmp_pat
     assert result.exit_code == 1, result.output
     assert "NOT RUN" in result.output and "two-replicas-on-sqlite" in result.output and "SQLite" in result.output
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_cache_consistency_finds_a_published_blob_that_is_not_what_its_name_says(tmp_path: Path):
+    import hashlib
+    import json
+
+    from chaos.faults.weights import cache_consistent
+
+    blobs, model = tmp_path / "blobs", tmp_path / "models" / "m1"
+    blobs.mkdir(parents=True)
+    model.mkdir(parents=True)
+    good = b"weights"
+    digest = hashlib.sha256(good).hexdigest()
+    (blobs / digest).write_bytes(good)
+    (model / "meridian-manifest.json").write_text(json.dumps({"files": [{"path": "w.safetensors", "sha256": digest}]}))
+    assert cache_consistent(tmp_path) == (True, "every blob verified")
+    # Half a download published under the final name: what a crash mid-write must never leave.
+    (blobs / digest).write_bytes(good[:3])
+    ok, why = cache_consistent(tmp_path)
+    assert not ok and "does not hash to its name" in why
+    (blobs / digest).unlink()
+    ok, why = cache_consistent(tmp_path)
+    assert not ok and "has no published blob" in why
