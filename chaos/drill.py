@@ -38,6 +38,7 @@ FaultKind = Literal[
     "disk_full_during_fetch",
     "scale_from_zero_burst",
     "clock_skew",
+    "packet_loss",
 ]
 
 # Parameters each injector understands: (required, optional). Anything else is a typo the
@@ -60,6 +61,7 @@ FAULT_PARAMS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "disk_full_during_fetch": (frozenset(), frozenset({"free_bytes"})),
     "scale_from_zero_burst": (frozenset({"burst_requests"}), frozenset({"queue_deadline_s"})),
     "clock_skew": (frozenset({"offset_s"}), frozenset()),
+    "packet_loss": (frozenset({"percent"}), frozenset()),
 }
 
 # Properties that are not visible in a request history; the runner observes them (leader
@@ -142,12 +144,16 @@ class Topology(_Spec):
     control_plane_replicas: int = Field(1, ge=1, le=4)
     redis: bool = False
     postgres: bool = False
+    # Regions whose nodes run in their own network namespace, as separate hosts whose
+    # packets nftables can drop (the packet_loss fault).
+    netns_regions: list[str] = Field(default_factory=list)
     # Settings the fabric's processes need for this drill (e.g. a short router read timeout).
     env: dict[str, str] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check(self) -> Topology:
-        bad = [r for r in [*(self.regions or ()), *self.region_nodes] if not re.match(REGION_PATTERN, r)]
+        named = [*(self.regions or ()), *self.region_nodes, *self.netns_regions]
+        bad = [r for r in named if not re.match(REGION_PATTERN, r)]
         if bad:
             raise ValueError(f"regions {bad} do not look like <provider>:<location>")
         if any(not 1 <= n <= 8 for n in self.region_nodes.values()):
@@ -202,6 +208,12 @@ class Fault(_Spec):
             raise ValueError("region_outage needs target.region")
         if self.kind == "provider_outage" and self.target.provider is None:
             raise ValueError("provider_outage needs target.provider")
+        if self.kind == "packet_loss":
+            percent = self.params["percent"]
+            if self.target.region is None:
+                raise ValueError("packet_loss needs target.region (a region in topology.netns_regions)")
+            if isinstance(percent, bool) or not isinstance(percent, int | float) or not 0 < percent <= 100:
+                raise ValueError(f"packet_loss percent must be in (0, 100], got {percent!r}")
         return self
 
 

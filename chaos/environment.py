@@ -10,6 +10,7 @@ import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,6 +21,9 @@ from chaos.history import HistoryWriter
 from chaos.load import LoadTarget
 from chaos.report import FaultEvent
 from meridian.localfabric import FabricInfo, LocalFabric, Proc, renice
+
+if TYPE_CHECKING:
+    from chaos.faults.netns import Sites
 
 # Niceness of a process cold-starting during a drill (see DrillEnvironment.restart).
 COLD_START_NICENESS = 15
@@ -41,6 +45,8 @@ class DrillEnvironment:
     node_proxies: dict[str, FaultProxy] = field(default_factory=dict)
     redis_proxy: FaultProxy | None = None
     postgres_proxy: FaultProxy | None = None
+    # Regions whose nodes run in network namespaces (chaos.faults.netns).
+    sites: Sites | None = None
     seed: int = 0
     events: list[FaultEvent] = field(default_factory=list)
     http_timeout_s: float = 5.0

@@ -36,6 +36,7 @@ from chaos.faults.injector import (
     supported_kinds,
     unavailable,
 )
+from chaos.faults.netns import Sites, netns_unavailable
 from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadStats, LoadTarget
@@ -73,6 +74,9 @@ class RunOptions:
     on_step: Callable[[str], None] | None = None
     on_tick: Callable[[float, float, LoadStats], None] | None = None  # (now_s, duration_s, stats)
     keep_fabric_dir: bool = False
+    # Where the tiny checkpoint and its weight origin are kept between runs of a suite, so a
+    # run copies them instead of generating and pushing them again (None: every run makes its own).
+    model_cache_dir: Path | None = None
 
 
 @dataclass
@@ -94,6 +98,10 @@ def runnable(drill: Drill) -> str | None:
     why = unavailable(drill.fault.kind)
     if why is not None:
         return f"{drill.fault.kind} cannot be injected on this machine: {why}"
+    if drill.topology.netns_regions:
+        why = netns_unavailable()
+        if why is not None:
+            return f"nodes in network namespaces cannot run on this machine: {why}"
     for needs, what in _UNSUPPORTED_TOPOLOGY:
         if needs(drill):
             return f"the local runner cannot start {what} yet"
@@ -124,6 +132,7 @@ class _Run:
         self._proxies: dict[str, FaultProxy] = {}
         self._redis_proxy: FaultProxy | None = None
         self._postgres_proxy: FaultProxy | None = None
+        self._sites: Sites | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def run(self) -> RunOutcome:
@@ -151,8 +160,17 @@ class _Run:
                 fabric.spec.router_env.update(self._redis_env())
             if self.drill.topology.postgres:
                 fabric.spec.database_url = await self._postgres_database(cleanups)
+            if self.drill.topology.netns_regions:
+                sites = await asyncio.to_thread(Sites(tuple(self.drill.topology.netns_regions)).open)
+                cleanups.append(sites.close)
+                self._sites = sites
+                # The control plane on the bridge: reached from this host and from the namespaces.
+                fabric.spec.control_plane_host = sites.bridge_address
+                fabric.spec.node_placement = sites.placement
+            self._use_model_cache(fabric)
             self._step(f"starting the fabric for {self.drill.name}")
             info = await asyncio.to_thread(fabric.start)
+            self._fill_model_cache(fabric)
             keys = await self._tenant_keys(info.control_plane_url, info.admin_key)
             await self._warm_up(info.router_urls, keys)
             await self._warm_nodes(fabric, info.cluster_token)
@@ -166,6 +184,7 @@ class _Run:
                 target = LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL)
                 env = DrillEnvironment(fabric=fabric, info=info, clock_start=0.0, node_proxies=self._proxies,
                                        redis_proxy=self._redis_proxy, postgres_proxy=self._postgres_proxy,
+                                       sites=self._sites,
                                        seed=self.options.seed, cleanups=cleanups,
                                        load=self.drill.load, load_target=target, writer=writer,
                                        key_prefix=self.run_id)
@@ -235,6 +254,28 @@ class _Run:
         )
         prepare_fabric(self.drill.fault, spec)
         return spec
+
+    def _use_model_cache(self, fabric: LocalFabric) -> None:
+        cache = self.options.model_cache_dir
+        if cache is None or not (cache / "origin" / "meridian-manifest.json").exists():
+            return
+        fabric.spec.model_dir = cache / "model"
+        # A copy: a drill may corrupt its origin on purpose.
+        shutil.copytree(cache / "origin", fabric.origin_dir, dirs_exist_ok=True)
+
+    def _fill_model_cache(self, fabric: LocalFabric) -> None:
+        cache = self.options.model_cache_dir
+        if cache is None or (cache / "origin" / "meridian-manifest.json").exists():
+            return
+        staging = cache.with_name(cache.name + f".tmp-{secrets.token_hex(3)}")
+        shutil.copytree(fabric.spec.model_dir or fabric.spec.work_dir / "models" / fabric.spec.model_name,
+                        staging / "model")
+        shutil.copytree(fabric.origin_dir, staging / "origin")
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            staging.rename(cache)  # whole or not at all
+        except OSError:  # another run filled it first
+            shutil.rmtree(staging, ignore_errors=True)
 
     def _front_node(self, node_id: str, port: int) -> str:
         """Called from the fabric's thread: a fault proxy in front of the node, on our loop."""

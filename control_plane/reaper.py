@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import delete, update
+from sqlalchemy import delete, select, update
 
 from control_plane.context import AppContext
 from control_plane.db.clock import db_now
 from control_plane.db.models import Node, WeightReplica
 from control_plane.routing_table import bump_version
-from meridian.contracts import NodeStatus
+from meridian.contracts import HEARTBEAT_RETRY_MAX_S, NodeStatus
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +63,40 @@ def reap_once(ctx: AppContext, now: datetime | None = None) -> ReapResult:
 
 
 async def run_reaper(ctx: AppContext, stop: asyncio.Event) -> None:
-    """Reap every reaper_interval_s until `stop` is set; errors are logged, not fatal."""
+    """Reap every reaper_interval_s until `stop` is set; errors are logged, not fatal.
+
+    While the database is unreachable, or the control plane itself is down, no heartbeat
+    can be recorded. So after start-up and after the database comes back, nodes get
+    `reaper_grace_s` (a TTL plus their longest retry backoff) to prove they are alive before
+    anyone is expired; otherwise every healthy node would be expired the moment the control
+    plane came back from an outage longer than the TTL. Until then each pass only checks
+    that the database still answers.
+    """
+    settings = ctx.settings
+    grace_s = settings.reaper_grace_s
+    if grace_s is None:
+        grace_s = settings.node_ttl_s + max(settings.heartbeat_interval_s, HEARTBEAT_RETRY_MAX_S)
+    reachable_since: float | None = time.monotonic()  # None: the last pass failed
     while not stop.is_set():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), ctx.settings.reaper_interval_s)
+            await asyncio.wait_for(stop.wait(), settings.reaper_interval_s)
         if stop.is_set():
             return
         try:
-            await asyncio.to_thread(reap_once, ctx)
+            if reachable_since is not None and time.monotonic() - reachable_since >= grace_s:
+                await asyncio.to_thread(reap_once, ctx)
+            else:
+                await asyncio.to_thread(_ping, ctx)
+                if reachable_since is None:
+                    reachable_since = time.monotonic()
+                    log.warning("database reachable again; expiring no node for %.0fs", grace_s)
         except Exception:
-            log.exception("reaper pass failed; retrying next interval")
+            if reachable_since is not None:
+                log.exception("reaper pass failed; no node is expired until the database has been back %.0fs",
+                              grace_s)
+            reachable_since = None
+
+
+def _ping(ctx: AppContext) -> None:
+    with ctx.read() as session:
+        session.execute(select(1))

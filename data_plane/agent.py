@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from meridian.contracts import (
+    HEARTBEAT_RETRY_MAX_S,
     ColdStart,
     NodeHeartbeat,
     NodeLoad,
@@ -145,7 +146,7 @@ class NodeAgent:
         weights: Callable[[], list[str]] | None = None,
         cold_start: Callable[[], ColdStart] | None = None,
         retry_base_s: float = 0.5,
-        retry_max_s: float = 10.0,
+        retry_max_s: float = HEARTBEAT_RETRY_MAX_S,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if not settings.control_plane_url:

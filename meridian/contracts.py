@@ -33,6 +33,9 @@ HEADER_REGION = "x-meridian-region"
 HEADER_NODE = "x-meridian-node"
 HEADER_REQUEST_ID = "x-request-id"
 HEADER_OVERHEAD_MS = "x-meridian-overhead-ms"
+# Longest a node waits between heartbeat retries while the control plane does not answer;
+# after an outage the control plane waits this long (plus the TTL) before expiring anyone.
+HEARTBEAT_RETRY_MAX_S = 10.0
 
 RegionName = Annotated[str, Field(pattern=REGION_PATTERN)]
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]

@@ -100,6 +100,15 @@ class LocalDeployment:
     max_replicas: int = 1
 
 
+@dataclass(frozen=True)
+class NodePlacement:
+    """Where a node runs instead of this host's loopback: a command prefix that enters its
+    network namespace (`ip netns exec NAME`) and the address it binds and advertises there."""
+
+    command_prefix: tuple[str, ...]
+    host: str
+
+
 @dataclass
 class FabricSpec:
     """What to start. Ports of 0 mean "pick a free one"; `regions` may be empty."""
@@ -142,6 +151,12 @@ class FabricSpec:
     database_url: str | None = None
     control_plane_replicas: int = 1
     control_plane_env: dict[str, str] = field(default_factory=dict)
+    # The address control-plane replicas bind (default `host`): one that nodes placed in
+    # network namespaces can reach too, such as a bridge's.
+    control_plane_host: str | None = None
+    # Called with (node_id, region) before a node starts: a NodePlacement runs it elsewhere
+    # (its own network namespace, as a separate host), None here.
+    node_placement: Callable[[str, str], NodePlacement | None] | None = None
     # With a directory, each router and node journals what it routed and served there
     # (<name>.jsonl, meridian.request_journal): the histories chaos drills check.
     journal_dir: Path | None = None
@@ -159,6 +174,7 @@ class Proc:
     # What started it, so that restart() starts it again the same way (same port).
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    command_prefix: tuple[str, ...] = ()
     region: str | None = None
     node_id: str | None = None
     model: str | None = None
@@ -342,7 +358,8 @@ class LocalFabric:
         """
         if proc.popen.poll() is None:
             raise FabricError(f"{proc.name} is still running (pid {proc.popen.pid})")
-        fresh = self._spawn(proc.name, proc.args, {**proc.env, **(env or {})}, proc.url, niceness)
+        fresh = self._spawn(proc.name, proc.args, {**proc.env, **(env or {})}, proc.url, niceness,
+                            proc.command_prefix)
         fresh.region, fresh.node_id, fresh.model = proc.region, proc.node_id, proc.model
         fresh.kv_events, fresh.kv_events_replay = proc.kv_events, proc.kv_events_replay
         with self._lock:
@@ -427,7 +444,8 @@ class LocalFabric:
 
     def _start_control_plane(self, replica: int = 1) -> Proc:
         """Replica 1 is the one nodes and routers use; more replicas share its database."""
-        port = _port_or_free(self.spec.control_plane_port if replica == 1 else 0, self.spec.host)
+        host = self.spec.control_plane_host or self.spec.host
+        port = _port_or_free(self.spec.control_plane_port if replica == 1 else 0, host)
         database_url = self.spec.database_url or f"sqlite:///{(self.spec.work_dir / 'state.db').resolve()}"
         name = "control-plane" if replica == 1 else f"control-plane-{replica}"
         env = {
@@ -437,9 +455,9 @@ class LocalFabric:
             "MERIDIAN_CP_REPLICA_ID": name,
             **self.spec.control_plane_env,
         }
-        args = ["control-plane", "serve", "--host", self.spec.host, "--port", str(port),
+        args = ["control-plane", "serve", "--host", host, "--port", str(port),
                 "--database-url", database_url]
-        p = self._spawn(name, args, env, f"http://{self.spec.host}:{port}")
+        p = self._spawn(name, args, env, f"http://{host}:{port}")
         self._wait_http(p, "/health")
         return p
 
@@ -470,11 +488,14 @@ class LocalFabric:
     def _start_node(self, region: str, model_uri: str, cp_url: str, port: int,
                     model_name: str | None = None, node_id: str | None = None, niceness: int = 0,
                     env: dict[str, str] | None = None) -> Proc:
-        port = _port_or_free(port, self.spec.host)
         model_name = model_name or self.spec.model_name
         node_id = node_id or _node_id(region)
+        placement = self.spec.node_placement(node_id, region) if self.spec.node_placement else None
+        host = placement.host if placement else self.spec.host
+        # A port free on this host is free in a fresh network namespace too.
+        port = _port_or_free(port, self.spec.host)
         args = ["node", "run", "--model-uri", model_uri, "--model-name", model_name,
-                "--region", region, "--node-id", node_id, "--host", self.spec.host,
+                "--region", region, "--node-id", node_id, "--host", host,
                 "--port", str(port), "--control-plane-url", cp_url]
         kv_events, kv_events_replay = self._kv_event_endpoints()
         extra_env = env or {}
@@ -491,9 +512,10 @@ class LocalFabric:
             **self.spec.node_env,
             **extra_env,
         }
-        if self.spec.node_front is not None:
+        if self.spec.node_front is not None and placement is None:
             env["MERIDIAN_NODE_ADVERTISE_URL"] = self.spec.node_front(node_id, port)
-        p = self._spawn(node_id, args, env, f"http://{self.spec.host}:{port}", niceness)
+        p = self._spawn(node_id, args, env, f"http://{host}:{port}", niceness,
+                        placement.command_prefix if placement else ())
         p.region, p.node_id, p.model = region, node_id, model_name
         p.kv_events, p.kv_events_replay = kv_events, kv_events_replay
         return p
@@ -639,13 +661,14 @@ class LocalFabric:
         if r.returncode != 0:
             raise FabricError(f"meridian {' '.join(args)} failed:\n{r.stderr[-2000:]}")
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str], url: str, niceness: int = 0) -> Proc:
+    def _spawn(self, name: str, args: list[str], env: dict[str, str], url: str, niceness: int = 0,
+               command_prefix: tuple[str, ...] = ()) -> Proc:
         log = self.spec.work_dir / "logs" / f"{name}.log"
         self._on_step(f"starting {name} at {url}")
         full_env = {**self._base_env(), **env}
         with open(log, "ab") as out:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "meridian", *args], env=full_env, stdout=out,
+                [*command_prefix, sys.executable, "-m", "meridian", *args], env=full_env, stdout=out,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 # Own session: a terminal's Ctrl-C reaches only the launcher, which then
                 # stops the processes in order.
@@ -655,7 +678,8 @@ class LocalFabric:
             # Right after fork: the interpreter is still starting, its threads come later and
             # inherit this.
             renice(popen.pid, niceness)
-        p = Proc(name=name, popen=popen, url=url, log=log, args=list(args), env=dict(env))
+        p = Proc(name=name, popen=popen, url=url, log=log, args=list(args), env=dict(env),
+                 command_prefix=command_prefix)
         with self._lock:
             self._procs.append(p)
         return p

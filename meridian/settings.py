@@ -39,6 +39,10 @@ class ControlPlaneSettings(BaseSettings):
     # Lost nodes are forgotten after this long.
     lost_node_retention_s: float = Field(3600.0, gt=0)
     reaper_interval_s: float = Field(1.0, gt=0)
+    # After the control plane starts, or its database comes back, no node is expired for this
+    # long: nobody could record heartbeats meanwhile. Default: the TTL plus the longest
+    # heartbeat retry backoff of a node (meridian.contracts.HEARTBEAT_RETRY_MAX_S).
+    reaper_grace_s: float | None = Field(None, ge=0)
     max_long_poll_s: float = Field(30.0, gt=0)
     max_request_bytes: int = Field(1_000_000, gt=0)
     onprem_inventory: Path | None = None

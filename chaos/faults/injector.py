@@ -61,7 +61,7 @@ def register(*kinds: FaultKind) -> Callable[[InjectorFactory], InjectorFactory]:
 
 def _load_builtins() -> None:
     # Importing the modules registers their injectors.
-    from chaos.faults import burst, network, process, weights  # noqa: F401
+    from chaos.faults import burst, netns, network, process, weights  # noqa: F401
 
 
 def unavailable(kind: str) -> str | None:

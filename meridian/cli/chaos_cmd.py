@@ -40,7 +40,8 @@ def run(drills: list[Drill], out_dir: Path, *, short: bool, seed: int, redis_url
             console.print(f"[yellow]{drill.name}: not run: {why}[/yellow]")
             skipped.append((drill.name, why))
             continue
-        options = RunOptions(out_dir=out_dir / drill.name, short=short, seed=seed, redis_url=redis_url)
+        options = RunOptions(out_dir=out_dir / drill.name, short=short, seed=seed, redis_url=redis_url,
+                             model_cache_dir=out_dir / ".model-cache")
         outcomes.append(_run_one(drill, options, console))
     if len(drills) > 1 and outcomes:
         summary = write_suite_summary([o.report for o in outcomes], out_dir)

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -19,14 +21,19 @@ pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
-async def proxied(postgres_url: str) -> AsyncIterator[tuple[ControlPlane, FaultProxy]]:
+def settings_overrides() -> dict[str, Any]:
+    return {}
+
+
+@pytest.fixture
+async def proxied(postgres_url: str, settings_overrides: dict[str, Any]) -> AsyncIterator[tuple[ControlPlane, FaultProxy]]:
     """A control plane whose database connections pass through a fault proxy."""
     url = make_url(postgres_url)
     async with FaultProxy("127.0.0.1", 0, url.host or "127.0.0.1", url.port or 5432) as proxy:
         settings = ControlPlaneSettings(
             database_url=url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False),
             cluster_token=SecretStr(CLUSTER_TOKEN), bootstrap_admin_key=SecretStr(ADMIN_KEY),
-            reconciler_enabled=False, autoscaler_enabled=False,
+            reconciler_enabled=False, autoscaler_enabled=False, **settings_overrides,
         )
         app = create_app(settings)
         async with app.router.lifespan_context(app):
@@ -53,3 +60,20 @@ async def test_admin_writes_during_a_database_outage_are_clean_503s_and_acknowle
     assert after.status_code == 201, after.text
     keys = (await cp.http.get("/v1/api-keys", params={"tenant": "outage"}, headers=cp.admin)).json()
     assert {k["name"] for k in keys} == {"before", "after"}
+
+
+@pytest.mark.parametrize("settings_overrides", [{"node_ttl_s": 1.0, "reaper_interval_s": 0.1}])
+async def test_healthy_nodes_are_not_expired_when_the_database_comes_back_from_an_outage(
+    proxied: tuple[ControlPlane, FaultProxy],
+) -> None:
+    """No heartbeat could be recorded while the database was away: that is not the nodes' silence."""
+    cp, proxy = proxied
+    assert (await cp.register("n1", status="ready")).status_code == 200
+    proxy.reset(1.0)
+    await asyncio.sleep(2.5)  # longer than the TTL; the node's heartbeats are refused meanwhile
+    cp.assert_problem(await cp.heartbeat("n1"), 503)
+    proxy.heal()
+    await asyncio.sleep(1.0)  # several reaper passes on a reachable database
+    nodes = (await cp.http.get("/v1/nodes", headers=cp.admin)).json()
+    assert {n["node_id"]: n["status"] for n in nodes} == {"n1": "ready"}
+    assert (await cp.heartbeat("n1")).status_code == 200

@@ -11,7 +11,7 @@ from cp_harness import ControlPlane
 
 @pytest.fixture
 def settings_overrides() -> dict[str, Any]:
-    return {"node_ttl_s": 0.3, "reaper_interval_s": 0.05, "lost_node_retention_s": 0.5}
+    return {"node_ttl_s": 0.3, "reaper_interval_s": 0.05, "lost_node_retention_s": 0.5, "reaper_grace_s": 0}
 
 
 async def _wait_for(predicate: Any, timeout_s: float = 5.0) -> None:
@@ -66,3 +66,18 @@ async def test_long_poll_wakes_when_a_node_expires(cp: ControlPlane) -> None:
     )
     assert r.status_code == 200
     assert r.json()["nodes"] == []
+
+
+@pytest.mark.parametrize("settings_overrides", [
+    {"node_ttl_s": 0.3, "reaper_interval_s": 0.05, "reaper_grace_s": 1.5},
+])
+async def test_no_node_is_expired_during_the_grace_after_start_up(cp: ControlPlane) -> None:
+    """A control plane that was down could not hear heartbeats: silence then is not death."""
+    await cp.register("quiet", status="ready")
+    await asyncio.sleep(0.8)  # past the TTL, within the grace
+    assert (await _statuses(cp))["quiet"] == "ready"
+
+    async def lost() -> bool:
+        return (await _statuses(cp))["quiet"] == "lost"
+
+    await _wait_for(lost)
