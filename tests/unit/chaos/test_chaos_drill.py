@@ -23,6 +23,8 @@ ISSUE_DRILLS = {
     "disk-full": "disk_full_during_fetch",
     "scale-from-zero-burst": "scale_from_zero_burst",
     "clock-skew": "clock_skew",
+    # Beyond the issue's list: the partition again, with real packets dropped in a netns.
+    "packet-partition": "packet_loss",
 }
 
 
