@@ -51,8 +51,9 @@ def settings_overrides(tmp_path: Path) -> dict[str, Any]:
         "onprem_inventory": inventory,
         "reconciler_enabled": False,
         "autoscaler_enabled": False,
-        "reconcile_backoff_base_s": 0.2,
-        "reconcile_backoff_max_s": 0.5,
+        # Long enough that a loaded CI machine ticks again well inside a backoff.
+        "reconcile_backoff_base_s": 1.0,
+        "reconcile_backoff_max_s": 2.5,
         "reconcile_drain_timeout_s": DRAIN_TIMEOUT_S,
     }
 
@@ -292,7 +293,7 @@ async def test_a_failing_step_is_retried_with_backoff_and_recorded(cp: ControlPl
     assert (failed["attempt"], failed["outcome"]) == (1, "error")
     assert "2 free l4-box host(s)" in failed["error"]
     first_retry = datetime.fromisoformat(failed["next_attempt_at"])
-    assert 0.1 < (first_retry - datetime.fromisoformat(failed["at"])).total_seconds() <= 0.25
+    assert 0.5 < (first_retry - datetime.fromisoformat(failed["at"])).total_seconds() <= 1.25
 
     # Backing off: nothing is tried before next_attempt_at.
     assert await rec.tick(fence) == []
@@ -300,9 +301,9 @@ async def test_a_failing_step_is_retried_with_backoff_and_recorded(cp: ControlPl
     assert summary(await rec.tick(fence)) == [("scale_up", 3, "error")]
     second = (await steps(cp))[-1]
     assert second["attempt"] == 2
-    # The delay doubles (0.2 s, then 0.4 s; ±20% jitter).
+    # The delay doubles (1 s, then 2 s; ±20% jitter).
     gap = (datetime.fromisoformat(second["next_attempt_at"]) - datetime.fromisoformat(second["at"])).total_seconds()
-    assert 0.3 < gap <= 0.5
+    assert 1.5 < gap <= 2.5
 
     # The autoscaler settles for what fits: the next attempt succeeds and clears the failures.
     set_desired(cp, 2)
