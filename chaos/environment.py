@@ -8,7 +8,7 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -136,7 +136,28 @@ class DrillEnvironment:
     async def router_metric(self, name: str, **labels: str) -> float:
         """Sum of a counter/gauge sample over every router (labels must match); routers that
         do not answer count as 0."""
-        total = 0.0
+        return sum(value for sample_labels, value in await self._router_samples(name)
+                   if all(sample_labels.get(k) == v for k, v in labels.items()))
+
+    async def ejections(self, node_ids: Iterable[str]) -> dict[str, float]:
+        """How often the routers have ejected each node so far (summed over routers)."""
+        counts = dict.fromkeys(node_ids, 0.0)
+        for labels, value in await self._router_samples("meridian_router_ejections"):
+            node = labels.get("node")
+            if node in counts:
+                counts[node] += value
+        return counts
+
+    async def all_ejected_since(self, before: Mapping[str, float]) -> bool:
+        """Whether the routers ejected every node of `before` (counts from ejections()) since."""
+        if not before:
+            return False
+        after = await self.ejections(before)
+        return all(after[node] > count for node, count in before.items())
+
+    async def _router_samples(self, name: str) -> list[tuple[dict[str, str], float]]:
+        """(labels, value) of every sample of metric `name` on every router that answers."""
+        samples: list[tuple[dict[str, str], float]] = []
         async with httpx.AsyncClient(timeout=self.http_timeout_s) as http:
             for url in self.info.router_urls:
                 try:
@@ -145,12 +166,9 @@ class DrillEnvironment:
                     log.warning("could not scrape %s/metrics: %s", url, exc)
                     continue
                 for family in text_string_to_metric_families(text):
-                    for sample in family.samples:
-                        if sample.name in (name, f"{name}_total") and all(
-                            sample.labels.get(k) == v for k, v in labels.items()
-                        ):
-                            total += sample.value
-        return total
+                    samples += [(dict(s.labels), s.value) for s in family.samples
+                                if s.name in (name, f"{name}_total")]
+        return samples
 
     async def answers(self, url: str, path: str = "/health") -> bool:
         """Whether `url` answers `path` with 200 right now."""

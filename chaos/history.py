@@ -19,7 +19,6 @@ and nothing else: a bad line in the middle means the file was damaged or mis-wri
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -168,12 +167,6 @@ def _to_record(line: _ClientLine | _RoutedLine | _ServedLine) -> Record:
     if isinstance(line, _RoutedLine):
         return Routed(**fields)
     return Served(**fields)
-
-
-def encode(record: Record) -> str:
-    """One JSON line (without the newline)."""
-    data = {"type": _TYPES[type(record)], **asdict(record)}
-    return json.dumps(data, separators=(",", ":"))
 
 
 def decode(text: str) -> Record:

@@ -140,8 +140,7 @@ class PacketLoss:
         self._victims = [p.node_id or "" for p in env.live_nodes() if p.region == region]
 
     async def inject(self) -> None:
-        for node in self._victims:
-            self._ejections_before[node] = await self._env.router_metric("meridian_router_ejections", node=node)
+        self._ejections_before = await self._env.ejections(self._victims)
         site, percent = self._site, int(round(self._percent))
         match = () if percent >= 100 else ("numgen", "random", "mod", "100", "<", str(percent))
         site.nft("add", "table", "inet", _TABLE)
@@ -157,8 +156,4 @@ class PacketLoss:
         self._env.event("heal", f"{self._site.region}'s packets flow again")
 
     async def observe(self, history: History) -> Mapping[str, bool]:
-        ejected = bool(self._victims)
-        for node in self._victims:
-            after = await self._env.router_metric("meridian_router_ejections", node=node)
-            ejected &= after > self._ejections_before.get(node, 0.0)
-        return {"region_ejected": ejected}
+        return {"region_ejected": await self._env.all_ejected_since(self._ejections_before)}

@@ -30,9 +30,7 @@ class NodeLinkFault:
     async def inject(self) -> None:
         self._victims = self._env.nodes(self._fault.target)
         self._proxies = self._env.proxies_of(self._victims)
-        for p in self._victims:
-            self._ejections_before[p.node_id or ""] = await self._env.router_metric(
-                "meridian_router_ejections", node=p.node_id or "")
+        self._ejections_before = await self._env.ejections(p.node_id or "" for p in self._victims)
         params = {k: float(v) for k, v in self._fault.params.items()}
         for p, proxy in zip(self._victims, self._proxies, strict=True):
             proxy.apply(self._fault.kind, params)
@@ -45,10 +43,7 @@ class NodeLinkFault:
 
     async def observe(self, history: History) -> Mapping[str, bool]:
         # Every node behind the cut must have been ejected by the routers at least once.
-        ejected = bool(self._victims)
-        for p in self._victims:
-            after = await self._env.router_metric("meridian_router_ejections", node=p.node_id or "")
-            ejected &= after > self._ejections_before.get(p.node_id or "", 0.0)
+        ejected = await self._env.all_ejected_since(self._ejections_before)
         return {"region_ejected": ejected, "outlier_ejected": ejected}
 
 

@@ -51,9 +51,7 @@ class NodeHang:
 
     async def inject(self) -> None:
         self._victims = self._env.nodes(self._fault.target)
-        for p in self._victims:
-            self._ejections_before[p.node_id or ""] = await self._env.router_metric(
-                "meridian_router_ejections", node=p.node_id or "")
+        self._ejections_before = await self._env.ejections(p.node_id or "" for p in self._victims)
         await self._env.signal(self._victims, signal.SIGSTOP, reap=False)
 
     async def heal(self) -> None:
@@ -63,11 +61,7 @@ class NodeHang:
     async def observe(self, history: History) -> Mapping[str, bool]:
         # Routers count every ejection they made; one for each hung node shows outlier detection
         # took it out (rather than requests merely timing out on it for the whole fault).
-        ejected = True
-        for p in self._victims:
-            after = await self._env.router_metric("meridian_router_ejections", node=p.node_id or "")
-            ejected &= after > self._ejections_before.get(p.node_id or "", 0.0)
-        return {"outlier_ejected": bool(self._victims) and ejected}
+        return {"outlier_ejected": await self._env.all_ejected_since(self._ejections_before)}
 
 
 @register("spot_preemption")
