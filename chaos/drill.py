@@ -320,10 +320,10 @@ class Drill(_Spec):
         try:
             return Drill.model_validate(data)
         except ValidationError as e:
-            raise ValueError(f"short version is invalid: {_describe(e)}") from None
+            raise ValueError(f"short version is invalid: {describe_errors(e)}") from None
 
 
-def _describe(e: ValidationError) -> str:
+def describe_errors(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
         loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
@@ -343,7 +343,7 @@ def load_drill(path: str | Path) -> Drill:
     try:
         return Drill.model_validate(data)
     except ValidationError as e:
-        raise DrillError(f"{path}: {_describe(e)}") from None
+        raise DrillError(f"{path}: {describe_errors(e)}") from None
 
 
 def load_drills(directory: str | Path = DRILLS_DIR) -> list[Drill]:

@@ -8,17 +8,17 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from chaos.drill import Load, Target
 from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import HistoryWriter
 from chaos.load import LoadTarget
+from chaos.observe import RouterMetrics
 from chaos.report import FaultEvent
 from meridian.localfabric import FabricInfo, LocalFabric, Proc, renice
 
@@ -60,6 +60,9 @@ class DrillEnvironment:
     background: list[asyncio.Task[None]] = field(default_factory=list)
     # Undone after the fabric stopped, last first, even when the run failed (a mount).
     cleanups: list[Callable[[], None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.routers = RouterMetrics(tuple(self.info.router_urls), self.http_timeout_s)
 
     def now_s(self) -> float:
         return time.monotonic() - self.clock_start
@@ -132,43 +135,6 @@ class DrillEnvironment:
         return fresh
 
     # -- observation -------------------------------------------------------------------
-
-    async def router_metric(self, name: str, **labels: str) -> float:
-        """Sum of a counter/gauge sample over every router (labels must match); routers that
-        do not answer count as 0."""
-        return sum(value for sample_labels, value in await self._router_samples(name)
-                   if all(sample_labels.get(k) == v for k, v in labels.items()))
-
-    async def ejections(self, node_ids: Iterable[str]) -> dict[str, float]:
-        """How often the routers have ejected each node so far (summed over routers)."""
-        counts = dict.fromkeys(node_ids, 0.0)
-        for labels, value in await self._router_samples("meridian_router_ejections"):
-            node = labels.get("node")
-            if node in counts:
-                counts[node] += value
-        return counts
-
-    async def all_ejected_since(self, before: Mapping[str, float]) -> bool:
-        """Whether the routers ejected every node of `before` (counts from ejections()) since."""
-        if not before:
-            return False
-        after = await self.ejections(before)
-        return all(after[node] > count for node, count in before.items())
-
-    async def _router_samples(self, name: str) -> list[tuple[dict[str, str], float]]:
-        """(labels, value) of every sample of metric `name` on every router that answers."""
-        samples: list[tuple[dict[str, str], float]] = []
-        async with httpx.AsyncClient(timeout=self.http_timeout_s) as http:
-            for url in self.info.router_urls:
-                try:
-                    text = (await http.get(f"{url}/metrics")).text
-                except httpx.HTTPError as exc:
-                    log.warning("could not scrape %s/metrics: %s", url, exc)
-                    continue
-                for family in text_string_to_metric_families(text):
-                    samples += [(dict(s.labels), s.value) for s in family.samples
-                                if s.name in (name, f"{name}_total")]
-        return samples
 
     async def answers(self, url: str, path: str = "/health") -> bool:
         """Whether `url` answers `path` with 200 right now."""

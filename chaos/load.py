@@ -30,7 +30,7 @@ import logging
 import random
 import re
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -514,3 +514,34 @@ __all__ = [
     "conversation_messages",
     "system_prompt",
 ]
+
+
+async def warm_up(target: LoadTarget, timeout_s: float, on_step: Callable[[str], None] | None = None) -> None:
+    """Until every router answers every tenant: new keys reach routers with the next routing
+    table, and a node's first generation is slower than the rest. FabricNotReady at the deadline."""
+    if on_step is not None:
+        on_step("warming up: every router answers every tenant")
+    body = {"model": target.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        for url in target.router_urls:
+            for tenant, key in target.api_keys.items():
+                last = "no answer"
+                while True:
+                    try:
+                        r = await http.post(f"{url}/v1/chat/completions", json=body,
+                                            headers={"authorization": f"Bearer {key}"})
+                        if r.status_code == 200:
+                            break
+                        last = f"{r.status_code} {r.text[:200]}"
+                    except httpx.HTTPError as exc:
+                        last = f"{type(exc).__name__}: {exc}"
+                    if loop.time() > deadline:
+                        raise FabricNotReady(f"router {url} did not serve tenant {tenant} within "
+                                             f"{timeout_s:g}s (last answer: {last})")
+                    await asyncio.sleep(0.3)
+
+
+class FabricNotReady(RuntimeError):
+    """The fabric under test did not serve the drill's tenants in time."""

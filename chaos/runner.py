@@ -11,13 +11,11 @@ of its nodes and of Redis run on this process's event loop, next to the load.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
 import shutil
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -25,11 +23,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from chaos.checker import check
+from chaos.admin_api import AdminApi
 from chaos.drill import Drill
 from chaos.environment import DrillEnvironment, InjectionError
 from chaos.faults.injector import (
-    Injector,
     NotRunnable,
     create_injector,
     prepare_fabric,
@@ -39,8 +36,8 @@ from chaos.faults.injector import (
 from chaos.faults.netns import Sites, netns_unavailable
 from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import History, HistoryWriter
-from chaos.load import LoadGenerator, LoadStats, LoadTarget
-from chaos.report import ReportFiles, RunReport, write_report
+from chaos.load import LoadGenerator, LoadTarget, warm_up
+from chaos.schedule import FaultState, RunOutcome, TickCallback, drive, finish
 from meridian.localfabric import DEMO_MODEL, DEMO_REGIONS, FabricError, FabricSpec, LocalFabric
 
 log = logging.getLogger(__name__)
@@ -52,7 +49,6 @@ _UNSUPPORTED_TOPOLOGY: tuple[tuple[Callable[[Drill], bool], str], ...] = (
 )
 # How long the fabric may take to serve every tenant after it started.
 _WARM_UP_TIMEOUT_S = 120.0
-_MONITOR_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -72,23 +68,11 @@ class RunOptions:
     router_env: dict[str, str] = field(default_factory=dict)
     # Called with what the runner is doing, and every monitor tick with the load's counters.
     on_step: Callable[[str], None] | None = None
-    on_tick: Callable[[float, float, LoadStats], None] | None = None  # (now_s, duration_s, stats)
+    on_tick: TickCallback | None = None
     keep_fabric_dir: bool = False
     # Where the tiny checkpoint and its weight origin are kept between runs of a suite, so a
     # run copies them instead of generating and pushing them again (None: every run makes its own).
     model_cache_dir: Path | None = None
-
-
-@dataclass
-class RunOutcome:
-    """A finished run: its report and the files written."""
-
-    report: RunReport
-    files: ReportFiles
-
-    @property
-    def passed(self) -> bool:
-        return self.report.passed
 
 
 def runnable(drill: Drill) -> str | None:
@@ -111,15 +95,6 @@ def runnable(drill: Drill) -> str | None:
 def run_drill(drill: Drill, options: RunOptions) -> RunOutcome:
     """Run one drill (its short version with options.short) and write its report."""
     return asyncio.run(_Run(drill, options).run())
-
-
-@dataclass
-class _FaultState:
-    injector: Injector | None = None
-    injected_at: float | None = None
-    healed_at: float | None = None
-    aborted: str | None = None
-    not_checked: list[str] = field(default_factory=list)
 
 
 class _Run:
@@ -171,17 +146,18 @@ class _Run:
             self._step(f"starting the fabric for {self.drill.name}")
             info = await asyncio.to_thread(fabric.start)
             self._fill_model_cache(fabric)
-            keys = await self._tenant_keys(info.control_plane_url, info.admin_key)
-            await self._warm_up(info.router_urls, keys)
+            admin = AdminApi(info.control_plane_url, info.admin_key)
+            keys = {t: k.secret for t, k in (await admin.create_tenant_keys(self.drill.load.tenants)).items()}
+            target = LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL)
+            await warm_up(target, _WARM_UP_TIMEOUT_S, self._step)
             await self._warm_nodes(fabric, info.cluster_token)
             # Warm-up requests are not the drill's: the journals start empty (their writers
             # append, so the next line lands at the start of the truncated file).
             for path in journals.glob("*.jsonl"):
                 os.truncate(path, 0)
-            region_zones = await self._region_zones(info.control_plane_url, info.admin_key)
-            state = _FaultState()
+            region_zones = await admin.region_zones()
+            state = FaultState()
             with HistoryWriter(client_log) as writer:
-                target = LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL)
                 env = DrillEnvironment(fabric=fabric, info=info, clock_start=0.0, node_proxies=self._proxies,
                                        redis_proxy=self._redis_proxy, postgres_proxy=self._postgres_proxy,
                                        sites=self._sites,
@@ -190,7 +166,9 @@ class _Run:
                                        key_prefix=self.run_id)
                 generator = LoadGenerator(self.drill.load, target, writer, seed=self.options.seed,
                                           key_prefix=self.run_id)
-                await self._drive(generator, env, state)
+                await drive(self.drill, generator, env, state, lambda f: create_injector(f, env),
+                            injection_errors=(InjectionError, OSError, FabricError),
+                            on_tick=self.options.on_tick)
                 # An injector's own requests (a burst) end before the history is read.
                 if env.background:
                     await asyncio.gather(*env.background, return_exceptions=True)
@@ -215,20 +193,9 @@ class _Run:
                     shutil.rmtree(fabric_dir / sub, ignore_errors=True)
         assert env is not None
         # A history read after every writer stopped: no journal line is still on its way.
-        history = self._history(client_log, journals)
-        fault_start = state.injected_at if state.injected_at is not None else self.drill.fault.start_s
-        fault_end = state.healed_at if state.healed_at is not None else self.drill.fault.end_s
-        result = check(history, self.drill, region_zones, fault_start_s=fault_start, fault_end_s=fault_end)
-        # An aborted run never passes (RunReport.passed), however its partial history looks.
-        verdict = result.verdict(self.drill, invariants)
-        report = RunReport(
-            drill=self.drill, short=self.options.short, started_at=started_at,
-            duration_s=self.drill.load.duration_s, fault_start_s=fault_start, fault_end_s=fault_end,
-            events=tuple(env.events), result=result, verdict=verdict, invariants=invariants,
-            aborted=state.aborted, not_checked=tuple(state.not_checked),
-        )
-        files = write_report(report, history, self.out)
-        return RunOutcome(report=report, files=files)
+        return finish(self.drill, short=self.options.short, started_at=started_at,
+                      history=self._history(client_log, journals), region_zones=region_zones, env=env,
+                      state=state, invariants=invariants, out_dir=self.out)
 
     # -- set-up ------------------------------------------------------------------------
 
@@ -325,41 +292,6 @@ class _Run:
         return server.set(host="127.0.0.1", port=self._postgres_proxy.port, database=name).render_as_string(
             hide_password=False)
 
-    async def _tenant_keys(self, cp_url: str, admin_key: str) -> dict[str, str]:
-        """One API key per drill tenant, in its residency zone."""
-        keys: dict[str, str] = {}
-        headers = {"authorization": f"Bearer {admin_key}"}
-        async with httpx.AsyncClient(base_url=cp_url, headers=headers, timeout=10.0) as http:
-            for t in self.drill.load.tenants:
-                r = await http.post("/v1/api-keys", json={
-                    "name": f"chaos-{t.name}", "tenant": t.name, "zone": t.zone,
-                    "scopes": ["inference"], "models": None,
-                })
-                if r.status_code != 201:
-                    raise FabricError(f"creating the key of tenant {t.name} failed: {r.status_code} {r.text}")
-                keys[t.name] = r.json()["key"]
-        return keys
-
-    async def _warm_up(self, router_urls: list[str], keys: Mapping[str, str]) -> None:
-        """Until every router answers every tenant: new keys reach routers with the next
-        routing table, and each node's first generation is slower than the rest."""
-        self._step("warming up: every router answers every tenant")
-        body = {"model": DEMO_MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4}
-        deadline = asyncio.get_running_loop().time() + _WARM_UP_TIMEOUT_S
-        async with httpx.AsyncClient(timeout=30.0) as http:
-            for url in router_urls:
-                for tenant, key in keys.items():
-                    while True:
-                        with contextlib.suppress(httpx.HTTPError):
-                            r = await http.post(f"{url}/v1/chat/completions", json=body,
-                                                headers={"authorization": f"Bearer {key}"})
-                            if r.status_code == 200:
-                                break
-                        if asyncio.get_running_loop().time() > deadline:
-                            raise FabricError(f"router {url} did not serve tenant {tenant} within "
-                                              f"{_WARM_UP_TIMEOUT_S:g}s")
-                        await asyncio.sleep(0.3)
-
     async def _warm_nodes(self, fabric: LocalFabric, cluster_token: str) -> None:
         """One generation on every node: a node's first one is much slower than the rest."""
         body = {"model": DEMO_MODEL, "messages": [{"role": "user", "content": "warm up"}],
@@ -371,83 +303,9 @@ class _Run:
                 if r.status_code != 200:
                     raise FabricError(f"warming {p.name} up failed: {r.status_code} {r.text[:200]}")
 
-    async def _region_zones(self, cp_url: str, admin_key: str) -> dict[str, list[str]]:
-        async with httpx.AsyncClient(timeout=10.0) as http:
-            r = await http.get(f"{cp_url}/v1/regions", headers={"authorization": f"Bearer {admin_key}"})
-            r.raise_for_status()
-            return {x["name"]: list(x["zones"]) for x in r.json()}
-
-    # -- the run -----------------------------------------------------------------------
-
-    async def _drive(self, generator: LoadGenerator, env: DrillEnvironment, state: _FaultState) -> None:
-        env.clock_start = time.monotonic()
-        load = asyncio.create_task(generator.run(env.clock_start), name="chaos-load")
-        fault = asyncio.create_task(self._fault(env, state), name="chaos-fault")
-        duration = self.drill.load.duration_s
-        try:
-            while not load.done():
-                await asyncio.sleep(_MONITOR_INTERVAL_S)
-                now = env.now_s()
-                if self.options.on_tick is not None:
-                    self.options.on_tick(now, duration, generator.stats)
-                reason = self._abort_reason(generator.stats, now) if state.aborted is None else None
-                if reason is not None:
-                    state.aborted = reason
-                    env.event("abort", reason)
-                    generator.stop()
-                    fault.cancel()
-                if fault.done() and not fault.cancelled() and fault.exception() is not None:
-                    exc = fault.exception()
-                    state.aborted = state.aborted or f"the fault injector failed: {exc}"
-                    env.event("abort", state.aborted)
-                    generator.stop()
-            await load
-        finally:
-            if not fault.done():
-                fault.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await fault
-            # Whatever happened, leave the fabric healed before it is observed and stopped.
-            if state.injector is not None and state.injected_at is not None and state.healed_at is None:
-                state.healed_at = env.now_s()
-                with contextlib.suppress(Exception):
-                    await state.injector.heal()
-
-    async def _fault(self, env: DrillEnvironment, state: _FaultState) -> None:
-        f = self.drill.fault
-        await _sleep_until(env, f.start_s)
-        try:
-            state.injector = create_injector(f, env)
-            state.injected_at = env.now_s()
-            env.event("inject", f"{f.kind} on {f.target.model_dump(exclude_none=True)}")
-            await state.injector.inject()
-        except (InjectionError, OSError, FabricError) as exc:
-            raise InjectionError(f"injecting {f.kind} failed: {exc}") from exc
-        await _sleep_until(env, f.end_s)
-        # The fault ends when healing starts; a restart's cold start is part of the recovery.
-        state.healed_at = env.now_s()
-        env.event("heal", f"healing {f.kind}")
-        await state.injector.heal()
-
-    def _abort_reason(self, stats: LoadStats, now_s: float) -> str | None:
-        for cond in self.drill.abort:
-            if now_s < cond.for_s:
-                continue
-            rate = stats.recent_error_rate(cond.for_s, now_s)
-            if rate is not None and rate > cond.error_rate_above:
-                return (f"error rate {rate:.0%} over the last {cond.for_s:g}s exceeded the abort "
-                        f"threshold {cond.error_rate_above:.0%}")
-        return None
-
     # -- results -----------------------------------------------------------------------
 
     def _history(self, client_log: Path, journals: Path) -> History:
         paths = [client_log, *sorted(journals.glob("*.jsonl"))] if journals.exists() else [client_log]
         return History.read(*[p for p in paths if p.exists()])
-
-
-async def _sleep_until(env: DrillEnvironment, at_s: float) -> None:
-    delay = at_s - env.now_s()
-    if delay > 0:
-        await asyncio.sleep(delay)
 

@@ -85,6 +85,16 @@ class NodeGroupDriver(Protocol):
         ...
 
 
+@runtime_checkable
+class FailsInstances(Protocol):
+    """Optional capability of a driver, for chaos drills: end one instance as a hardware
+    failure would. Its group is not told, so the group (or the reconciler) replaces it."""
+
+    async def fail_instance(self, region: str, node: str) -> None:
+        """End instance `node` in Meridian region `region` now; one already gone is no error."""
+        ...
+
+
 class UnknownDriverError(LookupError):
     """No driver is registered for the provider."""
 

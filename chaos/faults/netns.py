@@ -140,7 +140,7 @@ class PacketLoss:
         self._victims = [p.node_id or "" for p in env.live_nodes() if p.region == region]
 
     async def inject(self) -> None:
-        self._ejections_before = await self._env.ejections(self._victims)
+        self._ejections_before = await self._env.routers.ejections(self._victims)
         site, percent = self._site, int(round(self._percent))
         match = () if percent >= 100 else ("numgen", "random", "mod", "100", "<", str(percent))
         site.nft("add", "table", "inet", _TABLE)
@@ -156,4 +156,4 @@ class PacketLoss:
         self._env.event("heal", f"{self._site.region}'s packets flow again")
 
     async def observe(self, history: History) -> Mapping[str, bool]:
-        return {"region_ejected": await self._env.all_ejected_since(self._ejections_before)}
+        return {"region_ejected": await self._env.routers.all_ejected_since(self._ejections_before)}

@@ -30,7 +30,7 @@ class NodeLinkFault:
     async def inject(self) -> None:
         self._victims = self._env.nodes(self._fault.target)
         self._proxies = self._env.proxies_of(self._victims)
-        self._ejections_before = await self._env.ejections(p.node_id or "" for p in self._victims)
+        self._ejections_before = await self._env.routers.ejections(p.node_id or "" for p in self._victims)
         params = {k: float(v) for k, v in self._fault.params.items()}
         for p, proxy in zip(self._victims, self._proxies, strict=True):
             proxy.apply(self._fault.kind, params)
@@ -43,7 +43,7 @@ class NodeLinkFault:
 
     async def observe(self, history: History) -> Mapping[str, bool]:
         # Every node behind the cut must have been ejected by the routers at least once.
-        ejected = await self._env.all_ejected_since(self._ejections_before)
+        ejected = await self._env.routers.all_ejected_since(self._ejections_before)
         return {"region_ejected": ejected, "outlier_ejected": ejected}
 
 
@@ -60,12 +60,12 @@ class RedisOutage:
         self._hits_at_end = 0.0
 
     async def inject(self) -> None:
-        self._hits_at_start = await self._env.router_metric("meridian_router_predicted_cache_hit_tokens")
+        self._hits_at_start = await self._env.routers.metric("meridian_router_predicted_cache_hit_tokens")
         self._proxy.reset(1.0)
         self._env.event("inject", f"Redis down: {self._proxy.stats.reset} connections reset, new ones refused")
 
     async def heal(self) -> None:
-        self._hits_at_end = await self._env.router_metric("meridian_router_predicted_cache_hit_tokens")
+        self._hits_at_end = await self._env.routers.metric("meridian_router_predicted_cache_hit_tokens")
         self._proxy.heal()
         self._env.event("heal", "Redis reachable again")
 

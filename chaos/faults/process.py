@@ -51,7 +51,7 @@ class NodeHang:
 
     async def inject(self) -> None:
         self._victims = self._env.nodes(self._fault.target)
-        self._ejections_before = await self._env.ejections(p.node_id or "" for p in self._victims)
+        self._ejections_before = await self._env.routers.ejections(p.node_id or "" for p in self._victims)
         await self._env.signal(self._victims, signal.SIGSTOP, reap=False)
 
     async def heal(self) -> None:
@@ -61,7 +61,7 @@ class NodeHang:
     async def observe(self, history: History) -> Mapping[str, bool]:
         # Routers count every ejection they made; one for each hung node shows outlier detection
         # took it out (rather than requests merely timing out on it for the whole fault).
-        return {"outlier_ejected": await self._env.all_ejected_since(self._ejections_before)}
+        return {"outlier_ejected": await self._env.routers.all_ejected_since(self._ejections_before)}
 
 
 @register("spot_preemption")

@@ -1,18 +1,55 @@
-"""`meridian chaos run`: run drills against a local fabric with a progress bar, then show
-each verdict as a table and where the report is."""
+"""`meridian chaos run`: run drills against a local fabric or a deployment with a progress
+bar, then show each verdict as a table and where the report is."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from chaos.deployed import DeployedRunOptions, run_drill_on, runnable_on
+from chaos.deployment import Deployment
 from chaos.drill import Drill
 from chaos.load import LoadStats
 from chaos.report import summary_rows, write_suite_summary
-from chaos.runner import RunOptions, RunOutcome, run_drill, runnable
+from chaos.runner import RunOptions, run_drill, runnable
+from chaos.schedule import RunOutcome, TickCallback
+
+StepCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DrillRunner:
+    """Where drills run: why one cannot, and how one runs (into its report folder)."""
+
+    where: str
+    why_not: Callable[[Drill], str | None]
+    run: Callable[[Drill, Path, StepCallback, TickCallback], RunOutcome]
+
+
+def local_runner(out_dir: Path, *, short: bool, seed: int, redis_url: str) -> DrillRunner:
+    """Drills against a local fabric each run starts (the tiny model made once per suite)."""
+
+    def run_one(drill: Drill, out: Path, on_step: StepCallback, on_tick: TickCallback) -> RunOutcome:
+        return run_drill(drill, RunOptions(out_dir=out, short=short, seed=seed, redis_url=redis_url,
+                                           model_cache_dir=out_dir / ".model-cache",
+                                           on_step=on_step, on_tick=on_tick))
+
+    return DrillRunner("a local fabric", runnable, run_one)
+
+
+def deployment_runner(deployment: Deployment, *, short: bool, seed: int) -> DrillRunner:
+    """Drills against a running deployment, with the actions its file gives."""
+
+    def run_one(drill: Drill, out: Path, on_step: StepCallback, on_tick: TickCallback) -> RunOutcome:
+        return run_drill_on(drill, deployment, DeployedRunOptions(out_dir=out, short=short, seed=seed,
+                                                                  on_step=on_step, on_tick=on_tick))
+
+    return DrillRunner(f"deployment {deployment.name}", lambda d: runnable_on(d, deployment), run_one)
 
 
 def pick(drills: list[Drill], names: list[str]) -> list[Drill]:
@@ -26,23 +63,21 @@ def pick(drills: list[Drill], names: list[str]) -> list[Drill]:
     return [by_name[n] for n in names]
 
 
-def run(drills: list[Drill], out_dir: Path, *, short: bool, seed: int, redis_url: str, console: Console) -> bool:
+def run(drills: list[Drill], out_dir: Path, runner: DrillRunner, *, short: bool, console: Console) -> bool:
     """Run `drills` one after another; True when every runnable one passed.
 
-    A drill the local runner cannot run yet is reported as such and fails the suite: it is
-    an untested failure mode, not a pass.
+    A drill the runner cannot run is reported as such and fails the suite: it is an
+    untested failure mode, not a pass.
     """
     outcomes: list[RunOutcome] = []
     skipped: list[tuple[str, str]] = []
     for drill in drills:
-        why = runnable(drill)
+        why = runner.why_not(drill)
         if why is not None:
             console.print(f"[yellow]{drill.name}: not run: {why}[/yellow]")
             skipped.append((drill.name, why))
             continue
-        options = RunOptions(out_dir=out_dir / drill.name, short=short, seed=seed, redis_url=redis_url,
-                             model_cache_dir=out_dir / ".model-cache")
-        outcomes.append(_run_one(drill, options, console))
+        outcomes.append(_run_one(drill, out_dir / drill.name, runner, short, console))
     if len(drills) > 1 and outcomes:
         summary = write_suite_summary([o.report for o in outcomes], out_dir)
         console.print(f"suite summary: {summary}")
@@ -51,11 +86,11 @@ def run(drills: list[Drill], out_dir: Path, *, short: bool, seed: int, redis_url
     return not skipped and all(o.passed for o in outcomes)
 
 
-def _run_one(drill: Drill, options: RunOptions, console: Console) -> RunOutcome:
-    form = drill.short_version() if options.short else drill
+def _run_one(drill: Drill, out: Path, runner: DrillRunner, short: bool, console: Console) -> RunOutcome:
+    form = drill.short_version() if short else drill
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[status]}"),
                   TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task(drill.name, total=form.load.duration_s, status="starting the fabric")
+        task = progress.add_task(drill.name, total=form.load.duration_s, status=f"starting on {runner.where}")
 
         def on_step(message: str) -> None:
             progress.update(task, status=message)
@@ -67,8 +102,7 @@ def _run_one(drill: Drill, options: RunOptions, console: Console) -> RunOutcome:
                 f"{phase} · sent {stats.sent} ok {stats.ok} failed {stats.failed} "
                 f"indeterminate {stats.indeterminate} in flight {stats.in_flight}"))
 
-        options.on_step, options.on_tick = on_step, on_tick
-        outcome = run_drill(drill, options)
+        outcome = runner.run(drill, out, on_step, on_tick)
     console.print(verdict_table(outcome))
     console.print(f"report: {outcome.files.report_md}  timeline: {outcome.files.timeline_png or '(not drawn)'}")
     return outcome

@@ -310,17 +310,28 @@ def chaos_run(
     redis_url: Annotated[str, typer.Option(
         envvar="MERIDIAN_CHAOS_REDIS_URL", help="Redis for drills whose routers share state (through a fault proxy)"
     )] = "redis://127.0.0.1:6379/0",
+    deployment: Annotated[Path | None, typer.Option(
+        help="Run against this deployment (a YAML file: routers, control plane, journals, fault actions) "
+             "instead of starting a local fabric"
+    )] = None,
 ) -> None:
-    """Run drills against a local fabric; exit code 1 when one fails or cannot run yet."""
+    """Run drills against a local fabric or a deployment; exit code 1 when one fails or cannot run."""
+    from chaos.deployment import DeploymentError, load_deployment
     from chaos.drill import DRILLS_DIR, DrillError, load_drills
     from meridian.cli import chaos_cmd
 
     try:
         chosen = chaos_cmd.pick(load_drills(directory or DRILLS_DIR), drills)
-    except (DrillError, ValueError) as e:
+        if deployment is not None:
+            target = load_deployment(deployment)
+            target.admin_key()  # a missing key is a usage error, before any drill starts
+            runner = chaos_cmd.deployment_runner(target, short=short, seed=seed)
+        else:
+            runner = chaos_cmd.local_runner(out, short=short, seed=seed, redis_url=redis_url)
+    except (DrillError, DeploymentError, ValueError) as e:
         err_console.print(f"[red]{e}[/red]")
         raise typer.Exit(2) from None
-    if not chaos_cmd.run(chosen, out, short=short, seed=seed, redis_url=redis_url, console=console):
+    if not chaos_cmd.run(chosen, out, runner, short=short, console=console):
         raise typer.Exit(1)
 
 

@@ -408,6 +408,16 @@ class AwsDriver:
             group = await self._describe(spec, aws_region)
         return self._state(group, gpus)
 
+    async def fail_instance(self, region: str, node: str) -> None:
+        """Terminate instance `node` (EC2 TerminateInstances) without telling its group: the
+        group sees an unhealthy instance and launches a replacement, as after a host failure."""
+        try:
+            await self._clients.call("ec2", location(region), "terminate_instances",
+                                     action=f"terminating instance {node}", InstanceIds=[node])
+        except ProviderError as e:
+            if _aws_code(e) != "InvalidInstanceID.NotFound":
+                raise
+
     async def delete_group(self, spec: GroupSpec) -> None:
         """Delete the Auto Scaling group and terminate its instances (ForceDelete); AWS finishes
         in the background. Nothing to do when it is gone or already being deleted."""

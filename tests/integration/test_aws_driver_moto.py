@@ -25,7 +25,7 @@ from providers.aws.clients import AwsClients
 from providers.aws.driver import AwsDriver
 from providers.aws.provider import AwsProvider
 from providers.aws.quotas import AwsQuotas
-from providers.driver import GroupSpec, NodeGroupDriver
+from providers.driver import FailsInstances, GroupSpec, NodeGroupDriver
 from providers.errors import AuthError, ProviderError
 from providers.provider import Provider, ProviderConfig, ProviderRegistry
 
@@ -199,6 +199,23 @@ async def test_terminate_removes_the_named_node_once(aws: dict[str, Any]) -> Non
     assert (await d.terminate(s, victim)).nodes == (survivor,)
     assert (await d.terminate(s, "i-0123456789abcdef0")).nodes == (survivor,)
     assert ec2_states(aws["endpoint"], [survivor]) == {survivor: "running"}
+    await d.delete_group(s)
+
+
+async def test_fail_instance_ends_the_instance_without_shrinking_its_group(aws: dict[str, Any]) -> None:
+    """What a chaos drill's terminate_instance action does: a host failure, not a scale-in."""
+    d, s = driver(aws["endpoint"]), spec()
+    assert isinstance(d, FailsInstances)
+    victim, survivor = (await d.resize(s, 2)).nodes
+    await d.fail_instance(s.region, victim)
+    assert ec2_states(aws["endpoint"], [victim, survivor]) == {victim: "terminated", survivor: "running"}
+    group = asg(aws["endpoint"], d.group_name(s))
+    assert group is not None and group["DesiredCapacity"] == 2  # the group will replace it
+    # Again, and an instance that never existed: already gone, no error.
+    await d.fail_instance(s.region, victim)
+    await d.fail_instance(s.region, "i-0123456789abcdef0")
+    with pytest.raises(ProviderError, match="not an AWS region"):
+        await d.fail_instance("gcp:us-central1", survivor)
     await d.delete_group(s)
 
 

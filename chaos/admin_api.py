@@ -1,0 +1,86 @@
+"""The control plane's admin API as a drill uses it: a key per drill tenant, the regions'
+residency zones, the nodes a fault may target. The same calls for a local fabric and a
+deployment."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from chaos.drill import TenantLoad
+
+
+class AdminApiError(RuntimeError):
+    """The control plane refused or failed an admin call a drill needs."""
+
+
+@dataclass(frozen=True, slots=True)
+class TenantKey:
+    """A key made for one drill tenant: its id (to revoke it) and its secret."""
+
+    key_id: str
+    secret: str
+
+
+@dataclass(frozen=True)
+class AdminApi:
+    """Calls on one control plane with an admin key; every call bounded by `timeout_s`."""
+
+    url: str
+    admin_key: str
+    timeout_s: float = 10.0
+
+    def _client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s,
+                                 headers={"authorization": f"Bearer {self.admin_key}"})
+
+    async def create_tenant_keys(self, tenants: Sequence[TenantLoad], name: str = "chaos") -> dict[str, TenantKey]:
+        """One inference key per drill tenant, in its residency zone, named `<name>-<tenant>`."""
+        keys: dict[str, TenantKey] = {}
+        async with self._client() as http:
+            for t in tenants:
+                r = await http.post("/v1/api-keys", json={
+                    "name": f"{name}-{t.name}", "tenant": t.name, "zone": t.zone,
+                    "scopes": ["inference"], "models": None,
+                })
+                if r.status_code != 201:
+                    raise AdminApiError(f"creating the key of tenant {t.name} failed: {r.status_code} {r.text[:300]}")
+                body = r.json()
+                keys[t.name] = TenantKey(key_id=body["id"], secret=body["key"])
+        return keys
+
+    async def revoke_keys(self, keys: Sequence[TenantKey]) -> list[str]:
+        """Revoke the keys; the ids that could not be revoked (already gone counts as revoked)."""
+        failed = []
+        async with self._client() as http:
+            for k in keys:
+                try:
+                    r = await http.delete(f"/v1/api-keys/{k.key_id}")
+                    if r.status_code not in (204, 404):
+                        failed.append(k.key_id)
+                except httpx.HTTPError:
+                    failed.append(k.key_id)
+        return failed
+
+    async def region_zones(self) -> dict[str, list[str]]:
+        """Each region's residency zones."""
+        return {x["name"]: list(x["zones"]) for x in await self._all("/v1/regions")}
+
+    async def nodes(self) -> list[dict[str, Any]]:
+        """Every node the control plane knows (NodeView as JSON), across pages."""
+        return await self._all("/v1/nodes")
+
+    async def _all(self, path: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        url: str | None = path
+        async with self._client() as http:
+            while url is not None:
+                r = await http.get(url)
+                if r.status_code != 200:
+                    raise AdminApiError(f"GET {path} failed: {r.status_code} {r.text[:300]}")
+                out += r.json()
+                url = r.links.get("next", {}).get("url")
+        return out

@@ -1,0 +1,301 @@
+"""Run a drill against a deployment (chaos.deployment) instead of a local fabric.
+
+Nothing is started or stopped: the run makes a key per drill tenant (revoked afterwards),
+warms the routers up, drives the load through them, injects and heals the fault with the
+deployment's action for it, then collects the routers' and nodes' request journals from
+their hosts. Journals of a live deployment hold other traffic too; the run keeps the lines
+of its own requests, whose idempotency keys all start with the run's id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import logging
+import random
+import re
+import secrets
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from chaos.admin_api import AdminApi, AdminApiError, TenantKey
+from chaos.deployment import CommandAction, Deployment, JournalSource, template_fields
+from chaos.drill import Drill, Fault, Target
+from chaos.environment import InjectionError
+from chaos.faults.deployed import create_deployed_injector, run_command
+from chaos.faults.injector import NotRunnable
+from chaos.history import History, HistoryWriter
+from chaos.load import LoadGenerator, LoadTarget, warm_up
+from chaos.observe import RouterMetrics
+from chaos.report import FaultEvent
+from chaos.schedule import FaultState, RunOutcome, TickCallback, drive, finish
+from meridian.contracts import NodeStatus
+
+log = logging.getLogger(__name__)
+
+# How long a deployment may take to serve every drill tenant with its new keys.
+_WARM_UP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class DeployedNode:
+    """A node as the control plane lists it."""
+
+    node_id: str
+    region: str
+    provider: str
+    url: str
+    models: tuple[str, ...]
+    status: str
+
+    @classmethod
+    def of(cls, view: dict[str, Any]) -> DeployedNode:
+        return cls(node_id=view["node_id"], region=view["region"], provider=view["provider"], url=view["url"],
+                   models=tuple(view.get("models") or ()), status=view["status"])
+
+    def fields(self) -> dict[str, str]:
+        """What a command template may say about the node (chaos.deployment.NODE_FIELDS)."""
+        return {"node_id": self.node_id, "region": self.region, "provider": self.provider, "url": self.url,
+                "host": urlsplit(self.url).hostname or "", "model": ",".join(self.models)}
+
+
+@dataclass
+class DeployedEnvironment:
+    """The deployment as injectors see it; times are seconds from the load's start."""
+
+    deployment: Deployment
+    admin: AdminApi
+    run_id: str
+    seed: int = 0
+    clock_start: float = 0.0
+    events: list[FaultEvent] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.routers = RouterMetrics(tuple(self.deployment.routers))
+
+    def now_s(self) -> float:
+        return time.monotonic() - self.clock_start
+
+    def event(self, action: str, detail: str) -> None:
+        """Record what an injector did, for the report's timeline."""
+        at = round(self.now_s(), 3)
+        self.events.append(FaultEvent(at_s=at, action=action, detail=detail))
+        log.info("%.2fs %s: %s", at, action, detail)
+
+    def run_fields(self, fault: Fault) -> dict[str, str]:
+        """The run's and the fault's template fields (a command's node fields come per node)."""
+        fields = {"run_id": self.run_id, "kind": fault.kind, "deployment": self.deployment.name}
+        fields.update({f"param_{k}": str(v) for k, v in fault.params.items()})
+        return fields
+
+    async def nodes(self, target: Target) -> list[DeployedNode]:
+        """Ready nodes matching the target; `node: any` picks one of them (seeded)."""
+        found = [n for n in await self.ready_nodes() if _matches(n, target)]
+        if not found:
+            raise InjectionError(f"no ready node of {self.deployment.name} matches the target "
+                                 f"{target.model_dump(exclude_none=True)}")
+        if target.node == "any":
+            return [random.Random(self.seed).choice(found)]
+        return found
+
+    async def ready_nodes(self, region: str | None = None) -> list[DeployedNode]:
+        """The deployment's ready nodes (of one region), sorted by id."""
+        try:
+            views = await self.admin.nodes()
+        except (AdminApiError, httpx.HTTPError) as exc:
+            raise InjectionError(f"listing the nodes of {self.deployment.name} failed: {exc}") from exc
+        nodes = [DeployedNode.of(v) for v in views]
+        return sorted((n for n in nodes if n.status == NodeStatus.READY and region in (None, n.region)),
+                      key=lambda n: n.node_id)
+
+    async def control_plane_answers(self) -> bool:
+        """Whether the control plane answers /health right now."""
+        try:
+            async with httpx.AsyncClient(timeout=2.0) as http:
+                return (await http.get(f"{self.deployment.control_plane}/health")).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def _matches(n: DeployedNode, t: Target) -> bool:
+    return ((t.region is None or n.region == t.region)
+            and (t.provider is None or n.provider == t.provider)
+            and (t.node in (None, "any") or n.node_id == t.node)
+            and (t.model is None or t.model in n.models))
+
+
+def runnable_on(drill: Drill, deployment: Deployment) -> str | None:
+    """Why `drill` cannot run against `deployment`; None when it can."""
+    action = deployment.actions.get(drill.fault.kind)
+    if action is None:
+        return f"deployment {deployment.name} has no action for fault kind {drill.fault.kind}"
+    if isinstance(action, CommandAction) and action.per_node():
+        t = drill.fault.target
+        if t.service is not None and all(v is None for v in (t.node, t.region, t.provider, t.model)):
+            return (f"the {drill.fault.kind} command uses a node's fields, but the drill targets the "
+                    f"{t.service} service, not nodes")
+    return None
+
+
+@dataclass
+class DeployedRunOptions:
+    """Where a run against a deployment writes and how it reports progress."""
+
+    out_dir: Path
+    short: bool = True
+    seed: int = 0
+    on_step: Callable[[str], None] | None = None
+    on_tick: TickCallback | None = None
+
+
+def run_drill_on(drill: Drill, deployment: Deployment, options: DeployedRunOptions) -> RunOutcome:
+    """Run one drill (its short version with options.short) against a deployment."""
+    return asyncio.run(_DeployedRun(drill, deployment, options).run())
+
+
+class _DeployedRun:
+    def __init__(self, drill: Drill, deployment: Deployment, options: DeployedRunOptions) -> None:
+        self.drill = drill.short_version() if options.short else drill
+        self.deployment = deployment
+        self.options = options
+        self.run_id = f"{self.drill.name}-{secrets.token_hex(4)}"
+        self._step = options.on_step or (lambda _m: None)
+
+    async def run(self) -> RunOutcome:
+        why = runnable_on(self.drill, self.deployment)
+        if why is not None:
+            raise NotRunnable(f"drill {self.drill.name}: {why}")
+        dep, out = self.deployment, self.options.out_dir
+        out.mkdir(parents=True, exist_ok=True)
+        client_log = out / "client.jsonl"
+        client_log.unlink(missing_ok=True)
+        started_at = datetime.now(UTC)
+        admin = AdminApi(dep.control_plane, dep.admin_key())
+        env = DeployedEnvironment(dep, admin, self.run_id, seed=self.options.seed)
+        state = FaultState()
+        self._step(f"creating keys for the drill's tenants on {dep.name}")
+        keys = await admin.create_tenant_keys(self.drill.load.tenants, name=f"chaos-{self.run_id}")
+        try:
+            target = LoadTarget(tuple(dep.routers), {t: k.secret for t, k in keys.items()}, dep.model)
+            await warm_up(target, _WARM_UP_TIMEOUT_S, self._step)
+            region_zones = await admin.region_zones()
+            action = dep.actions[self.drill.fault.kind]
+            self._step(f"running {self.drill.name} against {dep.name} (run {self.run_id})")
+            with HistoryWriter(client_log) as writer:
+                generator = LoadGenerator(self.drill.load, target, writer, seed=self.options.seed,
+                                          key_prefix=self.run_id)
+                await drive(self.drill, generator, env, state,
+                            lambda f: create_deployed_injector(f, action, env),
+                            injection_errors=(InjectionError, OSError), on_tick=self.options.on_tick)
+            # Nodes journal a request when they stop working on it, after the client's end.
+            await asyncio.sleep(dep.settle_s)
+            self._step("collecting the request journals")
+            journals = await self._collect_journals(out / "journals", state)
+            history = History.read(client_log, *journals)
+            invariants = dict(await state.injector.observe(history)) if state.injector is not None else {}
+        finally:
+            await self._revoke(admin, list(keys.values()), state)
+        return finish(self.drill, short=self.options.short, started_at=started_at, history=history,
+                      region_zones=region_zones, env=env, state=state, invariants=invariants, out_dir=out)
+
+    async def _revoke(self, admin: AdminApi, keys: list[TenantKey], state: FaultState) -> None:
+        try:
+            failed = await admin.revoke_keys(keys)
+        except httpx.HTTPError as exc:
+            failed = [f"all ({exc})"]
+        if failed:
+            # Not a verdict on the fabric, but an operator must know keys were left behind.
+            state.not_checked.append(f"drill keys not revoked on {self.deployment.name}: {', '.join(failed)}")
+
+    async def _collect_journals(self, into: Path, state: FaultState) -> list[Path]:
+        """This run's lines of every journal source, one file per source (and host)."""
+        read: list[tuple[str, list[str], str | None]] = []
+        for source in self.deployment.journals:
+            if source.path is not None:
+                read += await asyncio.to_thread(_read_files, source.name, source.path)
+            else:
+                read += await self._run_source(source)
+        written, problems = await asyncio.to_thread(_write_own_lines, read, self.run_id, into)
+        state.not_checked += problems
+        return written
+
+    async def _run_source(self, source: JournalSource) -> list[tuple[str, list[str], str | None]]:
+        """(name, lines, problem) per host of a command source."""
+        assert source.command is not None
+        hosts = source.hosts if "host" in template_fields(source.command) else [""]
+        results = []
+        for host in hosts:
+            name = f"{source.name}-{_file_safe(host)}" if host else source.name
+            command = source.command.format_map({"host": shlex.quote(host), "run_id": self.run_id})
+            try:
+                text = await run_command(command, self.deployment.command_timeout_s)
+                results.append((name, text.splitlines(True), None))
+            except InjectionError as exc:
+                results.append((name, [], str(exc)))
+        return results
+
+
+def _file_safe(text: str) -> str:
+    """`text` as part of a file name (a host may be user@host:port)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text)
+
+
+def _read_files(name: str, pattern: str) -> list[tuple[str, list[str], str | None]]:
+    """(name, lines, problem) per file a path source's glob matches."""
+    paths = [Path(p) for p in sorted(glob.glob(pattern))]
+    if not paths:
+        return [(name, [], f"no file matches {pattern}")]
+    out: list[tuple[str, list[str], str | None]] = []
+    for p in paths:
+        try:
+            out.append((f"{name}-{p.stem}", p.read_text(encoding="utf-8").splitlines(True), None))
+        except (OSError, UnicodeDecodeError) as exc:
+            out.append((f"{name}-{p.stem}", [], f"cannot read {p}: {exc}"))
+    return out
+
+
+def _write_own_lines(read: list[tuple[str, list[str], str | None]], run_id: str,
+                     into: Path) -> tuple[list[Path], list[str]]:
+    """Write each source's lines of this run to `into`; the files and the problems met."""
+    into.mkdir(parents=True, exist_ok=True)
+    for old in into.glob("*.jsonl"):
+        old.unlink()
+    written, problems = [], []
+    for name, lines, problem in read:
+        if problem is not None:
+            problems.append(f"journal {name}: {problem}")
+            continue
+        kept, skipped = _own_lines(lines, run_id)
+        path = into / f"{name}.jsonl"
+        path.write_text("".join(kept), encoding="utf-8")
+        written.append(path)
+        if skipped:
+            problems.append(f"journal {name}: {skipped} unreadable line(s) skipped")
+    return written, problems
+
+
+def _own_lines(lines: list[str], run_id: str) -> tuple[list[str], int]:
+    """The lines of this run's requests (keys starting with the run id), and how many lines
+    could not be read; a journal still being written may end in a torn line."""
+    prefix = f"{run_id}-"
+    kept, bad = [], 0
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            bad += 1
+            continue
+        if isinstance(record, dict) and str(record.get("key", "")).startswith(prefix):
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept, bad

@@ -1,0 +1,58 @@
+"""What a drill reads off the routers while it runs: their Prometheus counters (ejections,
+predicted cache hits), scraped over HTTP, the same for a local fabric and a deployment."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouterMetrics:
+    """The `/metrics` of every router of the fabric under test."""
+
+    router_urls: Sequence[str]
+    timeout_s: float = 5.0
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """Sum of a counter/gauge sample over every router (labels must match); routers that
+        do not answer count as 0."""
+        return sum(value for sample_labels, value in await self.samples(name)
+                   if all(sample_labels.get(k) == v for k, v in labels.items()))
+
+    async def ejections(self, node_ids: Iterable[str]) -> dict[str, float]:
+        """How often the routers have ejected each node so far (summed over routers)."""
+        counts = dict.fromkeys(node_ids, 0.0)
+        for labels, value in await self.samples("meridian_router_ejections"):
+            node = labels.get("node")
+            if node in counts:
+                counts[node] += value
+        return counts
+
+    async def all_ejected_since(self, before: Mapping[str, float]) -> bool:
+        """Whether the routers ejected every node of `before` (counts from ejections()) since."""
+        if not before:
+            return False
+        after = await self.ejections(before)
+        return all(after[node] > count for node, count in before.items())
+
+    async def samples(self, name: str) -> list[tuple[dict[str, str], float]]:
+        """(labels, value) of every sample of metric `name` on every router that answers."""
+        samples: list[tuple[dict[str, str], float]] = []
+        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+            for url in self.router_urls:
+                try:
+                    text = (await http.get(f"{url}/metrics")).text
+                except httpx.HTTPError as exc:
+                    log.warning("could not scrape %s/metrics: %s", url, exc)
+                    continue
+                for family in text_string_to_metric_families(text):
+                    samples += [(dict(s.labels), s.value) for s in family.samples
+                                if s.name in (name, f"{name}_total")]
+        return samples
