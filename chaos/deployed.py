@@ -17,9 +17,8 @@ import random
 import re
 import secrets
 import shlex
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Set
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,7 @@ from chaos.faults.injector import NotRunnable
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadTarget, warm_up
 from chaos.observe import RouterMetrics
-from chaos.report import FaultEvent
-from chaos.schedule import FaultState, RunOutcome, TickCallback, drive, finish
+from chaos.schedule import FaultState, RunOutcome, TickCallback, Timeline, drive, finish
 from meridian.contracts import NodeStatus
 
 log = logging.getLogger(__name__)
@@ -68,28 +66,17 @@ class DeployedNode:
                 "host": urlsplit(self.url).hostname or "", "model": ",".join(self.models)}
 
 
-@dataclass
-class DeployedEnvironment:
-    """The deployment as injectors see it; times are seconds from the load's start."""
+@dataclass(kw_only=True)
+class DeployedEnvironment(Timeline):
+    """The deployment as injectors see it."""
 
     deployment: Deployment
     admin: AdminApi
     run_id: str
     seed: int = 0
-    clock_start: float = 0.0
-    events: list[FaultEvent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.routers = RouterMetrics(tuple(self.deployment.routers))
-
-    def now_s(self) -> float:
-        return time.monotonic() - self.clock_start
-
-    def event(self, action: str, detail: str) -> None:
-        """Record what an injector did, for the report's timeline."""
-        at = round(self.now_s(), 3)
-        self.events.append(FaultEvent(at_s=at, action=action, detail=detail))
-        log.info("%.2fs %s: %s", at, action, detail)
 
     def run_fields(self, fault: Fault) -> dict[str, str]:
         """The run's and the fault's template fields (a command's node fields come per node)."""
@@ -107,15 +94,41 @@ class DeployedEnvironment:
             return [random.Random(self.seed).choice(found)]
         return found
 
-    async def ready_nodes(self, region: str | None = None) -> list[DeployedNode]:
-        """The deployment's ready nodes (of one region), sorted by id."""
+    async def ready_nodes(self) -> list[DeployedNode]:
+        """The deployment's ready nodes, sorted by id."""
         try:
             views = await self.admin.nodes()
         except (AdminApiError, httpx.HTTPError) as exc:
             raise InjectionError(f"listing the nodes of {self.deployment.name} failed: {exc}") from exc
         nodes = [DeployedNode.of(v) for v in views]
-        return sorted((n for n in nodes if n.status == NodeStatus.READY and region in (None, n.region)),
-                      key=lambda n: n.node_id)
+        return sorted((n for n in nodes if n.status == NodeStatus.READY), key=lambda n: n.node_id)
+
+    async def all_nodes(self) -> dict[str, DeployedNode]:
+        """Every node the control plane lists (any status), by id."""
+        try:
+            return {n.node_id: n for n in map(DeployedNode.of, await self.admin.nodes())}
+        except (AdminApiError, httpx.HTTPError) as exc:
+            raise InjectionError(f"listing the nodes of {self.deployment.name} failed: {exc}") from exc
+
+    async def ready_counts(self, regions: Iterable[str]) -> dict[str, int]:
+        """How many ready nodes each region has now."""
+        ready = await self.ready_nodes()
+        return {r: sum(n.region == r for n in ready) for r in regions}
+
+    async def wait_for_ready(self, want: Mapping[str, int], timeout_s: float, exclude: Set[str] = frozenset(),
+                             poll_s: float = 1.0) -> bool:
+        """Until each region has `want` ready nodes besides `exclude` (True), or the timeout (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            ready = [n for n in await self.ready_nodes() if n.node_id not in exclude]
+            if all(sum(n.region == r for n in ready) >= count for r, count in want.items()):
+                self.event("healthy", f"ready nodes back to {dict(want)}")
+                return True
+            if loop.time() >= deadline:
+                self.event("check", f"ready nodes not back to {dict(want)} within {timeout_s:g}s")
+                return False
+            await asyncio.sleep(poll_s)
 
     async def control_plane_answers(self) -> bool:
         """Whether the control plane answers /health right now."""
@@ -180,7 +193,7 @@ class _DeployedRun:
         client_log.unlink(missing_ok=True)
         started_at = datetime.now(UTC)
         admin = AdminApi(dep.control_plane, dep.admin_key())
-        env = DeployedEnvironment(dep, admin, self.run_id, seed=self.options.seed)
+        env = DeployedEnvironment(deployment=dep, admin=admin, run_id=self.run_id, seed=self.options.seed)
         state = FaultState()
         self._step(f"creating keys for the drill's tenants on {dep.name}")
         keys = await admin.create_tenant_keys(self.drill.load.tenants, name=f"chaos-{self.run_id}")

@@ -33,10 +33,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from chaos.drill import FaultKind, describe_errors
+from chaos.drill import FaultKind, load_yaml_model
 
 # Fields a command may use: the node it acts on (the command then runs once per target node),
 # the run, and the fault's parameters as `param_<name>`.
@@ -108,6 +107,9 @@ class CommandAction(_Spec):
     type: Literal["command"]
     inject: str = Field(min_length=1)
     heal: str | None = None
+    # Spot preemption: how long after the heal command the target's regions may take to have
+    # as many ready nodes as before (the replacement the drill checks for).
+    recovery_timeout_s: float = Field(300.0, gt=0)
 
     @field_validator("inject", "heal")
     @classmethod
@@ -174,14 +176,4 @@ class Deployment(_Spec):
 
 def load_deployment(path: str | Path) -> Deployment:
     """Read and validate a deployment file; DeploymentError names the file and the field."""
-    p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise DeploymentError(f"{p}: cannot read the deployment file: {exc}") from None
-    if not isinstance(raw, dict):
-        raise DeploymentError(f"{p}: a deployment file is a mapping")
-    try:
-        return Deployment.model_validate(raw)
-    except ValidationError as exc:
-        raise DeploymentError(f"{p}: {describe_errors(exc)}") from None
+    return load_yaml_model(path, Deployment, DeploymentError, "deployment file")

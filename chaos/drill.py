@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -333,17 +333,25 @@ def describe_errors(e: ValidationError) -> str:
 
 def load_drill(path: str | Path) -> Drill:
     """Read and validate one drill file."""
+    return load_yaml_model(path, Drill, DrillError, "drill")
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def load_yaml_model(path: str | Path, model: type[M], error: type[ValueError], what: str) -> M:
+    """Read a YAML mapping into `model`; `error` names the file and every invalid field."""
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as e:
-        raise DrillError(f"{path}: cannot read drill: {e}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise error(f"{path}: cannot read {what}: {e}") from None
     if not isinstance(data, dict):
-        raise DrillError(f"{path}: a drill is a YAML mapping, got {type(data).__name__}")
+        raise error(f"{path}: a {what} is a YAML mapping, got {type(data).__name__}")
     try:
-        return Drill.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as e:
-        raise DrillError(f"{path}: {describe_errors(e)}") from None
+        raise error(f"{path}: {describe_errors(e)}") from None
 
 
 def load_drills(directory: str | Path = DRILLS_DIR) -> list[Drill]:

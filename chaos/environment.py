@@ -7,7 +7,6 @@ import asyncio
 import logging
 import random
 import signal
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,7 +18,7 @@ from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import HistoryWriter
 from chaos.load import LoadTarget
 from chaos.observe import RouterMetrics
-from chaos.report import FaultEvent
+from chaos.schedule import Timeline
 from meridian.localfabric import FabricInfo, LocalFabric, Proc, renice
 
 if TYPE_CHECKING:
@@ -35,20 +34,18 @@ class InjectionError(RuntimeError):
     """A fault could not be injected or healed (its target is missing, a process would not stop)."""
 
 
-@dataclass
-class DrillEnvironment:
-    """The fabric under test as injectors see it; times are seconds from the load's start."""
+@dataclass(kw_only=True)
+class DrillEnvironment(Timeline):
+    """The local fabric under test as injectors see it."""
 
     fabric: LocalFabric
     info: FabricInfo
-    clock_start: float
     node_proxies: dict[str, FaultProxy] = field(default_factory=dict)
     redis_proxy: FaultProxy | None = None
     postgres_proxy: FaultProxy | None = None
     # Regions whose nodes run in network namespaces (chaos.faults.netns).
     sites: Sites | None = None
     seed: int = 0
-    events: list[FaultEvent] = field(default_factory=list)
     http_timeout_s: float = 5.0
     # The drill's load, for injectors that send requests of their own (a burst): its target,
     # the client history they record into, and the run's key prefix.
@@ -63,15 +60,6 @@ class DrillEnvironment:
 
     def __post_init__(self) -> None:
         self.routers = RouterMetrics(tuple(self.info.router_urls), self.http_timeout_s)
-
-    def now_s(self) -> float:
-        return time.monotonic() - self.clock_start
-
-    def event(self, action: str, detail: str) -> None:
-        """Record what an injector did, for the report's timeline."""
-        at = round(self.now_s(), 3)
-        self.events.append(FaultEvent(at_s=at, action=action, detail=detail))
-        log.info("%.2fs %s: %s", at, action, detail)
 
     # -- targets -----------------------------------------------------------------------
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Protocol
 
 from chaos.checker import check
 from chaos.drill import Drill, Fault
@@ -22,16 +22,25 @@ from chaos.report import FaultEvent, ReportFiles, RunReport, write_report
 
 _MONITOR_INTERVAL_S = 0.25
 
+log = logging.getLogger(__name__)
 
-class Timeline(Protocol):
-    """The run's clock and event log, as an environment keeps them."""
 
-    clock_start: float
-    events: list[FaultEvent]
+@dataclass(kw_only=True)
+class Timeline:
+    """The run's clock and event log; times are seconds from the load's start. Environments
+    (a local fabric's, a deployment's) extend it with what their injectors act on."""
 
-    def now_s(self) -> float: ...
+    clock_start: float = 0.0
+    events: list[FaultEvent] = field(default_factory=list)
 
-    def event(self, action: str, detail: str) -> None: ...
+    def now_s(self) -> float:
+        return time.monotonic() - self.clock_start
+
+    def event(self, action: str, detail: str) -> None:
+        """Record what an injector did, for the report's timeline."""
+        at = round(self.now_s(), 3)
+        self.events.append(FaultEvent(at_s=at, action=action, detail=detail))
+        log.info("%.2fs %s: %s", at, action, detail)
 
 
 class InjectionFailed(RuntimeError):

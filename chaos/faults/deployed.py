@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shlex
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,7 @@ from chaos.drill import Fault
 from chaos.environment import InjectionError
 from chaos.faults.injector import Injector
 from chaos.history import History, Outcome
+from meridian.contracts import NodeStatus
 from meridian.settings import ProviderSettings
 from providers.driver import FailsInstances
 from providers.errors import ProviderError
@@ -28,8 +30,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How often healing a terminated instance asks the control plane for its replacement.
-_REPLACEMENT_POLL_S = 5.0
+# How often a preempted node's drain is looked for in the control plane's node list.
+_DRAIN_POLL_S = 0.25
 # Stderr kept in an error message when a command fails.
 _STDERR_TAIL = 500
 
@@ -68,19 +70,49 @@ class CommandInjector:
         self._victims: list[DeployedNode] = []
         self._ejections_before: dict[str, float] = {}
         self._control_plane_down = False
+        # Spot preemption: how long the node took to leave the control plane's list after the
+        # notice, and whether the region was back to its ready nodes after the heal.
+        self._ready_before: dict[str, int] = {}
+        self._draining: asyncio.Task[float | None] | None = None
+        self._drained_in_s: float | None = None
+        self._replaced: bool | None = None
 
     async def inject(self) -> None:
         if self._action.per_node():
             self._victims = await self._env.nodes(self._fault.target)
             self._ejections_before = await self._env.routers.ejections(n.node_id for n in self._victims)
+            self._ready_before = await self._env.ready_counts({n.region for n in self._victims})
         await self._run(self._action.inject, "inject")
         if self._fault.kind == "control_plane_outage":
             self._control_plane_down = not await self._env.control_plane_answers()
             self._env.event("check", f"control plane {'unreachable' if self._control_plane_down else 'STILL ANSWERS'}")
+        if self._fault.kind == "spot_preemption" and self._victims:
+            deadline_s = float(self._fault.params.get("drain_deadline_s", 120))
+            self._draining = asyncio.create_task(self._drained(deadline_s), name="chaos-drain-watch")
+
+    async def _drained(self, deadline_s: float) -> float | None:
+        """Seconds until every victim left the list (deregistered after its drain) or was
+        marked lost; None when that did not happen within three deadlines."""
+        sent = time.monotonic()
+        ids = {n.node_id for n in self._victims}
+        while time.monotonic() - sent < deadline_s * 3:
+            listed = await self._env.all_nodes()
+            if all(i not in listed or listed[i].status == NodeStatus.LOST for i in ids):
+                took = time.monotonic() - sent
+                self._env.event("exited", f"{', '.join(sorted(ids))} left the node list {took:.2f}s after the notice")
+                return took
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return None
 
     async def heal(self) -> None:
+        if self._draining is not None:
+            # The heal (a restart, a new instance) comes after the node has gone.
+            self._drained_in_s = await self._draining
         if self._action.heal is not None:
             await self._run(self._action.heal, "heal")
+        if self._draining is not None:
+            self._replaced = False
+            self._replaced = await self._env.wait_for_ready(self._ready_before, self._action.recovery_timeout_s)
 
     async def _run(self, template: str, step: str) -> None:
         fields = self._env.run_fields(self._fault)
@@ -104,6 +136,10 @@ class CommandInjector:
             f = self._fault
             served = any(op.outcome is Outcome.OK and f.start_s <= op.invoke_s < f.end_s for op in history.client)
             seen["served_from_snapshot"] = self._control_plane_down and served
+        if self._draining is not None:
+            deadline_s = float(self._fault.params.get("drain_deadline_s", 120))
+            seen["node_drained_within_deadline"] = self._drained_in_s is not None and self._drained_in_s <= deadline_s
+            seen["replacement_node_ready"] = bool(self._replaced)
         return seen
 
 
@@ -123,7 +159,7 @@ class TerminateInstance:
 
     async def inject(self) -> None:
         self._victims = await self._env.nodes(self._fault.target)
-        self._ready_before = {r: len(await self._env.ready_nodes(r)) for r in {n.region for n in self._victims}}
+        self._ready_before = await self._env.ready_counts({n.region for n in self._victims})
         await asyncio.gather(*(self._terminate(n) for n in self._victims))
 
     async def _terminate(self, node: DeployedNode) -> None:
@@ -148,19 +184,9 @@ class TerminateInstance:
     async def heal(self) -> None:
         if self._action.replacement_timeout_s == 0 or not self._victims:
             return
-        gone = {n.node_id for n in self._victims}
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._action.replacement_timeout_s
-        self._replaced = False
-        while loop.time() < deadline:
-            counts = {r: len([n for n in await self._env.ready_nodes(r) if n.node_id not in gone])
-                      for r in self._ready_before}
-            if all(counts[r] >= want for r, want in self._ready_before.items()):
-                self._replaced = True
-                self._env.event("healthy", f"ready nodes back to {self._ready_before}")
-                return
-            await asyncio.sleep(_REPLACEMENT_POLL_S)
-        self._env.event("check", f"no replacement within {self._action.replacement_timeout_s:g}s")
+        self._replaced = False  # until seen: a heal cut short by the load's end is no replacement
+        self._replaced = await self._env.wait_for_ready(
+            self._ready_before, self._action.replacement_timeout_s, exclude={n.node_id for n in self._victims})
 
     async def observe(self, history: History) -> Mapping[str, bool]:
         return {} if self._replaced is None else {"replacement_node_ready": self._replaced}

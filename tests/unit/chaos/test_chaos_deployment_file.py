@@ -123,3 +123,10 @@ def test_only_the_runs_own_journal_lines_are_kept() -> None:
     assert [json.loads(x)["type"] for x in kept] == ["routed", "served"]
     assert all(x.endswith("\n") for x in kept)
     assert unreadable == 1
+
+
+def test_the_example_deployment_file_is_valid_and_runs_the_drills_it_has_actions_for() -> None:
+    d = load_deployment(Path(__file__).parents[3] / "examples" / "chaos" / "deployment.yaml")
+    runnable = sorted(name for name, drill in DRILLS.items() if runnable_on(drill, d) is None)
+    assert runnable == ["control-plane-down", "gray-failure", "node-crash", "redis-down", "region-outage",
+                        "spot-preemption"]
