@@ -33,14 +33,15 @@ class AdminApi:
     admin_key: str
     timeout_s: float = 10.0
 
-    def _client(self) -> httpx.AsyncClient:
+    def client(self) -> httpx.AsyncClient:
+        """A client of the control plane with the admin key (close it: `async with`)."""
         return httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s,
                                  headers={"authorization": f"Bearer {self.admin_key}"})
 
     async def create_tenant_keys(self, tenants: Sequence[TenantLoad], name: str = "chaos") -> dict[str, TenantKey]:
         """One inference key per drill tenant, in its residency zone, named `<name>-<tenant>`."""
         keys: dict[str, TenantKey] = {}
-        async with self._client() as http:
+        async with self.client() as http:
             for t in tenants:
                 r = await http.post("/v1/api-keys", json={
                     "name": f"{name}-{t.name}", "tenant": t.name, "zone": t.zone,
@@ -55,7 +56,7 @@ class AdminApi:
     async def revoke_keys(self, keys: Sequence[TenantKey]) -> list[str]:
         """Revoke the keys; the ids that could not be revoked (already gone counts as revoked)."""
         failed = []
-        async with self._client() as http:
+        async with self.client() as http:
             for k in keys:
                 try:
                     r = await http.delete(f"/v1/api-keys/{k.key_id}")
@@ -69,6 +70,10 @@ class AdminApi:
         """Each region's residency zones."""
         return {x["name"]: list(x["zones"]) for x in await self._all("/v1/regions")}
 
+    async def api_keys(self, tenant: str) -> list[dict[str, Any]]:
+        """The tenant's live keys (ApiKeyView as JSON), across pages."""
+        return await self._all(f"/v1/api-keys?tenant={tenant}")
+
     async def nodes(self) -> list[dict[str, Any]]:
         """Every node the control plane knows (NodeView as JSON), across pages."""
         return await self._all("/v1/nodes")
@@ -76,7 +81,7 @@ class AdminApi:
     async def _all(self, path: str) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         url: str | None = path
-        async with self._client() as http:
+        async with self.client() as http:
             while url is not None:
                 r = await http.get(url)
                 if r.status_code != 200:

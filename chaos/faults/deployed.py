@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from chaos.admin_writes import AdminWrites
 from chaos.deployment import NODE_FIELDS, CommandAction, FaultAction, TerminateInstanceAction, template_fields
 from chaos.drill import Fault
 from chaos.environment import InjectionError
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Postgres restart: admin writes go on this long after the heal command.
+_WRITES_AFTER_HEAL_S = 3.0
 # How often a preempted node's drain is looked for in the control plane's node list.
 _DRAIN_POLL_S = 0.25
 # Stderr kept in an error message when a command fails.
@@ -76,8 +79,14 @@ class CommandInjector:
         self._draining: asyncio.Task[float | None] | None = None
         self._drained_in_s: float | None = None
         self._replaced: bool | None = None
+        # Postgres restart: an operator's admin writes through the fault.
+        self._writes = (AdminWrites(env.admin, env.run_id, env.event) if fault.kind == "postgres_restart"
+                        else None)
 
     async def inject(self) -> None:
+        if self._writes is not None:
+            self._writes.start()
+            await asyncio.sleep(1.0)  # some writes acknowledged before the fault
         if self._action.per_node():
             self._victims = await self._env.nodes(self._fault.target)
             self._ejections_before = await self._env.routers.ejections(n.node_id for n in self._victims)
@@ -113,6 +122,9 @@ class CommandInjector:
         if self._draining is not None:
             self._replaced = False
             self._replaced = await self._env.wait_for_ready(self._ready_before, self._action.recovery_timeout_s)
+        if self._writes is not None:
+            await asyncio.sleep(_WRITES_AFTER_HEAL_S)  # and writes acknowledged after it
+            await self._writes.stop()
 
     async def _run(self, template: str, step: str) -> None:
         fields = self._env.run_fields(self._fault)
@@ -140,6 +152,8 @@ class CommandInjector:
             deadline_s = float(self._fault.params.get("drain_deadline_s", 120))
             seen["node_drained_within_deadline"] = self._drained_in_s is not None and self._drained_in_s <= deadline_s
             seen["replacement_node_ready"] = bool(self._replaced)
+        if self._writes is not None:
+            seen.update(await self._writes.verify())
         return seen
 
 

@@ -4,11 +4,10 @@ every node and of Redis (kernel latency injection is not available on these mach
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Mapping
 
-import httpx
-
+from chaos.admin_api import AdminApi
+from chaos.admin_writes import AdminWrites
 from chaos.drill import Fault
 from chaos.environment import DrillEnvironment, InjectionError
 from chaos.faults.injector import register
@@ -75,8 +74,7 @@ class RedisOutage:
         return {"kv_routing_degraded_gracefully": self._hits_at_end > self._hits_at_start}
 
 
-# Admin API writes made while the database restarts; every acknowledged one must survive.
-_WRITE_INTERVAL_S = 0.2
+# After the database is back, writes go on this long (and must be acknowledged).
 _WRITES_AFTER_HEAL_S = 3.0
 
 
@@ -90,15 +88,11 @@ class PostgresRestart:
             raise InjectionError("postgres_restart needs topology.postgres: true (a control plane on Postgres)")
         self._env = env
         self._proxy: FaultProxy = env.postgres_proxy
-        self._acknowledged: list[str] = []
-        self._unclean: list[str] = []
-        self._statuses: Counter[str] = Counter()
-        self._writing = True
-        self._writer: asyncio.Task[None] | None = None
+        self._writes = AdminWrites(AdminApi(env.info.control_plane_url, env.info.admin_key), env.key_prefix,
+                                   env.event)
 
     async def inject(self) -> None:
-        self._writer = asyncio.create_task(self._write_keys(), name="chaos-admin-writes")
-        self._env.background.append(self._writer)
+        self._env.background.append(self._writes.start())
         await asyncio.sleep(1.0)  # some writes acknowledged before the restart
         self._proxy.reset(1.0)
         self._env.event("inject", f"Postgres down: {self._proxy.stats.reset} connections cut, new ones reset")
@@ -107,50 +101,7 @@ class PostgresRestart:
         self._proxy.heal()
         self._env.event("heal", "Postgres accepts connections again")
         await asyncio.sleep(_WRITES_AFTER_HEAL_S)  # and writes acknowledged after it
-        self._writing = False
-
-    async def _write_keys(self) -> None:
-        info = self._env.info
-        headers = {"authorization": f"Bearer {info.admin_key}"}
-        n = 0
-        async with httpx.AsyncClient(base_url=info.control_plane_url, headers=headers, timeout=10.0) as http:
-            while self._writing:
-                n += 1
-                name = f"ack-{n:05d}"
-                try:
-                    r = await http.post("/v1/api-keys", json={
-                        "name": name, "tenant": "chaos-writes", "zone": "global", "scopes": ["inference"],
-                        "models": None,
-                    })
-                    self._statuses[str(r.status_code)] += 1
-                    if r.status_code == 201:
-                        self._acknowledged.append(name)
-                    elif not (r.status_code == 503 and "retry-after" in r.headers
-                              and r.headers.get("content-type", "").startswith("application/problem+json")):
-                        self._unclean.append(f"{name}: {r.status_code} {r.text[:120]}")
-                except httpx.HTTPError as exc:
-                    self._statuses[type(exc).__name__] += 1
-                    self._unclean.append(f"{name}: {type(exc).__name__}")
-                await asyncio.sleep(_WRITE_INTERVAL_S)
-        self._env.event("writes", f"{n} admin writes, {len(self._acknowledged)} acknowledged; "
-                                  f"answers {dict(sorted(self._statuses.items()))}")
+        await self._writes.stop()
 
     async def observe(self, history: History) -> Mapping[str, bool]:
-        if self._writer is not None:
-            await self._writer
-        info = self._env.info
-        present: set[str] = set()
-        url: str | None = f"{info.control_plane_url}/v1/api-keys?tenant=chaos-writes"
-        async with httpx.AsyncClient(timeout=10.0, headers={"authorization": f"Bearer {info.admin_key}"}) as http:
-            while url:  # every page
-                r = await http.get(url)
-                r.raise_for_status()
-                present |= {k["name"] for k in r.json()}
-                url = r.links.get("next", {}).get("url")
-        missing = [n for n in self._acknowledged if n not in present]
-        if missing:
-            self._env.event("check", f"acknowledged writes missing afterwards: {missing[:10]}")
-        if self._unclean:
-            self._env.event("check", f"admin writes answered without a clean 503: {self._unclean[:5]}")
-        return {"acknowledged_writes_present": bool(self._acknowledged) and not missing,
-                "admin_errors_clean": not self._unclean}
+        return await self._writes.verify()

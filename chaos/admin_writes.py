@@ -1,0 +1,80 @@
+"""An operator writing through the admin API while a fault is on (the control plane's
+database restarting): every write the control plane acknowledged must be there afterwards,
+and every refusal must be a clean 503 problem with Retry-After. The same probe for a local
+fabric and a deployment."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+
+import httpx
+
+from chaos.admin_api import AdminApi, TenantKey
+
+# One write (a new API key) this often while the probe runs.
+WRITE_INTERVAL_S = 0.2
+# The keys the probe makes belong to this tenant; they are revoked once checked.
+TENANT = "chaos-writes"
+
+
+class AdminWrites:
+    """Writes keys named `<prefix>-ack-<n>` until stopped; `verify` checks what survived."""
+
+    def __init__(self, admin: AdminApi, prefix: str, event: Callable[[str, str], None]) -> None:
+        self._admin, self._prefix, self._event = admin, prefix, event
+        self._acknowledged: dict[str, str] = {}  # name -> key id
+        self._unclean: list[str] = []
+        self._statuses: Counter[str] = Counter()
+        self._writing = False
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> asyncio.Task[None]:
+        """Start writing in the background; the task ends after stop()."""
+        self._writing = True
+        self._task = asyncio.create_task(self._write(), name="chaos-admin-writes")
+        return self._task
+
+    async def stop(self) -> None:
+        self._writing = False
+        if self._task is not None:
+            await self._task
+
+    async def _write(self) -> None:
+        n = 0
+        async with self._admin.client() as http:
+            while self._writing:
+                n += 1
+                name = f"{self._prefix}-ack-{n:05d}"
+                try:
+                    r = await http.post("/v1/api-keys", json={
+                        "name": name, "tenant": TENANT, "zone": "global", "scopes": ["inference"], "models": None,
+                    })
+                    self._statuses[str(r.status_code)] += 1
+                    if r.status_code == 201:
+                        self._acknowledged[name] = r.json()["id"]
+                    elif not (r.status_code == 503 and "retry-after" in r.headers
+                              and r.headers.get("content-type", "").startswith("application/problem+json")):
+                        self._unclean.append(f"{name}: {r.status_code} {r.text[:120]}")
+                except httpx.HTTPError as exc:
+                    self._statuses[type(exc).__name__] += 1
+                    self._unclean.append(f"{name}: {type(exc).__name__}")
+                await asyncio.sleep(WRITE_INTERVAL_S)
+        self._event("writes", f"{n} admin writes, {len(self._acknowledged)} acknowledged; "
+                              f"answers {dict(sorted(self._statuses.items()))}")
+
+    async def verify(self) -> dict[str, bool]:
+        """`acknowledged_writes_present` and `admin_errors_clean`; then revokes the probe's keys."""
+        await self.stop()
+        present = {k["name"] for k in await self._admin.api_keys(tenant=TENANT)}
+        missing = [n for n in self._acknowledged if n not in present]
+        if missing:
+            self._event("check", f"acknowledged writes missing afterwards: {missing[:10]}")
+        if self._unclean:
+            self._event("check", f"admin writes answered without a clean 503: {self._unclean[:5]}")
+        failed = await self._admin.revoke_keys([TenantKey(key_id=i, secret="") for i in self._acknowledged.values()])
+        if failed:
+            self._event("check", f"{len(failed)} probe keys could not be revoked")
+        return {"acknowledged_writes_present": bool(self._acknowledged) and not missing,
+                "admin_errors_clean": not self._unclean}
