@@ -40,18 +40,19 @@ class AdminApi:
 
     async def create_tenant_keys(self, tenants: Sequence[TenantLoad], name: str = "chaos") -> dict[str, TenantKey]:
         """One inference key per drill tenant, in its residency zone, named `<name>-<tenant>`."""
-        keys: dict[str, TenantKey] = {}
+        return {t.name: await self.create_tenant_key(t, name) for t in tenants}
+
+    async def create_tenant_key(self, tenant: TenantLoad, name: str = "chaos") -> TenantKey:
+        """An inference key for a drill tenant, in its residency zone, named `<name>-<tenant>`."""
         async with self.client() as http:
-            for t in tenants:
-                r = await http.post("/v1/api-keys", json={
-                    "name": f"{name}-{t.name}", "tenant": t.name, "zone": t.zone,
-                    "scopes": ["inference"], "models": None,
-                })
-                if r.status_code != 201:
-                    raise AdminApiError(f"creating the key of tenant {t.name} failed: {r.status_code} {r.text[:300]}")
-                body = r.json()
-                keys[t.name] = TenantKey(key_id=body["id"], secret=body["key"])
-        return keys
+            r = await http.post("/v1/api-keys", json={
+                "name": f"{name}-{tenant.name}", "tenant": tenant.name, "zone": tenant.zone,
+                "scopes": ["inference"], "models": None,
+            })
+        if r.status_code != 201:
+            raise AdminApiError(f"creating the key of tenant {tenant.name} failed: {r.status_code} {r.text[:300]}")
+        body = r.json()
+        return TenantKey(key_id=body["id"], secret=body["key"])
 
     async def revoke_keys(self, keys: Sequence[TenantKey]) -> list[str]:
         """Revoke the keys; the ids that could not be revoked (already gone counts as revoked)."""

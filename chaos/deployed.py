@@ -13,7 +13,6 @@ import asyncio
 import glob
 import json
 import logging
-import random
 import re
 import secrets
 import shlex
@@ -34,7 +33,7 @@ from chaos.faults.deployed import create_deployed_injector, run_command
 from chaos.faults.injector import NotRunnable
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadTarget, warm_up
-from chaos.observe import RouterMetrics
+from chaos.observe import RouterMetrics, busiest
 from chaos.schedule import FaultState, RunOutcome, TickCallback, Timeline, drive, finish
 from meridian.contracts import NodeStatus
 
@@ -85,13 +84,13 @@ class DeployedEnvironment(Timeline):
         return fields
 
     async def nodes(self, target: Target) -> list[DeployedNode]:
-        """Ready nodes matching the target; `node: any` picks one of them (seeded)."""
+        """Ready nodes matching the target; `node: any` picks the busiest of them."""
         found = [n for n in await self.ready_nodes() if _matches(n, target)]
         if not found:
             raise InjectionError(f"no ready node of {self.deployment.name} matches the target "
                                  f"{target.model_dump(exclude_none=True)}")
         if target.node == "any":
-            return [random.Random(self.seed).choice(found)]
+            return [busiest(found, lambda n: n.node_id, await self.routers.requests_by_node(), self.seed)]
         return found
 
     async def ready_nodes(self) -> list[DeployedNode]:
@@ -196,8 +195,11 @@ class _DeployedRun:
         env = DeployedEnvironment(deployment=dep, admin=admin, run_id=self.run_id, seed=self.options.seed)
         state = FaultState()
         self._step(f"creating keys for the drill's tenants on {dep.name}")
-        keys = await admin.create_tenant_keys(self.drill.load.tenants, name=f"chaos-{self.run_id}")
+        keys: dict[str, TenantKey] = {}
         try:
+            # One at a time, so that every key made is revoked even when a later one fails.
+            for tenant in self.drill.load.tenants:
+                keys[tenant.name] = await admin.create_tenant_key(tenant, name=f"chaos-{self.run_id}")
             target = LoadTarget(tuple(dep.routers), {t: k.secret for t, k in keys.items()}, dep.model)
             await warm_up(target, _WARM_UP_TIMEOUT_S, self._step)
             region_zones = await admin.region_zones()

@@ -165,7 +165,8 @@ class Topology(_Spec):
 
 
 class Target(_Spec):
-    """What the fault hits. `node: any` lets the runner pick one node matching the rest."""
+    """What the fault hits. `node: any` picks, of the nodes matching the rest, the one the
+    routers have sent the most requests (ties: a seeded choice)."""
 
     node: str | None = None
     region: str | None = Field(None, pattern=REGION_PATTERN)

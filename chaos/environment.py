@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from chaos.drill import Load, Target
 from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import HistoryWriter
 from chaos.load import LoadTarget
-from chaos.observe import RouterMetrics
+from chaos.observe import RouterMetrics, busiest
 from chaos.schedule import Timeline
 from meridian.localfabric import FabricInfo, LocalFabric, Proc, renice
 
@@ -66,13 +65,13 @@ class DrillEnvironment(Timeline):
     def live_nodes(self) -> list[Proc]:
         return sorted((p for p in self.fabric.node_processes if p.popen.poll() is None), key=lambda p: p.name)
 
-    def nodes(self, target: Target) -> list[Proc]:
-        """Live nodes matching the target; `node: any` picks one of them (seeded)."""
+    async def nodes(self, target: Target) -> list[Proc]:
+        """Live nodes matching the target; `node: any` picks the busiest of them."""
         found = [p for p in self.live_nodes() if _matches(p, target)]
         if not found:
             raise InjectionError(f"no live node matches the target {target.model_dump(exclude_none=True)}")
         if target.node == "any":
-            return [random.Random(self.seed).choice(found)]
+            return [busiest(found, lambda p: p.node_id or "", await self.routers.requests_by_node(), self.seed)]
         return found
 
     def control_plane(self) -> Proc:

@@ -4,8 +4,10 @@ predicted cache hits), scraped over HTTP, the same for a local fabric and a depl
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import random
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +27,15 @@ class RouterMetrics:
         do not answer count as 0."""
         return sum(value for sample_labels, value in await self.samples(name)
                    if all(sample_labels.get(k) == v for k, v in labels.items()))
+
+    async def requests_by_node(self) -> dict[str, float]:
+        """Requests the routers have sent to each node so far, whatever their status."""
+        counts: dict[str, float] = {}
+        for labels, value in await self.samples("meridian_router_requests"):
+            node = labels.get("node")
+            if node:
+                counts[node] = counts.get(node, 0.0) + value
+        return counts
 
     async def ejections(self, node_ids: Iterable[str]) -> dict[str, float]:
         """How often the routers have ejected each node so far (summed over routers)."""
@@ -56,3 +67,13 @@ class RouterMetrics:
                     samples += [(dict(s.labels), s.value) for s in family.samples
                                 if s.name in (name, f"{name}_total")]
         return samples
+
+
+T = TypeVar("T")
+
+
+def busiest(candidates: Sequence[T], node_id: Callable[[T], str], served: Mapping[str, float], seed: int) -> T:
+    """The candidate the routers sent the most requests to (a fault on an idle node proves
+    nothing); a seeded choice among ties, so a run can be repeated."""
+    top = max(served.get(node_id(c), 0.0) for c in candidates)
+    return random.Random(seed).choice([c for c in candidates if served.get(node_id(c), 0.0) == top])

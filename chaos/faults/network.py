@@ -27,7 +27,7 @@ class NodeLinkFault:
         self._ejections_before: dict[str, float] = {}
 
     async def inject(self) -> None:
-        self._victims = self._env.nodes(self._fault.target)
+        self._victims = await self._env.nodes(self._fault.target)
         self._proxies = self._env.proxies_of(self._victims)
         self._ejections_before = await self._env.routers.ejections(p.node_id or "" for p in self._victims)
         params = {k: float(v) for k, v in self._fault.params.items()}

@@ -10,12 +10,18 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from chaos.drill import Fault
 from chaos.environment import COLD_START_NICENESS, DrillEnvironment, InjectionError
 from chaos.faults.injector import register
 from chaos.history import History, Outcome
 from meridian.localfabric import FabricSpec, Proc, renice
+
+# A single node is killed while it is working on a request, so that failover of requests in
+# flight is exercised; if it stays idle this long it is killed anyway (and the event says so).
+_BUSY_WAIT_S = 5.0
+_BUSY_POLL_S = 0.02
 
 
 @register("process_crash", "region_outage", "provider_outage")
@@ -27,8 +33,26 @@ class NodeCrash:
         self._victims: list[Proc] = []
 
     async def inject(self) -> None:
-        self._victims = self._env.nodes(self._fault.target)
+        self._victims = await self._env.nodes(self._fault.target)
+        if len(self._victims) == 1:
+            await self._until_busy(self._victims[0])
         await self._env.signal(self._victims, signal.SIGKILL, reap=True)
+
+    async def _until_busy(self, p: Proc) -> None:
+        """Until the node reports a request running (its vLLM-style gauge), or _BUSY_WAIT_S."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + _BUSY_WAIT_S
+        async with httpx.AsyncClient(timeout=1.0) as http:
+            while loop.time() < deadline:
+                try:
+                    running = _running((await http.get(f"{p.url}/metrics")).text)
+                except httpx.HTTPError:
+                    running = 0
+                if running > 0:
+                    self._env.event("busy", f"{p.name} has {running} request(s) running")
+                    return
+                await asyncio.sleep(_BUSY_POLL_S)
+        self._env.event("idle", f"{p.name} ran no request for {_BUSY_WAIT_S:g}s; killed idle")
 
     async def heal(self) -> None:
         victims, self._victims = self._victims, []
@@ -50,7 +74,7 @@ class NodeHang:
         self._ejections_before: dict[str, float] = {}
 
     async def inject(self) -> None:
-        self._victims = self._env.nodes(self._fault.target)
+        self._victims = await self._env.nodes(self._fault.target)
         self._ejections_before = await self._env.routers.ejections(p.node_id or "" for p in self._victims)
         await self._env.signal(self._victims, signal.SIGSTOP, reap=False)
 
@@ -87,7 +111,7 @@ class SpotPreemption:
         self._replacing: asyncio.Task[None] | None = None
 
     async def inject(self) -> None:
-        victims = self._env.nodes(self._fault.target)
+        victims = await self._env.nodes(self._fault.target)
         if len(victims) != 1:
             raise InjectionError("spot_preemption targets one node: use node: any or a node id")
         self._victim = victims[0]
@@ -245,3 +269,12 @@ def _faketime_env(offset_s: float) -> dict[str, str] | None:
         "DONT_FAKE_MONOTONIC": "1",
         "FAKETIME_NO_CACHE": "1",
     }
+
+
+def _running(metrics: str) -> int:
+    """vllm:num_requests_running in a node's /metrics text (0 when absent)."""
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "vllm:num_requests_running":
+                return int(sample.value)
+    return 0

@@ -60,13 +60,20 @@ def test_short_drill_passes(drill: Drill, tmp_path: Path, model_cache: Path, req
     assert outcome.files.timeline_png is not None and outcome.files.timeline_png.stat().st_size > 10_000
 
 
-def test_node_crash_fails_with_retries_and_health_checks_disabled(tmp_path: Path, model_cache: Path) -> None:
-    """A deliberately broken build: the router neither fails over nor probes nodes, so the
-    requests that meet the crashed node get errors and the drill must say so."""
-    drill = next(d for d in DRILLS if d.name == "node-crash")
+def test_gray_failure_fails_with_outlier_detection_and_health_checks_disabled(tmp_path: Path,
+                                                                              model_cache: Path) -> None:
+    """A deliberately broken build: the router neither probes nodes nor ejects one after
+    failures, so the hung node keeps its share of requests and the drill must say so.
+
+    Not a crash with retries off: when a node dies, the router's KV-event subscriber sees its
+    socket close and routes new requests elsewhere before any fails, so only a request in
+    flight at that instant (often none) shows the missing retry. A stopped process keeps its
+    sockets open; nothing but outlier detection takes it out.
+    """
+    drill = next(d for d in DRILLS if d.name == "gray-failure")
     outcome = _run(drill, tmp_path, model_cache, router_env={
-        "MERIDIAN_ROUTER_MAX_ATTEMPTS": "1", "MERIDIAN_ROUTER_PROBE_ENABLED": "false",
+        "MERIDIAN_ROUTER_PROBE_ENABLED": "false", "MERIDIAN_ROUTER_CONSECUTIVE_FAILURES_TO_EJECT": "1000000",
     })
     assert not outcome.passed
     failed = {c.name for c in outcome.report.verdict.failures()}
-    assert failed & {"unclean_errors", "error_rate_during_fault", "lost"}, failed
+    assert "invariant:outlier_ejected" in failed, failed

@@ -407,8 +407,10 @@ async def test_each_kind_of_answer_gets_the_outcome_the_checker_relies_on(
         assert op.stream_error_event is extra.get("stream_error_event", False)
         assert op.end_s is not None
         if code == "timeout":
-            assert op.end_s - op.invoke_s == pytest.approx(timeout, abs=0.15)
-    assert time.monotonic() - started < 0.15 + timeout + 1
+            # The server holds the request forever: the client's timeout ended it (the upper
+            # bound is loose, as a shared CI machine can stall the loop for a second or two).
+            assert timeout - 0.05 <= op.end_s - op.invoke_s < timeout + 5
+    assert time.monotonic() - started < timeout + 10
 
 
 async def test_a_refused_connection_is_a_definite_failure_and_urls_take_turns(

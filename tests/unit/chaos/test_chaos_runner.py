@@ -14,6 +14,7 @@ from chaos.drill import Drill, Target, load_drills
 from chaos.environment import DrillEnvironment, InjectionError
 from chaos.faults import injector
 from chaos.faults.injector import NotRunnable, create_injector, supported_kinds
+from chaos.observe import busiest
 from chaos.runner import runnable
 from meridian.cli.chaos_cmd import pick
 from meridian.cli.main import app
@@ -59,21 +60,22 @@ def _env(tmp_path: Path, procs: list[Proc], seed: int = 0) -> DrillEnvironment:
     return DrillEnvironment(fabric=fabric, info=info, clock_start=0.0, seed=seed)
 
 
-def test_targets_pick_nodes_by_region_provider_and_any(tmp_path: Path):
+async def test_targets_pick_nodes_by_region_provider_and_any(tmp_path: Path):
     procs = [_proc("us-1", "aws:us-east-1"), _proc("us-2", "aws:us-east-1"), _proc("eu-1", "aws:eu-west-1"),
              _proc("gcp-1", "gcp:europe-west4")]
     try:
         env = _env(tmp_path, procs)
-        assert [p.name for p in env.nodes(Target(provider="aws"))] == ["eu-1", "us-1", "us-2"]
-        assert [p.name for p in env.nodes(Target(region="aws:us-east-1"))] == ["us-1", "us-2"]
-        one = env.nodes(Target(region="aws:us-east-1", node="any"))
+        assert [p.name for p in await env.nodes(Target(provider="aws"))] == ["eu-1", "us-1", "us-2"]
+        assert [p.name for p in await env.nodes(Target(region="aws:us-east-1"))] == ["us-1", "us-2"]
+        # No router answers its metrics here: every node is as busy as the next.
+        one = await env.nodes(Target(region="aws:us-east-1", node="any"))
         assert len(one) == 1 and one[0].region == "aws:us-east-1"
         # The same seed picks the same node, so a run can be repeated.
-        assert env.nodes(Target(region="aws:us-east-1", node="any")) == one
+        assert await env.nodes(Target(region="aws:us-east-1", node="any")) == one
         procs[3].popen.kill()
         procs[3].popen.wait()
         with pytest.raises(InjectionError, match="no live node"):
-            env.nodes(Target(provider="gcp"))
+            await env.nodes(Target(provider="gcp"))
     finally:
         for p in procs:
             p.popen.kill()
@@ -130,3 +132,12 @@ def test_cache_consistency_finds_a_published_blob_that_is_not_what_its_name_says
     (blobs / digest).unlink()
     ok, why = cache_consistent(tmp_path)
     assert not ok and "has no published blob" in why
+
+
+def test_any_picks_the_node_the_routers_sent_the_most_requests():
+    nodes = ["us-1", "us-2", "us-3"]
+    assert busiest(nodes, str, {"us-1": 10, "us-2": 250, "us-3": 40, "eu-1": 999}, seed=0) == "us-2"
+    # Ties (no traffic seen yet): a seeded choice among the tied, the same for the same seed.
+    tied = {busiest(nodes, str, {"us-3": 5, "us-1": 5}, seed=s) for s in range(20)}
+    assert tied == {"us-1", "us-3"}
+    assert busiest(nodes, str, {}, seed=7) == busiest(nodes, str, {}, seed=7)
