@@ -4,7 +4,7 @@ deployment."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,17 +54,17 @@ class AdminApi:
         body = r.json()
         return TenantKey(key_id=body["id"], secret=body["key"])
 
-    async def revoke_keys(self, keys: Sequence[TenantKey]) -> list[str]:
+    async def revoke_keys(self, key_ids: Iterable[str]) -> list[str]:
         """Revoke the keys; the ids that could not be revoked (already gone counts as revoked)."""
         failed = []
         async with self.client() as http:
-            for k in keys:
+            for key_id in key_ids:
                 try:
-                    r = await http.delete(f"/v1/api-keys/{k.key_id}")
+                    r = await http.delete(f"/v1/api-keys/{key_id}")
                     if r.status_code not in (204, 404):
-                        failed.append(k.key_id)
+                        failed.append(key_id)
                 except httpx.HTTPError:
-                    failed.append(k.key_id)
+                    failed.append(key_id)
         return failed
 
     async def region_zones(self) -> dict[str, list[str]]:

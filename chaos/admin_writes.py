@@ -11,10 +11,14 @@ from collections.abc import Callable
 
 import httpx
 
-from chaos.admin_api import AdminApi, TenantKey
+from chaos.admin_api import AdminApi
 
 # One write (a new API key) this often while the probe runs.
 WRITE_INTERVAL_S = 0.2
+# Writing starts this long before the fault (writes acknowledged before it) and goes on this
+# long after its heal (writes acknowledged after it); all of them must be there at the end.
+LEAD_S = 1.0
+TRAIL_S = 3.0
 # The keys the probe makes belong to this tenant; they are revoked once checked.
 TENANT = "chaos-writes"
 
@@ -30,11 +34,17 @@ class AdminWrites:
         self._writing = False
         self._task: asyncio.Task[None] | None = None
 
-    def start(self) -> asyncio.Task[None]:
-        """Start writing in the background; the task ends after stop()."""
+    async def start_before_fault(self) -> asyncio.Task[None]:
+        """Start writing in the background, and return LEAD_S later; the task ends after stop()."""
         self._writing = True
         self._task = asyncio.create_task(self._write(), name="chaos-admin-writes")
+        await asyncio.sleep(LEAD_S)
         return self._task
+
+    async def stop_after_heal(self) -> None:
+        """Go on writing for TRAIL_S after the heal, then stop."""
+        await asyncio.sleep(TRAIL_S)
+        await self.stop()
 
     async def stop(self) -> None:
         self._writing = False
@@ -73,7 +83,7 @@ class AdminWrites:
             self._event("check", f"acknowledged writes missing afterwards: {missing[:10]}")
         if self._unclean:
             self._event("check", f"admin writes answered without a clean 503: {self._unclean[:5]}")
-        failed = await self._admin.revoke_keys([TenantKey(key_id=i, secret="") for i in self._acknowledged.values()])
+        failed = await self._admin.revoke_keys(self._acknowledged.values())
         if failed:
             self._event("check", f"{len(failed)} probe keys could not be revoked")
         return {"acknowledged_writes_present": bool(self._acknowledged) and not missing,

@@ -33,14 +33,12 @@ from chaos.faults.deployed import create_deployed_injector, run_command
 from chaos.faults.injector import NotRunnable
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadTarget, warm_up
-from chaos.observe import RouterMetrics, busiest
+from chaos.observe import RouterMetrics, answers, busiest
 from chaos.schedule import FaultState, RunOutcome, TickCallback, Timeline, drive, finish
 from meridian.contracts import NodeStatus
 
 log = logging.getLogger(__name__)
 
-# How long a deployment may take to serve every drill tenant with its new keys.
-_WARM_UP_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +83,7 @@ class DeployedEnvironment(Timeline):
 
     async def nodes(self, target: Target) -> list[DeployedNode]:
         """Ready nodes matching the target; `node: any` picks the busiest of them."""
-        found = [n for n in await self.ready_nodes() if _matches(n, target)]
+        found = [n for n in await self.ready_nodes() if target.matches(n.node_id, n.region, n.models)]
         if not found:
             raise InjectionError(f"no ready node of {self.deployment.name} matches the target "
                                  f"{target.model_dump(exclude_none=True)}")
@@ -95,11 +93,7 @@ class DeployedEnvironment(Timeline):
 
     async def ready_nodes(self) -> list[DeployedNode]:
         """The deployment's ready nodes, sorted by id."""
-        try:
-            views = await self.admin.nodes()
-        except (AdminApiError, httpx.HTTPError) as exc:
-            raise InjectionError(f"listing the nodes of {self.deployment.name} failed: {exc}") from exc
-        nodes = [DeployedNode.of(v) for v in views]
+        nodes = (await self.all_nodes()).values()
         return sorted((n for n in nodes if n.status == NodeStatus.READY), key=lambda n: n.node_id)
 
     async def all_nodes(self) -> dict[str, DeployedNode]:
@@ -131,18 +125,7 @@ class DeployedEnvironment(Timeline):
 
     async def control_plane_answers(self) -> bool:
         """Whether the control plane answers /health right now."""
-        try:
-            async with httpx.AsyncClient(timeout=2.0) as http:
-                return (await http.get(f"{self.deployment.control_plane}/health")).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-
-def _matches(n: DeployedNode, t: Target) -> bool:
-    return ((t.region is None or n.region == t.region)
-            and (t.provider is None or n.provider == t.provider)
-            and (t.node in (None, "any") or n.node_id == t.node)
-            and (t.model is None or t.model in n.models))
+        return await answers(self.deployment.control_plane)
 
 
 def runnable_on(drill: Drill, deployment: Deployment) -> str | None:
@@ -201,7 +184,7 @@ class _DeployedRun:
             for tenant in self.drill.load.tenants:
                 keys[tenant.name] = await admin.create_tenant_key(tenant, name=f"chaos-{self.run_id}")
             target = LoadTarget(tuple(dep.routers), {t: k.secret for t, k in keys.items()}, dep.model)
-            await warm_up(target, _WARM_UP_TIMEOUT_S, self._step)
+            await warm_up(target, on_step=self._step)
             region_zones = await admin.region_zones()
             action = dep.actions[self.drill.fault.kind]
             self._step(f"running {self.drill.name} against {dep.name} (run {self.run_id})")
@@ -218,13 +201,13 @@ class _DeployedRun:
             history = History.read(client_log, *journals)
             invariants = dict(await state.injector.observe(history)) if state.injector is not None else {}
         finally:
-            await self._revoke(admin, list(keys.values()), state)
+            await self._revoke(admin, [k.key_id for k in keys.values()], state)
         return finish(self.drill, short=self.options.short, started_at=started_at, history=history,
                       region_zones=region_zones, env=env, state=state, invariants=invariants, out_dir=out)
 
-    async def _revoke(self, admin: AdminApi, keys: list[TenantKey], state: FaultState) -> None:
+    async def _revoke(self, admin: AdminApi, key_ids: list[str], state: FaultState) -> None:
         try:
-            failed = await admin.revoke_keys(keys)
+            failed = await admin.revoke_keys(key_ids)
         except httpx.HTTPError as exc:
             failed = [f"all ({exc})"]
         if failed:

@@ -9,6 +9,7 @@ for CI; every drill's short version runs at most `MAX_SHORT_DURATION_S` seconds.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -173,6 +174,15 @@ class Target(_Spec):
     provider: Literal["aws", "gcp", "onprem"] | None = None
     service: Service | None = None
     model: str | None = None
+
+    def matches(self, node_id: str, region: str, models: Iterable[str]) -> bool:
+        """Whether a node (its id, region and the models it serves) is hit by this target."""
+        return (
+            (self.region is None or region == self.region)
+            and (self.provider is None or region.split(":", 1)[0] == self.provider)
+            and (self.node in (None, "any") or node_id == self.node)
+            and (self.model is None or self.model in models)
+        )
 
     @model_validator(mode="after")
     def _not_empty(self) -> Target:

@@ -10,8 +10,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import httpx
-
 from chaos.drill import Load, Target
 from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import HistoryWriter
@@ -67,7 +65,8 @@ class DrillEnvironment(Timeline):
 
     async def nodes(self, target: Target) -> list[Proc]:
         """Live nodes matching the target; `node: any` picks the busiest of them."""
-        found = [p for p in self.live_nodes() if _matches(p, target)]
+        found = [p for p in self.live_nodes()
+                 if target.matches(p.node_id or "", p.region or "", [p.model] if p.model else [])]
         if not found:
             raise InjectionError(f"no live node matches the target {target.model_dump(exclude_none=True)}")
         if target.node == "any":
@@ -121,22 +120,3 @@ class DrillEnvironment(Timeline):
             self.event("healthy", f"{p.name} answers /health")
         return fresh
 
-    # -- observation -------------------------------------------------------------------
-
-    async def answers(self, url: str, path: str = "/health") -> bool:
-        """Whether `url` answers `path` with 200 right now."""
-        try:
-            async with httpx.AsyncClient(timeout=2.0) as http:
-                return (await http.get(url + path)).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-
-def _matches(p: Proc, t: Target) -> bool:
-    region = p.region or ""
-    return (
-        (t.region is None or region == t.region)
-        and (t.provider is None or region.split(":", 1)[0] == t.provider)
-        and (t.node in (None, "any") or p.node_id == t.node)
-        and (t.model is None or p.model == t.model)
-    )

@@ -516,7 +516,12 @@ __all__ = [
 ]
 
 
-async def warm_up(target: LoadTarget, timeout_s: float, on_step: Callable[[str], None] | None = None) -> None:
+# How long a fabric may take to serve every drill tenant with its new keys.
+WARM_UP_TIMEOUT_S = 120.0
+
+
+async def warm_up(target: LoadTarget, timeout_s: float = WARM_UP_TIMEOUT_S,
+                  on_step: Callable[[str], None] | None = None) -> None:
     """Until every router answers every tenant: new keys reach routers with the next routing
     table, and a node's first generation is slower than the rest. FabricNotReady at the deadline."""
     if on_step is not None:

@@ -63,10 +63,23 @@ class RouterMetrics:
                 except httpx.HTTPError as exc:
                     log.warning("could not scrape %s/metrics: %s", url, exc)
                     continue
-                for family in text_string_to_metric_families(text):
-                    samples += [(dict(s.labels), s.value) for s in family.samples
-                                if s.name in (name, f"{name}_total")]
+                samples += metric_samples(text, name)
         return samples
+
+
+def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """(labels, value) of every sample of metric `name` (or its `_total`) in a /metrics text."""
+    return [(dict(s.labels), s.value) for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name in (name, f"{name}_total")]
+
+
+async def answers(url: str, path: str = "/health") -> bool:
+    """Whether `url` answers `path` with 200 right now."""
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            return (await http.get(url + path)).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 T = TypeVar("T")

@@ -47,8 +47,6 @@ _UNSUPPORTED_TOPOLOGY: tuple[tuple[Callable[[Drill], bool], str], ...] = (
     (lambda d: d.topology.control_plane_replicas > 1 and not d.topology.postgres,
      "several control-plane replicas without Postgres (SQLite serves one replica)"),
 )
-# How long the fabric may take to serve every tenant after it started.
-_WARM_UP_TIMEOUT_S = 120.0
 
 
 @dataclass
@@ -149,7 +147,7 @@ class _Run:
             admin = AdminApi(info.control_plane_url, info.admin_key)
             keys = {t: k.secret for t, k in (await admin.create_tenant_keys(self.drill.load.tenants)).items()}
             target = LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL)
-            await warm_up(target, _WARM_UP_TIMEOUT_S, self._step)
+            await warm_up(target, on_step=self._step)
             await self._warm_nodes(fabric, info.cluster_token)
             # Warm-up requests are not the drill's: the journals start empty (their writers
             # append, so the next line lands at the start of the truncated file).

@@ -31,8 +31,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Postgres restart: admin writes go on this long after the heal command.
-_WRITES_AFTER_HEAL_S = 3.0
 # How often a preempted node's drain is looked for in the control plane's node list.
 _DRAIN_POLL_S = 0.25
 # Stderr kept in an error message when a command fails.
@@ -85,8 +83,7 @@ class CommandInjector:
 
     async def inject(self) -> None:
         if self._writes is not None:
-            self._writes.start()
-            await asyncio.sleep(1.0)  # some writes acknowledged before the fault
+            await self._writes.start_before_fault()
         if self._action.per_node():
             self._victims = await self._env.nodes(self._fault.target)
             self._ejections_before = await self._env.routers.ejections(n.node_id for n in self._victims)
@@ -123,8 +120,7 @@ class CommandInjector:
             self._replaced = False
             self._replaced = await self._env.wait_for_ready(self._ready_before, self._action.recovery_timeout_s)
         if self._writes is not None:
-            await asyncio.sleep(_WRITES_AFTER_HEAL_S)  # and writes acknowledged after it
-            await self._writes.stop()
+            await self._writes.stop_after_heal()
 
     async def _run(self, template: str, step: str) -> None:
         fields = self._env.run_fields(self._fault)

@@ -3,7 +3,6 @@ every node and of Redis (kernel latency injection is not available on these mach
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
 
 from chaos.admin_api import AdminApi
@@ -74,10 +73,6 @@ class RedisOutage:
         return {"kv_routing_degraded_gracefully": self._hits_at_end > self._hits_at_start}
 
 
-# After the database is back, writes go on this long (and must be acknowledged).
-_WRITES_AFTER_HEAL_S = 3.0
-
-
 @register("postgres_restart")
 class PostgresRestart:
     """The control plane's Postgres goes away for `down_s` (every connection cut, new ones
@@ -92,16 +87,14 @@ class PostgresRestart:
                                    env.event)
 
     async def inject(self) -> None:
-        self._env.background.append(self._writes.start())
-        await asyncio.sleep(1.0)  # some writes acknowledged before the restart
+        self._env.background.append(await self._writes.start_before_fault())
         self._proxy.reset(1.0)
         self._env.event("inject", f"Postgres down: {self._proxy.stats.reset} connections cut, new ones reset")
 
     async def heal(self) -> None:
         self._proxy.heal()
         self._env.event("heal", "Postgres accepts connections again")
-        await asyncio.sleep(_WRITES_AFTER_HEAL_S)  # and writes acknowledged after it
-        await self._writes.stop()
+        await self._writes.stop_after_heal()
 
     async def observe(self, history: History) -> Mapping[str, bool]:
         return await self._writes.verify()

@@ -10,12 +10,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from chaos.drill import Fault
 from chaos.environment import COLD_START_NICENESS, DrillEnvironment, InjectionError
 from chaos.faults.injector import register
 from chaos.history import History, Outcome
+from chaos.observe import answers, metric_samples
 from meridian.localfabric import FabricSpec, Proc, renice
 
 # A single node is killed while it is working on a request, so that failover of requests in
@@ -156,7 +156,7 @@ class ControlPlaneOutage:
     async def inject(self) -> None:
         self._victim = self._env.control_plane()
         await self._env.signal([self._victim], signal.SIGKILL, reap=True)
-        self._confirmed_down = not await self._env.answers(self._victim.url)
+        self._confirmed_down = not await answers(self._victim.url)
         self._env.event("check", f"control plane {'unreachable' if self._confirmed_down else 'STILL ANSWERS'}")
 
     async def heal(self) -> None:
@@ -273,8 +273,4 @@ def _faketime_env(offset_s: float) -> dict[str, str] | None:
 
 def _running(metrics: str) -> int:
     """vllm:num_requests_running in a node's /metrics text (0 when absent)."""
-    for family in text_string_to_metric_families(metrics):
-        for sample in family.samples:
-            if sample.name == "vllm:num_requests_running":
-                return int(sample.value)
-    return 0
+    return int(sum(value for _, value in metric_samples(metrics, "vllm:num_requests_running")))
