@@ -128,6 +128,30 @@ async def test_an_interrupted_multipart_upload_leaves_no_object_and_no_upload(
         await origin.size("never-written.bin")
 
 
+async def test_an_upload_cancelled_again_while_it_aborts_still_leaves_no_upload(
+    origin: S3Origin, tmp_path: Path, moto_s3: str
+) -> None:
+    """A caller that goes on cancelling (a second Ctrl-C, a shutdown, another part's progress
+    after the first cancel) must not cut the abort short and leave billed parts behind."""
+    source = tmp_path / "big.bin"
+    source.write_bytes(os.urandom(11 * MIB))
+    writing: asyncio.Task[None] = asyncio.create_task(origin.write("again.bin", source, lambda n: None))
+
+    async def keep_cancelling() -> None:
+        await asyncio.sleep(0.05)  # the upload has begun
+        while not writing.done():
+            writing.cancel()
+            await asyncio.sleep(0.001)
+
+    canceller = asyncio.create_task(keep_cancelling())
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(asyncio.shield(writing), timeout=60)
+    await canceller
+    assert _pending_uploads(moto_s3, origin.bucket) == []
+    with pytest.raises(OriginNotFound):
+        await origin.size("again.bin")
+
+
 async def test_region_is_unknown_behind_a_custom_endpoint(moto_s3: str) -> None:
     uri = OriginURI.parse("s3://bucket/prefix")
     assert S3Origin(uri, _settings()).region is None

@@ -238,9 +238,16 @@ class S3Origin:
                     f"{_child(root, 'Code')}: {_child(root, 'Message')}"
                 )
         except BaseException as failure:
-            # Uploaded parts are billed until aborted; the object itself never appeared.
+            # Uploaded parts are billed until aborted; the object itself never appeared. The
+            # abort runs to its end even when the caller cancels again meanwhile (a second
+            # Ctrl-C, a shutdown, a part finishing after the first cancel): cut short, it
+            # would leave the upload and its parts behind.
+            abort = asyncio.ensure_future(self._send("DELETE", name, query=upload_query, what="AbortMultipartUpload"))
+            while not abort.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.shield(abort)
             with contextlib.suppress(OriginError):
-                await self._send("DELETE", name, query=upload_query, what="AbortMultipartUpload")
+                abort.result()
             # Parts fail for one cause (credentials, network): report the first.
             if isinstance(failure, BaseExceptionGroup):
                 raise first_error(failure) from failure
