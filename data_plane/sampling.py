@@ -1,12 +1,42 @@
 """Next-token sampling: greedy, temperature, top-k and nucleus (top-p), reproducible per
-seed, with the log-probabilities clients may ask for."""
+seed, with the log-probabilities clients may ask for.
+
+Sampling must never fail a batch. Parameters that would break the arithmetic are taken the
+way vLLM takes them (a temperature under SAMPLING_EPS is greedy; a nucleus always keeps
+its most likely token, however small top_p is), and a row that still cannot be sampled
+(non-finite logits) comes back as `SamplingFailed` for that row alone: one sequence's
+request must not fail the other sequences of its step, other tenants' included.
+"""
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 
 import torch
+
+# vLLM's _SAMPLING_EPS: below this a temperature is greedy. Dividing logits by 1e-300 (or
+# 5e-324) overflows float32 to inf and the softmax to NaN.
+SAMPLING_EPS = 1e-5
+
+
+class SamplingError(ValueError):
+    """One row's logits or parameters cannot be sampled from."""
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int) -> None:
+    """Raise SamplingError for parameters no sampler can honour (NaN, out of range)."""
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise SamplingError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise SamplingError(f"top_p must be in (0, 1], got {top_p!r}")
+    if top_k < 0:
+        raise SamplingError(f"top_k must be >= 0 (0 disables it), got {top_k!r}")
+
+
+def is_greedy(temperature: float) -> bool:
+    return temperature < SAMPLING_EPS
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
@@ -24,9 +54,13 @@ def sample_next(
     generator: torch.Generator,
     top_k: int = 0,
 ) -> int:
-    """Choose the next token id from one position's logits [V]."""
+    """Choose the next token id from one position's logits [V]; SamplingError when the
+    parameters are invalid or the logits hold no finite maximum."""
+    check_sampling(temperature, top_p, top_k)
     logits = logits.to(torch.float32)
-    if temperature <= 0.0:
+    if not bool(torch.isfinite(logits.max())):
+        raise SamplingError("the logits have no finite maximum (NaN or +inf)")
+    if is_greedy(temperature):
         return int(torch.argmax(logits).item())
     logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
@@ -36,8 +70,10 @@ def sample_next(
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p; the first token always stays.
+        # Keep the smallest prefix whose mass reaches top_p. The first token always stays,
+        # explicitly: a top_p below float32's range (1e-300) compares as 0 and would drop it.
         drop = (cumulative - sorted_probs) >= top_p
+        drop[0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         choice = torch.multinomial(sorted_probs, 1, generator=generator)
         return int(order[choice].item())
@@ -63,25 +99,41 @@ class Sampled:
     top: tuple[tuple[int, float], ...] = ()
 
 
-def sample_batch(logits: torch.Tensor, rows: list[RowSampling]) -> list[Sampled]:
+@dataclass(frozen=True, slots=True)
+class SamplingFailed:
+    """This row could not be sampled; the other rows of the batch were."""
+
+    reason: str
+
+
+def sample_batch(logits: torch.Tensor, rows: list[RowSampling]) -> list[Sampled | SamplingFailed]:
     """Sample one token per row of logits [S, V]; greedy rows share one argmax.
 
     Logprobs are those of the model's raw distribution (vLLM's default), whatever the
-    temperature or filters used to choose.
+    temperature or filters used to choose. A row that cannot be sampled is SamplingFailed,
+    never an exception that would take its neighbours with it.
     """
     logits = logits.to(torch.float32)
     greedy = torch.argmax(logits, dim=-1).tolist()
+    finite = torch.isfinite(logits.max(dim=-1).values).tolist()
     want_logprobs = any(r.logprobs is not None for r in rows)
     log_probs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-    out: list[Sampled] = []
+    out: list[Sampled | SamplingFailed] = []
     for i, row in enumerate(rows):
-        if row.temperature <= 0.0 or row.generator is None:
-            token = int(greedy[i])
-        else:
-            token = sample_next(
-                logits[i], temperature=row.temperature, top_p=row.top_p, top_k=row.top_k,
-                generator=row.generator,
-            )
+        try:
+            if not finite[i]:
+                raise SamplingError("the logits have no finite maximum (NaN or +inf)")
+            if is_greedy(row.temperature) or row.generator is None:
+                check_sampling(row.temperature, row.top_p, row.top_k)
+                token = int(greedy[i])
+            else:
+                token = sample_next(
+                    logits[i], temperature=row.temperature, top_p=row.top_p, top_k=row.top_k,
+                    generator=row.generator,
+                )
+        except (SamplingError, RuntimeError) as exc:  # RuntimeError: torch.multinomial's
+            out.append(SamplingFailed(str(exc)))
+            continue
         if row.logprobs is None or log_probs is None:
             out.append(Sampled(token))
             continue

@@ -10,7 +10,7 @@ import torch
 from data_plane.engine.scheduler import ScheduledChunk, SchedulerOutput
 from data_plane.model.llama import LlamaForCausalLM, LoraDelta
 from data_plane.model.paged_attention import PagedAttention, PagedKVCache, PrefillSpan
-from data_plane.sampling import RowSampling, Sampled, sample_batch
+from data_plane.sampling import RowSampling, Sampled, SamplingFailed, sample_batch
 
 # Builds the step's LoRA contribution from per-token adapter slots (-1: none).
 LoraBatchFactory = Callable[[list[int]], LoraDelta | None]
@@ -29,8 +29,9 @@ class ModelRunner:
         self.device = model.device
         self._block_offsets = torch.arange(kv.block_size, device=self.device)
 
-    def execute(self, step: SchedulerOutput) -> list[tuple[ScheduledChunk, Sampled]]:
-        """Run the step; returns the sampled token of each chunk that samples, in order."""
+    def execute(self, step: SchedulerOutput) -> list[tuple[ScheduledChunk, Sampled | SamplingFailed]]:
+        """Run the step; returns the sampled token (or the row's failure) of each chunk that
+        samples, in order."""
         # One-token chunks first: they are attended as one padded batch.
         chunks = sorted(step.chunks, key=lambda c: c.num_tokens != 1)
         ids: list[int] = []

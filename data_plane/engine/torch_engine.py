@@ -37,13 +37,13 @@ from data_plane.engine.base import (
 )
 from data_plane.engine.kv_cache.manager import KVCacheManager
 from data_plane.engine.model_runner import LoraBatchFactory, ModelRunner
-from data_plane.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from data_plane.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from data_plane.engine.sequence import SeqStatus, Sequence
 from data_plane.engine.stop_strings import StopStringMatcher
 from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.loader import load_model
 from data_plane.model.paged_attention import PagedKVCache
-from data_plane.sampling import Sampled, make_generator
+from data_plane.sampling import Sampled, SamplingError, SamplingFailed, check_sampling, make_generator
 from data_plane.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from meridian.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
 from meridian.settings import NodeSettings
@@ -236,6 +236,10 @@ class TorchEngine:
             raise EngineRequestError("the prompt is empty")
         if params.max_tokens < 1:
             raise EngineRequestError("max_tokens must be at least 1")
+        try:
+            check_sampling(params.temperature, params.top_p, params.top_k)
+        except SamplingError as exc:
+            raise EngineRequestError(str(exc)) from None
         total = n_prompt + params.max_tokens
         if total > self._max_model_len:
             raise EngineRequestError(
@@ -360,23 +364,63 @@ class TorchEngine:
             self._run_step(step)
 
     def _run_step(self, step: SchedulerOutput) -> None:
-        assert self._scheduler is not None and self._runner is not None and self._kv is not None
+        assert self._runner is not None
         try:
             results = self._runner.execute(step)
         except Exception as exc:
-            log.exception("engine step failed; failing its %d requests", len(step.chunks))
-            for chunk in step.chunks:
-                if chunk.seq.status is not SeqStatus.FINISHED:
-                    self._scheduler.finish(chunk.seq)
-                    self._deliver(chunk.seq, exc)
-            self._update_gauges()
-            self._publish(self._kv.take_events())
+            if len(step.chunks) > 1:
+                # One sequence may have broken the batch: run each chunk on its own so that
+                # only the culprit fails, never its neighbours (other tenants' included).
+                # Re-running a chunk rewrites the same KV slots; nothing was sampled yet.
+                log.warning("engine step of %d requests failed (%s); retrying each alone",
+                            len(step.chunks), exc)
+                self._run_alone(step)
+                return
+            log.exception("engine step failed for request %s", step.chunks[0].seq.request_id)
+            self._fail(step.chunks[0].seq, exc)
             return
+        self._apply(step, results)
+
+    def _apply(self, step: SchedulerOutput, results: list[tuple[ScheduledChunk, Sampled | SamplingFailed]]) -> None:
+        assert self._scheduler is not None and self._kv is not None
         self._scheduler.update(step)
         # Consumers may read stats as soon as they see this step's tokens.
         self._update_gauges()
         for chunk, sampled in results:
-            self._append_token(chunk.seq, sampled)
+            if isinstance(sampled, SamplingFailed):
+                self._fail(chunk.seq, EngineRequestError(f"sampling failed: {sampled.reason}"))
+            else:
+                self._append_token(chunk.seq, sampled)
+        self._publish(self._kv.take_events())
+
+    def _run_alone(self, step: SchedulerOutput) -> None:
+        """Run a failed step's chunks one by one. A chunk that still fails while others
+        succeed is its own request's doing, and fails as a request error (a 400)."""
+        assert self._runner is not None
+        failed: list[tuple[Sequence, Exception]] = []
+        for chunk in step.chunks:
+            alone = SchedulerOutput(chunks=[chunk])
+            try:
+                results = self._runner.execute(alone)
+            except Exception as exc:  # noqa: BLE001 - attributed below
+                failed.append((chunk.seq, exc))
+                continue
+            self._apply(alone, results)
+        attributable = len(failed) < len(step.chunks)
+        for seq, exc in failed:
+            log.warning("request %s failed its engine step alone: %s", seq.request_id, exc)
+            error: Exception = exc
+            if attributable:
+                error = EngineRequestError(f"the engine could not run this request: {exc}")
+            self._fail(seq, error)
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        """End one request with an error; the rest of the batch carries on."""
+        assert self._scheduler is not None and self._kv is not None
+        if seq.status is not SeqStatus.FINISHED:
+            self._scheduler.finish(seq)
+            self._deliver(seq, exc)
+        self._update_gauges()
         self._publish(self._kv.take_events())
 
     def _append_token(self, seq: Sequence, sampled: Sampled) -> None:

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch
 
 from data_plane.engine.stop_strings import StopStringMatcher
-from data_plane.sampling import make_generator, sample_next
+from data_plane.sampling import (
+    RowSampling,
+    Sampled,
+    SamplingFailed,
+    make_generator,
+    sample_batch,
+    sample_next,
+)
 
 
 def test_greedy_picks_the_argmax() -> None:
@@ -59,3 +66,24 @@ def test_earliest_of_several_stop_strings_wins() -> None:
     m = StopStringMatcher(["b", "xyz", "a"])
     assert m.feed("123a456b") == ("123", True)
     assert m.matched == "a"
+
+
+def test_values_that_underflow_float32_sample_like_vllm() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    gen = make_generator(0)
+    # Under vLLM's epsilon a temperature is greedy; 1/1e-300 would be inf in float32.
+    for t in (1e-300, 5e-324, 1e-6):
+        assert sample_next(logits, temperature=t, top_p=1.0, generator=gen) == 1
+    # top_p 1e-300 is 0 in float32: the nucleus still keeps its most likely token.
+    assert {sample_next(logits, temperature=1.0, top_p=1e-300, generator=gen) for _ in range(20)} == {1}
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
+    logits = torch.tensor([[0.1, 3.0, 2.9], [float("nan"), 1.0, 0.0], [5.0, 0.0, 0.0]])
+    rows = [RowSampling(1.0, 1.0, 0, make_generator(0), None),
+            RowSampling(1.0, 1.0, 0, make_generator(0), None),
+            RowSampling(0.0, 1.0, 0, None, 2)]
+    first, broken, greedy = sample_batch(logits, rows)
+    assert isinstance(first, Sampled) and first.token_id in (0, 1, 2)
+    assert isinstance(broken, SamplingFailed) and "finite" in broken.reason
+    assert isinstance(greedy, Sampled) and greedy.token_id == 0 and greedy.logprob is not None
