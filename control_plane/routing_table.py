@@ -16,6 +16,7 @@ from meridian.contracts import (
     RoutingNode,
     RoutingTable,
     TenantEntry,
+    intersect_models,
 )
 
 # Set on a session whose transaction bumped the version, so the caller can wake
@@ -75,14 +76,13 @@ def build_routing_table(session: Session, regions: dict[str, RegionInfo]) -> Rou
 
 
 def _tenant_entry(key: ApiKey, tenant: Tenant | None) -> TenantEntry:
-    # A key narrows its tenant's models; it never widens them.
-    models = key.models if key.models is not None else (tenant.models if tenant is not None else None)
+    models = intersect_models(key.models, tenant.models if tenant is not None else None)
     return TenantEntry(
         key_hash=key.key_hash,
         key_prefix=key.key_prefix,
         tenant=key.tenant,
         zone=key.zone,
-        models=list(models) if models is not None else None,
+        models=models,
         requests_per_minute=tenant.requests_per_minute if tenant is not None else None,
         tokens_per_minute=tenant.tokens_per_minute if tenant is not None else None,
     )

@@ -63,7 +63,7 @@ def awaiting_scale_up(table: LoadedTable, tenant: TenantEntry, model: str) -> De
     and the deployment's zones (waiting could never help), and when a ready replica exists
     but is ejected: that is a failure, answered as before, not a cold start.
     """
-    if tenant.models is not None and model not in tenant.models:
+    if not tenant.may_use(model):
         return None
     deployment = table.deployments.get(model)
     if deployment is None or not placeable_regions(table, tenant, deployment):
@@ -85,7 +85,7 @@ def deployed_models(table: LoadedTable, tenant: TenantEntry) -> list[str]:
     return sorted(
         d.model
         for d in table.deployments.values()
-        if (tenant.models is None or d.model in tenant.models) and placeable_regions(table, tenant, d)
+        if tenant.may_use(d.model) and placeable_regions(table, tenant, d)
     )
 
 

@@ -101,7 +101,7 @@ def select_candidates(
     refuses (too many requests pending there) is left out like an ejected one.
     """
     base, _adapter = split_adapter(model)
-    if tenant.models is not None and model not in tenant.models and base not in tenant.models:
+    if not tenant.may_use(model):
         raise ModelNotFound(model)
     serving = [n for n in table.table.nodes if model in n.models]
     if not serving and base != model:
@@ -146,6 +146,4 @@ def models_for(table: LoadedTable, tenant: TenantEntry) -> list[str]:
         region = table.regions.get(node.region)
         if node.status == NodeStatus.READY and region is not None and tenant_may_use(tenant, region):
             served.update(node.models)
-    if tenant.models is not None:
-        served &= set(tenant.models)
-    return sorted(served)
+    return sorted(m for m in served if tenant.may_use(m))

@@ -7,6 +7,7 @@ and the data-plane nodes is defined here, so that no plane imports another.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal
@@ -205,6 +206,22 @@ class RoutingNode(_Wire):
     kv_events_replay: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
 
 
+def allows_model(models: Sequence[str] | None, model: str) -> bool:
+    """Whether a model list (None: every model) allows `model`; a listed base model allows
+    its LoRA adapters `base:adapter`. One rule for the control plane and the routers."""
+    return models is None or model in models or model.partition(":")[0] in models
+
+
+def intersect_models(key: Sequence[str] | None, tenant: Sequence[str] | None) -> list[str] | None:
+    """What a key may use: its own list within its tenant's (None: every model). A key
+    narrows its tenant's models and never widens them, also after the tenant's list changes."""
+    if key is None or tenant is None:
+        chosen = key if tenant is None else tenant
+        return list(chosen) if chosen is not None else None
+    both = [m for m in key if allows_model(tenant, m)]
+    return both + [m for m in tenant if allows_model(key, m) and m not in both]
+
+
 class TenantEntry(_Wire):
     """An inference API key as routers need it: hash only, never the key itself."""
 
@@ -216,6 +233,9 @@ class TenantEntry(_Wire):
     # The tenant's rate limits (None: unlimited), enforced by routers.
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
+
+    def may_use(self, model: str) -> bool:
+        return allows_model(self.models, model)
 
 
 class RoutingTable(_Wire):

@@ -18,7 +18,7 @@ from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import ApiKey
 from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import Scope
-from meridian.contracts import GLOBAL_ZONE, ModelName, ZoneName
+from meridian.contracts import GLOBAL_ZONE, ModelName, ZoneName, allows_model
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes([Scope.ADMIN]))])
 AdminActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN]))]
@@ -95,7 +95,7 @@ def create_api_key(ctx: Ctx, actor: AdminActor, body: ApiKeyCreate) -> ApiKeyCre
                     "(change the tenant's zone instead)"
                 )
             if body.models is not None and tenant.models is not None:
-                outside = sorted(set(body.models) - set(tenant.models))
+                outside = sorted(m for m in body.models if not allows_model(tenant.models, m))
                 if outside:
                     raise BadRequest(f"models not allowed for tenant {tenant.name!r}: {', '.join(outside)}")
             row, plaintext = keystore.create_key(

@@ -111,3 +111,27 @@ async def test_invalid_key_requests(cp: ControlPlane) -> None:
     body = cp.assert_problem(await cp.create_key(scopes=["superuser"]), 422)
     assert body["errors"][0]["loc"][:2] == ["body", "scopes"]
     cp.assert_problem(await cp.create_key(scopes=[]), 422)
+
+
+async def test_a_keys_models_never_outlive_its_tenants(cp: ControlPlane) -> None:
+    """Issue 18, finding 2: the key's own list used to be published as is."""
+    assert (await cp.http.post("/v1/tenants", json={"name": "acme", "zone": "eu", "models": ["tiny-llama", "big"]},
+                               headers=cp.admin)).status_code == 201
+    narrow = (await cp.create_key(tenant="acme", zone="eu", models=["tiny-llama"])).json()
+    adapter = (await cp.create_key(tenant="acme", zone="eu", models=["big:support"])).json()
+    wide = (await cp.create_key(tenant="acme", zone="eu")).json()
+
+    def published(table: dict[str, object]) -> dict[str, object]:
+        return {t["key_hash"]: t["models"] for t in table["tenants"]}  # type: ignore[index, union-attr]
+
+    table = published((await cp.table()).json())
+    assert table[hash_api_key(narrow["key"])] == ["tiny-llama"]
+    assert table[hash_api_key(adapter["key"])] == ["big:support"]
+    assert table[hash_api_key(wide["key"])] == ["tiny-llama", "big"]
+
+    r = await cp.http.patch("/v1/tenants/acme", json={"models": ["other-model", "big"]}, headers=cp.admin)
+    assert r.status_code == 200, r.text
+    table = published((await cp.table()).json())
+    assert table[hash_api_key(narrow["key"])] == []
+    assert table[hash_api_key(adapter["key"])] == ["big:support"]
+    assert table[hash_api_key(wide["key"])] == ["other-model", "big"]
