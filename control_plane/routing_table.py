@@ -85,4 +85,5 @@ def _tenant_entry(key: ApiKey, tenant: Tenant | None) -> TenantEntry:
         models=models,
         requests_per_minute=tenant.requests_per_minute if tenant is not None else None,
         tokens_per_minute=tenant.tokens_per_minute if tenant is not None else None,
+        cache_group=tenant.cache_group if tenant is not None else None,
     )

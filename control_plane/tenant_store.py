@@ -22,6 +22,7 @@ def as_dict(row: Tenant) -> dict[str, Any]:
         "models": row.models,
         "requests_per_minute": row.requests_per_minute,
         "tokens_per_minute": row.tokens_per_minute,
+        "cache_group": row.cache_group,
         "resource_version": row.resource_version,
         "created_at": row.created_at.isoformat(),
         "updated_at": row.updated_at.isoformat(),
@@ -52,6 +53,7 @@ def create(
     requests_per_minute: int | None,
     tokens_per_minute: int | None,
     now: datetime,
+    cache_group: str | None = None,
 ) -> Tenant:
     """Add a tenant; Conflict when the name is taken."""
     if session.get(Tenant, name) is not None:
@@ -62,6 +64,7 @@ def create(
         models=list(models) if models is not None else None,
         requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute,
+        cache_group=cache_group,
         resource_version=1,
         created_at=now,
         updated_at=now,

@@ -41,6 +41,7 @@ from .errors import (
     install_error_handlers,
 )
 from .health import Ejection, FleetState, InProcessFleetState
+from .isolation import salted
 from .kv_index import KVIndex
 from .kv_subscriber import KVEventSubscriber
 from .locate import ClientLocator, RttEstimator
@@ -308,7 +309,8 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         tenant = authenticate(loaded, request.headers.get("authorization"))
         body = await read_body(request, state.settings.max_request_bytes)
         received_at = time.perf_counter()
-        inference = parse_inference_request(body)
+        # Prefix caches are per tenant (or sharing group): no tenant can probe another's.
+        inference = salted(parse_inference_request(body), tenant)
         try:
             admission = state.rate_limiter.admit(
                 tenant, estimate_tokens(inference.payload, state.settings.rate_limit_default_completion_tokens)

@@ -44,6 +44,9 @@ ZoneName = Annotated[str, Field(pattern=ZONE_PATTERN)]
 # Free text that is safe to store and log: no control characters (Postgres refuses NUL in text).
 PRINTABLE_PATTERN = r"^[^\x00-\x1f\x7f]*$"
 ModelName = Annotated[str, Field(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN)]
+# A prefix-cache sharing group of tenants (see TenantEntry.cache_group).
+CACHE_GROUP_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
+CacheGroupName = Annotated[str, Field(pattern=CACHE_GROUP_PATTERN)]
 # A ZMQ endpoint a router can connect to: tcp://host:port (IPv6 host in brackets) or
 # ipc://path. Wildcard hosts ("*") are bind addresses, not connectable, so they are refused.
 ZMQ_ENDPOINT_PATTERN = (
@@ -233,6 +236,9 @@ class TenantEntry(_Wire):
     # The tenant's rate limits (None: unlimited), enforced by routers.
     requests_per_minute: int | None = Field(None, ge=1)
     tokens_per_minute: int | None = Field(None, ge=1)
+    # Tenants of one group share prefix-cache entries (an operator's opt-in); None: the
+    # tenant's cache is its own (routers salt every request per tenant).
+    cache_group: CacheGroupName | None = _OMITTED_WHEN_UNSET
 
     def may_use(self, model: str) -> bool:
         return allows_model(self.models, model)

@@ -19,7 +19,7 @@ from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import Tenant
 from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import FLEET_READERS, Scope
-from meridian.contracts import GLOBAL_ZONE, ModelName, ZoneName
+from meridian.contracts import GLOBAL_ZONE, CacheGroupName, ModelName, ZoneName
 
 router = APIRouter(prefix="/v1")
 readers = [Depends(require_scopes(FLEET_READERS))]
@@ -37,6 +37,9 @@ class TenantCreate(BaseModel):
     models: list[ModelName] | None = Field(None, max_length=64)
     requests_per_minute: RateLimit | None = None
     tokens_per_minute: RateLimit | None = None
+    cache_group: CacheGroupName | None = Field(
+        None, description="Tenants of one group share prefix-cache entries (and can see each other's "
+        "cache hits); by default a tenant's cache is its own.")
 
 
 class TenantPatch(BaseModel):
@@ -48,6 +51,7 @@ class TenantPatch(BaseModel):
     models: list[ModelName] | None = Field(None, max_length=64)
     requests_per_minute: RateLimit | None = None
     tokens_per_minute: RateLimit | None = None
+    cache_group: CacheGroupName | None = None
 
 
 class TenantView(BaseModel):
@@ -56,6 +60,7 @@ class TenantView(BaseModel):
     models: list[str] | None
     requests_per_minute: int | None
     tokens_per_minute: int | None
+    cache_group: str | None = None
     resource_version: int
     created_at: datetime
     updated_at: datetime
@@ -82,6 +87,7 @@ def create_audited(session: Session, actor: Actor, body: TenantCreate, now: date
         models=body.models,
         requests_per_minute=body.requests_per_minute,
         tokens_per_minute=body.tokens_per_minute,
+        cache_group=body.cache_group,
         now=now,
     )
     audit.record(session, actor, action="create", resource_type="tenant", resource_id=row.name,

@@ -249,6 +249,8 @@ class Tenant(Base):
     models: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     requests_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    # Tenants of one group share prefix-cache entries; None: the tenant's cache is its own.
+    cache_group: Mapped[str | None] = mapped_column(String(100), nullable=True)
     resource_version: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())

@@ -135,3 +135,18 @@ async def test_a_keys_models_never_outlive_its_tenants(cp: ControlPlane) -> None
     assert table[hash_api_key(narrow["key"])] == []
     assert table[hash_api_key(adapter["key"])] == ["big:support"]
     assert table[hash_api_key(wide["key"])] == ["other-model", "big"]
+
+
+async def test_a_tenants_cache_sharing_group_is_published_with_its_keys(cp: ControlPlane) -> None:
+    r = await cp.http.post("/v1/tenants", json={"name": "team-a", "zone": "eu", "cache_group": "acme-corp"},
+                           headers=cp.admin)
+    assert r.status_code == 201 and r.json()["cache_group"] == "acme-corp"
+    key = (await cp.create_key(tenant="team-a", zone="eu")).json()
+    [entry] = (await cp.table()).json()["tenants"]
+    assert entry["key_hash"] == hash_api_key(key["key"]) and entry["cache_group"] == "acme-corp"
+    # Back to a cache of its own.
+    assert (await cp.http.patch("/v1/tenants/team-a", json={"cache_group": None}, headers=cp.admin)).status_code == 200
+    [entry] = (await cp.table()).json()["tenants"]
+    assert "cache_group" not in entry
+    bad = await cp.http.post("/v1/tenants", json={"name": "b", "cache_group": "no spaces\n"}, headers=cp.admin)
+    cp.assert_problem(bad, 422)

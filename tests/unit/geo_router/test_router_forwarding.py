@@ -50,10 +50,11 @@ async def test_served_by_the_nearest_region_with_routing_headers(fabric: Fabric)
     assert r.headers[HEADER_NODE] == "us-1"
     assert re.fullmatch(r"[0-9a-f]{32}", r.headers[HEADER_REQUEST_ID])
     assert 0 <= float(r.headers[HEADER_OVERHEAD_MS]) < 1000
-    # The node gets the body untouched, the same request id, the router's cluster token
-    # and never the client's key.
+    # The node gets the body untouched but for the tenant's cache salt, the same request
+    # id, the router's cluster token and never the client's key.
     us = fabric.behaviours["us"]
-    assert us.bodies == [CHAT | {"temperature": 0.5}]
+    assert us.bodies == [CHAT | {"temperature": 0.5, "cache_salt": us.bodies[0]["cache_salt"]}]
+    assert re.fullmatch(r"[0-9a-f]{32}", us.bodies[0]["cache_salt"])
     assert us.request_ids == [r.headers[HEADER_REQUEST_ID]]
     assert us.headers[0]["authorization"] == f"Bearer {CLUSTER_TOKEN}"
     assert client.headers["authorization"] not in us.headers[0].values()
