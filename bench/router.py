@@ -191,15 +191,16 @@ class RunningRouter:
 
 
 @contextlib.contextmanager
-def router_process(work_dir: Path, node_url: str) -> Iterator[RunningRouter]:
-    """`meridian router serve` in front of the node, serving from a snapshot."""
+def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | None = None) -> Iterator[RunningRouter]:
+    """`meridian router serve` in front of the node, serving from a snapshot (`env_extra`:
+    more MERIDIAN_* settings)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     snapshot = work_dir / "routing-table.json"
     write_snapshot(snapshot, bench_table(node_url))
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     env |= {"MERIDIAN_CLUSTER_TOKEN": "router-bench-cluster-token", "PYTHONUNBUFFERED": "1",
-            "MERIDIAN_ROUTER_DEFAULT_CLIENT_LOCATION": REGION.name}
+            "MERIDIAN_ROUTER_DEFAULT_CLIENT_LOCATION": REGION.name} | (env_extra or {})
     log = work_dir / "router.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(

@@ -41,6 +41,7 @@ from control_plane.fleet import fleet_loops
 from control_plane.reaper import run_reaper
 from control_plane.routing_table import current_version
 from control_plane.version_watch import VersionWatch
+from meridian.http_server import limited_config, problem_body
 from meridian.settings import ControlPlaneSettings
 from providers.catalog import load_catalog
 from providers.onprem.inventory import load_inventory
@@ -144,8 +145,10 @@ class _Server(uvicorn.Server):
 
 def serve(settings: ControlPlaneSettings) -> None:
     """Run the control plane under uvicorn until SIGTERM/SIGINT (blocking)."""
-    config = uvicorn.Config(
+    config = limited_config(
         create_app(settings),
+        settings,
+        problem_body,
         host=settings.host,
         port=settings.port,
         lifespan="on",

@@ -31,9 +31,10 @@ class BodyLimitMiddleware:
         size = 0
         while True:
             message = await receive()
-            buffered.append(message)
             if message["type"] != "http.request":
-                break
+                # The client left mid-body (or the listener cut it off): nobody reads an answer.
+                return
+            buffered.append(message)
             size += len(message.get("body", b""))
             if size > self.max_bytes:
                 await self._reject(scope, receive, send)

@@ -12,6 +12,7 @@ import uvicorn
 
 from data_plane.runtime import NodeRuntime
 from data_plane.server.app import create_app
+from meridian.http_server import limited_config, openai_error_body
 from meridian.settings import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -99,8 +100,10 @@ def serve(settings: NodeSettings) -> None:
     sock = bind_socket(settings.host, settings.port)
     settings = settings.model_copy(update={"port": sock.getsockname()[1]})
     app = create_app(settings)
-    config = uvicorn.Config(
+    config = limited_config(
         app,
+        settings,
+        openai_error_body,
         lifespan="on",
         log_config=None,
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from meridian.contracts import HEADER_REQUEST_ID, HEADER_SCALE_WAIT_MS, ModelCard, ModelList, TenantEntry
 from meridian.geo import Point
+from meridian.http_server import limited_config, openai_error_body
 from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
 from meridian.settings import RouterSettings
 
@@ -398,16 +399,17 @@ def _settle_tokens(state: RouterState, admission: Admission, payload: Mapping[st
 
 def serve(settings: RouterSettings) -> None:
     """Run the router under uvicorn until SIGTERM/SIGINT."""
-    config = uvicorn.Config(
+    config = limited_config(
         create_app(settings),
+        settings,
+        openai_error_body,
         host=settings.host,
         port=settings.port,
         lifespan="on",
         timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
         # The fast C implementations (uvicorn[standard]); named so that a missing one fails
-        # at start-up instead of silently costing every request.
+        # at start-up instead of silently costing every request (the protocol is httptools').
         loop="uvloop",
-        http="httptools",
         # A log line per request costs more than routing it; requests are counted and timed
         # in /metrics instead.
         access_log=False,

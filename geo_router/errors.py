@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from meridian.contracts import HEADER_REQUEST_ID, openai_error
 
@@ -230,6 +231,11 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     return error_response(BadRequest(f"Invalid request: {exc}"), _request_id(request))
 
 
+async def _client_gone(request: Request, exc: Exception) -> JSONResponse:
+    # Not an error of the router's: no traceback, no log line per disconnect.
+    return error_response(ClientClosedRequest(), _request_id(request))
+
+
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # The traceback goes to the log, never to the client.
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
@@ -242,4 +248,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RouterError, _router_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     app.add_exception_handler(Exception, _unexpected_error)

@@ -12,9 +12,8 @@ from typing import Any
 
 import msgspec
 from fastapi import Request
-from starlette.requests import ClientDisconnect
 
-from .errors import BadRequest, RequestTooLarge
+from .errors import BadRequest, ClientClosedRequest, RequestTooLarge
 
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # msgspec, not json: it parses a chat request several times faster, and it refuses what is
@@ -50,7 +49,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            raise ClientDisconnect()
+            # Gone mid-body (or cut off by the listener's body timeout): nobody reads this.
+            raise ClientClosedRequest()
         chunk: bytes = message.get("body", b"")
         size += len(chunk)
         if size > limit:

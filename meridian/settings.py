@@ -21,7 +21,21 @@ _CLUSTER_TOKEN = Field(
 )
 
 
-class ControlPlaneSettings(BaseSettings):
+class ListenerSettings(BaseSettings):
+    """Limits of a process's HTTP listener (meridian.http_server), under its own prefix:
+    `MERIDIAN_ROUTER_MAX_HEADER_BYTES`, `MERIDIAN_NODE_HEADER_TIMEOUT_S`, `MERIDIAN_CP_…`."""
+
+    # A request head (request line + headers) over this is answered 431.
+    max_header_bytes: int = Field(32 * 1024, ge=1024)
+    # The whole head must arrive within this of its first byte, the body within
+    # body_timeout_s of the head's end: 408 and the connection closed otherwise.
+    header_timeout_s: float = Field(15.0, gt=0)
+    body_timeout_s: float = Field(60.0, gt=0)
+    # Open connections beyond this are answered 503 with Retry-After and closed at once.
+    max_connections: int = Field(4096, ge=1)
+
+
+class ControlPlaneSettings(ListenerSettings):
     """Settings of `meridian control-plane serve`."""
 
     model_config = SettingsConfigDict(env_prefix="MERIDIAN_CP_", extra="ignore")
@@ -94,7 +108,7 @@ class ProviderSettings(BaseSettings):
     operation_timeout_s: float = Field(45.0, gt=0)
 
 
-class RouterSettings(BaseSettings):
+class RouterSettings(ListenerSettings):
     """Settings of `meridian router serve`."""
 
     model_config = SettingsConfigDict(env_prefix="MERIDIAN_ROUTER_", extra="ignore")
@@ -288,7 +302,7 @@ class WeightSettings(BaseSettings):
     multipart_part_bytes: int = Field(64 * 1024 * 1024, ge=5 * 1024 * 1024)
 
 
-class NodeSettings(BaseSettings):
+class NodeSettings(ListenerSettings):
     """Settings of `meridian node run`."""
 
     model_config = SettingsConfigDict(env_prefix="MERIDIAN_NODE_", extra="ignore")

@@ -29,8 +29,8 @@ from data_plane.engine.base import (
 from data_plane.runtime import NodeRuntime
 from data_plane.server.body import parse_body
 from data_plane.server.errors import (
-    APIError,
     BadRequestError,
+    ClientClosedError,
     ContextLengthError,
     ModelNotFoundError,
     UnavailableError,
@@ -302,7 +302,7 @@ class CompletionService:
             # or slow) has retried elsewhere: an answer nobody reads must not count as served.
             await asyncio.sleep(0)
             if await request.is_disconnected():
-                raise APIError("client disconnected", code="client_disconnected")
+                raise ClientClosedError()
             response = self._full_response(ex, "".join(texts), logprobs)
             # Journalled before the answer's bytes go out: a client that got the answer then
             # always finds it served, even if the node dies right after sending it.
@@ -381,7 +381,7 @@ class CompletionService:
                 if await request.is_disconnected():
                     # Nobody will read the answer: stop spending compute on it.
                     ex.finish_reason = None
-                    raise APIError("client disconnected", code="client_disconnected")
+                    raise ClientClosedError()
         finally:
             if not task.done():
                 task.cancel()

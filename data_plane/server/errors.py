@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from data_plane.engine.base import (
     EngineNotReadyError,
@@ -63,6 +64,17 @@ class PayloadTooLargeError(APIError):
     status_code = 413
     error_type = "invalid_request_error"
     default_code = "request_too_large"
+
+
+class ClientClosedError(APIError):
+    """The client went away; nobody reads this answer (nginx's 499)."""
+
+    status_code = 499
+    error_type = "invalid_request_error"
+    default_code = "client_disconnected"
+
+    def __init__(self) -> None:
+        super().__init__("client disconnected")
 
 
 class UnavailableError(APIError):
@@ -123,6 +135,10 @@ def install_error_handlers(app: FastAPI) -> None:
             headers=getattr(exc, "headers", None),
         )
 
+    async def on_client_gone(_: Request, exc: Exception) -> JSONResponse:
+        # The client left mid-body: nobody reads this, and it is not the node's error.
+        return error_response(ClientClosedError())
+
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return JSONResponse(
@@ -138,4 +154,5 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineRequestError, on_engine_request)
     app.add_exception_handler(ChatTemplateError, on_template)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(ClientDisconnect, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)

@@ -265,11 +265,13 @@ class ServerGroup:
     def __init__(self) -> None:
         self._running: list[tuple[uvicorn.Server, asyncio.Task[None], socket.socket]] = []
 
-    async def start(self, app: FastAPI, sock: socket.socket | None = None) -> str:
-        """Serve `app` (on `sock` when given); returns its base URL once it accepts requests."""
+    async def start(self, app: FastAPI, sock: socket.socket | None = None,
+                    config: uvicorn.Config | None = None) -> str:
+        """Serve `app` (on `sock` when given; with `config` when given, else a plain one);
+        returns its base URL once it accepts requests."""
         sock = sock or reserve_port()
-        config = uvicorn.Config(app, lifespan="on", log_level="warning",
-                                timeout_graceful_shutdown=2)
+        config = config or uvicorn.Config(app, lifespan="on", log_level="warning",
+                                          timeout_graceful_shutdown=2)
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         self._running.append((server, task, sock))

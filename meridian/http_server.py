@@ -1,0 +1,226 @@
+"""Limits on every HTTP listener (router, node, control plane): what uvicorn leaves open.
+
+uvicorn's httptools protocol has no limit on the size of a request's head and no timeout
+for reading it or the body: 500 sockets sending partial headers stayed open past 80 s, and
+20 unterminated 10 MB headers grew a router from 99 to 309 MiB (httptools buffers a
+header until it ends). `LimitedHttpToolsProtocol` adds, per connection:
+
+- `max_header_bytes`: a request head (request line and headers) larger than this is
+  answered 431 and the connection closed; at most this plus one read is ever buffered;
+- `header_timeout_s`: the head must arrive whole within this long of its first byte (or of
+  the connection's opening): 408 and close otherwise. Slowloris' one byte every few
+  seconds does not reset it, since it bounds the whole head, not the gap between reads;
+- `body_timeout_s`: the body must arrive whole within this long of the head: 408 (when
+  no answer has started) and close. The app sees a disconnect;
+- `max_connections`: beyond this many open connections a new one is answered 503 with
+  `Retry-After` at once and closed, before anything of it is read.
+
+Concurrency of requests is capped where the work is (the router's upstream slots and
+scale-from-zero queue, the node's waiting queue), each answering 503 with Retry-After.
+The error bodies are the listener's own format (OpenAI error JSON on the inference API,
+problem+json on the admin API), given as `error_body`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from meridian.settings import ListenerSettings
+
+# How long a refused connection's further bytes are read and dropped before it is closed.
+_LINGER_S = 2.0
+
+# (content type, body) of an error answered by the listener itself.
+ErrorBody = Callable[[int, str], tuple[str, bytes]]
+
+
+def openai_error_body(status: int, message: str) -> tuple[str, bytes]:
+    """The inference API's error shape (router and nodes)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    codes = {408: "request_timeout", 431: "request_header_fields_too_large", 503: "too_many_connections"}
+    body = {"error": {"message": message, "type": kind, "param": None, "code": codes.get(status)}}
+    return "application/json", json.dumps(body).encode()
+
+
+def problem_body(status: int, message: str) -> tuple[str, bytes]:
+    """The admin API's error shape (RFC 9457 problem+json)."""
+    titles = {408: "Request Timeout", 431: "Request Header Fields Too Large", 503: "Service Unavailable"}
+    body = {"type": "about:blank", "title": titles.get(status, "Error"), "status": status, "detail": message}
+    return "application/problem+json", json.dumps(body).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerLimits:
+    max_header_bytes: int = 32 * 1024
+    header_timeout_s: float = 15.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 4096
+    # Seconds a client told "too many connections" should wait.
+    retry_after_s: int = 1
+
+    @classmethod
+    def of(cls, settings: ListenerSettings) -> ListenerLimits:
+        return cls(settings.max_header_bytes, settings.header_timeout_s, settings.body_timeout_s,
+                   settings.max_connections)
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with head size, head and body timeouts and a connection cap."""
+
+    limits: ClassVar[ListenerLimits] = ListenerLimits()
+    error_body: ClassVar[ErrorBody] = staticmethod(openai_error_body)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_bytes = 0
+        # Reading a request's head: from the connection's opening, or the end of the previous
+        # request's body, to the end of the head. Its clock runs from the opening or from the
+        # head's first byte (a kept-alive connection's idle time is uvicorn's keep-alive).
+        self._in_head = True
+        self._head_clock = False
+        self._in_body = False
+        # After a refusal: the rest of what the client sends is read and dropped for a moment
+        # (nginx's lingering close), so that its kernel does not reset the connection before
+        # the client has read the answer.
+        self._lingering = False
+        # A head found over the limit once parsed whole (it fitted in one read): the parser's
+        # remaining callbacks are ignored and the request is refused.
+        self._oversized = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- connection -------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refuse(503, f"The server has too many open connections ({self.limits.max_connections}). "
+                              "Retry later.", retry_after=True)
+            return
+        self._head_clock = True
+        self._arm(self.limits.header_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering or self.transport.is_closing():
+            return
+        if self._in_head:
+            if not self._head_clock:
+                self._head_clock = True
+                self._arm(self.limits.header_timeout_s)
+            self._head_bytes += len(data)
+        super().data_received(data)
+        too_big = self._in_head and self._head_bytes > self.limits.max_header_bytes
+        if (too_big or self._oversized) and not self.transport.is_closing():
+            self._refuse(431, f"The request head is larger than {self.limits.max_header_bytes} bytes.")
+
+    # --- parser callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._oversized:
+            return
+        if not self._head_clock:  # a head that began in the same read as the previous body
+            self._head_clock = True
+            self._arm(self.limits.header_timeout_s)
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        if not self._oversized:
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._oversized:
+            super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        if self._oversized:
+            return
+        size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
+        if size > self.limits.max_header_bytes:
+            self._oversized = True  # refused once the parser returns
+            return
+        self._in_head = self._head_clock = False
+        self._in_body = True
+        self._arm(self.limits.body_timeout_s)
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._oversized:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._oversized:
+            return
+        # What follows is the next request's head (pipelined or after keep-alive).
+        self._in_body = False
+        self._in_head = True
+        self._head_bytes = 0
+        self._disarm()
+        super().on_message_complete()
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(seconds, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self._in_head:
+            self._refuse(408, f"The request head did not arrive within {self.limits.header_timeout_s:g} seconds.")
+        elif self._in_body:
+            if self.cycle is not None and not self.cycle.response_started:
+                self._refuse(408, f"The request body did not arrive within {self.limits.body_timeout_s:g} seconds.")
+            else:
+                self.transport.close()
+
+    def _refuse(self, status: int, message: str, *, retry_after: bool = False) -> None:
+        """Answer `status` and close, whatever state the exchange is in (nothing was sent)."""
+        self._disarm()
+        self._in_head = self._in_body = False
+        if self.cycle is not None and not self.cycle.response_complete:
+            # The app (if it runs) sees the client gone; it must not write after us.
+            self.cycle.disconnected = True
+            self.cycle.response_complete = True
+            self.cycle.message_event.set()
+        content_type, body = self.error_body(status, message)
+        head = [STATUS_LINE[status], b"content-type: ", content_type.encode(), b"\r\n",
+                b"content-length: ", str(len(body)).encode(), b"\r\n", b"connection: close\r\n"]
+        if retry_after:
+            head += [b"retry-after: ", str(self.limits.retry_after_s).encode(), b"\r\n"]
+        self.transport.write(b"".join([*head, b"\r\n", body]))
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self._lingering = True
+        self._timer = self.loop.call_later(_LINGER_S, self.transport.close)
+
+
+def limited_protocol(limits: ListenerLimits, error_body: ErrorBody = openai_error_body) -> type[LimitedHttpToolsProtocol]:
+    """A protocol class for uvicorn.Config(http=...) with these limits and error format."""
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,),
+                {"limits": limits, "error_body": staticmethod(error_body)})
+
+
+def limited_config(app: Any, settings: ListenerSettings, error_body: ErrorBody = openai_error_body,
+                   **kwargs: Any) -> Config:
+    """uvicorn's Config for `app` served over the httptools protocol with the listener
+    limits of `settings`."""
+    return Config(app, http=limited_protocol(ListenerLimits.of(settings), error_body), **kwargs)

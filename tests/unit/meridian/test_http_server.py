@@ -1,0 +1,103 @@
+"""The listener limits every Meridian HTTP server runs with (meridian.http_server), on a
+real uvicorn server: head size (431), head and body timeouts (408), the connection cap
+(503), each in the listener's error format, and kept-alive requests limited like the first."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from fastapi import FastAPI, Request
+from router_harness import ServerGroup
+
+from meridian.http_server import limited_config, openai_error_body, problem_body
+from meridian.settings import ListenerSettings
+
+LIMITS = ListenerSettings(max_header_bytes=2048, header_timeout_s=0.5, body_timeout_s=0.5, max_connections=3)
+
+
+def echo_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        return {"bytes": len(await request.body())}
+
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serving(error_body=openai_error_body) -> AsyncIterator[int]:  # type: ignore[no-untyped-def]
+    app = echo_app()
+    servers = ServerGroup()
+    config = limited_config(app, LIMITS, error_body, log_level="warning", timeout_keep_alive=5,
+                            timeout_graceful_shutdown=2)
+    try:
+        url = await servers.start(app, config=config)
+        yield int(url.rsplit(":", 1)[1])
+    finally:
+        await servers.stop()
+
+
+async def exchange(port: int, data: bytes, within_s: float = 5) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    try:
+        async with asyncio.timeout(within_s):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+def body_of(answer: bytes) -> dict[str, object]:
+    return json.loads(answer.split(b"\r\n\r\n", 1)[1])  # type: ignore[no-any-return]
+
+
+def post(body: bytes, close: bool = True) -> bytes:
+    conn = b"connection: close\r\n" if close else b""
+    return b"POST /echo HTTP/1.1\r\nhost: x\r\n" + conn + b"content-length: %d\r\n\r\n" % len(body) + body
+
+
+async def test_an_oversized_head_is_431_in_the_listeners_format() -> None:
+    async with serving() as port:
+        answer = await exchange(port, b"GET /echo HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 4096 + b"\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.1 431 ")
+        assert body_of(answer)["error"]["code"] == "request_header_fields_too_large"  # type: ignore[index]
+    async with serving(problem_body) as port:
+        answer = await exchange(port, b"GET /echo HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 4096)
+        assert answer.startswith(b"HTTP/1.1 431 ") and b"application/problem+json" in answer
+        assert body_of(answer)["status"] == 431
+
+
+async def test_kept_alive_requests_are_served_and_limited_like_the_first() -> None:
+    async with serving() as port:
+        # Two requests on one connection, then a third whose head stalls.
+        answer = await exchange(port, post(b"{}", close=False) + post(b"[1]", close=False) + b"POST /ec")
+        assert answer.count(b"HTTP/1.1 200 ") == 2 and b'{"bytes":3}' in answer
+        assert answer.split(b"HTTP/1.1 ")[-1].startswith(b"408 ")
+
+
+async def test_a_stalled_head_or_body_is_408() -> None:
+    async with serving() as port:
+        for partial in (b"", b"POST /echo HTTP/1.1\r\nhost: x\r\n", post(b"{}")[:-1]):
+            answer = await exchange(port, partial)
+            assert answer.startswith(b"HTTP/1.1 408 "), (partial, answer)
+            assert body_of(answer)["error"]["code"] == "request_timeout"  # type: ignore[index]
+
+
+async def test_connections_past_the_cap_are_refused_with_retry_after() -> None:
+    async with serving() as port:
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+        answer = await exchange(port, post(b"{}"))
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1\r\n" in answer
+        for _, w in held:
+            w.close()
+
+
+@pytest.mark.parametrize("limit", [1023, 0])
+def test_limits_are_validated(limit: int) -> None:
+    with pytest.raises(ValueError):
+        ListenerSettings(max_header_bytes=limit)
