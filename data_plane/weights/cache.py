@@ -343,7 +343,9 @@ class NodeCache:
                     dest = tmp / f.path
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     os.link(self.blob_path(f.sha256), dest)
-                (tmp / MANIFEST_NAME).write_bytes(manifest.canonical_json())
+                # Written beside and renamed over: never through a link into a shared blob.
+                (tmp / ".manifest.tmp").write_bytes(manifest.canonical_json())
+                os.replace(tmp / ".manifest.tmp", tmp / MANIFEST_NAME)
                 (tmp / LAST_USED).touch()
             try:
                 os.rename(tmp, target)

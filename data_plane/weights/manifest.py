@@ -43,6 +43,14 @@ class ManifestFile(BaseModel):
         p = PurePosixPath(v)
         if p.is_absolute() or ".." in p.parts or "\\" in v or v != p.as_posix() or v.startswith("./"):
             raise ValueError(f"file path {v!r} must be relative, without '..'")
+        if any(ord(c) < 0x20 or c == "\x7f" for c in v):
+            raise ValueError(f"file path {v!r} must not contain control characters")
+        # A model directory in a node cache holds the model's files and the cache's own:
+        # the manifest and hidden bookkeeping (`.last-used`, `.tmp-*`). A file named like
+        # one of them would be linked to a shared blob and then written over, changing
+        # another model's file (push never uploads hidden files or the manifest itself).
+        if v == MANIFEST_NAME or any(part.startswith(".") for part in p.parts):
+            raise ValueError(f"file path {v!r} is reserved (the manifest, or a hidden name)")
         return v
 
     @field_validator("chunks")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from data_plane.weights.cache import NodeCache
-from data_plane.weights.errors import CacheFullError, FetchError
+from data_plane.weights.errors import CacheFullError, FetchError, WeightStoreError
 from data_plane.weights.fetcher import RangeFetcher, Source
 from data_plane.weights.manifest import MANIFEST_NAME, Manifest, ManifestError, build_manifest
 from data_plane.weights.origins import open_origin
@@ -66,6 +67,35 @@ def test_manifest_rejects_paths_outside_the_model() -> None:
     )
     with pytest.raises(ManifestError, match="relative"):
         Manifest.parse(raw.encode())
+
+
+@pytest.mark.parametrize("name", [MANIFEST_NAME, ".last-used", "sub/.hidden", "a\nb", ".tmp-x/f"])
+def test_manifest_rejects_names_the_cache_keeps_for_itself(name: str) -> None:
+    raw = {"name": "m", "created_at": "2026-01-01T00:00:00Z", "files": [
+        {"path": name, "size": 1, "sha256": "0" * 64, "chunk_size": 4096, "chunks": ["0" * 64]}]}
+    with pytest.raises(ManifestError, match="reserved|control"):
+        Manifest.parse(json.dumps(raw).encode())
+
+
+async def test_a_manifest_cannot_overwrite_another_models_file(tmp_path: Path) -> None:
+    """Issue 18, finding 5: a manifest listing a file named `meridian-manifest.json` had
+    the cache hard-link a shared blob (model A's config.json) under that name, then write
+    model B's manifest over it: A's config.json became B's manifest."""
+    settings = _settings(tmp_path / "cache")
+    a = await WeightPuller(settings, NodeCache(settings.cache_dir)).pull(
+        await _push(_model_dir(tmp_path), tmp_path / "origin-a", settings))
+    config = (a.model.path / "config.json").read_bytes()
+    [entry] = [f for f in a.model.manifest.files if f.path == "config.json"]
+    evil = {"name": "evil", "created_at": "2026-01-01T00:00:00Z",
+            "files": [entry.model_dump(mode="json") | {"path": MANIFEST_NAME}]}
+    (tmp_path / "origin-b").mkdir()
+    (tmp_path / "origin-b" / MANIFEST_NAME).write_text(json.dumps(evil))
+
+    with pytest.raises(WeightStoreError, match="reserved"):
+        await WeightPuller(settings, NodeCache(settings.cache_dir)).pull(f"file://{tmp_path / 'origin-b'}")
+    assert (a.model.path / "config.json").read_bytes() == config
+    assert (settings.cache_dir / "blobs").exists()
+    assert [m.manifest.name for m in NodeCache(settings.cache_dir).models()] == ["m"]
 
 
 async def test_pull_publishes_identical_files_then_starts_warm(tmp_path: Path) -> None:
