@@ -13,12 +13,15 @@ from typing import Any
 import msgspec
 from fastapi import Request
 
+from meridian.json_limits import MAX_JSON_DEPTH, too_deep
+
 from .errors import BadRequest, ClientClosedRequest, RequestTooLarge
 
 _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # msgspec, not json: it parses a chat request several times faster, and it refuses what is
 # not JSON (NaN, lone surrogates) rather than forwarding it to a node that would choke.
 _JSON = msgspec.json.Decoder()
+_TOO_DEEP = object()
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,10 +70,13 @@ def parse_inference_request(body: bytes) -> InferenceRequest:
     """Check the body is a JSON object naming a model; 400 otherwise."""
     try:
         payload = _JSON.decode(body)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # invalid UTF-8 inside a string
         raise BadRequest(f"Request body is not valid JSON: {exc}") from None
     except RecursionError:
-        raise BadRequest("Request body is nested too deeply.") from None
+        payload = _TOO_DEEP
+    if payload is _TOO_DEEP or too_deep(body, payload):
+        # The nodes' limit too: a body one parser takes and the other refuses must not exist.
+        raise BadRequest(f"Request body is nested more than {MAX_JSON_DEPTH} levels deep.")
     if not isinstance(payload, dict):
         raise BadRequest("Request body must be a JSON object.")
     model = payload.get("model")

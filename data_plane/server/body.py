@@ -10,8 +10,10 @@ from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
 from data_plane.server.errors import BadRequestError, PayloadTooLargeError, validation_error
+from meridian.json_limits import MAX_JSON_DEPTH, too_deep
 
 M = TypeVar("M", bound=BaseModel)
+_TOO_DEEP = object()
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -44,6 +46,10 @@ async def parse_body(
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        data = _TOO_DEEP
+    if data is _TOO_DEEP or too_deep(raw, data):
+        raise BadRequestError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(data, dict):
         raise BadRequestError("request body must be a JSON object")
     try:

@@ -164,6 +164,16 @@ async def test_malformed_json_is_400_not_422(client: httpx.AsyncClient) -> None:
     assert_openai_error(resp, 400)
 
 
+@pytest.mark.parametrize("depth", [65, 953, 5000])
+async def test_json_nested_past_the_shared_limit_is_400(client: httpx.AsyncClient, depth: int) -> None:
+    """Issue 18, finding 6: depth 951-955 passed the router's parser and was an uncaught
+    RecursionError (500) here, which counted towards ejecting the node."""
+    body = b'{"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "x": '
+    resp = await client.post("/v1/chat/completions", content=body + b"[" * depth + b"]" * depth + b"}")
+    assert_openai_error(resp, 400, type="invalid_request_error")
+    assert "nested" in resp.json()["error"]["message"]
+
+
 async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
     resp = await client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-17"})
     assert_openai_error(resp, 404, code="model_not_found", param="model")

@@ -162,6 +162,10 @@ async def test_request_errors_are_openai_json(fabric: Fabric):
         (b"[1, 2]", 400, None),
         (b'{"messages": []}', 400, None),
         (b'{"model": "tiny-llama", "stream": "yes"}', 400, None),
+        # Invalid UTF-8 inside a string (was a 500), and nesting the nodes would refuse.
+        (b'{"model": "tiny-llama", "user": "\xff\xfe"}', 400, None),
+        (b'{"model": "tiny-llama", "x": ' + b"[" * 65 + b"]" * 65 + b"}", 400, None),
+        (b'{"model": "tiny-llama", "x": ' + b"[" * 953 + b"]" * 953 + b"}", 400, None),
         (b'{"model": "no-such-model"}', 404, "model_not_found"),
         (b'{"model": "' + b"x" * 20_000 + b'"}', 413, "request_too_large"),
     ]
