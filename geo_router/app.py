@@ -62,7 +62,7 @@ from .ratelimit import (
     usage_tokens,
 )
 from .redis_fleet import RedisFleetState
-from .request import parse_inference_request, read_body, request_id_for
+from .request import ClientWatch, parse_inference_request, read_body, request_id_for
 from .scale_from_zero import ScaleFromZero, ScaleUpClient, awaiting_scale_up, deployed_models
 from .selection import (
     Candidate,
@@ -351,15 +351,25 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
             labels = (ordered[0].region.name, choice.node_id)
             state.metrics.prompt_tokens.labels(*labels).inc(choice.prompt_tokens)
             state.metrics.predicted_cache_hits.labels(*labels).inc(choice.predicted_hit_tokens)
-        response = await state.forwarder.forward(
-            route,
-            inference,
-            ordered,
-            request_id,
-            received_at,
-            exhausted=exhausted_error(tenant, inference.model),
-            queued_s=queued_s,
-        )
+        # Until the answer starts, nothing else notices the client leaving: the node would
+        # go on generating a whole non-streamed answer (or a stream's prefill) for nobody.
+        watch = ClientWatch(request.receive)
+        try:
+            response = await state.forwarder.forward(
+                route,
+                inference,
+                ordered,
+                request_id,
+                received_at,
+                exhausted=exhausted_error(tenant, inference.model),
+                queued_s=queued_s,
+            )
+        except asyncio.CancelledError:
+            if not watch.fired:
+                raise
+            raise watch.closed_request() from None
+        finally:
+            watch.stop()
         if queued_s:
             response.headers[HEADER_SCALE_WAIT_MS] = f"{queued_s * 1000:.0f}"
         response.headers.update(admission.headers)

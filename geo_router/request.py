@@ -5,6 +5,8 @@ Everything else in the body is the node's business and is forwarded byte for byt
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import re
 import secrets
 from dataclasses import dataclass
@@ -12,6 +14,7 @@ from typing import Any
 
 import msgspec
 from fastapi import Request
+from starlette.types import Receive
 
 from meridian.json_limits import MAX_JSON_DEPTH, too_deep
 
@@ -64,6 +67,43 @@ async def read_body(request: Request, limit: int) -> bytes:
             chunks.append(chunk)
             return b"".join(chunks)
         chunks.append(chunk)
+
+
+async def until_disconnected(receive: Receive) -> None:
+    """Return once the client has hung up (the request body has been read already)."""
+    with contextlib.suppress(Exception):
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+
+class ClientWatch:
+    """Cancels the task serving a request as soon as its client hangs up.
+
+    A non-streamed answer is read from the node whole before anything goes to the client,
+    so nothing else notices the client leaving: the node went on generating for nobody
+    (four closed clients cost 4,096 generated tokens). Cancelling the forward closes the
+    upstream connection, which is what tells the node to abort the request.
+    """
+
+    def __init__(self, receive: Receive) -> None:
+        self.fired = False
+        self._task = asyncio.current_task()
+        self._watch = asyncio.ensure_future(self._run(receive))
+
+    async def _run(self, receive: Receive) -> None:
+        await until_disconnected(receive)
+        if self._task is not None and not self._task.done():
+            self.fired = True
+            self._task.cancel()
+
+    def stop(self) -> None:
+        self._watch.cancel()
+
+    def closed_request(self) -> ClientClosedRequest:
+        """The error to answer once the watch fired (its cancellation taken back)."""
+        if self._task is not None:
+            self._task.uncancel()
+        return ClientClosedRequest()
 
 
 def parse_inference_request(body: bytes) -> InferenceRequest:

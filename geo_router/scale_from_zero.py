@@ -36,6 +36,7 @@ from meridian.settings import RouterSettings
 from .errors import ClientClosedRequest, RouterError, ScaleFromZeroQueueFull, ScaleFromZeroTimeout
 from .locate import region_rtt_ms
 from .metrics import RouterMetrics
+from .request import until_disconnected
 from .selection import Candidate, tenant_may_use
 from .table import LoadedTable, TableSource
 
@@ -144,13 +145,6 @@ class _Episode:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-async def _until_disconnected(receive: Receive) -> None:
-    """Return once the client has hung up (the request body has been read already)."""
-    with contextlib.suppress(Exception):
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-
 class ScaleFromZero:
     """The per-model holding queues of one router and the scale-up requests they cause."""
 
@@ -213,7 +207,7 @@ class ScaleFromZero:
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + s.scale_from_zero_timeout_s
-        disconnected = asyncio.ensure_future(_until_disconnected(receive))
+        disconnected = asyncio.ensure_future(until_disconnected(receive))
         try:
             while True:
                 changed = episode.changed
