@@ -73,7 +73,7 @@ class DeployedEnvironment(Timeline):
     seed: int = 0
 
     def __post_init__(self) -> None:
-        self.routers = RouterMetrics(tuple(self.deployment.routers))
+        self.routers = RouterMetrics(tuple(self.deployment.routers), token=self.deployment.metrics_token())
 
     def run_fields(self, fault: Fault) -> dict[str, str]:
         """The run's and the fault's template fields (a command's node fields come per node)."""

@@ -12,6 +12,7 @@ control_plane: https://cp.staging.example.com
 routers: [https://eu.staging.example.com, https://us.staging.example.com]
 model: llama-3-8b
 admin_key_env: MERIDIAN_CHAOS_ADMIN_KEY      # the key itself never goes in the file
+metrics_token_env: MERIDIAN_CHAOS_METRICS_TOKEN  # the routers' /metrics token
 journals:
   - {name: routers, command: "ssh {host} cat /var/lib/meridian/router-requests.jsonl",
      hosts: [router-eu-1, router-us-1]}
@@ -141,6 +142,8 @@ class Deployment(_Spec):
     routers: list[str] = Field(min_length=1)
     model: str = Field(min_length=1)
     admin_key_env: str = Field("MERIDIAN_CHAOS_ADMIN_KEY", pattern=r"^[A-Z_][A-Z0-9_]*$")
+    # The routers' metrics token (or the cluster token): their /metrics answers no one else.
+    metrics_token_env: str = Field("MERIDIAN_CHAOS_METRICS_TOKEN", pattern=r"^[A-Z_][A-Z0-9_]*$")
     # Without the routers' and nodes' journals a run cannot tell a lost request from one
     # that ran, or count duplicates: at least one source is required.
     journals: list[JournalSource] = Field(min_length=1)
@@ -172,6 +175,12 @@ class Deployment(_Spec):
         if not key:
             raise DeploymentError(f"deployment {self.name}: set {self.admin_key_env} to an admin API key")
         return key
+
+
+    def metrics_token(self) -> str | None:
+        """The token the routers' /metrics answer, from the environment (None: unset, and
+        what only the routers' metrics show, ejections say, is not observed)."""
+        return os.environ.get(self.metrics_token_env) or None
 
 
 def load_deployment(path: str | Path) -> Deployment:

@@ -56,7 +56,7 @@ class DrillEnvironment(Timeline):
     cleanups: list[Callable[[], None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.routers = RouterMetrics(tuple(self.info.router_urls), self.http_timeout_s)
+        self.routers = RouterMetrics(tuple(self.info.router_urls), self.http_timeout_s, self.info.cluster_token)
 
     # -- targets -----------------------------------------------------------------------
 

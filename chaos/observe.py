@@ -21,6 +21,8 @@ class RouterMetrics:
 
     router_urls: Sequence[str]
     timeout_s: float = 5.0
+    # Routers' /metrics answer only their metrics token or the cluster token.
+    token: str | None = None
 
     async def metric(self, name: str, **labels: str) -> float:
         """Sum of a counter/gauge sample over every router (labels must match); routers that
@@ -56,10 +58,13 @@ class RouterMetrics:
     async def samples(self, name: str) -> list[tuple[dict[str, str], float]]:
         """(labels, value) of every sample of metric `name` on every router that answers."""
         samples: list[tuple[dict[str, str], float]] = []
-        async with httpx.AsyncClient(timeout=self.timeout_s) as http:
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        async with httpx.AsyncClient(timeout=self.timeout_s, headers=headers) as http:
             for url in self.router_urls:
                 try:
-                    text = (await http.get(f"{url}/metrics")).text
+                    response = await http.get(f"{url}/metrics")
+                    response.raise_for_status()
+                    text = response.text
                 except httpx.HTTPError as exc:
                     log.warning("could not scrape %s/metrics: %s", url, exc)
                     continue

@@ -28,11 +28,13 @@ from meridian.contracts import HEADER_REQUEST_ID, HEADER_SCALE_WAIT_MS, ModelCar
 from meridian.geo import Point
 from meridian.http_server import limited_config, openai_error_body
 from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
+from meridian.security import bearer_token, constant_time_equals
 from meridian.settings import RouterSettings
 
 from .affinity import Affinity
 from .auth import authenticate
 from .errors import (
+    InvalidApiKey,
     ModelNotFound,
     NoHealthyReplica,
     NoReplicaInZone,
@@ -248,8 +250,14 @@ def create_app(
             return JSONResponse({"status": "no_routing_table"}, status_code=503)
         return JSONResponse({"status": "ok", "routing_version": loaded.version})
 
+    scrapers = [t.get_secret_value() for t in (settings.metrics_token, settings.cluster_token) if t is not None]
+
     @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
+        # The endpoint is public; its metrics name nodes and tenants.
+        token = bearer_token(request.headers.get("authorization"))
+        if token is None or not any(constant_time_equals(token, t) for t in scrapers):
+            raise InvalidApiKey("/metrics needs the router's metrics token or the cluster token.")
         metrics.set_reported_cache(prober.loads())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -81,14 +81,21 @@ class RequestTooLarge(RouterError):
         super().__init__(f"Request body is larger than the limit of {limit} bytes.")
 
 
+def _retry_after(seconds: int) -> dict[str, str]:
+    # Every 503 says when to come back: clients (the openai SDK among them) honour it
+    # instead of retrying at once.
+    return {"retry-after": str(max(1, seconds))}
+
+
 class NoReplicaInZone(RouterError):
     status = 503
     code = "no_replica_in_zone"
 
-    def __init__(self, model: str, zone: str) -> None:
+    def __init__(self, model: str, zone: str, retry_after_s: int = 1) -> None:
         super().__init__(
             f"No healthy replica of model `{model}` is available in residency zone `{zone}`; "
-            f"requests of this API key are never served outside zone `{zone}`. Retry later."
+            f"requests of this API key are never served outside zone `{zone}`. Retry later.",
+            headers=_retry_after(retry_after_s),
         )
 
 
@@ -96,8 +103,9 @@ class NoHealthyReplica(RouterError):
     status = 503
     code = "no_healthy_replica"
 
-    def __init__(self, model: str) -> None:
-        super().__init__(f"No healthy replica of model `{model}` is available. Retry later.")
+    def __init__(self, model: str, retry_after_s: int = 1) -> None:
+        super().__init__(f"No healthy replica of model `{model}` is available. Retry later.",
+                         headers=_retry_after(retry_after_s))
 
 
 class UpstreamTimeout(RouterError):
@@ -126,7 +134,7 @@ class RouterOverloaded(RouterError):
     code = "router_overloaded"
 
     def __init__(self) -> None:
-        super().__init__("The router has no free upstream connection. Retry later.")
+        super().__init__("The router has no free upstream connection. Retry later.", headers=_retry_after(1))
 
 
 class RateLimited(RouterError):
@@ -155,7 +163,7 @@ class RoutingTableUnavailable(RouterError):
     code = "routing_table_unavailable"
 
     def __init__(self) -> None:
-        super().__init__("The router has not loaded a routing table yet. Retry later.")
+        super().__init__("The router has not loaded a routing table yet. Retry later.", headers=_retry_after(1))
 
 
 class ScaleFromZeroTimeout(RouterError):

@@ -24,6 +24,8 @@ _SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # msgspec, not json: it parses a chat request several times faster, and it refuses what is
 # not JSON (NaN, lone surrogates) rather than forwarding it to a node that would choke.
 _JSON = msgspec.json.Decoder()
+# Model names are at most this long everywhere (meridian.contracts.ModelName).
+MAX_MODEL_NAME_CHARS = 200
 _TOO_DEEP = object()
 
 
@@ -122,6 +124,9 @@ def parse_inference_request(body: bytes) -> InferenceRequest:
     model = payload.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("You must provide a model parameter.", param="model")
+    if len(model) > MAX_MODEL_NAME_CHARS:
+        # Never echoed back (a 1 MB name came back whole in the 404).
+        raise BadRequest(f"`model` is longer than {MAX_MODEL_NAME_CHARS} characters.", param="model")
     stream = payload.get("stream", False)
     if stream is None:
         stream = False

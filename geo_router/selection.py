@@ -7,6 +7,7 @@ Ordering is the business of a `RoutingPolicy` (geo_router.policies).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -19,6 +20,9 @@ from .errors import ModelNotFound, NoHealthyReplica, NoReplicaInZone
 from .health import FleetState
 from .locate import region_rtt_ms
 from .table import LoadedTable
+
+# A client told to come back after a replica's ejection is not told to wait more than this.
+_MAX_RETRY_AFTER_S = 30
 
 
 class LoraState(StrEnum):
@@ -110,12 +114,15 @@ def select_candidates(
     if not serving:
         raise ModelNotFound(model)
     out: list[Candidate] = []
+    # How soon an ejected replica the tenant could use is tried again (the 503's Retry-After).
+    back_in_s = math.inf
     for node in serving:
         region = table.regions.get(node.region)
         # A node in a region the table does not describe has no known zone: never use it.
-        if region is None or not tenant_may_use(tenant, region):
+        if region is None or not tenant_may_use(tenant, region) or node.status != NodeStatus.READY:
             continue
-        if node.status != NodeStatus.READY or fleet.is_ejected(node.node_id):
+        if fleet.is_ejected(node.node_id):
+            back_in_s = min(back_in_s, fleet.ejected_for_s(node.node_id))
             continue
         if allows is not None and not allows(node.node_id):
             continue
@@ -128,15 +135,16 @@ def select_candidates(
             )
         )
     if not out:
-        raise exhausted_error(tenant, model)
+        retry_after_s = 1 if math.isinf(back_in_s) else min(_MAX_RETRY_AFTER_S, math.ceil(back_in_s))
+        raise exhausted_error(tenant, model, retry_after_s)
     return out
 
 
-def exhausted_error(tenant: TenantEntry, model: str) -> NoReplicaInZone | NoHealthyReplica:
+def exhausted_error(tenant: TenantEntry, model: str, retry_after_s: int = 1) -> NoReplicaInZone | NoHealthyReplica:
     """The 503 to answer when no replica the tenant may use can serve `model`."""
     if tenant.zone == GLOBAL_ZONE:
-        return NoHealthyReplica(model)
-    return NoReplicaInZone(model, tenant.zone)
+        return NoHealthyReplica(model, retry_after_s)
+    return NoReplicaInZone(model, tenant.zone, retry_after_s)
 
 
 def models_for(table: LoadedTable, tenant: TenantEntry) -> list[str]:

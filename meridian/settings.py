@@ -117,6 +117,9 @@ class RouterSettings(ListenerSettings):
     port: int = Field(8080, ge=0, le=65535)
     control_plane_url: str = "http://127.0.0.1:8081"
     cluster_token: SecretStr = _CLUSTER_TOKEN
+    # /metrics names nodes and tenants, so it answers only a bearer of this token or of the
+    # cluster token (a Prometheus scrape config's `authorization: {credentials: ...}`).
+    metrics_token: SecretStr | None = None
     # Header an edge proxy you trust sets to the client's location ("lat,lon" or a
     # region name such as "aws:us-east-1"). Strip it at the edge from client requests.
     client_location_header: str = "x-meridian-client-location"

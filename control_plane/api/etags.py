@@ -12,16 +12,18 @@ def etag(version: int) -> str:
     return f'"{version}"'
 
 
-def _tags(header: str) -> list[str]:
-    # Weak and strong tags compare equal: the version is the whole identity.
-    return [t.strip().removeprefix("W/") for t in header.split(",") if t.strip()]
+def _tags(header: str, *, weak: bool) -> list[str]:
+    """The entity tags of a header. If-None-Match compares weakly (W/"3" names version 3);
+    If-Match strongly, as RFC 9110 §13.1.1 requires: a weak tag matches nothing there."""
+    tags = [t.strip() for t in header.split(",") if t.strip()]
+    return [t.removeprefix("W/") for t in tags] if weak else [t for t in tags if not t.startswith("W/")]
 
 
 def if_none_match_matches(if_none_match: str | None, version: int) -> bool:
     """Whether an If-None-Match header names this version (or `*`)."""
     if not if_none_match:
         return False
-    tags = _tags(if_none_match)
+    tags = _tags(if_none_match, weak=True)
     return "*" in tags or etag(version) in tags
 
 
@@ -32,7 +34,7 @@ def check_if_match(if_match: str | None, version: int | None) -> None:
     """
     if if_match is None:
         return
-    tags = _tags(if_match)
+    tags = _tags(if_match, weak=False)
     if version is None:
         raise PreconditionFailed("If-Match given but the resource does not exist")
     if "*" not in tags and etag(version) not in tags:

@@ -18,7 +18,7 @@ from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import ApiKey
 from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import Scope
-from meridian.contracts import GLOBAL_ZONE, ModelName, ZoneName, allows_model
+from meridian.contracts import GLOBAL_ZONE, PRINTABLE_PATTERN, ModelName, ZoneName, allows_model
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes([Scope.ADMIN]))])
 AdminActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN]))]
@@ -28,7 +28,8 @@ KeyIdParam = Annotated[str, Path(min_length=1, max_length=36)]
 class ApiKeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(min_length=1, max_length=200)
+    # Shown in listings, the audit log and logs: no control characters (CR/LF forge lines).
+    name: str = Field(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN)
     tenant: str = Field(pattern=TENANT_PATTERN)
     # The tenant's zone when left out; a new tenant is created in this zone (default global).
     zone: ZoneName | None = None

@@ -55,6 +55,7 @@ def test_gray_failure_against_a_deployment(deployment: tuple[FabricInfo, Path], 
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     info, journals = deployment
     monkeypatch.setenv("STANDIN_ADMIN_KEY", info.admin_key)
+    monkeypatch.setenv("MERIDIAN_CHAOS_METRICS_TOKEN", info.cluster_token)
     # `[-]-node-id` matches the node's command line but not the shell running pkill.
     node = "pkill -{signal} -f -- '[-]-node-id {node_id} '"
     path = tmp_path / "standin.yaml"
@@ -160,6 +161,7 @@ def test_node_crash_by_terminating_its_instance_through_the_aws_api(
     for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                         "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
                         "AWS_EC2_METADATA_DISABLED": "true", "STANDIN_ADMIN_KEY": info.admin_key,
+                        "MERIDIAN_CHAOS_METRICS_TOKEN": info.cluster_token,
                         "MERIDIAN_PROVIDER_AWS_ENDPOINT_URL": private_moto_server}.items():
         monkeypatch.setenv(name, value)
     path = tmp_path / "standin.yaml"
@@ -198,6 +200,7 @@ def test_spot_preemption_by_an_operator_command(
     node drain out of the control plane's list within the deadline and the group replace it."""
     info, journals = deployment
     monkeypatch.setenv("STANDIN_ADMIN_KEY", info.admin_key)
+    monkeypatch.setenv("MERIDIAN_CHAOS_METRICS_TOKEN", info.cluster_token)
     path = tmp_path / "standin.yaml"
     path.write_text(yaml.safe_dump({
         "name": "standin", "control_plane": info.control_plane_url, "routers": info.router_urls,

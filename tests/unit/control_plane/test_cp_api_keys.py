@@ -113,6 +113,13 @@ async def test_invalid_key_requests(cp: ControlPlane) -> None:
     cp.assert_problem(await cp.create_key(scopes=[]), 422)
 
 
+async def test_a_key_name_with_control_characters_is_refused(cp: ControlPlane) -> None:
+    before = (await cp.http.get("/v1/api-keys", headers=cp.admin)).json()
+    for name in ("web\r\nX-Forged: 1", "tab\there", "nul\x00"):
+        cp.assert_problem(await cp.create_key(name=name), 422)
+    assert (await cp.http.get("/v1/api-keys", headers=cp.admin)).json() == before
+
+
 async def test_a_keys_models_never_outlive_its_tenants(cp: ControlPlane) -> None:
     """Issue 18, finding 2: the key's own list used to be published as is."""
     assert (await cp.http.post("/v1/tenants", json={"name": "acme", "zone": "eu", "models": ["tiny-llama", "big"]},

@@ -39,6 +39,9 @@ async def test_stale_if_match_is_412_and_changes_nothing(
     body = cp.assert_problem(await _put(cp, url, v1, **{"if-match": '"1"'}), 412)
     assert "version 2" in body["detail"]
     cp.assert_problem(await cp.http.delete(url, headers={**cp.admin, "if-match": 'W/"1"'}), 412)
+    # If-Match compares strongly (RFC 9110): even the current version's weak tag matches nothing.
+    cp.assert_problem(await _put(cp, url, v1, **{"if-match": 'W/"2"'}), 412)
+    cp.assert_problem(await cp.http.delete(url, headers={**cp.admin, "if-match": 'W/"2"'}), 412)
     assert (await cp.http.get(url, headers=cp.admin)).json() == before
 
     # If-None-Match: * creates only.

@@ -37,6 +37,8 @@ CLUSTER_TOKEN = "cluster-secret"
 GLOBAL_KEY = "mrd_global-tenant-key"
 EU_KEY = "mrd_eu-tenant-key"
 LIMITED_KEY = "mrd_limited-tenant-key"  # global, but only allowed "other-model"
+# A router's /metrics answers the cluster token (or its metrics token) only.
+SCRAPE = {"authorization": f"Bearer {CLUSTER_TOKEN}"}
 
 REGIONS = {
     "us": RegionInfo(name="aws:us-east-1", provider="aws", location="us-east-1", zones=["us"],

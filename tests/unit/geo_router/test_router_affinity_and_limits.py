@@ -10,6 +10,7 @@ import pytest
 from router_harness import (
     GLOBAL_KEY,
     MODEL,
+    SCRAPE,
     STREAM_USAGE,
     NodeBehaviour,
     ServerGroup,
@@ -134,7 +135,7 @@ async def test_a_tenant_over_its_request_rate_gets_openai_429_with_retry_after(a
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(refused.headers["retry-after"]) >= 1
     assert affinity.client is not None
-    text = (await affinity.client.get("/metrics")).text
+    text = (await affinity.client.get("/metrics", headers=SCRAPE)).text
     assert metric(text, "meridian_router_rate_limited_total", tenant="small-co", limit="requests") == 1
     hits_before = sum(b.hits for b in affinity.behaviours.values())
     # Other tenants are not affected, and the refused request never reached a node.
@@ -169,9 +170,9 @@ async def test_metrics_show_ttfb_and_predicted_cache_hits_per_node(affinity: Thr
     for turn in range(1, 4):
         assert (await affinity.chat(conversation(7, turn))).status_code == 200
     assert affinity.client is not None
-    text = (await affinity.client.get("/metrics")).text
+    text = (await affinity.client.get("/metrics", headers=SCRAPE)).text
     node_id = (await affinity.chat(conversation(7, 4))).headers[HEADER_NODE]
-    text = (await affinity.client.get("/metrics")).text
+    text = (await affinity.client.get("/metrics", headers=SCRAPE)).text
     assert metric(text, "meridian_router_time_to_first_byte_seconds_count", region="aws:us-east-1",
                   node=node_id) >= 1
     assert metric(text, "meridian_router_predicted_cache_hit_tokens_total", region="aws:us-east-1",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import re
 from collections.abc import Callable
 
@@ -12,8 +13,10 @@ import pytest
 from router_harness import (
     CLUSTER_TOKEN,
     EU_KEY,
+    GLOBAL_KEY,
     LIMITED_KEY,
     MODEL,
+    SCRAPE,
     Fabric,
     NodeBehaviour,
     ServerGroup,
@@ -89,7 +92,7 @@ async def test_5xx_fails_over_to_the_next_region_and_ejects_the_node(fabric: Fab
     assert r.headers[HEADER_REGION] == "gcp:europe-west4"
     assert hits(fabric) == {"us": 1, "eu": 2, "apac": 0}
 
-    text = (await client.get("/metrics")).text
+    text = (await client.get("/metrics", headers=SCRAPE)).text
     assert metric(text, "meridian_router_failovers_total",
                   from_region="aws:us-east-1", to_region="gcp:europe-west4") == 1
     assert metric(text, "meridian_router_upstream_failures_total",
@@ -140,6 +143,8 @@ async def test_eu_tenant_is_never_failed_over_outside_eu(fabric: Fabric):
         err = r.json()["error"]
         assert err["code"] == "no_replica_in_zone" and "`eu`" in err["message"]
         assert HEADER_REQUEST_ID in r.headers
+        # Told when to come back: once the ejection (30 s in these tests) is over, at most 30 s.
+        assert 1 <= int(r.headers["retry-after"]) <= 30
     # One served request, then one failure; the ejected node was not even tried again.
     assert hits(fabric) == {"us": 0, "eu": 2, "apac": 0}
     # The global tenant is unaffected.
@@ -152,6 +157,7 @@ async def test_attempts_are_bounded(fabric: Fabric):
         b.mode = "error500"
     r = await fabric.client().post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_replica"
+    assert r.headers["retry-after"] == "1"
     assert sum(hits(fabric).values()) == 3  # max_attempts
 
 
@@ -167,6 +173,7 @@ async def test_request_errors_are_openai_json(fabric: Fabric):
         (b'{"model": "tiny-llama", "x": ' + b"[" * 65 + b"]" * 65 + b"}", 400, None),
         (b'{"model": "tiny-llama", "x": ' + b"[" * 953 + b"]" * 953 + b"}", 400, None),
         (b'{"model": "no-such-model"}', 404, "model_not_found"),
+        (b'{"model": "' + b"m" * 201 + b'"}', 400, None),
         (b'{"model": "' + b"x" * 20_000 + b'"}', 413, "request_too_large"),
     ]
     for body, status, code in cases:
@@ -203,7 +210,11 @@ async def test_models_health_and_metrics(fabric: Fabric):
     assert r.status_code == 200 and r.json()["routing_version"] == 1
     await fabric.client("mrd_wrong").post("/v1/chat/completions", json=CHAT)
     await fabric.client().post("/v1/chat/completions", json=CHAT)
-    r = await fabric.client(None).get("/metrics")
+    # /metrics names nodes and tenants: not for tenants, nor for anyone without a token.
+    for client in (fabric.client(None), fabric.client()):
+        r = await client.get("/metrics")
+        assert r.status_code == 401 and "meridian_router" not in r.text
+    r = await fabric.client(None).get("/metrics", headers=SCRAPE)
     assert metric(r.text, "meridian_router_routing_table_version") == 1
     # Answered by the router itself: no region, no node.
     assert metric(r.text, "meridian_router_requests_total", region="", node="", status="401") == 1
@@ -317,7 +328,7 @@ async def test_a_pooled_connection_the_node_dropped_is_retried_on_a_new_one(fabr
             assert r.status_code == 200 and r.headers[HEADER_REGION] == "aws:us-east-1"
     assert node_side.connections == 2
     assert hits(fabric)["eu"] == 0
-    text = (await client.get("/metrics")).text
+    text = (await client.get("/metrics", headers=SCRAPE)).text
     for reason in ("protocol", "closed"):
         assert metric(text, "meridian_router_upstream_failures_total",
                       region="aws:us-east-1", node="us-1", reason=reason) == 0
@@ -341,7 +352,7 @@ async def test_garbage_instead_of_http_fails_over(fabric: Fabric):
         client = fabric.client()
         r = await client.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 200 and r.headers[HEADER_REGION] == "gcp:europe-west4"
-        text = (await client.get("/metrics")).text
+        text = (await client.get("/metrics", headers=SCRAPE)).text
     assert metric(text, "meridian_router_upstream_failures_total",
                   region="aws:us-east-1", node="us-1", reason="protocol") == 1
 
@@ -368,7 +379,7 @@ async def test_failing_over_from_a_node_that_is_gone_does_not_need_the_retry_bud
         async with running(app) as url:
             client = fabric.client()
             r = await client.post(url + "/v1/chat/completions", json=CHAT)
-            text = (await client.get(url + "/metrics")).text
+            text = (await client.get(url + "/metrics", headers=SCRAPE)).text
     dead.close()
     assert r.status_code == 200 and r.headers[HEADER_REGION] == "gcp:europe-west4"
     assert metric(text, "meridian_router_upstream_failures_total",
@@ -385,7 +396,7 @@ async def test_a_stream_that_does_not_start_within_the_read_timeout_fails_over(f
         async with running(app) as url:
             client = fabric.client()
             r = await client.post(url + "/v1/chat/completions", json=CHAT | {"stream": True})
-            text = (await client.get(url + "/metrics")).text
+            text = (await client.get(url + "/metrics", headers=SCRAPE)).text
     assert r.status_code == 200 and r.headers[HEADER_REGION] == "gcp:europe-west4"
     assert "eu0" in r.text
     assert metric(text, "meridian_router_upstream_failures_total",
@@ -454,3 +465,23 @@ async def test_a_failed_request_or_a_5xx_does_not_abandon_other_requests_on_the_
             await pending
     finally:
         us.release.set()
+
+
+async def test_a_client_gone_mid_body_is_a_quiet_499(fabric: Fabric, caplog: pytest.LogCaptureFixture):
+    """Issue 18, finding 8: each such client cost a 500 and ~100 lines of traceback."""
+    host, port = fabric.router_url.removeprefix("http://").split(":")
+    for _ in range(5):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: r\r\ncontent-length: 1000\r\n"
+                     b"authorization: Bearer " + GLOBAL_KEY.encode() + b"\r\n\r\n{\"model\": \"ti")
+        await writer.drain()
+        writer.close()
+    text = ""
+    for _ in range(300):
+        text = (await fabric.client(None).get("/metrics", headers=SCRAPE)).text
+        if metric(text, "meridian_router_requests_total", region="", node="", status="499") == 5:
+            break
+        await asyncio.sleep(0.01)
+    assert metric(text, "meridian_router_requests_total", region="", node="", status="499") == 5
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert sum(hits(fabric).values()) == 0

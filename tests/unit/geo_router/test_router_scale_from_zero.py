@@ -21,6 +21,7 @@ from router_harness import (
     EU_KEY,
     GLOBAL_KEY,
     MODEL,
+    SCRAPE,
     NodeBehaviour,
     ServerGroup,
     StandInControlPlane,
@@ -70,7 +71,7 @@ class ColdStart:
             "/v1/chat/completions", json=CHAT | extra, headers={"authorization": f"Bearer {key}"}))
 
     async def metrics(self) -> str:
-        return (await self.http.get("/metrics")).text
+        return (await self.http.get("/metrics", headers=SCRAPE)).text
 
 
 @contextlib.asynccontextmanager

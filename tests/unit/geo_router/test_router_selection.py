@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -95,6 +96,8 @@ def test_global_tenant_with_everything_ejected_gets_no_healthy_replica():
     with pytest.raises(NoHealthyReplica) as e:
         ordered(TABLE, GLOBAL_KEY, WASHINGTON, f)
     assert e.value.code == "no_healthy_replica"
+    # Retry-After: when the first of them is tried again.
+    assert e.value.headers["retry-after"] == str(math.ceil(min(f.ejected_for_s(n) for n in ("us-1", "eu-1", "apac-1"))))
 
 
 def test_only_ready_nodes_are_candidates():
