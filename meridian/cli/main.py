@@ -14,6 +14,7 @@ from rich.console import Console
 from iac.cli import app as iac_app
 from meridian.cli.admin_client import AdminAPIError, AdminClient
 from meridian.cli.status_view import status_table
+from meridian.security import weak_secrets
 from meridian.settings import CLISettings, ControlPlaneSettings, NodeSettings, RouterSettings, WeightSettings
 
 app = typer.Typer(no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
@@ -45,13 +46,21 @@ def _settings(cls: type[T], **overrides: Any) -> T:
     """Environment first, then CLI flags that were given; a clear message when invalid."""
     given = {k: v for k, v in overrides.items() if v is not None}
     try:
-        return cls(**given)
+        settings = cls(**given)
     except ValidationError as e:
         err_console.print(f"[red]invalid settings for {cls.__name__}:[/red]")
         for err in e.errors():
             loc = ".".join(str(p) for p in err["loc"])
             err_console.print(f"  {loc}: {err['msg']}")
         raise typer.Exit(2) from None
+    weak = weak_secrets(settings)
+    if weak:
+        err_console.print(f"[red]weak secrets in {cls.__name__}:[/red]")
+        for problem in weak:
+            err_console.print(f"  {problem}")
+        err_console.print("  make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+        raise typer.Exit(2)
+    return settings
 
 
 # --- components -----------------------------------------------------------------------

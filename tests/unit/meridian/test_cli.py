@@ -1,5 +1,6 @@
 from datetime import UTC, datetime, timedelta
 
+import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -30,6 +31,23 @@ def test_invalid_flag_value_is_a_clear_error():
     r = runner.invoke(app, ["control-plane", "serve", "--port", "70000"])
     assert r.exit_code == 2
     assert "port" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(("command", "env"), [
+    (["control-plane", "serve"], {"MERIDIAN_CLUSTER_TOKEN": "t"}),
+    (["control-plane", "serve"], {"MERIDIAN_CLUSTER_TOKEN": "a-long-enough-cluster-token",
+                                  "MERIDIAN_CP_BOOTSTRAP_ADMIN_KEY": "changeme"}),
+    (["router", "serve"], {"MERIDIAN_CLUSTER_TOKEN": "aaaaaaaaaaaaaaaaaaaaaaaa"}),
+    (["node", "run", "--model-dir", "/nonexistent"], {"MERIDIAN_CLUSTER_TOKEN": "secret"}),
+])
+def test_a_weak_shared_secret_refuses_to_start(monkeypatch, command, env):
+    """Issue 18: any string was accepted as the cluster token or the bootstrap admin key."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    r = runner.invoke(app, command)
+    assert r.exit_code == 2
+    assert "weak secrets" in r.output and "Traceback" not in r.output
+    assert all(value not in r.output for value in env.values() if len(value) > 8)
 
 
 def _node(node_id: str, region: str, status: NodeStatus, age_s: float, now: datetime) -> NodeView:
