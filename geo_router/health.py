@@ -17,9 +17,11 @@ before it was) neither extend nor escalate it. One answered request clears the n
 since a node that answers probes has not yet shown it answers requests.
 
 Ejections never take more than `max_ejected_percent` of the known nodes (the routing table's
-READY nodes, given by `set_known_nodes`) out of service, though one node may always be
-ejected; at the cap a failure is counted but not enforced, and listeners hear of it as an
-`Ejection` with `enforced=False`. Reads are synchronous on purpose: selection runs on every
+READY nodes, given by `set_known_nodes`) out of service, nor of the known nodes of any
+residency zone the node serves: a zoned tenant can only use its zone's nodes, so a cap over
+the whole fleet let a two-node zone be ejected whole while its tenants had nowhere else to
+go. One node of each may always be ejected (Envoy's rule); at a cap a failure is counted
+but not enforced, and listeners hear of it as an `Ejection` with `enforced=False`. Reads are synchronous on purpose: selection runs on every
 request, so a shared implementation (Redis, several routers) keeps a local view and syncs it
 in the background.
 """
@@ -29,7 +31,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
@@ -84,8 +86,9 @@ class FleetState(Protocol):
         """End the node's ejection now, keeping its backoff level; False if it was not ejected."""
         ...
 
-    def set_known_nodes(self, node_ids: Iterable[str]) -> None:
-        """The nodes the max ejected percent is a share of (the table's READY nodes)."""
+    def set_known_nodes(self, node_ids: Iterable[str] | Mapping[str, Iterable[str]]) -> None:
+        """The nodes the max ejected percent is a share of (the table's READY nodes), each
+        with the residency zones it serves (whose own share is capped too)."""
         ...
 
     def add_ejection_listener(self, listener: EjectionListener) -> None:
@@ -132,11 +135,25 @@ class EjectionRules:
         self._consecutive = max(1, consecutive_failures_to_eject)
         self._max_percent = max_ejected_percent
         self.known: frozenset[str] = frozenset()
+        # Node -> the pools it counts in: "*" (every known node) and each zone it serves.
+        self._pools_of: dict[str, tuple[str, ...]] = {}
+        self._members: dict[str, frozenset[str]] = {}
         self._listeners: list[EjectionListener] = []
         self._last_cap_warning = -math.inf
 
     def add_listener(self, listener: EjectionListener) -> None:
         self._listeners.append(listener)
+
+    def set_known(self, nodes: Iterable[str] | Mapping[str, Iterable[str]]) -> None:
+        """The known nodes, and the zones each serves when given as a mapping."""
+        zones_of = nodes if isinstance(nodes, Mapping) else dict.fromkeys(nodes, ())
+        self.known = frozenset(zones_of)
+        self._pools_of = {n: ("*", *sorted(set(z))) for n, z in zones_of.items()}
+        members: dict[str, set[str]] = {}
+        for node_id, pools in self._pools_of.items():
+            for pool in pools:
+                members.setdefault(pool, set()).add(node_id)
+        self._members = {pool: frozenset(m) for pool, m in members.items()}
 
     def fail(
         self,
@@ -153,11 +170,14 @@ class EjectionRules:
         if kind is FailureKind.ERROR and record.consecutive_failures < self._consecutive:
             return 0.0
         if node_id in self.known:
-            ejected_known = sum(1 for n, r in records if r.ejected_until > now and n in self.known)
-            # One node may always go (Envoy's rule), however small the percentage.
-            if ejected_known and (ejected_known + 1) * 100 > self._max_percent * len(self.known):
-                self._capped(node_id, kind, ejected_known, now)
-                return 0.0
+            ejected = {n for n, r in records if r.ejected_until > now}
+            for pool in self._pools_of[node_id]:
+                members = self._members[pool]
+                out = len(ejected & members)
+                # One node may always go (Envoy's rule), however small the percentage.
+                if out and (out + 1) * 100 > self._max_percent * len(members):
+                    self._capped(node_id, kind, pool, out, len(members), now)
+                    return 0.0
         record.consecutive_failures = 0
         record.ejections += 1
         duration = ejection_s(record.ejections, self._base_s, self._max_s)
@@ -174,13 +194,14 @@ class EjectionRules:
         record.consecutive_failures = 0
         return True
 
-    def _capped(self, node_id: str, kind: FailureKind, ejected_known: int, now: float) -> None:
+    def _capped(self, node_id: str, kind: FailureKind, pool: str, out: int, of: int, now: float) -> None:
         if now - self._last_cap_warning >= _CAP_WARN_EVERY_S:
             self._last_cap_warning = now
+            where = "nodes" if pool == "*" else f"nodes of zone {pool}"
             log.warning(
-                "node %s failed (%s) but stays in service: %d of %d nodes are ejected already "
+                "node %s failed (%s) but stays in service: %d of %d %s are ejected already "
                 "(max_ejected_percent=%g)",
-                node_id, kind, ejected_known, len(self.known), self._max_percent,
+                node_id, kind, out, of, where, self._max_percent,
             )
         self._notify(Ejection(node_id, kind, 0.0, enforced=False))
 
@@ -253,8 +274,8 @@ class InProcessFleetState:
         h = self._nodes.get(node_id)
         return h is not None and self._rules.uneject(h, self._clock())
 
-    def set_known_nodes(self, node_ids: Iterable[str]) -> None:
-        self._rules.known = frozenset(node_ids)
+    def set_known_nodes(self, node_ids: Iterable[str] | Mapping[str, Iterable[str]]) -> None:
+        self._rules.set_known(node_ids)
         for node_id, h in list(self._nodes.items()):
             # A node that left the table keeps only its in-flight count, until that ends.
             if node_id not in self._rules.known:

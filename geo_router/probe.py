@@ -153,7 +153,10 @@ class NodeProber:
         Also tells the FleetState which nodes the max ejected percent is a share of.
         """
         ready = {n.node_id: n for n in loaded.table.nodes if n.status == NodeStatus.READY}
-        self._fleet.set_known_nodes(ready)
+        self._fleet.set_known_nodes({
+            node_id: region.zones if (region := loaded.regions.get(n.region)) is not None else ()
+            for node_id, n in ready.items()
+        })
         for node_id in self._targets.keys() - ready.keys():
             self._forget(node_id)
         for node_id, node in ready.items():

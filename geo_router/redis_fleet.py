@@ -22,7 +22,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from meridian.settings import RouterSettings
@@ -135,8 +135,8 @@ class RedisFleetState:
         self._publish(node_id)
         return True
 
-    def set_known_nodes(self, node_ids: Iterable[str]) -> None:
-        self._rules.known = frozenset(node_ids)
+    def set_known_nodes(self, node_ids: Iterable[str] | Mapping[str, Iterable[str]]) -> None:
+        self._rules.set_known(node_ids)
         for node_id in list(self._health):
             # A node that left the table: its ejection in Redis simply expires.
             if node_id not in self._rules.known and node_id not in self._dirty:

@@ -131,6 +131,19 @@ def test_no_more_than_the_max_ejected_percent_of_known_nodes_is_ejected(
     assert fleet.record_failure("c") == 5
 
 
+def test_the_cap_also_holds_within_each_zone():
+    """Issue 18: with the cap over all nodes, a two-node zone could be ejected whole while its
+    zoned tenants had nowhere else to go."""
+    fleet = make_fleet(max_percent=50)
+    fleet.set_known_nodes({"eu-1": ["eu"], "eu-2": ["eu"], **{f"us-{i}": ["us"] for i in range(8)}})
+    assert fleet.record_failure("eu-1") == 5
+    # 2 of 10 nodes would be fine fleet-wide, but not 2 of the eu zone's 2.
+    assert fleet.record_failure("eu-2") == 0 and not fleet.is_ejected("eu-2")
+    # Other zones have their own share.
+    assert fleet.record_failure("us-0") == 5
+    assert fleet.record_failure("us-1") == 5
+
+
 def test_the_cap_never_stops_the_first_ejection():
     fleet = make_fleet(max_percent=10)
     fleet.set_known_nodes(["a", "b", "c"])
