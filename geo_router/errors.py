@@ -184,9 +184,10 @@ class ScaleFromZeroQueueFull(RouterError):
     type_ = "service_unavailable_error"
     code = "scale_from_zero_queue_full"
 
-    def __init__(self, model: str, limit: int, retry_after_s: int) -> None:
+    def __init__(self, model: str, limit: int, retry_after_s: int, *, yours: bool = False) -> None:
+        whose = "of yours " if yours else ""
         super().__init__(
-            f"Model `{model}` is scaling up from zero replicas and {limit} requests already "
+            f"Model `{model}` is scaling up from zero replicas and {limit} requests {whose}already "
             f"wait for it. Retry in {retry_after_s} seconds.",
             headers={"retry-after": str(retry_after_s)},
         )

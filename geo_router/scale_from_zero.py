@@ -140,6 +140,8 @@ class _Episode:
     model: str
     hint: ScaleUpRequest
     waiting: int = 0
+    # Waiting requests per tenant: a tenant may hold only its share of the queue.
+    by_tenant: dict[str, int] = field(default_factory=dict)
     # Replaced after each set(), so a waiter always waits for the next table.
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -198,11 +200,16 @@ class ScaleFromZero:
         if episode is not None and episode.waiting >= s.scale_from_zero_queue_size:
             self._metrics.scale_rejected.labels(model).inc()
             raise ScaleFromZeroQueueFull(model, s.scale_from_zero_queue_size, s.scale_from_zero_retry_after_s)
+        tenant_limit = max(1, int(s.scale_from_zero_queue_size * s.scale_from_zero_tenant_share))
+        if episode is not None and episode.by_tenant.get(tenant.tenant, 0) >= tenant_limit:
+            self._metrics.scale_rejected.labels(model).inc()
+            raise ScaleFromZeroQueueFull(model, tenant_limit, s.scale_from_zero_retry_after_s, yours=True)
         if episode is None:
             episode = _Episode(model, self._hint(tenant, model, client_location))
             self._episodes[model] = episode
             self._start_asking(episode)
         episode.waiting += 1
+        episode.by_tenant[tenant.tenant] = episode.by_tenant.get(tenant.tenant, 0) + 1
         self._metrics.scale_queued.labels(model).set(episode.waiting)
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -231,7 +238,7 @@ class ScaleFromZero:
                     raise ClientClosedRequest()
         finally:
             disconnected.cancel()
-            self._leave(episode)
+            self._leave(episode, tenant.tenant)
 
     def _ready(
         self, tenant: TenantEntry, model: str, select: Callable[[LoadedTable], list[Candidate]]
@@ -271,8 +278,11 @@ class ScaleFromZero:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(episode.ended.wait(), self._settings.scale_from_zero_reask_s)
 
-    def _leave(self, episode: _Episode) -> None:
+    def _leave(self, episode: _Episode, tenant: str) -> None:
         episode.waiting -= 1
+        episode.by_tenant[tenant] -= 1
+        if not episode.by_tenant[tenant]:
+            del episode.by_tenant[tenant]
         self._metrics.scale_queued.labels(episode.model).set(episode.waiting)
         if episode.waiting == 0:
             episode.ended.set()

@@ -246,6 +246,9 @@ class RouterSettings(ListenerSettings):
     # Scale-from-zero: a request for a deployed model with no ready replica waits here
     # (at most this many per model) while the control plane is asked to scale it up.
     scale_from_zero_queue_size: int = Field(64, ge=1)
+    # No tenant may hold more than this share of a model's queue, so that one tenant's burst
+    # cannot lock the others out of a cold model.
+    scale_from_zero_tenant_share: float = Field(0.5, gt=0, le=1)
     # A held request that sees no ready replica within this long gets 503 + Retry-After.
     scale_from_zero_timeout_s: float = Field(120.0, gt=0)
     # While requests wait, the scale-up request is repeated this often (it is idempotent).

@@ -165,7 +165,8 @@ async def test_one_scale_up_per_episode_repeated_while_requests_wait():
 
 
 async def test_a_full_queue_is_answered_503_with_retry_after_at_once():
-    async with cold_start(scale_from_zero_queue_size=2, scale_from_zero_retry_after_s=7) as f:
+    async with cold_start(scale_from_zero_queue_size=2, scale_from_zero_retry_after_s=7,
+                          scale_from_zero_tenant_share=1.0) as f:
         waiting = [f.chat(), f.chat()]
         await eventually(lambda: f.queued() == 2)
         started = time.monotonic()
@@ -177,6 +178,22 @@ async def test_a_full_queue_is_answered_503_with_retry_after_at_once():
 
         f.publish(f.node("us"))
         assert [r.status_code for r in await asyncio.gather(*waiting)] == [200, 200]
+
+
+async def test_one_tenant_cannot_fill_the_queue_and_lock_the_others_out():
+    """Issue 18: one tenant's burst filled a cold model's queue and every other tenant got 503."""
+    async with cold_start(scale_from_zero_queue_size=4, scale_from_zero_retry_after_s=7) as f:
+        burst = [f.chat(), f.chat()]
+        await eventually(lambda: f.queued() == 2)
+        refused = await f.chat()
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "7"
+        assert refused.json()["error"]["code"] == "scale_from_zero_queue_full"
+        assert "2 requests of yours" in refused.json()["error"]["message"]
+        # Another tenant still gets in line.
+        other = f.chat(EU_KEY)
+        await eventually(lambda: f.queued() == 3)
+        f.publish(f.node("us"), f.node("eu"))
+        assert [r.status_code for r in await asyncio.gather(*burst, other)] == [200, 200, 200]
 
 
 async def test_past_the_deadline_the_answer_is_503_with_retry_after():
