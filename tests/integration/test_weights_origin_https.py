@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bench.nginx import NginxServer
@@ -20,6 +21,7 @@ from data_plane.weights.origins import (
     OriginReadOnly,
     open_origin,
 )
+from data_plane.weights.origins.http import redirect_refusal
 from meridian.settings import WeightSettings
 
 
@@ -157,3 +159,67 @@ async def test_a_server_that_ignores_range_only_serves_whole_object_ranges(
             await origin.read_range("weights.bin", 2, 5)
     finally:
         await origin.aclose()
+
+
+class _Redirector(SimpleHTTPRequestHandler):
+    """Serves its directory, and redirects /go?<url-path-and-target> as told."""
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/go/"):
+            self.send_response(302)
+            self.send_header("Location", self.path.removeprefix("/go/").replace("__", "://", 1))
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_GET()
+
+    do_HEAD = do_GET
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def redirector(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    root = tmp_path / "redir"
+    root.mkdir()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Redirector, directory=str(root)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+async def test_redirects_are_followed_only_where_a_node_may_go(redirector: tuple[Path, str]) -> None:
+    """Issue 18: redirects were followed anywhere, plain http and internal addresses included."""
+    root, url = redirector
+    (root / "weights.bin").write_bytes(b"0123456789")
+    origin = open_origin(url, WeightSettings())
+    try:
+        # On the origin's own host: followed (a hub's path rewrite).
+        assert await origin.read("go//weights.bin") == b"0123456789"
+        # Elsewhere on the node's own network, or to plain http: never.
+        for target in ("http__169.254.169.254/latest/meta-data/iam/", "https__169.254.169.254/x",
+                       "https__127.0.0.2/weights.bin", "https__10.0.0.7/weights.bin", "http__example.com/w"):
+            with pytest.raises(OriginError, match="not following the redirect"):
+                await origin.read(f"go/{target}")
+    finally:
+        await origin.aclose()
+
+
+@pytest.mark.parametrize(("origin", "target", "addresses", "refused"), [
+    ("https://hub.example/", "https://cdn.example/f", ["93.184.216.34"], None),
+    ("https://hub.example/", "http://cdn.example/f", ["93.184.216.34"], "leaves https"),
+    ("https://hub.example/", "http://hub.example/f", [], "leaves https"),
+    ("http://10.0.0.5/", "http://10.0.0.5/other", [], None),
+    ("https://hub.example/", "https://cdn.example/f", ["93.184.216.34", "10.1.2.3"], "non-public"),
+    ("https://hub.example/", "https://cdn.example/f", ["::1"], "non-public"),
+    ("https://hub.example/", "https://cdn.example/f", ["fe80::1%eth0"], "non-public"),
+])
+def test_the_redirect_policy(origin: str, target: str, addresses: list[str], refused: str | None) -> None:
+    why = redirect_refusal(httpx.URL(origin), httpx.URL(target), addresses)
+    assert (why is None) if refused is None else (why is not None and refused in why)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Iterable
 from pathlib import Path
 from urllib.parse import quote
+
+import httpx
 
 from data_plane.weights.origins.base import (
     OriginError,
     OriginReadOnly,
+    OriginUnavailable,
     OriginURI,
     Progress,
 )
@@ -25,6 +32,44 @@ from meridian.settings import WeightSettings
 
 # Statuses of a server that does not allow HEAD; the size is then asked with a GET.
 _HEAD_REFUSED = frozenset({405, 501})
+# Hub -> CDN is one hop, sometimes two; a chain longer than this is not a download.
+_MAX_REDIRECTS = 5
+
+
+class RedirectRefused(OriginError):
+    """The origin redirected somewhere a node must not follow it."""
+
+
+def redirect_refusal(origin: httpx.URL, target: httpx.URL, addresses: Iterable[str]) -> str | None:
+    """Why a redirect from `origin` to `target` (whose host resolves to `addresses`) must not
+    be followed, or None when it may.
+
+    Model hubs redirect file URLs to their CDN, so redirects are followed, but only where a
+    node should go: never from https down to http (the manifest comes this way too), and to
+    another host only over https and only when every address of that host is public: a
+    redirect must not make a node fetch from its own network (cloud metadata at
+    169.254.169.254, a control plane, a peer) on an origin's say-so.
+    """
+    if origin.scheme == "https" and target.scheme != "https":
+        return f"it leaves https for {target.scheme}"
+    if target.host == origin.host and target.port == origin.port:
+        return None
+    if target.scheme != "https":
+        return f"it leaves {origin.host} for another host over {target.scheme}"
+    for address in addresses:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+        if not ip.is_global or ip.is_multicast:
+            return f"{target.host} is a non-public address ({ip})"
+    return None
+
+
+async def _addresses(host: str, port: int) -> list[str]:
+    try:
+        return [ipaddress.ip_address(host).compressed]
+    except ValueError:
+        pass
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [str(info[4][0]) for info in infos]
 
 
 class HttpOrigin:
@@ -34,8 +79,26 @@ class HttpOrigin:
         if uri.scheme not in ("http", "https") or not uri.authority:
             raise OriginError(f"{uri}: expected an http(s)://host/path URI")
         self.uri = uri
-        # Model hubs redirect file URLs to their CDN.
-        self._client = make_client(settings, follow_redirects=True)
+        origin = httpx.URL(f"{uri.scheme}://{uri.authority}/")
+
+        async def check_redirect(response: httpx.Response) -> None:
+            # Called for every answer: a redirect is vetted before httpx follows it.
+            if not response.has_redirect_location:
+                return
+            target = response.request.url.join(response.headers["location"])
+            why = redirect_refusal(origin, target, ())
+            if why is None and target.host != origin.host:
+                try:
+                    addresses = await _addresses(target.host, target.port or 443)
+                except OSError as exc:
+                    raise OriginUnavailable(f"{uri}: redirected to {target.host}, which does not resolve: {exc}") from None
+                why = redirect_refusal(origin, target, addresses)
+            if why is not None:
+                raise RedirectRefused(f"{uri}: not following the redirect to {target}: {why}")
+
+        # Model hubs redirect file URLs to their CDN (vetted by check_redirect).
+        self._client = make_client(settings, follow_redirects=True, max_redirects=_MAX_REDIRECTS,
+                                   on_response=check_redirect)
 
     @property
     def region(self) -> str | None:

@@ -29,8 +29,15 @@ _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 _TOTAL_ONLY = re.compile(r"^bytes \*/(\d+)$")
 
 
-def make_client(settings: WeightSettings, *, follow_redirects: bool = False) -> httpx.AsyncClient:
-    """A pooled client sized for `settings.concurrency` requests in flight."""
+def make_client(
+    settings: WeightSettings,
+    *,
+    follow_redirects: bool = False,
+    max_redirects: int = 0,
+    on_response: Callable[[httpx.Response], Awaitable[None]] | None = None,
+) -> httpx.AsyncClient:
+    """A pooled client sized for `settings.concurrency` requests in flight; `on_response`
+    sees every answer (a redirect included) before it is acted on."""
     limits = httpx.Limits(
         max_connections=settings.concurrency,
         max_keepalive_connections=settings.concurrency,
@@ -49,6 +56,8 @@ def make_client(settings: WeightSettings, *, follow_redirects: bool = False) -> 
         limits=limits,
         timeout=timeout,
         follow_redirects=follow_redirects,
+        max_redirects=max_redirects,
+        event_hooks={"response": [on_response]} if on_response is not None else None,
         headers={"Accept-Encoding": "identity"},
     )
 
