@@ -111,8 +111,8 @@ def _instance_facts(boot: NodeBoot) -> list[str]:
             f'CLUSTER_TOKEN="$(timeout {t * 6} aws ssm get-parameter --region {shlex.quote(boot.location)} '
             f"--name {shlex.quote(boot.cluster_token_secret)} --with-decryption "
             '--query Parameter.Value --output text)"',
-            # The S3 weight origin reads keys from the environment: hand it the instance role's.
-            f'eval "$(timeout {t * 6} aws configure export-credentials --format env)"',
+            # No AWS keys are exported: the node takes the instance role's from IMDSv2 through
+            # botocore's chain, which refreshes them (exported once, they died hours later).
         ]
     return [
         f"md() {{ curl -fsS -m {t} --retry 5 -H 'Metadata-Flavor: Google' "

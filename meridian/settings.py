@@ -292,15 +292,17 @@ class WeightSettings(BaseSettings):
     # Largest range a node serves a peer in one response (bounds its memory per request).
     peer_max_range_bytes: int = Field(64 * 1024 * 1024, ge=4096)
     # S3 API: endpoint for non-AWS stores (MinIO, moto, R2); the bucket's region for
-    # SigV4 and for residency checks. Keys: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
-    # AWS_SESSION_TOKEN, as every AWS tool reads them.
+    # SigV4 and for residency checks. Keys given here (or AWS_ACCESS_KEY_ID /
+    # AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN) are used as they are; without them,
+    # botocore's chain (profiles, web identity, container credentials, EC2 instance
+    # role), refreshed before expiry; with nothing found, requests go unsigned.
     s3_endpoint_url: str | None = None
     s3_region: str = Field("us-east-1", validation_alias=AliasChoices("MERIDIAN_WEIGHTS_S3_REGION", "AWS_REGION", "s3_region"))
-    # Unset: anonymous requests (public buckets).
     s3_access_key_id: str | None = Field(None, validation_alias=AliasChoices("AWS_ACCESS_KEY_ID", "s3_access_key_id"))
     s3_secret_access_key: SecretStr | None = Field(None, validation_alias=AliasChoices("AWS_SECRET_ACCESS_KEY", "s3_secret_access_key"))
     s3_session_token: SecretStr | None = Field(None, validation_alias=AliasChoices("AWS_SESSION_TOKEN", "s3_session_token"))
-    # GCS JSON API: endpoint for emulators; bearer token, else the metadata server's.
+    # GCS JSON API: endpoint for emulators (unauthenticated); a static bearer token, else
+    # Application Default Credentials (google-auth), refreshed before expiry.
     gcs_endpoint_url: str = "https://storage.googleapis.com"
     gcs_token: SecretStr | None = Field(None, validation_alias=AliasChoices("MERIDIAN_WEIGHTS_GCS_TOKEN", "GOOGLE_OAUTH_ACCESS_TOKEN", "gcs_token"))
     # Objects above this size are pushed to S3/GCS in parts of multipart_part_bytes.

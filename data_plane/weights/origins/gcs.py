@@ -8,19 +8,18 @@ import contextlib
 import os
 import random
 import re
-import time
 from pathlib import Path
 from urllib.parse import quote
 
 import httpx
 
 from data_plane.weights.origins.base import (
-    OriginDenied,
     OriginError,
     OriginUnavailable,
     OriginURI,
     Progress,
 )
+from data_plane.weights.origins.credentials import GcpCredentialChain
 from data_plane.weights.origins.transport import (
     check_span,
     describe,
@@ -35,13 +34,8 @@ from data_plane.weights.origins.transport import (
 from meridian.settings import WeightSettings
 
 PUBLIC_ENDPOINT = "https://storage.googleapis.com"
-METADATA_TOKEN_URL = (
-    "http://metadata.google.internal/computeMetadata/v1/instance/service-accounts/default/token"
-)
 # Resumable upload chunks must be multiples of 256 KiB (all but the last).
 _CHUNK_QUANTUM = 256 * 1024
-# Refresh a metadata-server token this long before it expires.
-_TOKEN_MARGIN_S = 60.0
 _PERSISTED = re.compile(r"^bytes=0-(\d+)$")
 
 
@@ -54,44 +48,10 @@ def _gcs_error_detail(response: httpx.Response) -> str:
     return str(error.get("message", "")) if isinstance(error, dict) else ""
 
 
-class _MetadataToken:
-    """The VM service account's access token, cached until shortly before it expires."""
-
-    def __init__(self, client: httpx.AsyncClient, url: str) -> None:
-        self._client = client
-        self._url = url
-        self._token = ""
-        self._expires_at = 0.0
-        self._lock = asyncio.Lock()
-
-    async def get(self) -> str:
-        async with self._lock:
-            if self._token and time.monotonic() < self._expires_at:
-                return self._token
-            try:
-                response = await self._client.get(self._url, headers={"Metadata-Flavor": "Google"})
-            except httpx.ConnectError as e:
-                raise OriginDenied(
-                    "no GCS credentials: set MERIDIAN_WEIGHTS_GCS_TOKEN, or run on GCE/GKE "
-                    f"where the metadata server answers ({e})"
-                ) from e
-            except httpx.TransportError as e:
-                raise OriginUnavailable(f"GCE metadata server: {type(e).__name__}: {e}") from e
-            if response.status_code != 200:
-                cls = OriginUnavailable if response.status_code >= 500 else OriginDenied
-                raise cls(f"GCE metadata server refused a token: HTTP {response.status_code}")
-            body = response.json()
-            self._token = str(body["access_token"])
-            self._expires_at = time.monotonic() + float(body.get("expires_in", 0)) - _TOKEN_MARGIN_S
-            return self._token
-
-
 class GcsOrigin:
     """A GCS bucket and object-name prefix."""
 
-    def __init__(
-        self, uri: OriginURI, settings: WeightSettings, *, metadata_token_url: str = METADATA_TOKEN_URL
-    ) -> None:
+    def __init__(self, uri: OriginURI, settings: WeightSettings, *, credentials: GcpCredentialChain | None = None) -> None:
         if not uri.authority:
             raise OriginError(f"{uri}: expected gs://bucket/prefix")
         self.uri = uri
@@ -100,12 +60,11 @@ class GcsOrigin:
         self._endpoint = settings.gcs_endpoint_url.rstrip("/")
         self._client = make_client(settings)
         self._static_token = settings.gcs_token.get_secret_value() if settings.gcs_token else None
-        # An emulator (any endpoint but Google's) takes requests without credentials.
-        self._metadata_token = (
-            _MetadataToken(self._client, metadata_token_url)
-            if self._static_token is None and self._endpoint == PUBLIC_ENDPOINT
-            else None
-        )
+        # Application Default Credentials, refreshed ahead of expiry; an emulator (any endpoint
+        # but Google's) takes requests without credentials unless some are given.
+        self._credentials = credentials
+        if credentials is None and self._static_token is None and self._endpoint == PUBLIC_ENDPOINT:
+            self._credentials = GcpCredentialChain()
 
     @property
     def region(self) -> str | None:
@@ -125,8 +84,8 @@ class GcsOrigin:
     async def _auth(self) -> dict[str, str]:
         if self._static_token is not None:
             return {"Authorization": f"Bearer {self._static_token}"}
-        if self._metadata_token is not None:
-            return {"Authorization": f"Bearer {await self._metadata_token.get()}"}
+        if self._credentials is not None:
+            return {"Authorization": f"Bearer {await self._credentials.token()}"}
         return {}
 
     async def _send(

@@ -17,6 +17,11 @@ from data_plane.weights.origins.base import (
     OriginURI,
     Progress,
 )
+from data_plane.weights.origins.credentials import (
+    AwsCredentialChain,
+    AwsCredentialSource,
+    StaticAwsCredentials,
+)
 from data_plane.weights.origins.sigv4 import (
     EMPTY_SHA256,
     AwsCredentials,
@@ -43,12 +48,15 @@ MAX_PARTS = 10_000
 MAX_PARTS_IN_FLIGHT = 4
 
 
-def credentials_from_settings(settings: WeightSettings) -> AwsCredentials | None:
-    """The access key from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN."""
+def credentials_from_settings(settings: WeightSettings) -> AwsCredentialSource:
+    """An access key given in the settings (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY /
+    AWS_SESSION_TOKEN) as it is; else botocore's chain, which refreshes what it finds
+    (instance role, web identity, container credentials, profiles)."""
     if not settings.s3_access_key_id or settings.s3_secret_access_key is None:
-        return None
+        return AwsCredentialChain()
     token = settings.s3_session_token.get_secret_value() if settings.s3_session_token else None
-    return AwsCredentials(settings.s3_access_key_id, settings.s3_secret_access_key.get_secret_value(), token)
+    return StaticAwsCredentials(
+        AwsCredentials(settings.s3_access_key_id, settings.s3_secret_access_key.get_secret_value(), token))
 
 
 def _s3_error_detail(response: httpx.Response) -> str:
@@ -85,14 +93,20 @@ class S3Origin:
     """An S3 bucket and key prefix."""
 
     def __init__(
-        self, uri: OriginURI, settings: WeightSettings, credentials: AwsCredentials | None = None
+        self, uri: OriginURI, settings: WeightSettings,
+        credentials: AwsCredentials | AwsCredentialSource | None = None,
     ) -> None:
         if not uri.authority:
             raise OriginError(f"{uri}: expected s3://bucket/prefix")
         self.uri = uri
         self.bucket = uri.authority
         self._settings = settings
-        self._credentials = credentials if credentials is not None else credentials_from_settings(settings)
+        if credentials is None:
+            self._credentials = credentials_from_settings(settings)
+        elif isinstance(credentials, AwsCredentials):
+            self._credentials = StaticAwsCredentials(credentials)
+        else:
+            self._credentials = credentials
         self._sign_region = settings.s3_region
         if settings.s3_endpoint_url:
             # MinIO, moto and most S3 APIs outside AWS want path-style addressing.
@@ -129,10 +143,11 @@ class S3Origin:
         url = self.url(name, query)
         what = what or method
         request_headers = dict(headers or {})
-        if self._credentials is not None:
+        credentials = await self._credentials.get()  # refreshed ahead of expiry
+        if credentials is not None:
             digest = payload_sha256 or (EMPTY_SHA256 if not content else sha256_hex(content))
             request_headers |= sign_headers(
-                method, url, request_headers, self._credentials, self._sign_region, payload_sha256=digest
+                method, url, request_headers, credentials, self._sign_region, payload_sha256=digest
             )
         with transport_errors(what, self.uri, name):
             response = await self._client.request(method, url, headers=request_headers, content=content)

@@ -37,7 +37,7 @@ GCP_BOOT = NodeBoot(
     cluster_token_secret="acme-cluster-token",
 )
 
-# Stand-ins: curl answers the metadata paths, aws/gcloud the secret (and AWS credentials).
+# Stand-ins: curl answers the metadata paths, aws/gcloud the secret.
 FAKE_CURL = """#!/bin/bash
 url="${@: -1}"
 case "$url" in
@@ -55,7 +55,7 @@ esac
 FAKE_AWS = """#!/bin/bash
 case "$1 $2" in
   "ssm get-parameter") echo "s3cret token" ;;
-  "configure export-credentials") echo "export AWS_ACCESS_KEY_ID=AKIAEXAMPLE" ;;
+  "configure export-credentials") echo "export AWS_ACCESS_KEY_ID=AKIAEXAMPLE" ;;  # never asked now
   *) exit 1 ;;
 esac
 """
@@ -89,7 +89,9 @@ def test_aws_node_gets_its_settings_from_metadata_and_ssm(tmp_path):
     assert env["MERIDIAN_NODE_MODEL_URI"] == "s3://acme-weights-eu-west-1/models/mistral"
     assert env["MERIDIAN_CLUSTER_TOKEN"] == "s3cret token"
     assert env["MERIDIAN_WEIGHTS_S3_REGION"] == "eu-west-1"
-    assert env["AWS_ACCESS_KEY_ID"] == "AKIAEXAMPLE"
+    # Never frozen into the environment: the node's credential chain reads the instance role
+    # from IMDSv2 and refreshes it (exported keys expired hours after boot).
+    assert not any(k.startswith("AWS_") for k in env)
     assert env["MERIDIAN_NODE_ENGINE"] == "vllm" and env["MERIDIAN_NODE_KV_EVENTS_ENDPOINT"] == "tcp://*:5557"
 
 
