@@ -5,11 +5,11 @@ router, four non-streamed requests abandoned by their clients used to run to max
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
+from router_harness import eventually
 from tenant_fabric import MODEL, Tenant, TenantFabric, tenant_fabric
 
 from data_plane.model.make_tiny import make_tiny_checkpoint
@@ -23,14 +23,6 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / MODEL, seed=0)
 
 
-async def until(condition: Callable[[], bool], within_s: float = 10.0) -> None:
-    for _ in range(int(within_s / 0.01)):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not met in time")
-
-
 async def abandon(fabric: TenantFabric, stream: bool) -> int:
     """Send a long request, hang up once the node generates for it, wait until it stops;
     the tokens it generated."""
@@ -40,11 +32,11 @@ async def abandon(fabric: TenantFabric, stream: bool) -> int:
         request = asyncio.ensure_future(client.post("/v1/completions", json={
             "model": MODEL, "prompt": "Once upon a time", "max_tokens": MAX_TOKENS, "ignore_eos": True,
             "stream": stream}))
-        await until(lambda: engine.stats().generation_tokens_total >= before + 8)
+        await eventually(lambda: engine.stats().generation_tokens_total >= before + 8)
         request.cancel()  # the client goes away: its connection is closed
         with pytest.raises((asyncio.CancelledError, httpx.HTTPError)):
             await request
-    await until(lambda: engine.stats().running == 0)
+    await eventually(lambda: engine.stats().running == 0)
     return engine.stats().generation_tokens_total - before
 
 

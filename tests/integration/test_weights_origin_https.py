@@ -3,6 +3,7 @@ a server that refuses HEAD, and one that ignores Range."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -128,22 +129,26 @@ async def test_size_falls_back_to_a_ranged_get_when_head_is_refused(
         await origin.aclose()
 
 
-@pytest.fixture
-def no_range_server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    """Python's http.server: a real server that ignores Range and always answers 200."""
-    root = tmp_path / "plain"
+@contextlib.contextmanager
+def _serving(root: Path, handler: type[SimpleHTTPRequestHandler]) -> Iterator[str]:
+    """A real threaded http.server with `handler` over `root`; yields its URL."""
     root.mkdir()
-    server = ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(SimpleHTTPRequestHandler, directory=str(root))
-    )
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(root)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield root, f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
         thread.join(timeout=10)
+
+
+@pytest.fixture
+def no_range_server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """Python's http.server: a real server that ignores Range and always answers 200."""
+    with _serving(tmp_path / "plain", SimpleHTTPRequestHandler) as url:
+        yield tmp_path / "plain", url
 
 
 async def test_a_server_that_ignores_range_only_serves_whole_object_ranges(
@@ -181,17 +186,8 @@ class _Redirector(SimpleHTTPRequestHandler):
 
 @pytest.fixture
 def redirector(tmp_path: Path) -> Iterator[tuple[Path, str]]:
-    root = tmp_path / "redir"
-    root.mkdir()
-    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Redirector, directory=str(root)))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield root, f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=10)
+    with _serving(tmp_path / "redir", _Redirector) as url:
+        yield tmp_path / "redir", url
 
 
 async def test_redirects_are_followed_only_where_a_node_may_go(redirector: tuple[Path, str]) -> None:
