@@ -361,7 +361,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
             state.metrics.predicted_cache_hits.labels(*labels).inc(choice.predicted_hit_tokens)
         # Until the answer starts, nothing else notices the client leaving: the node would
         # go on generating a whole non-streamed answer (or a stream's prefill) for nobody.
-        watch = ClientWatch(request.receive)
+        watch = ClientWatch(request.scope, request.receive)
         try:
             response = await state.forwarder.forward(
                 route,

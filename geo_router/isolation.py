@@ -17,6 +17,7 @@ salt, as the engines do) agrees across routers and with the nodes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import msgspec
@@ -35,6 +36,11 @@ _ENCODER = msgspec.json.Encoder()
 def tenant_cache_salt(tenant: TenantEntry) -> str:
     """The salt of the tenant's cache partition: its sharing group's, else its own."""
     scope = f"group\x1f{tenant.cache_group}" if tenant.cache_group else f"tenant\x1f{tenant.tenant}"
+    return _salt(scope)
+
+
+@functools.lru_cache(maxsize=4096)
+def _salt(scope: str) -> str:
     return hashlib.sha256(b"meridian-cache-salt\x1f" + scope.encode()).hexdigest()[:32]
 
 

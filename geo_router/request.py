@@ -14,8 +14,9 @@ from typing import Any
 
 import msgspec
 from fastapi import Request
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
+from meridian.http_server import DISCONNECT_EXTENSION
 from meridian.json_limits import MAX_JSON_DEPTH, too_deep
 
 from .errors import BadRequest, ClientClosedRequest, RequestTooLarge
@@ -87,19 +88,30 @@ class ClientWatch:
     upstream connection, which is what tells the node to abort the request.
     """
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, scope: Scope, receive: Receive) -> None:
         self.fired = False
+        self._active = True
         self._task = asyncio.current_task()
-        self._watch = asyncio.ensure_future(self._run(receive))
+        self._watch: asyncio.Future[None] | None = None
+        register = scope.get("extensions", {}).get(DISCONNECT_EXTENSION)
+        if register is not None:
+            register(self._fire)  # the listener calls it: no task per request
+        else:  # another server (tests' plain uvicorn): wait on receive() in a task
+            self._watch = asyncio.ensure_future(self._wait(receive))
 
-    async def _run(self, receive: Receive) -> None:
+    async def _wait(self, receive: Receive) -> None:
         await until_disconnected(receive)
-        if self._task is not None and not self._task.done():
+        self._fire()
+
+    def _fire(self) -> None:
+        if self._active and self._task is not None and not self._task.done():
             self.fired = True
             self._task.cancel()
 
     def stop(self) -> None:
-        self._watch.cancel()
+        self._active = False
+        if self._watch is not None:
+            self._watch.cancel()
 
     def closed_request(self) -> ClientClosedRequest:
         """The error to answer once the watch fired (its cancellation taken back)."""

@@ -15,6 +15,11 @@ header until it ends). `LimitedHttpToolsProtocol` adds, per connection:
 - `max_connections`: beyond this many open connections a new one is answered 503 with
   `Retry-After` at once and closed, before anything of it is read.
 
+It also tells the app when a client hangs up, without the app having to wait on
+`receive()` in a task of its own for every request: the ASGI scope's
+`extensions[DISCONNECT_EXTENSION]` registers a callback, called (once, on the loop) if the
+connection is lost before that request's answer is complete.
+
 Concurrency of requests is capped where the work is (the router's upstream slots and
 scale-from-zero queue, the node's waiting queue), each answering 503 with Retry-After.
 The error bodies are the listener's own format (OpenAI error JSON on the inference API,
@@ -25,6 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
+import weakref
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,6 +42,10 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from meridian.settings import ListenerSettings
+
+# scope["extensions"][DISCONNECT_EXTENSION](callback): call `callback()` if the client goes
+# away before this request's answer is complete.
+DISCONNECT_EXTENSION = "meridian.on_disconnect"
 
 # How long a refused connection's further bytes are read and dropped before it is closed.
 _LINGER_S = 2.0
@@ -93,7 +106,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         # A head found over the limit once parsed whole (it fitted in one read): the parser's
         # remaining callbacks are ignored and the request is refused.
         self._oversized = False
-        self._timer: asyncio.TimerHandle | None = None
+        # Disconnect callbacks of each request whose answer is not complete, oldest first.
+        self._on_disconnect: deque[list[Callable[[], None]]] = deque()
+        # When the head or body being read must be whole (loop time; inf: nothing due).
+        self._deadline = math.inf
 
     # --- connection -------------------------------------------------------------------
 
@@ -109,6 +125,18 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        callbacks = [cb for pending in self._on_disconnect for cb in pending]
+        self._on_disconnect.clear()
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - one app's callback must not break the others
+                logging.getLogger(__name__).exception("disconnect callback failed")
+
+    def on_response_complete(self) -> None:
+        if self._on_disconnect:
+            self._on_disconnect.popleft()  # answers complete in the order requests came
+        super().on_response_complete()
 
     def data_received(self, data: bytes) -> None:
         if self._lingering or self.transport.is_closing():
@@ -132,20 +160,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._head_clock = True
             self._arm(self.limits.header_timeout_s)
         super().on_message_begin()
-
-    def on_url(self, url: bytes) -> None:
-        if not self._oversized:
-            super().on_url(url)
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._oversized:
-            super().on_header(name, value)
+        callbacks: list[Callable[[], None]] = []
+        self._on_disconnect.append(callbacks)
+        self.scope["extensions"] = {DISCONNECT_EXTENSION: callbacks.append}  # type: ignore[typeddict-unknown-key]
 
     def on_headers_complete(self) -> None:
         if self._oversized:
             return
-        size = len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers)
-        if size > self.limits.max_header_bytes:
+        # Counted only when the bytes read since the head began could exceed the limit.
+        if self._head_bytes > self.limits.max_header_bytes and (
+            len(self.url) + sum(len(n) + len(v) + 4 for n, v in self.headers) > self.limits.max_header_bytes
+        ):
             self._oversized = True  # refused once the parser returns
             return
         self._in_head = self._head_clock = False
@@ -170,16 +195,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # --- helpers ------------------------------------------------------------------------
 
     def _arm(self, seconds: float) -> None:
-        self._disarm()
-        self._timer = self.loop.call_later(seconds, self._timed_out)
+        # A deadline, not a timer per request: one sweep a second (or faster for short
+        # timeouts) checks every connection of the server, which costs the request path
+        # nothing but this assignment.
+        self._deadline = self.loop.time() + seconds
+        _Sweeper.ensure(self)
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline = math.inf
 
     def _timed_out(self) -> None:
-        self._timer = None
+        self._deadline = math.inf
         if self.transport.is_closing():
             return
         if self._in_head:
@@ -210,7 +236,42 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.transport.write_eof()
         self._lingering = True
-        self._timer = self.loop.call_later(_LINGER_S, self.transport.close)
+        self.loop.call_later(_LINGER_S, self.transport.close)
+
+
+class _Sweeper:
+    """Times out the connections of one server whose deadline has passed, every `period`."""
+
+    _running: ClassVar[weakref.WeakKeyDictionary[Any, _Sweeper]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, protocol: LimitedHttpToolsProtocol) -> None:
+        limits = protocol.limits
+        self._connections = protocol.connections
+        self._loop = protocol.loop
+        self._period = min(1.0, limits.header_timeout_s / 4, limits.body_timeout_s / 4)
+        self._loop.call_later(self._period, self._sweep)
+
+    @classmethod
+    def ensure(cls, protocol: LimitedHttpToolsProtocol) -> None:
+        """Start the sweep of this protocol's server unless it runs."""
+        state = protocol.server_state
+        if state not in cls._running:
+            cls._running[state] = cls(protocol)
+
+    def _sweep(self) -> None:
+        now = self._loop.time()
+        armed = False
+        for conn in list(self._connections):
+            deadline = getattr(conn, "_deadline", math.inf)
+            if deadline <= now:
+                conn._timed_out()
+            armed = armed or getattr(conn, "_deadline", math.inf) < math.inf
+        if armed or self._connections:
+            self._loop.call_later(self._period, self._sweep)
+        else:
+            for state, sweeper in list(self._running.items()):
+                if sweeper is self:
+                    del self._running[state]
 
 
 def limited_protocol(limits: ListenerLimits, error_body: ErrorBody = openai_error_body) -> type[LimitedHttpToolsProtocol]:

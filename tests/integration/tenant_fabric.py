@@ -25,6 +25,7 @@ from geo_router import create_app as create_router_app
 from geo_router.app import RouterState
 from geo_router.table import StaticTableSource
 from meridian.contracts import NodeStatus, RoutingNode, RoutingTable, TenantEntry
+from meridian.http_server import limited_config, openai_error_body
 from meridian.security import hash_api_key
 from meridian.settings import NodeSettings
 
@@ -77,9 +78,10 @@ def node_settings(checkpoint: Path, **overrides: Any) -> NodeSettings:
 @contextlib.asynccontextmanager
 async def tenant_fabric(
     checkpoint: Path, tenants: Sequence[Tenant], *, node: dict[str, Any] | None = None,
-    router: dict[str, Any] | None = None,
+    router: dict[str, Any] | None = None, plain_listener: bool = False,
 ) -> AsyncIterator[TenantFabric]:
-    """Serve a node and a router in front of it for `tenants` until the block ends."""
+    """Serve a node and a router in front of it for `tenants` until the block ends; the
+    router on the listener `meridian router serve` uses (or uvicorn's plain one)."""
     servers = ServerGroup()
     try:
         node_app = create_node_app(node_settings(checkpoint, **(node or {})))
@@ -91,8 +93,11 @@ async def tenant_fabric(
                                status=NodeStatus.READY)],
             tenants=[t.entry() for t in tenants], deployments=[],
         )
-        router_app = create_router_app(router_settings(**(router or {})), table_source=StaticTableSource(table))
-        router_url = await servers.start(router_app)
+        settings = router_settings(**(router or {}))
+        router_app = create_router_app(settings, table_source=StaticTableSource(table))
+        config = None if plain_listener else limited_config(
+            router_app, settings, openai_error_body, lifespan="on", log_level="warning", timeout_graceful_shutdown=2)
+        router_url = await servers.start(router_app, config=config)
         yield TenantFabric(router_url, node_url, router_app, node_app)
     finally:
         await servers.stop()

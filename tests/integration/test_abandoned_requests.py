@@ -41,8 +41,11 @@ async def abandon(fabric: TenantFabric, stream: bool) -> int:
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-async def test_an_abandoned_request_stops_generating(checkpoint: Path, stream: bool) -> None:
-    async with tenant_fabric(checkpoint, [ACME], node={"max_tokens_limit": MAX_TOKENS}) as fabric:
+# The router's own listener tells it of the hang-up; under another server it waits on receive().
+@pytest.mark.parametrize("plain_listener", [False, True], ids=["meridian-listener", "plain-uvicorn"])
+async def test_an_abandoned_request_stops_generating(checkpoint: Path, stream: bool, plain_listener: bool) -> None:
+    async with tenant_fabric(checkpoint, [ACME], node={"max_tokens_limit": MAX_TOKENS},
+                             plain_listener=plain_listener) as fabric:
         spent = [await abandon(fabric, stream) for _ in range(4)]
         # Each was aborted on the node soon after its client left, not run to max_tokens.
         stats = fabric.node.state.runtime.engine.stats()
