@@ -176,7 +176,6 @@ class Deployment(_Spec):
             raise DeploymentError(f"deployment {self.name}: set {self.admin_key_env} to an admin API key")
         return key
 
-
     def metrics_token(self) -> str | None:
         """The token the routers' /metrics answer, from the environment (None: unset, and
         what only the routers' metrics show, ejections say, is not observed)."""

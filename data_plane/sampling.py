@@ -19,6 +19,7 @@ import torch
 # vLLM's _SAMPLING_EPS: below this a temperature is greedy. Dividing logits by 1e-300 (or
 # 5e-324) overflows float32 to inf and the softmax to NaN.
 SAMPLING_EPS = 1e-5
+_NOT_FINITE = "the logits have no finite maximum (NaN or +inf)"
 
 
 class SamplingError(ValueError):
@@ -59,9 +60,14 @@ def sample_next(
     check_sampling(temperature, top_p, top_k)
     logits = logits.to(torch.float32)
     if not bool(torch.isfinite(logits.max())):
-        raise SamplingError("the logits have no finite maximum (NaN or +inf)")
+        raise SamplingError(_NOT_FINITE)
     if is_greedy(temperature):
         return int(torch.argmax(logits).item())
+    return _sample(logits, temperature, top_p, top_k, generator)
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator) -> int:
+    """Sample float32 logits [V] already checked (finite maximum, valid non-greedy values)."""
     logits = logits / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
@@ -121,16 +127,14 @@ def sample_batch(logits: torch.Tensor, rows: list[RowSampling]) -> list[Sampled 
     out: list[Sampled | SamplingFailed] = []
     for i, row in enumerate(rows):
         try:
+            # Checked once here for every row, not again per row inside the sampling.
             if not finite[i]:
-                raise SamplingError("the logits have no finite maximum (NaN or +inf)")
+                raise SamplingError(_NOT_FINITE)
+            check_sampling(row.temperature, row.top_p, row.top_k)
             if is_greedy(row.temperature) or row.generator is None:
-                check_sampling(row.temperature, row.top_p, row.top_k)
                 token = int(greedy[i])
             else:
-                token = sample_next(
-                    logits[i], temperature=row.temperature, top_p=row.top_p, top_k=row.top_k,
-                    generator=row.generator,
-                )
+                token = _sample(logits[i], row.temperature, row.top_p, row.top_k, row.generator)
         except (SamplingError, RuntimeError) as exc:  # RuntimeError: torch.multinomial's
             out.append(SamplingFailed(str(exc)))
             continue

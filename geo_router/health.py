@@ -21,9 +21,9 @@ READY nodes, given by `set_known_nodes`) out of service, nor of the known nodes 
 residency zone the node serves: a zoned tenant can only use its zone's nodes, so a cap over
 the whole fleet let a two-node zone be ejected whole while its tenants had nowhere else to
 go. One node of each may always be ejected (Envoy's rule); at a cap a failure is counted
-but not enforced, and listeners hear of it as an `Ejection` with `enforced=False`. Reads are synchronous on purpose: selection runs on every
-request, so a shared implementation (Redis, several routers) keeps a local view and syncs it
-in the background.
+but not enforced, and listeners hear of it as an `Ejection` with `enforced=False`. Reads
+are synchronous on purpose: selection runs on every request, so a shared implementation
+(Redis, several routers) keeps a local view and syncs it in the background.
 """
 
 from __future__ import annotations

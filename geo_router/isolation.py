@@ -49,6 +49,7 @@ def salted(request: InferenceRequest, tenant: TenantEntry) -> InferenceRequest:
     salt = tenant_cache_salt(tenant)
     client = request.payload.get("cache_salt")
     if client is None:
+        payload = {**request.payload, "cache_salt": salt}
         # The common case: append the field to the object's bytes, no re-encoding. The body
         # is a JSON object (parse_inference_request checked) with at least `model` in it.
         end = request.body.rstrip().rfind(b"}")
@@ -58,8 +59,6 @@ def salted(request: InferenceRequest, tenant: TenantEntry) -> InferenceRequest:
             raise BadRequest(f"`cache_salt` must be a non-empty string of at most "
                              f"{MAX_CLIENT_SALT_CHARS} characters.", param="cache_salt")
         # The client's own partition, inside its tenant's.
-        salt = hashlib.sha256(f"{salt}\x1f{client}".encode()).hexdigest()[:32]
-        body = b""
-    payload = {**request.payload, "cache_salt": salt}
-    return InferenceRequest(body=body or _ENCODER.encode(payload), model=request.model,
-                            stream=request.stream, payload=payload)
+        payload = {**request.payload, "cache_salt": hashlib.sha256(f"{salt}\x1f{client}".encode()).hexdigest()[:32]}
+        body = _ENCODER.encode(payload)
+    return InferenceRequest(body=body, model=request.model, stream=request.stream, payload=payload)

@@ -22,8 +22,8 @@ origins' own pooled httpx clients, whose parallel ranged fetch the weights bench
 Both libraries do blocking I/O when they refresh, so that runs in a worker thread, once
 for all the requests waiting on it; in between, a credential is a cached value.
 
-These are the only modules of the data plane that import botocore or google (the
-import-linter contracts name them): no SDK client, just the credential chains.
+This is the only module of the data plane that imports botocore or google (the
+import-linter contracts name it): no SDK client, just the credential chains.
 """
 
 from __future__ import annotations
@@ -65,8 +65,7 @@ class StaticAwsCredentials:
 class AwsCredentialChain:
     """botocore's default credential chain, frozen per use and refreshed before expiry."""
 
-    def __init__(self, profile: str | None = None) -> None:
-        self._profile = profile
+    def __init__(self) -> None:
         self._source: botocore.credentials.Credentials | None = None
         self._resolved = False
         self._frozen: AwsCredentials | None = None
@@ -91,7 +90,8 @@ class AwsCredentialChain:
         """(In a worker thread.) Resolve the chain once, then freeze the current credentials,
         which refreshes them when they are about to expire."""
         if not self._resolved:
-            self._source = botocore.session.Session(profile=self._profile).get_credentials()
+            # AWS_PROFILE and the other variables are read by botocore itself.
+            self._source = botocore.session.Session().get_credentials()
             self._resolved = True
         if self._source is None:
             return None  # nothing configured: requests go unsigned (public buckets, emulators)

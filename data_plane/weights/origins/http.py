@@ -86,13 +86,15 @@ class HttpOrigin:
             if not response.has_redirect_location:
                 return
             target = response.request.url.join(response.headers["location"])
-            why = redirect_refusal(origin, target, ())
-            if why is None and target.host != origin.host:
+            addresses: list[str] = []
+            # Only another host reached over https is judged by its addresses (the rest is
+            # refused or allowed on its URL alone).
+            if target.host != origin.host and target.scheme == "https":
                 try:
                     addresses = await _addresses(target.host, target.port or 443)
                 except OSError as exc:
                     raise OriginUnavailable(f"{uri}: redirected to {target.host}, which does not resolve: {exc}") from None
-                why = redirect_refusal(origin, target, addresses)
+            why = redirect_refusal(origin, target, addresses)
             if why is not None:
                 raise RedirectRefused(f"{uri}: not following the redirect to {target}: {why}")
 
