@@ -10,6 +10,7 @@ import pytest
 from fastapi import FastAPI
 from node_testkit import MODEL_NAME, make_settings
 
+from data_plane.engine.torch_engine import TorchEngine
 from data_plane.model.make_tiny import make_tiny_checkpoint
 from data_plane.server.app import create_app
 from meridian.settings import NodeSettings
@@ -18,6 +19,15 @@ from meridian.settings import NodeSettings
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / MODEL_NAME, seed=0)
+
+
+@pytest.fixture
+async def engine(tiny_checkpoint: Path) -> AsyncIterator[TorchEngine]:
+    """A started torch engine on the tiny checkpoint, four sequences at a time."""
+    eng = TorchEngine(make_settings(tiny_checkpoint, max_num_seqs=4))
+    await eng.start()
+    yield eng
+    await eng.stop()
 
 
 @pytest.fixture

@@ -15,15 +15,28 @@ import httpx
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
+from data_plane.engine.base import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from data_plane.engine.torch_engine import TorchEngine
 from meridian.contracts import HeartbeatAck, NodeHeartbeat, NodeRegistered, NodeRegistration
 from meridian.settings import NodeSettings
 
 MODEL_NAME = "tiny-llama"
+# Token ids every engine test sends unless it says otherwise.
+ENGINE_PROMPT = [0, 264, 519, 388, 12, 99]
 CHAT_REQUEST: dict[str, Any] = {
     "model": MODEL_NAME,
     "messages": [{"role": "user", "content": "Tell me a story."}],
 }
+
+
+async def run_request(engine: Engine, rid: str, params: SamplingParams,
+                      prompt: list[int] = ENGINE_PROMPT) -> list[GenerationOutput]:
+    """Every output of one request, generated to its end."""
+    return [o async for o in engine.generate(GenerationRequest(rid, prompt, params))]
+
+
+def tokens_of(outputs: list[GenerationOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
 
 
 def make_settings(checkpoint: Path, **overrides: Any) -> NodeSettings:
