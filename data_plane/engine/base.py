@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 from meridian.settings import NodeSettings
 
 if TYPE_CHECKING:
+    import httpx
+
     from data_plane.tokenizer import ChatTokenizer
     from meridian.kv_events import KVEventBatch
 
@@ -153,6 +155,22 @@ class Engine(Protocol):
 
     def get_tokenizer(self) -> ChatTokenizer:
         """Tokenizer of the served model (valid once started)."""
+        ...
+
+
+@runtime_checkable
+class PassthroughEngine(Protocol):
+    """An engine with its own OpenAI/Anthropic HTTP server (vLLM), to which the node passes
+    requests unchanged instead of serving them through `generate`, so that nothing the
+    engine supports (tools, structured outputs, responses, messages...) is lost."""
+
+    def upstream(self) -> httpx.AsyncClient:
+        """A pooled client for the engine's server; EngineNotReadyError when it cannot serve."""
+        ...
+
+    def upstream_model(self, model: str) -> str | None:
+        """The engine's name for a fabric model name (`base`, `base:adapter` or a bare
+        adapter name); None when it serves no such model."""
         ...
 
 

@@ -189,6 +189,10 @@ class TinyArch:
         return self.hidden_size // self.num_attention_heads
 
 
+# The tiny model shaped for vLLM's CPU attention, which refuses head_dim 16 and takes 64.
+VLLM_CPU_ARCH = TinyArch(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=352)
+
+
 def tiny_config(
     vocab_size: int, bos_token_id: int, eos_token_ids: list[int], arch: TinyArch | None = None
 ) -> dict[str, Any]:

@@ -5,20 +5,22 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from data_plane.engine.base import Engine, create_engine
+from data_plane.engine.base import Engine, PassthroughEngine, create_engine
 from data_plane.lifecycle import Phase
 from data_plane.runtime import NodeRuntime
 from data_plane.server.auth import internal_auth
 from data_plane.server.completions import CompletionService
-from data_plane.server.errors import install_error_handlers
+from data_plane.server.errors import ModelNotFoundError, install_error_handlers
 from data_plane.server.metrics import NodeMetrics
+from data_plane.server.passthrough import GENERATION_ROUTES, GET_ROUTES, OTHER_POST_ROUTES, Passthrough
 from data_plane.weights.node_weights import with_model_uri
-from meridian.contracts import ModelList
+from meridian.contracts import ModelCard, ModelList
 from meridian.request_journal import RequestJournal
 from meridian.settings import NodeSettings
 
@@ -35,12 +37,16 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
         engine = create_engine(settings.engine, settings)
     runtime = NodeRuntime(settings, engine)
     models = engine.models()
+    # An engine with its own server (vLLM) measures requests and exports its cache config
+    # itself; its families are relayed on /metrics.
+    passthrough = isinstance(engine, PassthroughEngine)
     metrics = NodeMetrics(
         models[0] if models else "", engine.stats,
-        cache_config={
+        cache_config=None if passthrough else {
             "block_size": str(settings.block_size),
             "enable_prefix_caching": str(settings.enable_prefix_caching),
         },
+        request_metrics=not passthrough,
     )
     metrics.track_cold_start(lambda: runtime.cold_start)
     journal = RequestJournal(settings.request_journal_path)
@@ -65,17 +71,28 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
     # Generation is for routers only; /health and /metrics stay open for probes and scrapers.
     internal = [Depends(internal_auth(settings))]
 
-    @app.post("/v1/chat/completions", dependencies=internal)
-    async def chat_completions(request: Request) -> Response:
-        return await service.chat(request)
+    if isinstance(engine, PassthroughEngine):
+        _pass_through(app, Passthrough(runtime, engine, journal), internal)
+    else:
+        @app.post("/v1/chat/completions", dependencies=internal)
+        async def chat_completions(request: Request) -> Response:
+            return await service.chat(request)
 
-    @app.post("/v1/completions", dependencies=internal)
-    async def completions(request: Request) -> Response:
-        return await service.completion(request)
+        @app.post("/v1/completions", dependencies=internal)
+        async def completions(request: Request) -> Response:
+            return await service.completion(request)
 
     @app.get("/v1/models", dependencies=internal)
     async def list_models() -> ModelList:
         return await service.model_list(started)
+
+    @app.get("/v1/models/{model_id:path}", dependencies=internal)
+    async def get_model(model_id: str) -> ModelCard:
+        # vLLM has no such route; the card is the list's.
+        for card in (await service.model_list(started)).data:
+            if card.id == model_id:
+                return card
+        raise ModelNotFoundError(model_id)
 
     if runtime.weights is not None:
         # Same-region peers fetch this node's cached weights (cluster token, like routers).
@@ -96,3 +113,19 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _pass_through(app: FastAPI, passthrough: Passthrough, dependencies: list[Any]) -> None:
+    """Every route of the engine's server the fabric serves, passed through unchanged."""
+
+    def add(method: str, route: str) -> None:
+        async def endpoint(request: Request) -> Response:
+            return await passthrough.forward(request, request.url.path)
+
+        app.add_api_route(route, endpoint, methods=[method], dependencies=dependencies,
+                          name=f"passthrough {method} {route}")
+
+    for route in (*GENERATION_ROUTES, *OTHER_POST_ROUTES):
+        add("POST", route)
+    for route in GET_ROUTES:
+        add("GET", route)

@@ -131,25 +131,30 @@ class NodeMetrics:
         model_name: str,
         stats: Callable[[], EngineStats],
         cache_config: Mapping[str, str] | None = None,
+        *,
+        request_metrics: bool = True,
     ) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         labels = ["model_name"]
+        # Without request_metrics (an engine that measures its own requests, whose families
+        # the node relays), these are kept out of the registry and never exported.
+        registry = self.registry if request_metrics else CollectorRegistry()
         self.time_to_first_token = Histogram(
             "vllm:time_to_first_token_seconds", "Time to first token.", labels,
-            buckets=TTFT_BUCKETS, registry=self.registry,
+            buckets=TTFT_BUCKETS, registry=registry,
         ).labels(model_name)
         self.inter_token_latency = Histogram(
             "vllm:inter_token_latency_seconds", "Time between two generated tokens.", labels,
-            buckets=ITL_BUCKETS, registry=self.registry,
+            buckets=ITL_BUCKETS, registry=registry,
         ).labels(model_name)
         self.e2e_latency = Histogram(
             "vllm:e2e_request_latency_seconds", "Request latency from arrival to last token.",
-            labels, buckets=E2E_BUCKETS, registry=self.registry,
+            labels, buckets=E2E_BUCKETS, registry=registry,
         ).labels(model_name)
         self._success = Counter(
             "vllm:request_success", "Finished requests by finish reason.",
-            ["model_name", "finished_reason"], registry=self.registry,
+            ["model_name", "finished_reason"], registry=registry,
         )
         self.registry.register(_EngineCollector(model_name, stats, cache_config))
 

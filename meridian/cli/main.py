@@ -125,12 +125,18 @@ def model_make_tiny(
     out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into")],
     seed: Annotated[int, typer.Option(help="Same seed, same bytes")] = 0,
     overwrite: Annotated[bool, typer.Option(help="Replace a checkpoint already there")] = False,
+    engine: Annotated[str, typer.Option(
+        help="torch: the smallest model; vllm: head_dim 64, which vLLM's CPU attention needs")] = "torch",
 ) -> None:
     """Write a tiny Llama-architecture checkpoint (config, safetensors, tokenizer)."""
-    from data_plane.model.make_tiny import make_tiny_checkpoint
+    from data_plane.model.make_tiny import VLLM_CPU_ARCH, make_tiny_checkpoint
 
+    if engine not in ("torch", "vllm"):
+        err_console.print(f"[red]--engine must be torch or vllm, not {engine!r}[/red]")
+        raise typer.Exit(2)
     try:
-        make_tiny_checkpoint(out_dir, seed=seed, overwrite=overwrite)
+        make_tiny_checkpoint(out_dir, seed=seed, overwrite=overwrite,
+                             arch=VLLM_CPU_ARCH if engine == "vllm" else None)
     except FileExistsError:
         err_console.print(f"[red]{out_dir} exists and is not empty; pass --overwrite to replace it[/red]")
         raise typer.Exit(1) from None

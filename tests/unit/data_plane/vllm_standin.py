@@ -383,6 +383,9 @@ class StandIn:
         self.counters["hits"] += cached
         stop_ids = set(req.get("stop_token_ids") or [])
         stops = set(req.get("stop") or [])
+        if not req.get("stream"):
+            await self.whole_completion(writer, req, rid, prompt, max_tokens, cached)
+            return
         want_ids = bool(req.get("return_token_ids")) and _env("NO_TOKEN_IDS") != "1"
         logprobs = req.get("logprobs")
         as_ids = bool(req.get("return_tokens_as_token_ids"))
@@ -451,6 +454,30 @@ class StandIn:
             self.finished[finish or "abort"] += 1
         if finish == "abort":
             raise ConnectionResetError
+
+    async def whole_completion(self, writer: asyncio.StreamWriter, req: dict[str, Any], rid: str,
+                               prompt: list[int], max_tokens: int, cached: int) -> None:
+        """A non-streamed completion, shaped like vLLM's (same tokens as a stream)."""
+        stop_ids = set(req.get("stop_token_ids") or [])
+        tokens: list[int] = []
+        finish = "length"
+        for i in range(max_tokens):
+            token = (prompt[-1] + 1 + i) % 100_000
+            if token in stop_ids:
+                finish = "stop"
+                break
+            tokens.append(token)
+        self.counters["generation"] += len(tokens)
+        self.finished[finish] += 1
+        usage: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
+                                 "total_tokens": len(prompt) + len(tokens)}
+        if self.args.enable_prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        choice = {"index": 0, "text": "".join(f" w{t}" for t in tokens), "logprobs": None,
+                  "finish_reason": finish, "stop_reason": None}
+        await self.send_json(writer, 200, {"id": f"cmpl-{rid}", "object": "text_completion",
+                                           "created": int(time.time()), "model": req.get("model"),
+                                           "choices": [choice], "usage": usage})
 
     async def event(self, writer: asyncio.StreamWriter, data: dict[str, Any]) -> None:
         await self.raw(writer, f"data: {json.dumps(data)}\n\n".encode())
