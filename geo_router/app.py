@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import uvicorn
@@ -34,6 +34,7 @@ from meridian.settings import RouterSettings
 from .affinity import Affinity
 from .auth import authenticate
 from .errors import (
+    BadRequest,
     InvalidApiKey,
     ModelNotFound,
     NoHealthyReplica,
@@ -64,7 +65,15 @@ from .ratelimit import (
     usage_tokens,
 )
 from .redis_fleet import RedisFleetState
-from .request import ClientWatch, parse_inference_request, read_body, request_id_for
+from .request import (
+    MAX_MODEL_NAME_CHARS,
+    ClientWatch,
+    InferenceRequest,
+    parse_inference_request,
+    read_body,
+    request_id_for,
+)
+from .responses import ResponseIds, ResponseNotFound, StoredResponse
 from .scale_from_zero import ScaleFromZero, ScaleUpClient, awaiting_scale_up, deployed_models
 from .selection import (
     Candidate,
@@ -102,6 +111,7 @@ class RouterState:
     rate_limiter: RateLimiter
     locator: ClientLocator
     rtt: RttEstimator
+    response_ids: ResponseIds
 
     def table(self) -> LoadedTable:
         loaded = self.table_source.current()
@@ -186,6 +196,7 @@ def create_app(
         rate_limiter=create_rate_limiter(settings),
         locator=ClientLocator(settings),
         rtt=RttEstimator.from_settings(settings),
+        response_ids=ResponseIds(settings.cluster_token.get_secret_value()),
     )
     fleet_state.add_ejection_listener(lambda e: _count_ejection(state, e))
     fleet_state.add_ejection_listener(state.forwarder.on_ejection)
@@ -226,22 +237,33 @@ def create_app(
     app.state.router = state
     install_error_handlers(app)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _route(state, request, "/v1/chat/completions")
+    for route in MODEL_ROUTES:
+        _add_model_route(app, state, route)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _route(state, request, "/v1/completions")
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(request: Request, response_id: str) -> Response:
+        return await _stored_response(state, request, response_id, "GET", "")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(request: Request, response_id: str) -> Response:
+        return await _stored_response(state, request, response_id, "POST", "/cancel")
+
+    def tenant_models(request: Request) -> list[str]:
+        loaded = state.table()
+        tenant = _tenant(loaded, request)
+        # A deployed model is listed while scaled to zero: a request for it starts a replica.
+        return sorted(set(models_for(loaded, tenant)) | set(deployed_models(loaded, tenant)))
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
-        loaded = state.table()
-        tenant = authenticate(loaded, request.headers.get("authorization"))
-        # A deployed model is listed while scaled to zero: a request for it starts a replica.
-        names = set(models_for(loaded, tenant)) | set(deployed_models(loaded, tenant))
-        cards = [ModelCard(id=m) for m in sorted(names)]
+        cards = [ModelCard(id=m) for m in tenant_models(request)]
         return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str) -> JSONResponse:
+        if model_id not in tenant_models(request):
+            raise ModelNotFound(model_id[:MAX_MODEL_NAME_CHARS])
+        return JSONResponse(ModelCard(id=model_id).model_dump())
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -262,6 +284,25 @@ def create_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+# Every route whose body names a model, as the nodes serve it (vLLM's own API on vLLM nodes).
+MODEL_ROUTES = (
+    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+    "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize",
+)
+
+
+def _add_model_route(app: FastAPI, state: RouterState, route: str) -> None:
+    async def endpoint(request: Request) -> Response:
+        return await _route(state, request, route)
+
+    app.add_api_route(route, endpoint, methods=["POST"], name=route)
+
+
+def _tenant(loaded: LoadedTable, request: Request) -> TenantEntry:
+    # Anthropic's clients send their key as x-api-key.
+    return authenticate(loaded, request.headers.get("authorization"), request.headers.get("x-api-key"))
 
 
 def _on_table(state: RouterState, loaded: LoadedTable) -> None:
@@ -315,11 +356,14 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
     request.state.request_id = request_id
     try:
         loaded = state.table()
-        tenant = authenticate(loaded, request.headers.get("authorization"))
+        tenant = _tenant(loaded, request)
         body = await read_body(request, state.settings.max_request_bytes)
         received_at = time.perf_counter()
         # Prefix caches are per tenant (or sharing group): no tenant can probe another's.
         inference = salted(parse_inference_request(body), tenant)
+        stored: StoredResponse | None = None
+        if route == "/v1/responses":
+            inference, stored = _follow_up(state, inference, tenant)
         try:
             admission = state.rate_limiter.admit(
                 tenant, estimate_tokens(inference.payload, state.settings.rate_limit_default_completion_tokens)
@@ -344,6 +388,8 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
                 request.receive,
             )
             queued_s = time.perf_counter() - held_at
+        if stored is not None:
+            candidates = _pinned(loaded, candidates, stored, inference.model)
         candidates, prefix = state.affinity.annotate(candidates, inference.model, inference.payload)
         ctx = RoutingContext(
             tenant=tenant,
@@ -371,6 +417,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
                 received_at,
                 exhausted=exhausted_error(tenant, inference.model),
                 queued_s=queued_s,
+                rewrite=state.response_ids.rewriter(tenant) if route == "/v1/responses" else None,
             )
         except asyncio.CancelledError:
             if not watch.fired:
@@ -386,6 +433,61 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
     except RouterError as exc:
         state.metrics.requests.labels("", "", str(exc.status)).inc()
         raise
+
+
+def _follow_up(
+    state: RouterState, inference: InferenceRequest, tenant: TenantEntry
+) -> tuple[InferenceRequest, StoredResponse | None]:
+    """A responses request continuing a stored response: the node that stored it, and the
+    body with vLLM's own id in place of the client's."""
+    previous = inference.payload.get("previous_response_id")
+    if previous is None:
+        return inference, None
+    if not isinstance(previous, str):
+        raise BadRequest("`previous_response_id` must be a string.", param="previous_response_id")
+    stored = state.response_ids.resolve(previous, tenant, param="previous_response_id")
+    # The wrapped id is unique in the body (its MAC), and JSON needs no escape for it.
+    body = inference.body.replace(f'"{previous}"'.encode(), f'"{stored.inner_id}"'.encode(), 1)
+    return replace(inference, body=body), stored
+
+
+def _pinned(loaded: LoadedTable, candidates: list[Candidate], stored: StoredResponse, model: str) -> list[Candidate]:
+    """Only the replica holding a stored response can continue it."""
+    pinned = [c for c in candidates if c.node.node_id == stored.node_id]
+    if pinned:
+        return pinned
+    if stored.node_id in loaded.node_regions:
+        # Still in the fleet, not usable now (ejected, draining): worth a retry later.
+        raise NoHealthyReplica(model, 5)
+    raise ResponseNotFound(stored.inner_id, param="previous_response_id")
+
+
+async def _stored_response(state: RouterState, request: Request, response_id: str, method: str, suffix: str) -> Response:
+    """GET or cancel a stored response, on the replica that holds it (no failover: no other
+    replica has it)."""
+    request_id = request_id_for(request.headers.get(HEADER_REQUEST_ID))
+    request.state.request_id = request_id
+    loaded = state.table()
+    tenant = _tenant(loaded, request)
+    stored = state.response_ids.resolve(response_id, tenant)
+    node = next((n for n in loaded.table.nodes if n.node_id == stored.node_id), None)
+    if node is None:
+        raise ResponseNotFound(response_id)
+    location = state.locator.locate(request.headers, request.client.host if request.client else None, loaded.regions)
+    candidates: list[Candidate] = []
+    for model in node.models:
+        with contextlib.suppress(RouterError):
+            candidates = _pinned(loaded, state.select(loaded, tenant, model, location), stored, model)
+            break
+    if not candidates:
+        raise NoHealthyReplica(node.models[0] if node.models else "", 5)
+    return await state.forwarder.forward(
+        f"/v1/responses/{stored.inner_id}{suffix}",
+        InferenceRequest(body=b"", model=candidates[0].node.models[0], stream=False, payload={}),
+        candidates, request_id, time.perf_counter(),
+        exhausted=NoHealthyReplica(candidates[0].node.models[0], 5),
+        method=method, rewrite=state.response_ids.rewriter(tenant),
+    )
 
 
 def _settle_tokens(state: RouterState, admission: Admission, payload: Mapping[str, Any], response: Response) -> None:

@@ -9,14 +9,15 @@ from .errors import InvalidApiKey
 from .table import LoadedTable
 
 
-def authenticate(table: LoadedTable, authorization: str | None) -> TenantEntry:
-    """The tenant whose key is in `authorization`; InvalidApiKey when there is none.
+def authenticate(table: LoadedTable, authorization: str | None, api_key: str | None = None) -> TenantEntry:
+    """The tenant whose key is in `authorization` (Bearer), else in `api_key` (the
+    `x-api-key` header Anthropic's clients send); InvalidApiKey when there is none.
 
     The tenant's residency zone comes from this entry only: no request header can change it.
     """
-    key = bearer_token(authorization)
-    if key is None:
-        raise InvalidApiKey("Missing API key: send `Authorization: Bearer <key>`.")
+    key = bearer_token(authorization) or (api_key.strip() if api_key else None)
+    if not key:
+        raise InvalidApiKey("Missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`.")
     # A dict lookup by digest is safe against timing attacks: the attacker controls the key,
     # not its SHA-256, so timing reveals nothing usable about stored digests.
     tenant = table.tenants.get(hash_api_key(key))

@@ -278,10 +278,19 @@ def _canonical(prompt: _Prompt, limit: int) -> tuple[str, bytes, bool]:
 
 
 def _prompt_of(payload: Mapping[str, Any]) -> _Prompt | None:
-    """The prompt as the node reads it from the body; None when the node would refuse it."""
+    """The prompt as the node reads it from the body; None when the node would refuse it.
+
+    Anthropic's messages put the system prompt in `system`, the responses API in
+    `instructions` with the conversation in `input` (a string: one user message); vLLM
+    templates both as chat messages with the system prompt first.
+    """
     messages = payload.get("messages")
     if messages is not None:
-        return _chat_messages(messages)
+        return _with_system(_chat_messages(messages), payload.get("system"))
+    given = payload.get("input")
+    if given is not None:
+        items = [{"role": "user", "content": given}] if isinstance(given, str) else given
+        return _with_system(_chat_messages(items), payload.get("instructions"))
     prompt = payload.get("prompt")
     # As CompletionRequest.prompt_text_or_ids: one prompt, a string or token ids.
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -293,6 +302,30 @@ def _prompt_of(payload: Mapping[str, Any]) -> _Prompt | None:
     return None
 
 
+def _with_system(chat: _Chat | None, system: object) -> _Chat | None:
+    if chat is None or system is None:
+        return chat
+    text = _content_text(system)
+    return None if text is None else _Chat([{"role": "system", "content": text}, *chat.messages])
+
+
+# Text parts of every API: chat's and Anthropic's "text", the responses API's input and output text.
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
+
+
+def _content_text(content: object) -> str | None:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") in _TEXT_PARTS]
+        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+            return None
+        return "".join(t for t in texts if isinstance(t, str))
+    return None
+
+
 def _chat_messages(messages: object) -> _Chat | None:
     """What ChatMessage.for_template makes of each message: role and text only."""
     if not isinstance(messages, list) or not messages:
@@ -301,17 +334,8 @@ def _chat_messages(messages: object) -> _Chat | None:
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in _ROLES:
             return None
-        content = m.get("content")
-        if content is None:
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        elif isinstance(content, list):
-            texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
-                return None
-            text = "".join(t for t in texts if isinstance(t, str))
-        else:
+        text = _content_text(m.get("content"))
+        if text is None:
             return None
         role = "system" if m["role"] == "developer" else m["role"]
         out.append({"role": role, "content": text})

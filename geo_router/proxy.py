@@ -60,6 +60,8 @@ from .selection import Candidate
 
 log = logging.getLogger(__name__)
 
+# rewrite(node_id, bytes) -> bytes: a change made to an answer on its way to the client.
+Rewrite = Callable[[str, bytes], bytes]
 # Upstream headers worth keeping; hop-by-hop and length/encoding headers are the router's.
 _PASSTHROUGH_HEADERS = {b"content-type": "content-type", b"retry-after": "retry-after",
                         b"cache-control": "cache-control"}
@@ -383,8 +385,14 @@ class _SSEFramer:
     def __init__(self, is_sse: bool) -> None:
         self._is_sse = is_sse
         self._buf = b""
+        # Applied to each run of whole events released (the answer's rewrite, if any).
+        self.rewrite: Callable[[bytes], bytes] | None = None
 
     def feed(self, chunk: bytes) -> bytes:
+        out = self._feed(chunk)
+        return self.rewrite(out) if out and self.rewrite is not None else out
+
+    def _feed(self, chunk: bytes) -> bytes:
         if not self._is_sse:
             return chunk
         # Only the new bytes (and a separator straddling the old tail) can end an event.
@@ -402,13 +410,14 @@ class _SSEFramer:
 
     def flush(self) -> bytes:
         out, self._buf = self._buf, b""
-        return out
+        return self.rewrite(out) if out and self.rewrite is not None else out
 
 
 @dataclass
 class StreamTally:
-    """What a passed-through SSE stream carried: its JSON data events, and the `usage`
-    object of the chunk that reported one (the last, when the client asked for usage)."""
+    """What a passed-through SSE stream carried: its JSON data events, and the token counts
+    its events reported: an OpenAI usage chunk, the responses API's `response.usage`, or
+    Anthropic's `message.usage` then `usage` deltas (merged, later counts winning)."""
 
     events: int = 0
     usage: dict[str, Any] | None = None
@@ -416,16 +425,25 @@ class StreamTally:
     def feed(self, events: bytes) -> None:
         """Count complete events; parse only those that carry token counts."""
         self.events += events.count(b"data: {")
-        if b'"total_tokens"' not in events:
+        if b'"total_tokens"' not in events and b'"output_tokens"' not in events:
             return
-        for event in reversed(events.split(b"\n\n")):
-            data = event.strip()
-            if data.startswith(b"data: {") and b'"total_tokens"' in data:
-                with contextlib.suppress(ValueError):
-                    usage = json.loads(data[6:]).get("usage")
-                    if isinstance(usage, dict):
-                        self.usage = usage
-                return
+        # Anthropic's events carry an `event:` line before their data line.
+        for line in events.split(b"\n"):
+            if not line.startswith(b"data: {") or b"_tokens" not in line:
+                continue
+            with contextlib.suppress(ValueError):
+                usage = _usage_of(json.loads(line[6:]))
+                if usage is not None:
+                    self.usage = {**(self.usage or {}), **usage}
+
+
+def _usage_of(event: Any) -> dict[str, Any] | None:
+    if not isinstance(event, dict):
+        return None
+    for holder in (event, event.get("response"), event.get("message")):
+        if isinstance(holder, dict) and isinstance(usage := holder.get("usage"), dict):
+            return usage
+    return None
 
 
 def when_stream_ends(response: Response, callback: Callable[[StreamTally], None]) -> bool:
@@ -644,12 +662,16 @@ class UpstreamForwarder:
         received_at: float,
         exhausted: RouterError,
         queued_s: float = 0.0,
+        *,
+        method: str = "POST",
+        rewrite: Rewrite | None = None,
     ) -> Response:
         """Answer `request` from the first candidate that works; `exhausted` when none does.
 
         `received_at` is `time.perf_counter()` when the request body had been read;
         `queued_s` is how long it then waited for a replica (scale-from-zero), which is
-        not router overhead.
+        not router overhead. `rewrite(node_id, bytes)`, when given, is applied to the
+        answer: to a whole body, and to a stream's events one whole event at a time.
         """
         budget = self._retry_budget
         if budget is not None:
@@ -657,7 +679,7 @@ class UpstreamForwarder:
         streaming = False
         try:
             response = await self._forward(
-                route, request, candidates, request_id, received_at, exhausted, queued_s
+                route, request, candidates, request_id, received_at, exhausted, queued_s, method, rewrite
             )
             streaming = isinstance(response, _UpstreamStreamingResponse)
             return response
@@ -674,6 +696,8 @@ class UpstreamForwarder:
         received_at: float,
         exhausted: RouterError,
         queued_s: float,
+        method: str,
+        rewrite: Rewrite | None,
     ) -> Response:
         s = self._settings
         budget = self._retry_budget
@@ -705,7 +729,8 @@ class UpstreamForwarder:
             self._journal.routed(request_id, node, candidate.region.name, attempt)
             try:
                 response = await self._attempt(
-                    route, request, candidate, request_id, deadline, received_at, reply_headers
+                    route, request, candidate, request_id, deadline, received_at, reply_headers,
+                    method, rewrite,
                 )
             except _NodeFailed as exc:
                 self._fleet.end(node)
@@ -782,6 +807,8 @@ class UpstreamForwarder:
         deadline: float,
         received_at: float,
         reply_headers: dict[str, str],
+        method: str = "POST",
+        rewrite: Rewrite | None = None,
     ) -> Response:
         """One try on one node: a Response to commit to, or _NodeFailed."""
         try:
@@ -789,7 +816,7 @@ class UpstreamForwarder:
         except ValueError as exc:
             raise _NodeFailed("protocol", str(exc)) from None
         head = (
-            f"POST {origin.base_path}{route} HTTP/1.1\r\n"
+            f"{method} {origin.base_path}{route} HTTP/1.1\r\n"
             f"host: {origin.authority}\r\n"
             "content-type: application/json\r\n"
             f"accept: {'text/event-stream' if request.stream else 'application/json'}\r\n"
@@ -819,6 +846,8 @@ class UpstreamForwarder:
                 headers = _passthrough(upstream_headers)
                 if not request.stream or status >= 300:
                     body = await conn.read_all()
+                    if rewrite is not None:
+                        body = rewrite(node_id, body)
                     # A 4xx is the client's fault: the node is healthy and it is not retried.
                     self._fleet.record_success(candidate.node.node_id)
                     headers.update(reply_headers)
@@ -856,6 +885,9 @@ class UpstreamForwarder:
                     self._client.release(conn)
                 self._slots.release()
         self._fleet.record_success(candidate.node.node_id)
+        if rewrite is not None:
+            framer.rewrite = lambda events: rewrite(node_id, events)
+            first = framer.rewrite(first)
         stream = _UpstreamStream(self, candidate, conn, framer, first, ended, deadline, received_at)
         headers.setdefault("cache-control", "no-cache")
         headers["x-accel-buffering"] = "no"  # proxies in front must not buffer the stream

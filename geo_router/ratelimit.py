@@ -100,7 +100,9 @@ def estimate_tokens(
     """
     budget = _int_field(payload, "max_completion_tokens")
     if budget is None:
-        budget = _int_field(payload, "max_tokens")
+        budget = _int_field(payload, "max_tokens")  # completions, Anthropic's messages
+    if budget is None:
+        budget = _int_field(payload, "max_output_tokens")  # responses
     if budget is None:
         budget = default_completion_tokens
     choices = _int_field(payload, "n")
@@ -115,17 +117,20 @@ def estimate_prompt_tokens(payload: Mapping[str, Any]) -> int:
 
 
 def usage_tokens(answer: Mapping[str, Any]) -> int | None:
-    """Tokens an OpenAI answer (or a stream's usage chunk) reports it used; None if it says not."""
+    """Tokens an answer (or a stream's usage chunk) reports it used, in each API's own shape:
+    OpenAI's prompt/completion/total tokens, or the responses and Anthropic messages APIs'
+    input/output tokens; None if it says not."""
     usage = answer.get("usage")
     if not isinstance(usage, Mapping):
         return None
     total = _int_field(usage, "total_tokens")
     if total is not None:
         return total
-    prompt, completion = _int_field(usage, "prompt_tokens"), _int_field(usage, "completion_tokens")
-    if prompt is None and completion is None:
-        return None
-    return (prompt or 0) + (completion or 0)
+    for prompt_key, completion_key in (("prompt_tokens", "completion_tokens"), ("input_tokens", "output_tokens")):
+        prompt, completion = _int_field(usage, prompt_key), _int_field(usage, completion_key)
+        if prompt is not None or completion is not None:
+            return (prompt or 0) + (completion or 0)
+    return None
 
 
 def _int_field(payload: Mapping[str, Any], name: str) -> int | None:
@@ -137,22 +142,16 @@ def _int_field(payload: Mapping[str, Any], name: str) -> int | None:
 
 
 def _prompt_size(payload: Mapping[str, Any]) -> tuple[int, int]:
-    """(characters of prompt text, token ids given as such) in a chat or completions request."""
-    chars = 0
+    """(characters of prompt text, token ids given as such) in a chat, completions, responses
+    (`input`, `instructions`) or Anthropic messages (`system`) request."""
+    chars = _text_chars(payload.get("instructions")) + _text_chars(payload.get("system"))
     token_ids = 0
-    messages = payload.get("messages")
-    if isinstance(messages, list):
-        for message in messages:
-            if not isinstance(message, Mapping):
-                continue
-            content = message.get("content")
-            if isinstance(content, str):
-                chars += len(content)
-            elif isinstance(content, list):
-                for part in content:
-                    text = part.get("text") if isinstance(part, Mapping) else None
-                    if isinstance(text, str):
-                        chars += len(text)
+    for key in ("messages", "input"):
+        items = payload.get(key)
+        if isinstance(items, str):
+            chars += len(items)
+        elif isinstance(items, list):
+            chars += sum(_text_chars(m.get("content")) for m in items if isinstance(m, Mapping))
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
         chars += len(prompt)
@@ -165,6 +164,15 @@ def _prompt_size(payload: Mapping[str, Any]) -> tuple[int, int]:
             elif isinstance(item, list):
                 token_ids += len(item)
     return chars, token_ids
+
+
+def _text_chars(content: Any) -> int:
+    """Characters of a message's content: a string, or text parts of any API's kind."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(t) for p in content if isinstance(p, Mapping) and isinstance(t := p.get("text"), str))
+    return 0
 
 
 # --- one token bucket ---------------------------------------------------------------------

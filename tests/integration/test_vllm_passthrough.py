@@ -1,0 +1,169 @@
+"""vLLM's whole API through the fabric, against real vLLM (its CPU build), with the
+official clients: what a vLLM node serves reaches tenants through the router unchanged.
+
+The node passes requests through to vLLM (data_plane/server/passthrough.py); the router
+authenticates (Bearer or x-api-key), salts, charges and routes them, and pins stored
+responses to their replica (geo_router/responses.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anthropic
+import httpx
+import jsonschema
+import openai
+import pytest
+import pytest_asyncio
+from tenant_fabric import MODEL, TenantFabric
+from vllm_fabric import ADAPTER, ALICE, BOB, vllm_fabric, vllm_installed
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def fabric(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TenantFabric]:
+    if not vllm_installed():
+        message = "vLLM's CPU build is not installed (make vllm)"
+        if os.environ.get("MERIDIAN_REQUIRE_SERVICES") == "1":
+            pytest.fail(message, pytrace=False)
+        pytest.skip(message)
+    async with vllm_fabric(tmp_path_factory.mktemp("vllm")) as f:
+        yield f
+
+
+def oai(fabric: TenantFabric, key: str = ALICE.key) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=fabric.router_url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+async def test_chat_streams_with_its_usage_chunk_and_completions_answer(fabric: TenantFabric) -> None:
+    client = oai(fabric)
+    chat = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5, temperature=0)
+    assert chat.choices[0].finish_reason == "length" and chat.usage is not None
+    assert chat.usage.completion_tokens == 5
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello there"}], max_tokens=5, temperature=0,
+        stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content, "greedy: the stream says what the whole answer said"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    completion = await client.completions.create(model=MODEL, prompt="The river", max_tokens=4)
+    assert completion.usage is not None and completion.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("tool_choice", [
+    {"type": "function", "function": {"name": "get_weather"}},
+    "required",
+])
+async def test_a_forced_tool_call_has_arguments_valid_against_the_functions_schema(
+    fabric: TenantFabric, tool_choice: object
+) -> None:
+    answer = await oai(fabric).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris for two days?"}],
+        tools=[WEATHER], tool_choice=tool_choice, max_tokens=100, seed=7)  # type: ignore[arg-type]
+    calls = answer.choices[0].message.tool_calls
+    assert calls, f"no tool call: {answer.choices[0]}"
+    call = calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+async def test_response_format_json_schema_returns_json_valid_against_it(fabric: TenantFabric) -> None:
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                               "confidence": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "confidence"], "additionalProperties": False}
+    answer = await oai(fabric).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), schema)
+
+
+async def test_responses_stream_and_continue_on_the_replica_that_stored_them(fabric: TenantFabric) -> None:
+    client = oai(fabric)
+    first = await client.responses.create(model=MODEL, input="Tell me about rivers", max_output_tokens=5)
+    assert first.usage is not None and first.usage.output_tokens == 5
+    # The id names the replica and the tenant; vLLM's own id is inside it.
+    assert first.id.startswith("resp_") and first.id.count(".") == 2
+    follow = await client.responses.create(
+        model=MODEL, input="And lakes?", previous_response_id=first.id, max_output_tokens=5)
+    assert follow.previous_response_id == first.id
+    assert follow.usage is not None and follow.usage.input_tokens > first.usage.input_tokens, \
+        "the follow-up's prompt holds the first turn"
+    fetched = await client.responses.retrieve(first.id)
+    assert fetched.id == first.id and fetched.output_text == first.output_text
+    events = [e async for e in await client.responses.create(
+        model=MODEL, input="Tell me about rivers", max_output_tokens=5, stream=True)]
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert events[-1].response.id == events[0].response.id and events[0].response.id.count(".") == 2
+
+
+async def test_a_tenant_cannot_reach_another_tenants_stored_response(fabric: TenantFabric) -> None:
+    mine = await oai(fabric).responses.create(model=MODEL, input="secret plans", max_output_tokens=3)
+    with pytest.raises(openai.NotFoundError):
+        await oai(fabric, BOB.key).responses.retrieve(mine.id)
+    with pytest.raises(openai.NotFoundError):
+        await oai(fabric, BOB.key).responses.create(
+            model=MODEL, input="more", previous_response_id=mine.id, max_output_tokens=3)
+    inner = mine.id.split(".")[0]
+    with pytest.raises(openai.NotFoundError):  # vLLM's bare id names no replica
+        await oai(fabric).responses.retrieve(inner)
+
+
+async def test_a_lora_adapter_served_by_vllm_answers_under_the_fabrics_name(fabric: TenantFabric) -> None:
+    client = oai(fabric)
+    adapted = await client.completions.create(model=f"{MODEL}:{ADAPTER}", prompt="The river", max_tokens=8,
+                                              temperature=0)
+    base = await client.completions.create(model=MODEL, prompt="The river", max_tokens=8, temperature=0)
+    assert adapted.usage is not None and adapted.usage.completion_tokens == 8
+    assert adapted.choices[0].text != base.choices[0].text, "the adapter changed nothing"
+    card = await client.models.retrieve(MODEL)
+    assert card.id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("no-such-model")
+
+
+async def test_anthropic_messages_create_and_stream_through_the_router(fabric: TenantFabric) -> None:
+    client = anthropic.AsyncAnthropic(base_url=fabric.router_url, api_key=ALICE.key, max_retries=0, timeout=120)
+    message = await client.messages.create(
+        model=MODEL, max_tokens=5, system="Be brief.", messages=[{"role": "user", "content": "Hello"}])
+    assert message.usage.output_tokens == 5 and message.content[0].type == "text"
+    async with client.messages.stream(
+            model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Hello"}]) as stream:
+        text = "".join([t async for t in stream.text_stream])
+        final = await stream.get_final_message()
+    assert final.usage.output_tokens == 5 and final.content[0].text == text  # type: ignore[union-attr]
+    counted = await client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hello"}])
+    assert counted.input_tokens > 0
+
+
+async def test_the_node_itself_admits_only_routers(fabric: TenantFabric) -> None:
+    async with httpx.AsyncClient(base_url=fabric.node_url, timeout=30) as node:
+        refused = await node.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+        assert refused.status_code == 401
+
+
+def _journal(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
