@@ -39,6 +39,8 @@ class LoadSource(Protocol):
 class BlockIndex(Protocol):
     def match(self, hashes: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]: ...
 
+    def block_size(self, node_id: str) -> int | None: ...
+
 
 class History(Protocol):
     def match(self, keys: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]: ...
@@ -136,12 +138,12 @@ class Affinity:
         if len(candidates) < 2:
             return list(candidates), None
         loads = {c.node.node_id: self._loads.load(c.node.node_id) for c in candidates}
-        block_size: int | None = None
-        if any(c.node.kv_events for c in candidates):
-            # Token hashes serve only the exact index: without KV events, skip tokenizing.
-            block_size = next((ld.block_size for ld in loads.values() if ld and ld.block_size), DEFAULT_BLOCK_SIZE)
+        sizes = {c.node.node_id: self._block_size(c.node.node_id, loads[c.node.node_id])
+                 for c in candidates if c.node.kv_events}
+        # Token hashes serve only the exact index: without KV events, skip tokenizing.
+        block_size = min(sizes.values(), default=None)
         prefix = self._prefixes.build(model, payload, block_size)
-        hits = self._prefix_hits(candidates, prefix)
+        hits = self._prefix_hits(candidates, prefix, sizes)
         _, adapter = split_adapter(model)
         out = []
         for c in candidates:
@@ -182,15 +184,28 @@ class Affinity:
         self.service_times.forget(node_id)
         self.recent.forget(node_id)
 
-    def _prefix_hits(self, candidates: Sequence[Candidate], prefix: RequestPrefix) -> dict[str, float]:
+    def _block_size(self, node_id: str, load: NodeLoad | None) -> int:
+        """A node's KV block size: from its events, else its metrics, else the default."""
+        return self._kv_index.block_size(node_id) or (load.block_size if load else None) or DEFAULT_BLOCK_SIZE
+
+    def _prefix_hits(
+        self, candidates: Sequence[Candidate], prefix: RequestPrefix, sizes: Mapping[str, int]
+    ) -> dict[str, float]:
         # Nodes that publish KV events are matched exactly when the request could be
-        # tokenized; the others (and all of them without a tokenizer) by routing history.
+        # tokenized (each against hashes at its own block size); the others (and all of
+        # them without a tokenizer) by routing history.
         exact = [c.node.node_id for c in candidates if c.node.kv_events] if prefix.token_hashes else []
         approx = [c.node.node_id for c in candidates if not (prefix.token_hashes and c.node.kv_events)]
         hits: dict[str, float] = {}
-        if exact and prefix.token_hashes:
-            total = len(prefix.token_hashes)
-            for node_id, blocks in self._kv_index.match(prefix.token_hashes, exact).items():
+        by_size: dict[int, list[str]] = {}
+        for node_id in exact:
+            by_size.setdefault(sizes[node_id], []).append(node_id)
+        for size, nodes in by_size.items():
+            hashes = prefix.hashes_for(size)
+            if not hashes:
+                continue
+            total = len(hashes)
+            for node_id, blocks in self._kv_index.match(hashes, nodes).items():
                 hits[node_id] = blocks / total
         if approx and prefix.text_keys:
             total = len(prefix.text_keys)

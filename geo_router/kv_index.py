@@ -20,11 +20,11 @@ the node still holds only makes the router under-predict that node's hits.
 A block stored on several media (GPU, CPU offload...) counts as held until it has been
 removed from all of them; a BlockRemoved without a medium means the GPU, as in vLLM.
 
-Limitation: the index matches whatever hashes the nodes publish. Torch-engine nodes
-publish Meridian's chained hash, which the router computes from the request. vLLM nodes
-publish vLLM's own block hashes (another hash function and seed), which a request-side
-hash never equals. Their entries are kept but never match, so affinity to a vLLM node
-cannot come from this index (the router's approximate history index covers it).
+Every node publishes Meridian's chained hash, which the router computes from the request:
+torch-engine nodes natively, vLLM nodes because the node re-keys vLLM's events from the
+token ids they carry (data_plane/engine/vllm/rehash.py). Nodes may differ in block size
+(vLLM's CPU build uses 128, GPU backends 16); `block_size(node)` is what the node's own
+events said, and the router hashes the prompt once per size among the candidates.
 
 Thread safety: every method takes one internal lock, held for one batch of events or
 one match. The event subscriber applies events from its own thread while the event loop

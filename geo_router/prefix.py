@@ -31,7 +31,7 @@ import hashlib
 import logging
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,22 @@ class RequestPrefix:
     adapter: str | None
     # The prompt was longer than the cap: only its beginning is in the keys.
     truncated: bool = False
+    # The hashed token ids and the salt folded in: hashes for another block size (nodes
+    # differ: vLLM's CPU build uses 128, GPU backends and the torch engine 16).
+    token_ids: list[int] | None = field(default=None, compare=False)
+    cache_salt: str | None = field(default=None, compare=False)
+    _by_size: dict[int, list[int]] = field(default_factory=dict, compare=False, repr=False)
+
+    def hashes_for(self, block_size: int) -> list[int] | None:
+        """The chained hashes of the prompt's full blocks of `block_size` tokens."""
+        if block_size == self.block_size and self.token_hashes is not None:
+            return self.token_hashes
+        if self.token_ids is None or block_size < 1:
+            return None
+        hashes = self._by_size.get(block_size)
+        if hashes is None:
+            hashes = self._by_size[block_size] = hash_blocks(self.token_ids, block_size, self.adapter, self.cache_salt)
+        return hashes
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,13 +131,15 @@ class PrefixKeyBuilder:
         token_hashes: list[int] | None = None
         num_tokens = text_bytes // _TEXT_BYTES_PER_TOKEN
         truncated = text_cut
+        ids: list[int] | None = None
         if block_size:
             tokens = self._prompt_ids(base, prompt)
             if tokens is not None:
                 ids, truncated = tokens
                 token_hashes = hash_blocks(ids, block_size, adapter, cache_salt)
                 num_tokens = len(ids)
-        return RequestPrefix(token_hashes, num_tokens, block_size, text_keys, adapter, truncated)
+        return RequestPrefix(token_hashes, num_tokens, block_size, text_keys, adapter, truncated,
+                             token_ids=ids, cache_salt=cache_salt)
 
     async def preload(self, model: str) -> bool:
         """Load `model`'s tokenizer now (off the event loop); whether it has one."""

@@ -46,6 +46,10 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # vLLM's per-block extra hash keys, untagged: the LoRA name (when lora_name is set),
+    # multimodal (identifier, offset) pairs, the cache salt, prompt-embedding digests.
+    # Meridian's own hashes fold the adapter and salt in already and never send them.
+    extra_keys: list[Any] | None = None
 
 
 class BlockRemoved(KVCacheEvent):

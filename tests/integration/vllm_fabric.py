@@ -9,16 +9,27 @@ store (previous_response_id), as a deployment would set them in its spec.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
-from tenant_fabric import MODEL, Tenant, TenantFabric, tenant_fabric
+from fastapi import FastAPI
+from router_harness import REGIONS, ServerGroup, router_settings
+from tenant_fabric import MODEL, Tenant, TenantFabric, node_settings, tenant_fabric
 
 from data_plane.engine.vllm.command import default_vllm_python
 from data_plane.lora.make_tiny import make_tiny_lora
 from data_plane.model.make_tiny import VLLM_CPU_ARCH, make_tiny_checkpoint
+from data_plane.server.app import create_app as create_node_app
+from geo_router import create_app as create_router_app
+from geo_router.app import RouterState
+from geo_router.table import StaticTableSource
+from meridian.contracts import NodeStatus, RoutingNode, RoutingTable
+from meridian.localfabric import free_port
 
 ADAPTER = "sql"
 ALICE = Tenant("alice", "sk-alice-0123456789abcdef")
@@ -68,3 +79,58 @@ async def vllm_fabric(root: Path, **node: object) -> AsyncIterator[TenantFabric]
                                      "max_request_bytes": 1_000_000,
                                      "tokenizer_dirs": {MODEL: checkpoint}}) as fabric:
         yield fabric
+
+
+@dataclass
+class KVFabric:
+    """A real-vLLM node and a torch-engine node behind one router, both publishing KV events."""
+
+    router_url: str
+    router: FastAPI
+    nodes: dict[str, FastAPI]
+
+    @property
+    def state(self) -> RouterState:
+        return self.router.state.router  # type: ignore[no-any-return]
+
+
+def _kv_settings(port: int, replay_port: int) -> dict[str, object]:
+    # A wildcard host binds (like vLLM's publisher); a concrete one would connect.
+    return {"kv_events_endpoint": f"tcp://*:{port}", "kv_events_replay_endpoint": f"tcp://*:{replay_port}"}
+
+
+@contextlib.asynccontextmanager
+async def kv_fabric(root: Path) -> AsyncIterator[KVFabric]:
+    """`vllm-node` (vLLM's CPU build, blocks of 128) and `torch-node` (blocks of 16) in one
+    region; the router subscribes to both nodes' KV events."""
+    checkpoint, adapter = make_vllm_checkpoint(root)
+    servers = ServerGroup()
+    ports = {name: (free_port(), free_port()) for name in ("vllm-node", "torch-node")}
+    nodes: dict[str, FastAPI] = {}
+    try:
+        entries = []
+        for node_id, extra in (
+            ("vllm-node", {"engine": "vllm", "vllm_gpu_count": 0, "vllm_executable": "auto",
+                           "deployment_spec_file": write_spec(root / "spec.json", loras=[]),
+                           "vllm_startup_timeout_s": 300.0, "vllm_max_restarts": 1,
+                           "vllm_probe_interval_s": 0.5}),
+            ("torch-node", {"max_model_len": 2048}),
+        ):
+            events, replay = ports[node_id]
+            app = create_node_app(node_settings(checkpoint, node_id=node_id, **_kv_settings(events, replay),
+                                                max_tokens_limit=64, **extra))
+            url = await servers.start(app)
+            nodes[node_id] = app
+            entries.append(RoutingNode(node_id=node_id, region=REGIONS["eu"].name, url=url, models=[MODEL],
+                                       status=NodeStatus.READY, kv_events=f"tcp://127.0.0.1:{events}",
+                                       kv_events_replay=f"tcp://127.0.0.1:{replay}"))
+        await asyncio.gather(*(app.state.runtime.wait_ready() for app in nodes.values()))
+        table = RoutingTable(version=1, generated_at=datetime.now(UTC), regions=list(REGIONS.values()),
+                             nodes=entries, tenants=[ALICE.entry()], deployments=[])
+        settings = router_settings(read_timeout_s=120.0, request_timeout_s=180.0, max_request_bytes=1_000_000,
+                                   tokenizer_dirs={MODEL: checkpoint})
+        router = create_router_app(settings, table_source=StaticTableSource(table))
+        router_url = await servers.start(router)
+        yield KVFabric(router_url, router, nodes)
+    finally:
+        await servers.stop()

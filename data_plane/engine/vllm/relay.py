@@ -4,7 +4,12 @@ A dedicated thread owns a ZMQ SUB socket bound on loopback (vLLM's publisher con
 to it, so the socket outlives vLLM restarts), decodes each message and hands the batch
 to the sink. Sequence gaps are filled from vLLM's replay socket when it has one. When a
 vLLM process ends, its cache is gone: the relay first delivers what that process had
-already sent, then publishes AllBlocksCleared.
+already sent, then publishes AllBlocksCleared. Batches that cannot be recovered are
+followed by AllBlocksCleared too: a lost batch may have removed blocks, and downstream
+consumers could not tell (the node's own publisher numbers its batches afresh).
+
+Blocks are re-keyed by Meridian's chained hash of their tokens on the way (rehash.py),
+so that routers match vLLM nodes exactly.
 
 vLLM's payload layout changed over releases: events were positional arrays (5 fields,
 then `medium`, then `lora_name`, later more trailing fields) until vLLM switched the
@@ -26,6 +31,7 @@ import msgspec
 import zmq
 
 from data_plane.engine.base import KVEventSink
+from data_plane.engine.vllm.rehash import BlockRehasher
 from meridian.kv_events import END_SEQ, AllBlocksCleared, KVEventBatch, decode_batch
 
 log = logging.getLogger(__name__)
@@ -33,7 +39,7 @@ log = logging.getLogger(__name__)
 # Positional field order of each event in vLLM's array encoding (after the tag).
 _FIELDS: dict[str, tuple[str, ...]] = {
     "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium", "lora_name"),
+                    "medium", "lora_name", "extra_keys"),
     "BlockRemoved": ("block_hashes", "medium"),
     "AllBlocksCleared": (),
 }
@@ -113,6 +119,7 @@ class KVEventRelay:
         self._control: queue.SimpleQueue[str] = queue.SimpleQueue()
         # Sequence number expected next from the current vLLM process; None: any.
         self._expected: int | None = None
+        self.rehasher = BlockRehasher()
         # Counters (read from other threads; ints are replaced atomically).
         self.batches = 0
         self.decode_errors = 0
@@ -186,7 +193,7 @@ class KVEventRelay:
                 # Whatever is queued came from the process that just ended.
                 while sub.poll(0):
                     self._handle(sub.recv_multipart(), None)
-                self._publish(KVEventBatch(ts=self._clock(), events=[AllBlocksCleared()]))
+                self._cleared()
                 self._expected = None
 
     def _handle(self, frames: list[bytes], replay: zmq.Socket[bytes] | None) -> zmq.Socket[bytes] | None:
@@ -239,8 +246,14 @@ class KVEventRelay:
             self.replayed += 1
             self._deliver(payload)
         if end - start > len(got):
-            log.warning("missed %d KV event batches from vLLM (seq %d..%d)", end - start - len(got), start, end - 1)
+            log.warning("missed %d KV event batches from vLLM (seq %d..%d); its blocks are forgotten",
+                        end - start - len(got), start, end - 1)
+            self._cleared()
         return replay
+
+    def _cleared(self) -> None:
+        self.rehasher.clear()
+        self._publish(KVEventBatch(ts=self._clock(), events=[AllBlocksCleared()]))
 
     def _deliver(self, payload: bytes) -> None:
         try:
@@ -250,7 +263,7 @@ class KVEventRelay:
             log.warning("ignoring an undecodable KV event batch: %s", exc)
             return
         self.batches += 1
-        self._publish(batch)
+        self._publish(self.rehasher.translate(batch))
 
     def _publish(self, batch: KVEventBatch) -> None:
         sink = self._sink

@@ -14,6 +14,7 @@ import zmq
 from data_plane.engine.vllm.metrics import StatsTracker, drop_metric_families, parse_vllm_metrics
 from data_plane.engine.vllm.relay import KVEventDecodeError, KVEventRelay, decode_vllm_batch
 from data_plane.engine.vllm.supervisor import RestartPolicy
+from meridian.block_hash import hash_block
 from meridian.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from meridian.localfabric import free_port
 
@@ -41,7 +42,7 @@ def test_newer_array_layout_with_trailing_fields() -> None:
     payload = ENC.encode([3.0, [["BlockStored", [b"\x01\x02"], None, [7], 1, None, "GPU", None, [None], 0,
                                 "full_attention"]], 0])
     (event,) = decode_vllm_batch(payload).events
-    assert event == BlockStored([b"\x01\x02"], None, [7], 1, None, "GPU", None)
+    assert event == BlockStored([b"\x01\x02"], None, [7], 1, None, "GPU", None, [None])
 
 
 def test_map_layout_after_vllm_42892() -> None:
@@ -53,7 +54,7 @@ def test_map_layout_after_vllm_42892() -> None:
     for outer in ([4.0, events, 0], {"ts": 4.0, "events": events, "data_parallel_rank": 0}):
         batch = decode_vllm_batch(ENC.encode(outer))
         assert batch.events == [
-            BlockStored([15760518052499183552], None, [151644, 872], 2, None, "GPU", "sql"),
+            BlockStored([15760518052499183552], None, [151644, 872], 2, None, "GPU", "sql", [None]),
             BlockRemoved([1], "GPU"),
             AllBlocksCleared(),
         ]
@@ -126,11 +127,13 @@ def test_relay_delivers_in_order_skips_duplicates_and_clears_on_exit(relay_and_p
     wait_for(lambda: len(sink.batches) >= base + 2)
     relay.child_exited()
     wait_for(lambda: isinstance(sink.events()[-1], AllBlocksCleared))
-    stored = [e.block_hashes[0] for e in sink.events() if isinstance(e, BlockStored) and e.block_hashes[0] < 100]
+    # Relayed under Meridian's hash of their tokens (rehash.py); the tokens tell them apart.
+    stored = [e.token_ids[0] for e in sink.events() if isinstance(e, BlockStored) and e.token_ids[0] < 100]
     assert stored == [1, 2]
+    assert sink.events()[-2].block_hashes == [hash_block(None, [2])]
     # The next process numbers from 0 again.
     send(pub, 0, 7)
-    wait_for(lambda: any(isinstance(e, BlockStored) and e.block_hashes == [7] for e in sink.events()))
+    wait_for(lambda: any(isinstance(e, BlockStored) and e.token_ids == [7] for e in sink.events()))
 
 
 def test_relay_counts_gaps_it_cannot_replay(relay_and_pub: Any) -> None:
@@ -142,8 +145,11 @@ def test_relay_counts_gaps_it_cannot_replay(relay_and_pub: Any) -> None:
         time.sleep(0.02)
     send(pub, 1, 1)
     send(pub, 4, 4)
-    wait_for(lambda: any(isinstance(e, BlockStored) and e.block_hashes == [4] for e in sink.events()))
+    wait_for(lambda: any(isinstance(e, BlockStored) and e.token_ids == [4] for e in sink.events()))
     assert relay.missed == 2
+    # What the lost batches removed is unknown: consumers are told to forget the node's blocks.
+    kinds = [type(e).__name__ for e in sink.events()]
+    assert kinds[-2:] == ["AllBlocksCleared", "BlockStored"]
 
 
 METRICS = """\
