@@ -154,7 +154,7 @@ class CompletionService:
     async def chat(self, request: Request) -> Response:
         params = await parse_body(
             request, ChatCompletionRequest, limit=self._settings.max_request_bytes,
-            context={"max_tokens_limit": self._settings.max_tokens_limit},
+            context={"max_tokens_limit": self._settings.max_tokens_limit}, strict=True,
         )
         lora = await self._resolve_model(params.model)
         tokenizer = self._engine.get_tokenizer()
@@ -168,7 +168,7 @@ class CompletionService:
     async def completion(self, request: Request) -> Response:
         params = await parse_body(
             request, CompletionRequest, limit=self._settings.max_request_bytes,
-            context={"max_tokens_limit": self._settings.max_tokens_limit},
+            context={"max_tokens_limit": self._settings.max_tokens_limit}, strict=True,
         )
         lora = await self._resolve_model(params.model)
         tokenizer = self._engine.get_tokenizer()

@@ -370,3 +370,29 @@ async def test_journal_records_each_request_once_with_its_end(tiny_checkpoint: P
         Served(key="streamed", node="node-a", completed=True),
         Served(key="whole", node="node-a", completed=True),
     ]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]),
+    ("tool_choice", "required"),
+    ("response_format", {"type": "json_object"}),
+    ("frequency_penalty", 0.5),
+    ("logit_bias", {"42": 5}),
+    ("no_such_parameter", 1),
+])
+async def test_the_torch_engine_refuses_a_parameter_it_would_drop_naming_it(
+    tiny_checkpoint: Path, field: str, value: object
+) -> None:
+    app = create_app(make_settings(tiny_checkpoint))
+    async with asgi_client(app) as client:
+        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 400, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "unsupported_parameter" and error["param"] == field
+        # Sent at the values that ask for nothing (as LangChain does), they are fine.
+        neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "tools": [], "tool_choice": "auto",
+                   "response_format": {"type": "text"}, "logit_bias": {}}
+        plain = {k: v for k, v in body.items() if k != field}
+        resp = await client.post("/v1/chat/completions", json={**plain, **neutral})
+        assert resp.status_code == 200, resp.text
