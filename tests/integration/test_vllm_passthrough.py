@@ -8,8 +8,10 @@ responses to their replica (geo_router/responses.py).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import jsonschema
 import openai
 import pytest
 import pytest_asyncio
+from router_harness import CLUSTER_TOKEN
 from tenant_fabric import MODEL, TenantFabric
 from vllm_fabric import ADAPTER, ALICE, BOB, vllm_fabric, vllm_installed
 
@@ -159,11 +162,80 @@ async def test_anthropic_messages_create_and_stream_through_the_router(fabric: T
     assert counted.input_tokens > 0
 
 
+async def test_the_node_journals_what_it_served_through_vllm(fabric: TenantFabric) -> None:
+    client = oai(fabric)
+    await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                         extra_headers={"idempotency-key": "journal-whole"})
+    stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=2, stream=True,
+                                                  extra_headers={"idempotency-key": "journal-stream"})
+    [c async for c in stream]
+    path = fabric.node.state.runtime.settings.request_journal_path
+    served = {r["key"]: r for line in path.read_text().splitlines() if (r := json.loads(line))["type"] == "served"}
+    assert served["journal-whole"]["completed"] and served["journal-stream"]["completed"]
+
+
 async def test_the_node_itself_admits_only_routers(fabric: TenantFabric) -> None:
     async with httpx.AsyncClient(base_url=fabric.node_url, timeout=30) as node:
         refused = await node.post("/v1/responses", json={"model": MODEL, "input": "hi"})
         assert refused.status_code == 401
 
 
-def _journal(path: Path) -> list[dict[str, object]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _children(pid: int) -> list[int]:
+    """Direct child processes of `pid` (from /proc: vLLM's engine core is one)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+# The two tests below change the node for good: they run last in this module.
+
+
+async def test_a_killed_engine_core_is_restarted_and_serves_again(fabric: TenantFabric) -> None:
+    engine = fabric.node.state.runtime.engine
+    supervisor = engine.supervisor
+    generation, pid = supervisor.generation, supervisor.pid
+    cores = _children(pid)
+    assert cores, "vLLM's API server has no engine-core process"
+    for core in cores:
+        os.kill(core, signal.SIGKILL)
+    client = oai(fabric)
+    deadline = asyncio.get_running_loop().time() + 240
+    while True:
+        try:
+            answer = await client.completions.create(model=MODEL, prompt="The river", max_tokens=3)
+            if supervisor.generation > generation:
+                break
+        except (openai.APIStatusError, openai.APIConnectionError):
+            pass  # 503 while vLLM restarts (the router has no other replica)
+        assert asyncio.get_running_loop().time() < deadline, "vLLM did not come back"
+        await asyncio.sleep(1)
+    assert answer.usage is not None and answer.usage.completion_tokens == 3
+    assert supervisor.pid != pid and supervisor.restarts >= 1
+
+
+async def test_sigterm_drains_in_flight_streams_before_the_node_stops(fabric: TenantFabric) -> None:
+    runtime = fabric.node.state.runtime
+    client = oai(fabric)
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell a long story"}], max_tokens=300,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = [await anext(stream)]
+    # What the node's SIGTERM handler starts (data_plane/node.py): refuse new work, finish the rest.
+    drain = asyncio.ensure_future(runtime.drain())
+    async with httpx.AsyncClient(base_url=fabric.node_url, timeout=30,
+                                 headers={"authorization": f"Bearer {CLUSTER_TOKEN}"}) as node:
+        refused = await node.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+    chunks += [c async for c in stream]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 300, "the stream was cut"
+    await drain
+    assert runtime.lifecycle.in_flight == 0
