@@ -140,6 +140,9 @@ class FabricSpec:
         return self.region_nodes.get(region, self.nodes_per_region)
     # Serve this checkpoint instead of generating the tiny one (its name is model_name).
     model_dir: Path | None = None
+    # The nodes' engine: "torch" (starts in seconds) or "vllm" (vLLM's CPU build from
+    # `make vllm` where there is no GPU; the tiny checkpoint is then shaped for it).
+    engine: str = "torch"
     # Extra environment of every node / of the router (e.g. MERIDIAN_ROUTER_ROUTING_POLICY).
     node_env: dict[str, str] = field(default_factory=dict)
     router_env: dict[str, str] = field(default_factory=dict)
@@ -431,11 +434,14 @@ class LocalFabric:
     def _ensure_model(self) -> str:
         """The tiny checkpoint, pushed to a file:// weight origin (the embedded default);
         nodes pull it from there into their own caches, as GPU nodes pull from S3/GCS."""
-        model_dir = self.spec.model_dir or self.spec.work_dir / "models" / self.spec.model_name
+        vllm = self.spec.engine == "vllm"
+        model_dir = self.spec.model_dir or self.spec.work_dir / "models" / (
+            self.spec.model_name + ("-vllm" if vllm else ""))
         origin = self.origin_dir
         if not (model_dir / "model.safetensors").exists():
             self._on_step(f"generating tiny checkpoint {model_dir}")
-            self._run_cli(["model", "make-tiny", str(model_dir), "--seed", str(self.spec.seed)])
+            self._run_cli(["model", "make-tiny", str(model_dir), "--seed", str(self.spec.seed),
+                           "--engine", self.spec.engine])
         if not (origin / "meridian-manifest.json").exists():
             origin.mkdir(parents=True, exist_ok=True)
             self._on_step(f"pushing it to the weight origin file://{origin}")
@@ -509,6 +515,7 @@ class LocalFabric:
             "MERIDIAN_WEIGHTS_CACHE_DIR": str(self.node_cache_dir(node_id)),
             "MERIDIAN_NODE_KV_EVENTS_ENDPOINT": kv_events,
             "MERIDIAN_NODE_KV_EVENTS_REPLAY_ENDPOINT": kv_events_replay,
+            **self._engine_env(model_name),
             **self.spec.node_env,
             **extra_env,
         }
@@ -519,6 +526,19 @@ class LocalFabric:
         p.region, p.node_id, p.model = region, node_id, model_name
         p.kv_events, p.kv_events_replay = kv_events, kv_events_replay
         return p
+
+    def _engine_env(self, model_name: str) -> dict[str, str]:
+        """What a node needs to run the fabric's engine: for vLLM, a deployment spec sized
+        for a shared CPU host (KV cache in host memory, threads not pinned to cores)."""
+        if self.spec.engine != "vllm":
+            return {}
+        spec_file = self.spec.work_dir / f"vllm-spec-{model_name}.json"
+        if not spec_file.exists():
+            spec_file.write_text(json.dumps({
+                "name": model_name, "model": model_name, "max_model_len": 2048, "max_num_seqs": 16,
+                "cpu_kvcache_space_gib": 1, "cpu_threads_bind": "nobind",
+            }))
+        return {"MERIDIAN_NODE_ENGINE": "vllm", "MERIDIAN_NODE_DEPLOYMENT_SPEC_FILE": str(spec_file.resolve())}
 
     def _threads_per_node(self) -> int:
         nodes = max(1, sum(self.spec.nodes_in(r) for r in self.spec.regions))

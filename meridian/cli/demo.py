@@ -22,10 +22,12 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def run_demo(work_dir: Path, router_port: int, console: Console) -> None:
+def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str = "torch") -> None:
     """Start the fabric, print how to use it, and stop everything on Ctrl-C or SIGTERM."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
-    spec = FabricSpec(work_dir=work_dir, router_port=router_port, control_plane_port=8081)
+    # Three vLLM processes start in a minute or two on a small CPU host.
+    spec = FabricSpec(work_dir=work_dir, router_port=router_port, control_plane_port=8081, engine=engine,
+                      start_timeout_s=600.0 if engine == "vllm" else 180.0)
     progress = console.status("starting the fabric…")
     fabric = LocalFabric(spec, on_step=progress.update)
     try:

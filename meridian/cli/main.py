@@ -395,11 +395,18 @@ def catalog_gpus(
 def demo(
     work_dir: Annotated[Path, typer.Option(help="Where state, logs and the model go")] = Path(".meridian/demo"),
     port: Annotated[int, typer.Option(help="Router port (a free one if taken)")] = 8080,
+    engine: Annotated[str, typer.Option(
+        help="torch (starts in seconds) or vllm (vLLM's CPU build where there is no GPU: `make vllm`)")] = "torch",
 ) -> None:
     """Start a three-region local fabric on embedded defaults; Ctrl-C stops it."""
     from meridian.cli.demo import run_demo
 
-    run_demo(work_dir, port, console)
+    if engine not in ("torch", "vllm"):
+        err_console.print(f"[red]--engine must be torch or vllm, not {engine!r}[/red]")
+        raise typer.Exit(2)
+    if engine == "vllm" and work_dir == Path(".meridian/demo"):
+        work_dir = Path(".meridian/demo-vllm")  # its own checkpoint, origin and caches
+    run_demo(work_dir, port, console, engine=engine)
 
 
 def main() -> None:
