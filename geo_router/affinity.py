@@ -121,12 +121,15 @@ class Affinity:
         default_service_ms: float = 200.0,
         balance_half_life_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        use_kv_events: bool = True,
     ) -> None:
         self._loads = loads
         self._kv_index = kv_index
         self._history = history
         self._prefixes = prefixes
         self._clock = clock
+        # A router that does not subscribe to KV events matches every node by history.
+        self._use_kv_events = use_kv_events
         self.service_times = ServiceTimes(default_service_ms)
         self.recent = RecentCounts(balance_half_life_s, clock)
         self._recent_adapters: dict[str, dict[str, float]] = {}
@@ -139,7 +142,7 @@ class Affinity:
             return list(candidates), None
         loads = {c.node.node_id: self._loads.load(c.node.node_id) for c in candidates}
         sizes = {c.node.node_id: self._block_size(c.node.node_id, loads[c.node.node_id])
-                 for c in candidates if c.node.kv_events}
+                 for c in candidates if self._exact(c)}
         # Token hashes serve only the exact index: without KV events, skip tokenizing.
         block_size = min(sizes.values(), default=None)
         prefix = self._prefixes.build(model, payload, block_size)
@@ -184,6 +187,9 @@ class Affinity:
         self.service_times.forget(node_id)
         self.recent.forget(node_id)
 
+    def _exact(self, candidate: Candidate) -> bool:
+        return self._use_kv_events and bool(candidate.node.kv_events)
+
     def _block_size(self, node_id: str, load: NodeLoad | None) -> int:
         """A node's KV block size: from its events, else its metrics, else the default."""
         return self._kv_index.block_size(node_id) or (load.block_size if load else None) or DEFAULT_BLOCK_SIZE
@@ -194,8 +200,8 @@ class Affinity:
         # Nodes that publish KV events are matched exactly when the request could be
         # tokenized (each against hashes at its own block size); the others (and all of
         # them without a tokenizer) by routing history.
-        exact = [c.node.node_id for c in candidates if c.node.kv_events] if prefix.token_hashes else []
-        approx = [c.node.node_id for c in candidates if not (prefix.token_hashes and c.node.kv_events)]
+        exact = [c.node.node_id for c in candidates if self._exact(c)] if prefix.token_hashes else []
+        approx = [c.node.node_id for c in candidates if not (prefix.token_hashes and self._exact(c))]
         hits: dict[str, float] = {}
         by_size: dict[int, list[str]] = {}
         for node_id in exact:

@@ -171,6 +171,7 @@ def create_app(
         loads=prober, kv_index=kv_index, history=history, prefixes=prefixes,
         default_service_ms=settings.default_service_ms,
         balance_half_life_s=settings.affinity_balance_half_life_s,
+        use_kv_events=settings.kv_events_enabled,
     )
     breaker = CircuitBreaker.from_settings(settings, fleet_state)
     state = RouterState(
