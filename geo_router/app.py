@@ -294,6 +294,9 @@ MODEL_ROUTES = (
 )
 
 
+_GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
+
+
 def _add_model_route(app: FastAPI, state: RouterState, route: str) -> None:
     async def endpoint(request: Request) -> Response:
         return await _route(state, request, route)
@@ -366,9 +369,9 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         if route == "/v1/responses":
             inference, stored = _follow_up(state, inference, tenant)
         try:
-            admission = state.rate_limiter.admit(
-                tenant, estimate_tokens(inference.payload, state.settings.rate_limit_default_completion_tokens)
-            )
+            # Counting, tokenizing and embedding generate nothing: only the prompt is charged.
+            budget = state.settings.rate_limit_default_completion_tokens if route in _GENERATING else 0
+            admission = state.rate_limiter.admit(tenant, estimate_tokens(inference.payload, budget))
         except RateLimited as exc:
             state.metrics.rate_limited.labels(tenant.tenant, exc.type_).inc()
             raise
