@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
+from urllib.parse import urlencode
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -485,9 +486,12 @@ async def _stored_response(state: RouterState, request: Request, response_id: st
             break
     if not candidates:
         raise NoHealthyReplica(node.models[0] if node.models else "", 5)
+    # vLLM's GET takes `stream` and `starting_after` (resuming a background response).
+    query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k in ("stream", "starting_after")])
     return await state.forwarder.forward(
-        f"/v1/responses/{stored.inner_id}{suffix}",
-        InferenceRequest(body=b"", model=candidates[0].node.models[0], stream=False, payload={}),
+        f"/v1/responses/{stored.inner_id}{suffix}" + (f"?{query}" if query else ""),
+        InferenceRequest(body=b"", model=candidates[0].node.models[0],
+                         stream=request.query_params.get("stream") == "true", payload={}),
         candidates, request_id, time.perf_counter(),
         exhausted=NoHealthyReplica(candidates[0].node.models[0], 5),
         method=method, rewrite=state.response_ids.rewriter(tenant),
