@@ -28,11 +28,13 @@ import torch
 from bench.common import Figure
 from bench.engine import FULL, QUICK, Target, _Rate, engine_throughput, log, node_settings, running_engine
 from bench.engine import throughput_requests as requests_for
-from bench.routing_vllm import ARCH
 from data_plane.engine.vllm.command import default_vllm_python
-from data_plane.model.make_tiny import make_tiny_checkpoint
+from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
 
 BENCH = "engine"
+# bench.engine's model with head_dim 64, which vLLM's CPU attention needs.
+ARCH = TinyArch(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=688, max_position_embeddings=4096)
 
 
 async def _measure(target: Target, repeats: int, full: bool, seed: int, spec_file: Path) -> Figure:

@@ -6,11 +6,16 @@ routing history only) and round robin, on a multi-turn chat workload.
 
 One local fabric: a control plane and four nodes running vLLM's CPU build (`make vllm`)
 in one region, each with a KV cache that holds about its share of the live conversations
-(`--num-gpu-blocks-override`, blocks of 128 tokens) but not all of them, and one router
-per policy, all reading the same routing table. The workload is bench.routing's: users
-share a few system prompts and hold conversations that grow a turn at a time, streamed
-so that time to first token is measured at the client; every policy gets its own copy
-with different words. Hit rate is what vLLM itself reports (`vllm:prefix_cache_hits` /
+(`--num-gpu-blocks-override`, blocks of 32 tokens, the smallest vLLM's CPU attention
+takes) but not all of them, and two routers per policy, all reading the same routing
+table: as behind any load balancer, each turn goes to either router at random. Precise
+routers both subscribe to every node's KV events; approximate ones know only their own
+routing history (bench.routing measures history shared through Redis). The workload is
+bench.routing's: users share a few system prompts and hold conversations that grow a
+turn at a time, streamed so that time to first token is measured at the client; every
+policy gets its own copy with different words. The model is big enough (hidden 768, 8
+layers) that a conversation's prefill, not the machine's scheduling, dominates time to
+first token. Hit rate is what vLLM itself reports (`vllm:prefix_cache_hits` /
 `vllm:prefix_cache_queries`, summed over the nodes, before and after a run).
 """
 
@@ -31,14 +36,17 @@ from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
 from meridian.localfabric import FabricSpec, local_fabric
 
 BENCH = "routing_vllm"
-# bench.engine's model with head_dim 64, which vLLM's CPU attention needs.
-ARCH = TinyArch(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=688, max_position_embeddings=4096)
-BLOCK = 128
-# A node's KV cache, in blocks of 128 tokens: the fleet holds the live conversations
-# (12 of ~1100 tokens at the last turn: ~3300 a node when each lives on one), one node does not.
-QUICK = replace(Workload(), cache_tokens_per_node=40 * BLOCK)
-FULL = replace(Workload(users=24, conversations=48), cache_tokens_per_node=96 * BLOCK)
+# head_dim 64, which vLLM's CPU attention needs.
+ARCH = TinyArch(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
+                intermediate_size=2048, max_position_embeddings=4096)
+BLOCK = 32
+ROUTERS_PER_POLICY = 2
+# A node's KV cache: the fleet holds the live conversations (12 of ~1100 tokens at the
+# last turn: ~3300 a node when each lives on one), one node does not.
+# Six users at a time keep four CPU nodes on two cores out of saturation, so that time to
+# first token measures prefill (what a cache hit saves) more than queueing behind others.
+QUICK = replace(Workload(), users=6, cache_tokens_per_node=4096)
+FULL = replace(Workload(users=24, conversations=48), cache_tokens_per_node=8192)
 POLICIES = {
     "precise": {"MERIDIAN_ROUTER_ROUTING_POLICY": "affinity"},
     "approximate": {"MERIDIAN_ROUTER_ROUTING_POLICY": "affinity", "MERIDIAN_ROUTER_KV_EVENTS_ENABLED": "false"},
@@ -58,7 +66,7 @@ def run(full: bool = False, repeats: int = 1) -> list[Figure]:
         model_dir = make_tiny_checkpoint(Path(tmp) / MODEL, seed=0, arch=ARCH)
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps({
-            "name": MODEL, "model": MODEL, "max_model_len": 4096, "max_num_seqs": 16, "block_size": BLOCK,
+            "name": MODEL, "model": MODEL, "max_model_len": 2048, "max_num_seqs": 16, "block_size": BLOCK,
             "dtype": "float32", "cpu_kvcache_space_gib": 1, "cpu_threads_bind": "nobind",
             "extra_args": ["--num-gpu-blocks-override", str(w.cache_tokens_per_node // BLOCK)],
         }))
@@ -68,7 +76,8 @@ def run(full: bool = False, repeats: int = 1) -> list[Figure]:
             node_env={"MERIDIAN_NODE_DEPLOYMENT_SPEC_FILE": str(spec_file)},
         )
         with local_fabric(spec, on_step=log) as fabric:
-            routers = {name: [fabric.start_router(env).url] for name, env in POLICIES.items()}
+            routers = {name: [fabric.start_router(env).url for _ in range(ROUTERS_PER_POLICY)]
+                       for name, env in POLICIES.items()}
 
             async def main() -> dict[str, list[RunResult]]:
                 out: dict[str, list[RunResult]] = {}

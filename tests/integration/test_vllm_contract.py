@@ -9,7 +9,6 @@ the KV event relay) and then spoken to over HTTP as the adapter and the pass-thr
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -20,7 +19,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
-from vllm_fabric import make_vllm_checkpoint, vllm_installed, write_spec
+from vllm_fabric import make_vllm_checkpoint, require_vllm, write_spec
 
 from data_plane.engine.base import GenerationRequest, SamplingParams
 from data_plane.engine.vllm.engine import VllmEngine
@@ -69,11 +68,7 @@ async def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     if request.param == "standin":
         values |= {"vllm_executable": [sys.executable, str(STANDIN)], "vllm_gpu_count": 1}
     else:
-        if not vllm_installed():
-            message = "vLLM's CPU build is not installed (make vllm)"
-            if os.environ.get("MERIDIAN_REQUIRE_SERVICES") == "1":
-                pytest.fail(message, pytrace=False)
-            pytest.skip(message)
+        require_vllm()
         values |= {"vllm_executable": "auto", "vllm_gpu_count": 0}
     engine = VllmEngine(NodeSettings(**values))
     sink = Sink()

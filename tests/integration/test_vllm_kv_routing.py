@@ -6,14 +6,13 @@ with another block size."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import httpx
 import pytest
 from router_harness import eventually
 from tenant_fabric import MODEL
-from vllm_fabric import ALICE, KVFabric, kv_fabric, vllm_installed
+from vllm_fabric import ALICE, KVFabric, kv_fabric, require_vllm
 
 from geo_router.isolation import salted
 from geo_router.request import parse_inference_request
@@ -48,11 +47,7 @@ def held_blocks(fabric: KVFabric, body: dict[str, object], node_id: str) -> int:
 
 
 async def test_a_long_shared_prefix_goes_to_the_vllm_node_that_holds_it(tmp_path: Path) -> None:
-    if not vllm_installed():
-        message = "vLLM's CPU build is not installed (make vllm)"
-        if os.environ.get("MERIDIAN_REQUIRE_SERVICES") == "1":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+    require_vllm()
     async with kv_fabric(tmp_path) as fabric, httpx.AsyncClient(
             base_url=fabric.router_url, timeout=120, headers={"authorization": f"Bearer {ALICE.key}"}) as client:
         firsts: dict[int, str] = {}

@@ -23,7 +23,9 @@ import pytest
 import pytest_asyncio
 from router_harness import CLUSTER_TOKEN
 from tenant_fabric import MODEL, TenantFabric
-from vllm_fabric import ADAPTER, ALICE, BOB, vllm_fabric, vllm_installed
+from vllm_fabric import ADAPTER, ALICE, BOB, require_vllm, vllm_fabric, write_spec
+
+from data_plane.model.make_tiny import VLLM_CPU_ARCH
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -47,11 +49,7 @@ WEATHER = {
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def fabric(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TenantFabric]:
-    if not vllm_installed():
-        message = "vLLM's CPU build is not installed (make vllm)"
-        if os.environ.get("MERIDIAN_REQUIRE_SERVICES") == "1":
-            pytest.fail(message, pytrace=False)
-        pytest.skip(message)
+    require_vllm()
     async with vllm_fabric(tmp_path_factory.mktemp("vllm")) as f:
         yield f
 
@@ -239,3 +237,16 @@ async def test_sigterm_drains_in_flight_streams_before_the_node_stops(fabric: Te
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 300, "the stream was cut"
     await drain
     assert runtime.lifecycle.in_flight == 0
+
+
+async def test_embeddings_from_a_pooling_deployment(tmp_path: Path) -> None:
+    """A deployment that runs the model as a pooling model (vLLM's `--convert embed`)
+    serves /v1/embeddings through the router."""
+    require_vllm()
+    pooling = {"deployment_spec_file": write_spec(tmp_path / "embed.json", loras=[], env={},
+                                                  extra_args=["--runner", "pooling", "--convert", "embed"])}
+    async with vllm_fabric(tmp_path, **pooling) as f:
+        client = oai(f)
+        out = await client.embeddings.create(model=MODEL, input=["the river", "the mountain"])
+        assert len(out.data) == 2 and len(out.data[0].embedding) == VLLM_CPU_ARCH.hidden_size
+        assert out.usage.prompt_tokens > 0

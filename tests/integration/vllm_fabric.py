@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from fastapi import FastAPI
 from router_harness import REGIONS, ServerGroup, router_settings
 from tenant_fabric import MODEL, Tenant, TenantFabric, node_settings, tenant_fabric
@@ -39,6 +41,16 @@ BOB = Tenant("bob", "sk-bob-0123456789abcdef00")
 def vllm_installed() -> bool:
     """Whether `make vllm` has made .venv-vllm (CI's `make test` always does)."""
     return Path(default_vllm_python()).parent.parent.name == ".venv-vllm"
+
+
+def require_vllm() -> None:
+    """Skip without vLLM's CPU build, except where services are required (CI): fail there."""
+    if vllm_installed():
+        return
+    message = "vLLM's CPU build is not installed (make vllm)"
+    if os.environ.get("MERIDIAN_REQUIRE_SERVICES") == "1":
+        pytest.fail(message, pytrace=False)
+    pytest.skip(message)
 
 
 def make_vllm_checkpoint(root: Path) -> tuple[Path, Path]:
