@@ -39,7 +39,7 @@ lint: install
 test: lint vllm
 	$(BIN)/pytest
 
-bench: install
+bench: install vllm
 	$(BIN)/python -m bench
 
 clean:

@@ -1,6 +1,16 @@
 """`python -m bench` (`make bench`): every benchmark in its quick form, JSON lines out."""
 
-from bench import engine, failover, placement, router, router_overhead, routing, weights
+from bench import (
+    engine,
+    engine_vllm,
+    failover,
+    placement,
+    router,
+    router_overhead,
+    routing,
+    routing_vllm,
+    weights,
+)
 
 
 def main() -> None:
@@ -13,6 +23,11 @@ def main() -> None:
     for fig in failover.run():
         print(fig.json_line(), flush=True)
     for fig in engine.run():
+        print(fig.json_line(), flush=True)
+    # Against vLLM's CPU build (`make bench` installs it with `make vllm`).
+    for fig in engine_vllm.run():
+        print(fig.json_line(), flush=True)
+    for fig in routing_vllm.run():
         print(fig.json_line(), flush=True)
     for fig in weights.run():
         print(fig.json_line(), flush=True)

@@ -216,13 +216,36 @@ def error_response(exc: RouterError, request_id: str | None = None) -> JSONRespo
     )
 
 
+# Anthropic's error types by status (its clients read `error.type`; docs: "Errors").
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 504: "api_error"}
+
+
+def anthropic_error_response(exc: RouterError, request_id: str | None = None) -> JSONResponse:
+    """Render a RouterError in Anthropic's error shape, for the /v1/messages routes."""
+    headers = dict(exc.headers)
+    if request_id:
+        headers[HEADER_REQUEST_ID] = request_id
+    kind = _ANTHROPIC_TYPES.get(exc.status, "invalid_request_error" if exc.status < 500 else "api_error")
+    return JSONResponse({"type": "error", "error": {"type": kind, "message": exc.message}},
+                        status_code=exc.status, headers=headers)
+
+
 def _request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
+def _respond(request: Request, exc: RouterError) -> JSONResponse:
+    # Each API answers in its own error shape: Anthropic's clients parse theirs.
+    if request.url.path.startswith("/v1/messages"):
+        return anthropic_error_response(exc, _request_id(request))
+    return error_response(exc, _request_id(request))
+
+
 async def _router_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RouterError)
-    return error_response(exc, _request_id(request))
+    return _respond(request, exc)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -233,23 +256,23 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         code={404: "not_found", 405: "method_not_allowed"}.get(exc.status_code),
         headers=dict(exc.headers or {}),
     )
-    return error_response(err, _request_id(request))
+    return _respond(request, err)
 
 
 async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
-    return error_response(BadRequest(f"Invalid request: {exc}"), _request_id(request))
+    return _respond(request, BadRequest(f"Invalid request: {exc}"))
 
 
 async def _client_gone(request: Request, exc: Exception) -> JSONResponse:
     # Not an error of the router's: no traceback, no log line per disconnect.
-    return error_response(ClientClosedRequest(), _request_id(request))
+    return _respond(request, ClientClosedRequest())
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # The traceback goes to the log, never to the client.
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     err = RouterError("The router hit an internal error.", status=500, code="internal_error")
-    return error_response(err, _request_id(request))
+    return _respond(request, err)
 
 
 def install_error_handlers(app: FastAPI) -> None:

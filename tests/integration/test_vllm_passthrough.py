@@ -158,6 +158,12 @@ async def test_anthropic_messages_create_and_stream_through_the_router(fabric: T
     assert final.usage.output_tokens == 5 and final.content[0].text == text  # type: ignore[union-attr]
     counted = await client.messages.count_tokens(model=MODEL, messages=[{"role": "user", "content": "Hello"}])
     assert counted.input_tokens > 0
+    # The router's own refusals come in Anthropic's error shape on these routes.
+    stranger = anthropic.AsyncAnthropic(base_url=fabric.router_url, api_key="sk-nobody-0123456789", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as refused:
+        await stranger.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "Hi"}])
+    assert refused.value.body == {"type": "error", "error": {"type": "authentication_error",
+                                                             "message": "Incorrect API key provided."}}
 
 
 async def test_the_node_journals_what_it_served_through_vllm(fabric: TenantFabric) -> None:
