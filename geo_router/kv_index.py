@@ -41,25 +41,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from meridian.kv_events import (
-    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ExternalBlockHash,
     KVEvent,
+    medium_bit,
 )
 
 log = logging.getLogger(__name__)
 
-# One bit per storage medium, so that a block is forgotten only once no medium holds it.
-# Tiers other than GPU and CPU (disk, remote stores) share a bit.
-_GPU_BIT, _CPU_BIT, _OTHER_BIT = 1, 2, 4
-_MEDIUM_BITS: dict[str | None, int] = {None: _GPU_BIT, MEDIUM_GPU: _GPU_BIT, MEDIUM_CPU: _CPU_BIT}
-
-
-def _medium_bit(medium: str | None) -> int:
-    return _MEDIUM_BITS.get(medium, _OTHER_BIT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +216,7 @@ class KVIndex:
         node = self._node(node_id)
         if block_size:
             node.block_size = block_size
-        mbit = _medium_bit(medium)
+        mbit = medium_bit(medium)
         blocks, holders, bit = node.blocks, self._holders, node.bit
         for h in hashes:
             media = blocks.get(h)
@@ -252,7 +244,7 @@ class KVIndex:
         node = self._nodes.get(node_id)
         if node is None:
             return
-        keep = ~_medium_bit(medium)
+        keep = ~medium_bit(medium)
         blocks = node.blocks
         for h in hashes:
             media = blocks.get(h)

@@ -22,6 +22,16 @@ ExternalBlockHash = bytes | int
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+# One bit per storage medium, so that whoever tracks blocks forgets one only once no medium
+# holds it. No medium means the GPU (as in vLLM); tiers other than GPU and CPU (disk,
+# remote stores) share a bit.
+_MEDIUM_BITS: dict[str | None, int] = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2}
+_OTHER_MEDIUM_BIT = 4
+
+
+def medium_bit(medium: str | None) -> int:
+    """The bit of a storage medium in a mask of the media holding a block."""
+    return _MEDIUM_BITS.get(medium, _OTHER_MEDIUM_BIT)
 
 # Sequence frame of the replay socket's end-of-replay marker.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)

@@ -27,26 +27,19 @@ from dataclasses import dataclass
 
 from meridian.block_hash import hash_block
 from meridian.kv_events import (
-    MEDIUM_CPU,
-    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ExternalBlockHash,
     KVEvent,
     KVEventBatch,
+    medium_bit,
 )
 
 log = logging.getLogger(__name__)
 
 # Far above any KV cache's block count; past it the oldest mappings go first.
 DEFAULT_MAX_BLOCKS = 4_000_000
-_MEDIUM_BITS = {None: 1, MEDIUM_GPU: 1, MEDIUM_CPU: 2}
-_OTHER_MEDIUM_BIT = 4
-
-
-def _medium_bit(medium: str | None) -> int:
-    return _MEDIUM_BITS.get(medium, _OTHER_MEDIUM_BIT)
 
 
 @dataclass(slots=True)
@@ -122,7 +115,7 @@ class BlockRehasher:
             parent = known.ours
         first_parent = parent
         extra = event.extra_keys or []
-        bit = _medium_bit(event.medium)
+        bit = medium_bit(event.medium)
         ours: list[int] = []
         for i, theirs in enumerate(event.block_hashes):
             reproducible, salt = block_salt(extra[i] if i < len(extra) else None, event.lora_name)
@@ -143,7 +136,7 @@ class BlockRehasher:
         )
 
     def _removed(self, event: BlockRemoved) -> BlockRemoved | None:
-        bit = _medium_bit(event.medium)
+        bit = medium_bit(event.medium)
         ours: list[ExternalBlockHash] = []
         for theirs in event.block_hashes:
             mapped = self._map.get(theirs)
