@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -35,7 +35,6 @@ from meridian.settings import RouterSettings
 from .affinity import Affinity
 from .auth import authenticate
 from .errors import (
-    BadRequest,
     InvalidApiKey,
     ModelNotFound,
     NoHealthyReplica,
@@ -74,7 +73,7 @@ from .request import (
     read_body,
     request_id_for,
 )
-from .responses import ResponseIds, ResponseNotFound, StoredResponse
+from .responses import ResponseIds, ResponseNotFound, StoredResponse, follow_up, pinned
 from .scale_from_zero import ScaleFromZero, ScaleUpClient, awaiting_scale_up, deployed_models
 from .selection import (
     Candidate,
@@ -368,7 +367,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         inference = salted(parse_inference_request(body), tenant)
         stored: StoredResponse | None = None
         if route == "/v1/responses":
-            inference, stored = _follow_up(state, inference, tenant)
+            inference, stored = follow_up(state.response_ids, inference, tenant)
         try:
             # Counting, tokenizing and embedding generate nothing: only the prompt is charged.
             budget = state.settings.rate_limit_default_completion_tokens if route in _GENERATING else 0
@@ -394,7 +393,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
             )
             queued_s = time.perf_counter() - held_at
         if stored is not None:
-            candidates = _pinned(loaded, candidates, stored, inference.model)
+            candidates = pinned(loaded, candidates, stored, inference.model)
         candidates, prefix = state.affinity.annotate(candidates, inference.model, inference.payload)
         ctx = RoutingContext(
             tenant=tenant,
@@ -440,33 +439,6 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         raise
 
 
-def _follow_up(
-    state: RouterState, inference: InferenceRequest, tenant: TenantEntry
-) -> tuple[InferenceRequest, StoredResponse | None]:
-    """A responses request continuing a stored response: the node that stored it, and the
-    body with vLLM's own id in place of the client's."""
-    previous = inference.payload.get("previous_response_id")
-    if previous is None:
-        return inference, None
-    if not isinstance(previous, str):
-        raise BadRequest("`previous_response_id` must be a string.", param="previous_response_id")
-    stored = state.response_ids.resolve(previous, tenant, param="previous_response_id")
-    # The wrapped id is unique in the body (its MAC), and JSON needs no escape for it.
-    body = inference.body.replace(f'"{previous}"'.encode(), f'"{stored.inner_id}"'.encode(), 1)
-    return replace(inference, body=body), stored
-
-
-def _pinned(loaded: LoadedTable, candidates: list[Candidate], stored: StoredResponse, model: str) -> list[Candidate]:
-    """Only the replica holding a stored response can continue it."""
-    pinned = [c for c in candidates if c.node.node_id == stored.node_id]
-    if pinned:
-        return pinned
-    if stored.node_id in loaded.node_regions:
-        # Still in the fleet, not usable now (ejected, draining): worth a retry later.
-        raise NoHealthyReplica(model, 5)
-    raise ResponseNotFound(stored.inner_id, param="previous_response_id")
-
-
 async def _stored_response(state: RouterState, request: Request, response_id: str, method: str, suffix: str) -> Response:
     """GET or cancel a stored response, on the replica that holds it (no failover: no other
     replica has it)."""
@@ -482,7 +454,7 @@ async def _stored_response(state: RouterState, request: Request, response_id: st
     candidates: list[Candidate] = []
     for model in node.models:
         with contextlib.suppress(RouterError):
-            candidates = _pinned(loaded, state.select(loaded, tenant, model, location), stored, model)
+            candidates = pinned(loaded, state.select(loaded, tenant, model, location), stored, model)
             break
     if not candidates:
         raise NoHealthyReplica(node.models[0] if node.models else "", 5)

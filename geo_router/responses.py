@@ -29,11 +29,14 @@ import hashlib
 import hmac
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meridian.contracts import TenantEntry
 
-from .errors import RouterError
+from .errors import BadRequest, NoHealthyReplica, RouterError
+from .request import InferenceRequest
+from .selection import Candidate
+from .table import LoadedTable
 
 _VLLM_ID = re.compile(rb'"(resp_[A-Za-z0-9]{1,128})"')
 _PREFIX = "resp_"
@@ -106,3 +109,30 @@ class ResponseIds:
             )
 
         return rewrite
+
+
+def follow_up(
+    ids: ResponseIds, inference: InferenceRequest, tenant: TenantEntry
+) -> tuple[InferenceRequest, StoredResponse | None]:
+    """A responses request continuing a stored response: the node that stored it, and the
+    body with vLLM's own id in place of the client's."""
+    previous = inference.payload.get("previous_response_id")
+    if previous is None:
+        return inference, None
+    if not isinstance(previous, str):
+        raise BadRequest("`previous_response_id` must be a string.", param="previous_response_id")
+    stored = ids.resolve(previous, tenant, param="previous_response_id")
+    # The wrapped id is unique in the body (its MAC), and JSON needs no escape for it.
+    body = inference.body.replace(f'"{previous}"'.encode(), f'"{stored.inner_id}"'.encode(), 1)
+    return replace(inference, body=body), stored
+
+
+def pinned(loaded: LoadedTable, candidates: list[Candidate], stored: StoredResponse, model: str) -> list[Candidate]:
+    """Only the replica holding a stored response can continue it."""
+    pinned = [c for c in candidates if c.node.node_id == stored.node_id]
+    if pinned:
+        return pinned
+    if stored.node_id in loaded.node_regions:
+        # Still in the fleet, not usable now (ejected, draining): worth a retry later.
+        raise NoHealthyReplica(model, 5)
+    raise ResponseNotFound(stored.inner_id, param="previous_response_id")
