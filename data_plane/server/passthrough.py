@@ -24,6 +24,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
 import httpx
@@ -44,6 +45,7 @@ from meridian.contracts import HEADER_REQUEST_ID
 from meridian.json_limits import MAX_JSON_DEPTH, too_deep
 from meridian.request_journal import RequestJournal
 
+T = TypeVar("T")
 # Routes whose answer is a generation: journalled, and refused while draining.
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 # Further POST routes passed through (no generation, or a stored response's).
@@ -110,7 +112,10 @@ class Passthrough:
         client = self._engine.upstream()
         lifecycle.request_started()
         try:
-            upstream = await client.send(self._upstream_request(client, request, path, body), stream=True)
+            # vLLM sends a whole answer's head only once it is generated: watch the client
+            # from the start, not only once the body is being read.
+            upstream = await self._unless_disconnected(
+                request, client.send(self._upstream_request(client, request, path, body), stream=True))
         except httpx.HTTPError as exc:
             self._end(call, completed=False)
             raise UnavailableError(f"lost the connection to vLLM: {exc!r}", code="not_ready") from None
@@ -123,7 +128,10 @@ class Passthrough:
             return _RelayedStream(self._relay(upstream, call), upstream.status_code, headers,
                                   on_close=lambda: self._close(upstream, call))
         try:
-            content = await self._read_unless_disconnected(request, upstream)
+            try:
+                content = await self._unless_disconnected(request, upstream.aread())
+            except httpx.HTTPError as exc:
+                raise UnavailableError(f"vLLM broke off its answer: {exc!r}", code="not_ready") from None
             # Journalled before the answer goes out: a client that got it finds it served.
             self._end(call, completed=upstream.status_code < 300)
         finally:
@@ -170,18 +178,21 @@ class Passthrough:
             return
         self._end(call, completed=upstream.status_code < 300)
 
-    async def _read_unless_disconnected(self, request: Request, upstream: httpx.Response) -> bytes:
-        task = asyncio.ensure_future(upstream.aread())
+    @staticmethod
+    async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+        """`work`'s result, or ClientClosedError (with `work` cancelled, which closes vLLM's
+        connection and so aborts the request there) once the client has hung up."""
+        task = asyncio.ensure_future(work)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
                 if done:
-                    try:
-                        return task.result()
-                    except httpx.HTTPError as exc:
-                        raise UnavailableError(f"vLLM broke off its answer: {exc!r}", code="not_ready") from None
+                    return task.result()
                 if await request.is_disconnected():
-                    raise ClientClosedError()  # closing vLLM's connection aborts the request
+                    if task.done() and not task.cancelled() and isinstance(
+                            answer := task.result(), httpx.Response):
+                        await answer.aclose()  # it came as the client left
+                    raise ClientClosedError()
         finally:
             if not task.done():
                 task.cancel()

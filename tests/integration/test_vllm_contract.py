@@ -61,7 +61,7 @@ async def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     checkpoint, adapter = make_vllm_checkpoint(root)
     values: dict[str, Any] = {
         "model_dir": checkpoint, "engine": "vllm", "control_plane_url": None,
-        "deployment_spec_file": write_spec(root / "spec.json", extra_args=[], max_num_seqs=4),
+        "deployment_spec_file": write_spec(root / "spec.json", extra_args=[], max_num_seqs=4, max_model_len=1024),
         "lora_modules": {ADAPTER: adapter}, "vllm_startup_timeout_s": 300.0, "vllm_max_restarts": 0,
         "vllm_probe_interval_s": 0.2,
     }

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from node_testkit import asgi_client, eventually
 from prometheus_client.parser import text_string_to_metric_families
+from router_harness import ServerGroup
 from test_vllm_engine import settings
 
 from data_plane.server.app import create_app
@@ -48,3 +50,39 @@ async def test_node_reports_failed_when_vllm_cannot_be_kept_up(
         await eventually(lambda: bool(fatal))
         health = await client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "failed"
+
+
+async def _aborted(base_url: str) -> float:
+    async with httpx.AsyncClient(base_url=base_url, timeout=10) as http:
+        text = (await http.get("/metrics")).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_that_hangs_up_is_aborted_in_vllm(
+    tiny_checkpoint: Path, standin_state: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """The node closes its connection to vLLM when its client leaves, which is what makes
+    vLLM abort: mid-stream, and while a whole answer is generated (vLLM sends its head only
+    once the answer is whole, so the node watches its client from the start)."""
+    monkeypatch.setenv("MERIDIAN_STANDIN_TOKEN_DELAY_S", "0.02")  # 200 tokens: 4 s
+    app = create_app(settings(tiny_checkpoint))
+    servers = ServerGroup()
+    try:
+        url = await servers.start(app)
+        await app.state.runtime.wait_ready()
+        vllm = app.state.runtime.engine.base_url
+        body = {"model": "tiny-llama", "prompt": list(range(100, 140)), "max_tokens": 200, "stream": stream}
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            if stream:
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        break  # the first event, then hang up
+            else:
+                with pytest.raises(httpx.ReadTimeout):
+                    await client.post("/v1/completions", json=body, timeout=0.3)
+        await eventually(lambda: app.state.runtime.lifecycle.in_flight == 0, within=3.0)
+        assert await _aborted(vllm) == 1
+    finally:
+        await servers.stop()

@@ -384,7 +384,7 @@ class StandIn:
         stop_ids = set(req.get("stop_token_ids") or [])
         stops = set(req.get("stop") or [])
         if not req.get("stream"):
-            await self.whole_completion(writer, req, rid, prompt, max_tokens, cached)
+            await self.whole_completion(reader, writer, req, rid, prompt, max_tokens, cached)
             return
         want_ids = bool(req.get("return_token_ids")) and _env("NO_TOKEN_IDS") != "1"
         logprobs = req.get("logprobs")
@@ -455,18 +455,28 @@ class StandIn:
         if finish == "abort":
             raise ConnectionResetError
 
-    async def whole_completion(self, writer: asyncio.StreamWriter, req: dict[str, Any], rid: str,
+    async def whole_completion(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                               req: dict[str, Any], rid: str,
                                prompt: list[int], max_tokens: int, cached: int) -> None:
         """A non-streamed completion, shaped like vLLM's (same tokens as a stream)."""
         stop_ids = set(req.get("stop_token_ids") or [])
         tokens: list[int] = []
         finish = "length"
-        for i in range(max_tokens):
-            token = (prompt[-1] + 1 + i) % 100_000
-            if token in stop_ids:
-                finish = "stop"
-                break
-            tokens.append(token)
+        self.active[rid] = None
+        try:
+            for i in range(max_tokens):
+                token = (prompt[-1] + 1 + i) % 100_000
+                if token in stop_ids:
+                    finish = "stop"
+                    break
+                tokens.append(token)
+                if self.token_delay:
+                    await asyncio.sleep(self.token_delay)
+                    if reader.at_eof():  # the client left: vLLM aborts such a request
+                        self.finished["abort"] += 1
+                        raise ConnectionResetError
+        finally:
+            self.active.pop(rid, None)
         self.counters["generation"] += len(tokens)
         self.finished[finish] += 1
         usage: dict[str, Any] = {"prompt_tokens": len(prompt), "completion_tokens": len(tokens),
