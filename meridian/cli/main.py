@@ -404,8 +404,16 @@ def demo(
     if engine not in ("torch", "vllm"):
         err_console.print(f"[red]--engine must be torch or vllm, not {engine!r}[/red]")
         raise typer.Exit(2)
-    if engine == "vllm" and work_dir == Path(".meridian/demo"):
-        work_dir = Path(".meridian/demo-vllm")  # its own checkpoint, origin and caches
+    if engine == "vllm":
+        import importlib.util
+
+        from data_plane.engine.vllm.command import default_vllm_python
+
+        if default_vllm_python() == sys.executable and importlib.util.find_spec("vllm") is None:
+            err_console.print("[red]vLLM is not installed: run `make vllm` (its CPU build) first[/red]")
+            raise typer.Exit(2)
+        if work_dir == Path(".meridian/demo"):
+            work_dir = Path(".meridian/demo-vllm")  # its own checkpoint, origin and caches
     run_demo(work_dir, port, console, engine=engine)
 
 

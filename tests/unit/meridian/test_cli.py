@@ -98,3 +98,14 @@ def test_make_tiny_refuses_to_clobber_without_overwrite(tmp_path):
     assert (out / "model.safetensors").read_bytes() == before
     r = runner.invoke(app, ["model", "make-tiny", str(out), "--seed", "2", "--overwrite"])
     assert r.exit_code == 0 and (out / "model.safetensors").read_bytes() != before
+
+
+def test_demo_on_vllm_says_how_to_install_it_when_it_is_missing(monkeypatch, tmp_path):
+    import sys
+
+    from data_plane.engine.vllm import command
+
+    monkeypatch.setattr(command, "default_vllm_python", lambda: sys.executable)
+    r = runner.invoke(app, ["demo", "--engine", "vllm", "--work-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "make vllm" in r.output
+    assert not any(tmp_path.iterdir()), "nothing was started"
