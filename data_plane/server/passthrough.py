@@ -139,7 +139,10 @@ class Passthrough:
         return Response(content, status_code=upstream.status_code, headers=headers)
 
     def _rewrite_model(self, body: bytes) -> bytes:
-        """The body with the fabric's model name turned into vLLM's; 400 when not JSON."""
+        """The body with the fabric's model name turned into vLLM's; 400 when not JSON
+        (an empty body, as a cancel may send, passes as it is)."""
+        if not body.strip():
+            return body
         try:
             payload = json.loads(body)
         except (ValueError, RecursionError):

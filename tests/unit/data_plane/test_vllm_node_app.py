@@ -86,3 +86,19 @@ async def test_a_client_that_hangs_up_is_aborted_in_vllm(
         assert await _aborted(vllm) == 1
     finally:
         await servers.stop()
+
+
+async def test_pass_through_keeps_bodies_as_sent_and_names_models_as_vllm_does(
+    tiny_checkpoint: Path, standin_state: Path
+) -> None:
+    app = create_app(settings(tiny_checkpoint))
+    async with asgi_client(app) as client:
+        unknown = await client.post("/v1/completions", json={"model": "no-such-model", "prompt": [1], "max_tokens": 1})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+        garbage = await client.post("/v1/completions", content=b"{not json")
+        assert garbage.status_code == 400
+        # An empty body (a cancel) reaches vLLM as it is: the stand-in has no such route.
+        cancel = await client.post("/v1/responses/resp_1/cancel")
+        assert cancel.status_code == 404 and cancel.json() == {"detail": "Not Found"}
+        card = await client.get("/v1/models/tiny-llama")
+        assert card.status_code == 200 and card.json()["id"] == "tiny-llama"
