@@ -25,7 +25,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from meridian.contracts import HEADER_REQUEST_ID, HEADER_SCALE_WAIT_MS, ModelCard, ModelList, TenantEntry
+from meridian.contracts import (
+    GENERATION_ROUTES,
+    HEADER_REQUEST_ID,
+    HEADER_SCALE_WAIT_MS,
+    MODEL_ROUTES,
+    ModelCard,
+    ModelList,
+    TenantEntry,
+)
 from meridian.geo import Point
 from meridian.http_server import limited_config, openai_error_body
 from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
@@ -287,16 +295,6 @@ def create_app(
     return app
 
 
-# Every route whose body names a model, as the nodes serve it (vLLM's own API on vLLM nodes).
-MODEL_ROUTES = (
-    "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-    "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize",
-)
-
-
-_GENERATING = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
-
-
 def _add_model_route(app: FastAPI, state: RouterState, route: str) -> None:
     async def endpoint(request: Request) -> Response:
         return await _route(state, request, route)
@@ -370,7 +368,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
             inference, stored = follow_up(state.response_ids, inference, tenant)
         try:
             # Counting, tokenizing and embedding generate nothing: only the prompt is charged.
-            budget = state.settings.rate_limit_default_completion_tokens if route in _GENERATING else 0
+            budget = state.settings.rate_limit_default_completion_tokens if route in GENERATION_ROUTES else 0
             admission = state.rate_limiter.admit(tenant, estimate_tokens(inference.payload, budget))
         except RateLimited as exc:
             state.metrics.rate_limited.labels(tenant.tenant, exc.type_).inc()

@@ -32,6 +32,11 @@ GLOBAL_ZONE = "global"
 # Response headers the router sets so a client can see where it was served.
 HEADER_REGION = "x-meridian-region"
 HEADER_NODE = "x-meridian-node"
+
+# The inference API the fabric serves, at the router and passed through by vLLM nodes:
+# routes whose answer is a generation, then every route whose body names a model.
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
+MODEL_ROUTES = (*GENERATION_ROUTES, "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize")
 HEADER_REQUEST_ID = "x-request-id"
 HEADER_OVERHEAD_MS = "x-meridian-overhead-ms"
 # Longest a node waits between heartbeat retries while the control plane does not answer;

@@ -18,7 +18,7 @@ from data_plane.server.auth import internal_auth
 from data_plane.server.completions import CompletionService
 from data_plane.server.errors import ModelNotFoundError, install_error_handlers
 from data_plane.server.metrics import NodeMetrics
-from data_plane.server.passthrough import GENERATION_ROUTES, GET_ROUTES, OTHER_POST_ROUTES, Passthrough
+from data_plane.server.passthrough import GET_ROUTES, POST_ROUTES, Passthrough
 from data_plane.weights.node_weights import with_model_uri
 from meridian.contracts import ModelCard, ModelList
 from meridian.request_journal import RequestJournal
@@ -125,7 +125,7 @@ def _pass_through(app: FastAPI, passthrough: Passthrough, dependencies: list[Any
         app.add_api_route(route, endpoint, methods=[method], dependencies=dependencies,
                           name=f"passthrough {method} {route}")
 
-    for route in (*GENERATION_ROUTES, *OTHER_POST_ROUTES):
+    for route in POST_ROUTES:
         add("POST", route)
     for route in GET_ROUTES:
         add("GET", route)

@@ -82,13 +82,8 @@ def check_parameters(data: dict[str, Any], model: type[BaseModel]) -> None:
         )
 
 
-async def parse_body(
-    request: Request, model: type[M], *, limit: int, context: dict[str, Any] | None = None,
-    strict: bool = False,
-) -> M:
-    """Read, decode and validate a JSON body into `model`; with `strict`, a field the
-    model does not implement is a 400 (check_parameters) rather than ignored."""
-    raw = await read_body(request, limit)
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """`raw` as a JSON object; a 400 when it is not JSON, nested too deep or not an object."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -99,6 +94,16 @@ async def parse_body(
         raise BadRequestError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
     if not isinstance(data, dict):
         raise BadRequestError("request body must be a JSON object")
+    return data
+
+
+async def parse_body(
+    request: Request, model: type[M], *, limit: int, context: dict[str, Any] | None = None,
+    strict: bool = False,
+) -> M:
+    """Read, decode and validate a JSON body into `model`; with `strict`, a field the
+    model does not implement is a 400 (check_parameters) rather than ignored."""
+    data = decode_json_object(await read_body(request, limit))
     if strict:
         check_parameters(data, model)
     try:

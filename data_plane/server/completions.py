@@ -4,7 +4,6 @@ out, and the engine's outputs back as an OpenAI response or SSE stream."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -28,6 +27,7 @@ from data_plane.engine.base import (
 )
 from data_plane.runtime import NodeRuntime
 from data_plane.server.body import parse_body
+from data_plane.server.client_watch import unless_disconnected
 from data_plane.server.errors import (
     BadRequestError,
     ClientClosedError,
@@ -60,8 +60,6 @@ log = logging.getLogger(__name__)
 Kind = Literal["chat", "completion"]
 OpenAIFinish = Literal["stop", "length"]
 SSE_DONE = b"data: [DONE]\n\n"
-# How often a non-streaming request checks whether its client is still there.
-DISCONNECT_POLL_S = 0.25
 
 
 def _sse(payload: BaseModel | dict[str, object]) -> bytes:
@@ -371,22 +369,13 @@ class CompletionService:
                     return
                 out = await anext(outputs, None)
 
-        task = asyncio.ensure_future(collect())
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if done:
-                    task.result()
-                    return texts, logprobs
-                if await request.is_disconnected():
-                    # Nobody will read the answer: stop spending compute on it.
-                    ex.finish_reason = None
-                    raise ClientClosedError()
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await unless_disconnected(request, collect())
+        except ClientClosedError:
+            # Nobody will read the answer: its generation was stopped.
+            ex.finish_reason = None
+            raise
+        return texts, logprobs
 
     def _chat_logprobs(self, ex: _Exchange, entries: list[TokenLogprob]) -> ChatLogprobs | None:
         if ex.logprobs is None or ex.token_texts is None:

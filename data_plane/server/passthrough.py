@@ -19,12 +19,9 @@ next poll.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import anyio
 import httpx
@@ -34,30 +31,20 @@ from starlette.types import Receive, Scope, Send
 
 from data_plane.engine.base import PassthroughEngine
 from data_plane.runtime import NodeRuntime
-from data_plane.server.body import read_body
+from data_plane.server.body import decode_json_object, read_body
+from data_plane.server.client_watch import unless_disconnected
 from data_plane.server.errors import (
-    BadRequestError,
-    ClientClosedError,
     ModelNotFoundError,
     UnavailableError,
 )
-from meridian.contracts import HEADER_REQUEST_ID
-from meridian.json_limits import MAX_JSON_DEPTH, too_deep
+from meridian.contracts import GENERATION_ROUTES, HEADER_REQUEST_ID, MODEL_ROUTES
 from meridian.request_journal import RequestJournal
 
-T = TypeVar("T")
-# Routes whose answer is a generation: journalled, and refused while draining.
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
-# Further POST routes passed through (no generation, or a stored response's).
-OTHER_POST_ROUTES = (
-    "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize",
-    "/v1/responses/{response_id}/cancel",
-)
+# Routes passed through; those in GENERATION_ROUTES are journalled and refused while draining.
+POST_ROUTES = (*MODEL_ROUTES, "/v1/responses/{response_id}/cancel")
 GET_ROUTES = ("/v1/responses/{response_id}",)
 # Upstream answer headers kept; the rest (length, encoding, server) are the node's own.
 _KEEP_HEADERS = ("content-type", "cache-control", "retry-after")
-# How often a whole (non-streamed) answer checks whether its client is still there.
-_DISCONNECT_POLL_S = 0.25
 
 
 @dataclass(slots=True)
@@ -114,8 +101,9 @@ class Passthrough:
         try:
             # vLLM sends a whole answer's head only once it is generated: watch the client
             # from the start, not only once the body is being read.
-            upstream = await self._unless_disconnected(
-                request, client.send(self._upstream_request(client, request, path, body), stream=True))
+            upstream = await unless_disconnected(
+                request, client.send(self._upstream_request(client, request, path, body), stream=True),
+                discard=httpx.Response.aclose)
         except httpx.HTTPError as exc:
             self._end(call, completed=False)
             raise UnavailableError(f"lost the connection to vLLM: {exc!r}", code="not_ready") from None
@@ -129,7 +117,7 @@ class Passthrough:
                                   on_close=lambda: self._close(upstream, call))
         try:
             try:
-                content = await self._unless_disconnected(request, upstream.aread())
+                content = await unless_disconnected(request, upstream.aread())
             except httpx.HTTPError as exc:
                 raise UnavailableError(f"vLLM broke off its answer: {exc!r}", code="not_ready") from None
             # Journalled before the answer goes out: a client that got it finds it served.
@@ -143,14 +131,7 @@ class Passthrough:
         (an empty body, as a cancel may send, passes as it is)."""
         if not body.strip():
             return body
-        try:
-            payload = json.loads(body)
-        except (ValueError, RecursionError):
-            raise BadRequestError("request body is not valid JSON") from None
-        if too_deep(body, payload):
-            raise BadRequestError(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
-        if not isinstance(payload, dict):
-            raise BadRequestError("request body must be a JSON object")
+        payload = decode_json_object(body)
         model = payload.get("model")
         if not isinstance(model, str):
             return body  # vLLM answers for a missing or mistyped model in its own words
@@ -180,27 +161,6 @@ class Passthrough:
             self._end(call, completed=False)
             return
         self._end(call, completed=upstream.status_code < 300)
-
-    @staticmethod
-    async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-        """`work`'s result, or ClientClosedError (with `work` cancelled, which closes vLLM's
-        connection and so aborts the request there) once the client has hung up."""
-        task = asyncio.ensure_future(work)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if done:
-                    return task.result()
-                if await request.is_disconnected():
-                    if task.done() and not task.cancelled() and isinstance(
-                            answer := task.result(), httpx.Response):
-                        await answer.aclose()  # it came as the client left
-                    raise ClientClosedError()
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
-                    await task
 
     async def _close(self, upstream: httpx.Response, call: _Call) -> None:
         await upstream.aclose()

@@ -362,6 +362,7 @@ class VllmEngine:
     # --- pass-through (PassthroughEngine) ---------------------------------------------------
 
     def upstream(self) -> httpx.AsyncClient:
+        """The client for vLLM's server; EngineNotReadyError unless it serves now."""
         supervisor = self.supervisor
         if not self._accepting or self._client is None or supervisor is None:
             raise EngineNotReadyError("the vLLM engine is not running")
@@ -393,11 +394,7 @@ class VllmEngine:
     # --- requests --------------------------------------------------------------------------
 
     def _submit(self, request: GenerationRequest) -> _Stream:
-        supervisor = self.supervisor
-        if not self._accepting or self._client is None or supervisor is None:
-            raise EngineNotReadyError("the vLLM engine is not running")
-        if not supervisor.ready:
-            raise EngineNotReadyError(f"vLLM is not serving right now ({supervisor.state})")
+        self.upstream()  # raises unless vLLM serves now
         params = request.sampling_params
         n_prompt = len(request.prompt_token_ids)
         if n_prompt == 0:
