@@ -32,8 +32,8 @@ from pathlib import Path
 import httpx
 
 from bench.common import Figure
+from localfabric import DEMO_MODEL, FabricSpec, local_fabric
 from meridian.contracts import HEADER_REGION
-from meridian.localfabric import DEMO_MODEL, FabricSpec, local_fabric
 
 BENCH = "failover"
 NEAREST = "aws:us-east-1"

@@ -204,7 +204,7 @@ def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | No
     log = work_dir / "router.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "meridian", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, "-m", "cli", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
              # Nothing listens there: the router serves from its snapshot (static stability).
              "--control-plane-url", f"http://127.0.0.1:{_free_port()}", "--snapshot-path", str(snapshot)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,

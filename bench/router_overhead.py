@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import Figure, median, percentile
-from meridian.localfabric import DEMO_MODEL, FabricSpec, local_fabric
+from localfabric import DEMO_MODEL, FabricSpec, local_fabric
 
 BENCH = "router_overhead"
 

@@ -41,8 +41,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.common import Figure
 from bench.engine import BENCH_ARCH
 from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
+from localfabric import FabricSpec, LocalFabric, local_fabric
 from meridian.contracts import HEADER_NODE
-from meridian.localfabric import FabricSpec, LocalFabric, local_fabric
 
 BENCH = "routing"
 REGION = "aws:us-east-1"

@@ -33,7 +33,7 @@ from bench.common import Figure, percentile
 from bench.routing import MODEL, REGION, RunResult, Workload, chat_workload, log, measure
 from data_plane.engine.vllm.command import default_vllm_python
 from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
-from meridian.localfabric import FabricSpec, local_fabric
+from localfabric import FabricSpec, local_fabric
 
 BENCH = "routing_vllm"
 # head_dim 64, which vLLM's CPU attention needs.

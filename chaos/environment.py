@@ -16,7 +16,7 @@ from chaos.history import HistoryWriter
 from chaos.load import LoadTarget
 from chaos.observe import RouterMetrics, busiest
 from chaos.schedule import Timeline
-from meridian.localfabric import FabricInfo, LocalFabric, Proc, renice
+from localfabric import FabricInfo, LocalFabric, Proc, renice
 
 if TYPE_CHECKING:
     from chaos.faults.netns import Sites

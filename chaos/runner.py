@@ -38,7 +38,7 @@ from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadTarget, warm_up
 from chaos.schedule import FaultState, RunOutcome, TickCallback, drive, finish
-from meridian.localfabric import DEMO_MODEL, DEMO_REGIONS, FabricError, FabricSpec, LocalFabric
+from localfabric import DEMO_MODEL, DEMO_REGIONS, FabricError, FabricSpec, LocalFabric
 
 log = logging.getLogger(__name__)
 

@@ -376,7 +376,7 @@ class NodeSettings(ListenerSettings):
     # the project's .venv-vllm from `make vllm`, else a `vllm` script's, else this one), or
     # a command line ("vllm", then "serve MODEL" follows) or a JSON list of arguments.
     vllm_executable: str | list[str] = "auto"
-    # DeploymentSpec (meridian.deployment; JSON or YAML). Without one, it is derived
+    # DeploymentSpec (data_plane.engine.vllm.spec; JSON or YAML). Without one, it is derived
     # from this node's settings (model_name, max_model_len, lora_modules...).
     deployment_spec_file: Path | None = None
     # GPUs vLLM may use; unset: CUDA_VISIBLE_DEVICES, else `nvidia-smi -L`. 0 (or none

@@ -13,7 +13,7 @@ from chaos.environment import DrillEnvironment, InjectionError
 from chaos.faults.injector import register
 from chaos.history import History
 from chaos.load import LoadGenerator, burst_schedule
-from meridian.localfabric import FabricSpec, LocalDeployment
+from localfabric import FabricSpec, LocalDeployment
 
 _DEFAULT_QUEUE_DEADLINE_S = 30.0
 

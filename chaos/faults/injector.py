@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from chaos.drill import Fault, FaultKind
 from chaos.history import History
-from meridian.localfabric import FabricSpec
+from localfabric import FabricSpec
 
 if TYPE_CHECKING:
     from chaos.environment import DrillEnvironment

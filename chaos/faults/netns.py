@@ -20,7 +20,7 @@ from chaos.drill import Fault
 from chaos.environment import DrillEnvironment, InjectionError
 from chaos.faults.injector import register
 from chaos.history import History
-from meridian.localfabric import NodePlacement
+from localfabric import NodePlacement
 
 _COMMAND_TIMEOUT_S = 15.0
 _TABLE = "meridian_chaos"

@@ -12,7 +12,7 @@ from chaos.environment import DrillEnvironment, InjectionError
 from chaos.faults.injector import register
 from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import History
-from meridian.localfabric import Proc
+from localfabric import Proc
 
 
 @register("proxy_latency", "proxy_bandwidth", "proxy_reset", "proxy_blackhole", "proxy_slow_close")

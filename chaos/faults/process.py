@@ -16,7 +16,7 @@ from chaos.environment import COLD_START_NICENESS, DrillEnvironment, InjectionEr
 from chaos.faults.injector import register
 from chaos.history import History, Outcome
 from chaos.observe import answers, metric_samples
-from meridian.localfabric import FabricSpec, Proc, renice
+from localfabric import FabricSpec, Proc, renice
 
 # A single node is killed while it is working on a request, so that failover of requests in
 # flight is exercised; if it stays idle this long it is killed anyway (and the event says so).

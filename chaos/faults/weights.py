@@ -23,7 +23,7 @@ from chaos.drill import Fault
 from chaos.environment import COLD_START_NICENESS, DrillEnvironment, InjectionError
 from chaos.faults.injector import register
 from chaos.history import History, Served
-from meridian.localfabric import Proc, renice
+from localfabric import Proc, renice
 
 _MANIFEST = "meridian-manifest.json"
 _WATCH_INTERVAL_S = 0.25

@@ -4,7 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from meridian.localfabric import FabricSpec, LocalFabric
+from localfabric import FabricSpec, LocalFabric
 
 
 @pytest.fixture(scope="module")

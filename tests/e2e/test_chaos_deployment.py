@@ -17,7 +17,7 @@ import yaml
 from chaos.deployed import DeployedRunOptions, run_drill_on
 from chaos.deployment import load_deployment
 from chaos.drill import DRILLS_DIR, Drill, load_drills
-from meridian.localfabric import DEMO_MODEL, FabricInfo, FabricSpec, LocalFabric, Proc, renice
+from localfabric import DEMO_MODEL, FabricInfo, FabricSpec, LocalFabric, Proc, renice
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 

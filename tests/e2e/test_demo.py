@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +31,7 @@ def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
     work = tmp_path / "demo"
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "meridian", "demo", "--work-dir", str(work), "--port", str(free_port())],
+        [sys.executable, "-m", "cli", "demo", "--work-dir", str(work), "--port", str(free_port())],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "COLUMNS": "200"},
         start_new_session=True,
     )

@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
+from localfabric import FabricSpec, LocalDeployment, LocalFabric
 from meridian.contracts import HEADER_REGION, HEADER_SCALE_WAIT_MS
-from meridian.localfabric import FabricSpec, LocalDeployment, LocalFabric
 
 pytestmark = pytest.mark.e2e
 

@@ -6,8 +6,8 @@ import httpx
 import openai
 import pytest
 
+from localfabric import DEMO_MODEL, LocalFabric
 from meridian.contracts import HEADER_NODE, HEADER_OVERHEAD_MS, HEADER_REGION, HEADER_REQUEST_ID
-from meridian.localfabric import DEMO_MODEL, LocalFabric
 
 pytestmark = pytest.mark.e2e
 

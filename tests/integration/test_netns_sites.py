@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from chaos.faults.netns import Sites, netns_unavailable
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 
 
 @pytest.fixture

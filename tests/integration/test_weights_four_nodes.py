@@ -20,7 +20,7 @@ import pytest
 from bench.nginx import NginxServer
 from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
 from data_plane.weights.push import push_model
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 from meridian.settings import WeightSettings
 
 MiB = 1024 * 1024
@@ -32,7 +32,7 @@ ADMIN = "mk-" + secrets.token_urlsafe(24)
 def _spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "meridian", *args], env={**os.environ, **env}, stdout=out,
+            [sys.executable, "-m", "cli", *args], env={**os.environ, **env}, stdout=out,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
 

@@ -40,7 +40,7 @@ def origin(tmp_path: Path) -> tuple[Path, Manifest]:
 def _pull(uri: str, cache: Path, concurrency: int = 4) -> subprocess.Popen[str]:
     env = {**os.environ, "MERIDIAN_WEIGHTS_CACHE_DIR": str(cache), "MERIDIAN_WEIGHTS_RANGE_BYTES": str(CHUNK),
            "MERIDIAN_WEIGHTS_CONCURRENCY": str(concurrency), "COLUMNS": "200"}
-    return subprocess.Popen([sys.executable, "-m", "meridian", "model", "pull", uri], env=env,
+    return subprocess.Popen([sys.executable, "-m", "cli", "model", "pull", uri], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 

@@ -31,7 +31,7 @@ from geo_router import create_app as create_router_app
 from geo_router.app import RouterState
 from geo_router.table import StaticTableSource
 from meridian.contracts import NodeStatus, RoutingNode, RoutingTable
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 
 ADAPTER = "sql"
 ALICE = Tenant("alice", "sk-alice-0123456789abcdef")

@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from data_plane.engine.base import served_model_name
-from meridian.deployment import DeploymentSpec, DeploymentSpecError, LoraAdapterSpec, load_deployment_spec
+from data_plane.engine.vllm.spec import (
+    DeploymentSpec,
+    DeploymentSpecError,
+    LoraAdapterSpec,
+    load_deployment_spec,
+)
 from meridian.settings import NodeSettings
 
 log = logging.getLogger(__name__)

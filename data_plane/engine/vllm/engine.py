@@ -46,10 +46,10 @@ from data_plane.engine.vllm.command import (
 )
 from data_plane.engine.vllm.metrics import StatsTracker, drop_metric_families, parse_vllm_metrics
 from data_plane.engine.vllm.relay import KVEventRelay
+from data_plane.engine.vllm.spec import DeploymentSpec, DeploymentSpecError
 from data_plane.engine.vllm.supervisor import RestartPolicy, VllmSupervisor
 from data_plane.tokenizer import ChatTokenizer
-from meridian.deployment import DeploymentSpec, DeploymentSpecError
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 from meridian.settings import NodeSettings
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from chaos.drill import load_drills
-from meridian.cli.main import app
+from cli.main import app
 
 
 def test_chaos_list_shows_every_drill_with_its_fault_and_short_length():

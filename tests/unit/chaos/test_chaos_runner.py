@@ -16,9 +16,9 @@ from chaos.faults import injector
 from chaos.faults.injector import NotRunnable, create_injector, supported_kinds
 from chaos.observe import busiest
 from chaos.runner import runnable
-from meridian.cli.chaos_cmd import pick
-from meridian.cli.main import app
-from meridian.localfabric import FabricInfo, FabricSpec, LocalFabric, Proc
+from cli.chaos_cmd import pick
+from cli.main import app
+from localfabric import FabricInfo, FabricSpec, LocalFabric, Proc
 
 DRILLS = {d.name: d for d in load_drills()}
 

@@ -11,7 +11,7 @@ import pytest
 
 from chaos.drill import FAULT_PARAMS
 from chaos.faults import FaultProxy, ProxyError, running_proxy
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 IO_TIMEOUT_S = 5.0

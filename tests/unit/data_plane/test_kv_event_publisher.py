@@ -22,7 +22,7 @@ from data_plane.engine.base import EngineStats, KVEventSink
 from data_plane.kv_events import DropOldestQueue, ZmqEventPublisher, create_publisher
 from data_plane.runtime import NodeRuntime
 from meridian import kv_events as ours
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 from meridian.settings import NodeSettings
 
 VLLM_DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)

@@ -23,7 +23,7 @@ from vllm_kv_schema import BlockRemoved, BlockStored, KVEventBatch
 from data_plane.engine.base import GenerationRequest, SamplingParams
 from data_plane.engine.torch_engine import TorchEngine
 from data_plane.kv_events import ZmqEventPublisher
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 
 
 class FleetBlockIndex:

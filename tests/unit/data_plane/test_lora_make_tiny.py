@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from cli.main import app
 from data_plane.lora import LORA_MODULES, load_adapter
 from data_plane.lora.make_tiny import make_tiny_lora
 from data_plane.model.llama import LlamaConfig, LlamaForCausalLM
 from data_plane.model.loader import load_model, read_config
-from meridian.cli.main import app
 
 FILES = ["adapter_config.json", "adapter_model.safetensors"]
 

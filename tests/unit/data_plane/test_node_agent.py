@@ -25,7 +25,7 @@ from node_testkit import (
 from data_plane.agent import NodeAgent, advertise_kv_events
 from data_plane.server.app import create_app
 from meridian.contracts import NodeLoad, NodeStatus
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from node_testkit import (
 )
 
 from meridian.contracts import NodeStatus
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 
 SERVE = """
 import sys

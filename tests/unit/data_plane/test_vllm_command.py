@@ -17,7 +17,7 @@ from data_plane.engine.vllm.command import (
     executable_argv,
     spec_from_settings,
 )
-from meridian.deployment import DeploymentSpec, DeploymentSpecError, load_deployment_spec
+from data_plane.engine.vllm.spec import DeploymentSpec, DeploymentSpecError, load_deployment_spec
 from meridian.settings import NodeSettings
 
 MODEL_DIR = Path("/cache/models/llama-3.1-8b")

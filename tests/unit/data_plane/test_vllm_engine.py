@@ -23,8 +23,8 @@ from data_plane.engine.base import (
     create_engine,
 )
 from data_plane.engine.vllm.engine import VllmEngine
+from data_plane.engine.vllm.spec import DeploymentSpec
 from data_plane.engine.vllm.supervisor import ChildState, VllmFailedError
-from meridian.deployment import DeploymentSpec
 from meridian.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from meridian.settings import NodeSettings
 

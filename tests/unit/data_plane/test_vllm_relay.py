@@ -16,7 +16,7 @@ from data_plane.engine.vllm.relay import KVEventDecodeError, KVEventRelay, decod
 from data_plane.engine.vllm.supervisor import RestartPolicy
 from meridian.block_hash import hash_block
 from meridian.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 
 ENC = msgspec.msgpack.Encoder()
 

@@ -15,7 +15,7 @@ import pytest
 from node_testkit import eventually
 
 from data_plane.engine.vllm.supervisor import ChildState, RestartPolicy, VllmFailedError, VllmSupervisor
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 
 STANDIN = Path(__file__).with_name("vllm_standin.py")
 FAST_RESTARTS = RestartPolicy(max_restarts=3, window_s=60.0, backoff_s=0.05, backoff_max_s=0.2)

@@ -28,7 +28,7 @@ from meridian.kv_events import (
     encode_batch,
     seq_to_bytes,
 )
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 
 TOPIC = "kv-events"
 BLOCK = 4

@@ -12,10 +12,10 @@ from types import FrameType
 from rich.console import Console
 from rich.panel import Panel
 
-from meridian.cli.admin_client import AdminClient
-from meridian.cli.status_view import status_table
+from cli.admin_client import AdminClient
+from cli.status_view import status_table
+from localfabric import DEMO_MODEL, FabricSpec, LocalFabric
 from meridian.contracts import HEADER_REGION
-from meridian.localfabric import DEMO_MODEL, FabricSpec, LocalFabric
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:

@@ -1,7 +1,7 @@
 """Run a whole fabric on one machine as local processes (`meridian demo`, e2e tests).
 
 Control plane (SQLite), geo router and one data-plane node per region, each a separate
-`python -m meridian …` process, started in dependency order and stopped in reverse:
+`python -m cli …` process, started in dependency order and stopped in reverse:
 nodes drain first, then the router, then the control plane. Nothing here imports a
 plane: processes are started through the CLI and spoken to over HTTP only.
 
@@ -19,7 +19,6 @@ stops nodes: scaling down and real provider drivers belong to the reconciler.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -27,14 +26,12 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -42,164 +39,14 @@ import httpx
 from meridian.contracts import GLOBAL_ZONE, DeploymentView, RegionInfo
 from meridian.security import generate_api_key
 
+from .procs import die_with_parent, port_or_free, renice
+from .spec import FabricInfo, FabricSpec, Proc
+
 logger = logging.getLogger(__name__)
-
-DEMO_REGIONS = ("aws:us-east-1", "gcp:europe-west4", "onprem:tokyo-1")
-DEMO_MODEL = "tiny-llama"
-
-_PR_SET_PDEATHSIG = 1
 
 
 class FabricError(RuntimeError):
     """The local fabric could not be started (the message says which process and why)."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _port_or_free(preferred: int | None, host: str) -> int:
-    if preferred:
-        with socket.socket() as s:
-            try:
-                s.bind((host, preferred))
-                return preferred
-            except OSError:
-                pass
-    return free_port(host)
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    # A child must not outlive the launcher, even when the launcher is SIGKILLed.
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def renice(pid: int, niceness: int) -> None:
-    """Set the niceness of every thread of a process (Linux keeps it per thread)."""
-    tasks = Path(f"/proc/{pid}/task")
-    tids = [int(t.name) for t in tasks.iterdir()] if tasks.exists() else [pid]
-    for tid in tids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.setpriority(os.PRIO_PROCESS, tid, niceness)
-
-
-@dataclass(frozen=True)
-class LocalDeployment:
-    """A deployment created at start-up, served from the fabric's tiny checkpoint.
-
-    With min_replicas=0 it has no node until a router asks for one (scale-from-zero).
-    """
-
-    model_name: str
-    zone: str = GLOBAL_ZONE
-    min_replicas: int = 0
-    max_replicas: int = 1
-
-
-@dataclass(frozen=True)
-class NodePlacement:
-    """Where a node runs instead of this host's loopback: a command prefix that enters its
-    network namespace (`ip netns exec NAME`) and the address it binds and advertises there."""
-
-    command_prefix: tuple[str, ...]
-    host: str
-
-
-@dataclass
-class FabricSpec:
-    """What to start. Ports of 0 mean "pick a free one"; `regions` may be empty."""
-
-    work_dir: Path
-    regions: tuple[str, ...] = DEMO_REGIONS
-    model_name: str = DEMO_MODEL
-    seed: int = 0
-    host: str = "127.0.0.1"
-    router_port: int = 0
-    control_plane_port: int = 0
-    node_ports: tuple[int, ...] = ()
-    heartbeat_interval_s: float = 1.0
-    node_ttl_s: float = 5.0
-    default_client_location: str = "aws:us-east-1"
-    drain_timeout_s: float = 10.0
-    start_timeout_s: float = 180.0
-    deployments: tuple[LocalDeployment, ...] = ()
-    # Run the local scaler when deployments are declared, polling the control plane this often.
-    local_scaler: bool = True
-    scaler_interval_s: float = 0.5
-    # Nodes started in each region (benchmarks run several replicas in one region), and
-    # per-region exceptions to it.
-    nodes_per_region: int = 1
-    region_nodes: dict[str, int] = field(default_factory=dict)
-
-    def nodes_in(self, region: str) -> int:
-        """How many nodes start in `region`."""
-        return self.region_nodes.get(region, self.nodes_per_region)
-    # Serve this checkpoint instead of generating the tiny one (its name is model_name).
-    model_dir: Path | None = None
-    # The nodes' engine: "torch" (starts in seconds) or "vllm" (vLLM's CPU build from
-    # `make vllm` where there is no GPU; the tiny checkpoint is then shaped for it).
-    engine: str = "torch"
-    # Extra environment of every node / of the router (e.g. MERIDIAN_ROUTER_ROUTING_POLICY).
-    node_env: dict[str, str] = field(default_factory=dict)
-    router_env: dict[str, str] = field(default_factory=dict)
-    # Routers started against the first control-plane replica.
-    routers: int = 1
-    # The control plane's database (postgresql://…; None: a SQLite file in work_dir), and its
-    # replicas: more than one needs a shared database, and only the first serves nodes and
-    # routers (the others contend for leadership of the fleet loops).
-    database_url: str | None = None
-    control_plane_replicas: int = 1
-    control_plane_env: dict[str, str] = field(default_factory=dict)
-    # The address control-plane replicas bind (default `host`): one that nodes placed in
-    # network namespaces can reach too, such as a bridge's.
-    control_plane_host: str | None = None
-    # Called with (node_id, region) before a node starts: a NodePlacement runs it elsewhere
-    # (its own network namespace, as a separate host), None here.
-    node_placement: Callable[[str, str], NodePlacement | None] | None = None
-    # With a directory, each router and node journals what it routed and served there
-    # (<name>.jsonl, meridian.request_journal): the histories chaos drills check.
-    journal_dir: Path | None = None
-    # Called with (node_id, port) before a node starts; returns the URL the node advertises
-    # instead of its own (a chaos drill's fault-injecting proxy in front of it).
-    node_front: Callable[[str, int], str] | None = None
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    url: str
-    log: Path
-    # What started it, so that restart() starts it again the same way (same port).
-    args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
-    command_prefix: tuple[str, ...] = ()
-    region: str | None = None
-    node_id: str | None = None
-    model: str | None = None
-    # The node's KV event endpoints (ZMQ PUB and replay), which routers subscribe to.
-    kv_events: str | None = None
-    kv_events_replay: str | None = None
-
-
-@dataclass
-class FabricInfo:
-    router_url: str
-    control_plane_url: str
-    admin_key: str
-    # What routers present to nodes and nodes to the control plane.
-    cluster_token: str
-    # Inference keys by residency zone ("global", "eu", "us", "apac").
-    keys: dict[str, str]
-    nodes: dict[str, Proc] = field(default_factory=dict)
-    # Every router's URL, the first being router_url.
-    router_urls: list[str] = field(default_factory=list)
-    # Every control-plane replica's URL, the first being control_plane_url.
-    control_plane_urls: list[str] = field(default_factory=list)
 
 
 def _node_id(region: str) -> str:
@@ -451,7 +298,7 @@ class LocalFabric:
     def _start_control_plane(self, replica: int = 1) -> Proc:
         """Replica 1 is the one nodes and routers use; more replicas share its database."""
         host = self.spec.control_plane_host or self.spec.host
-        port = _port_or_free(self.spec.control_plane_port if replica == 1 else 0, host)
+        port = port_or_free(self.spec.control_plane_port if replica == 1 else 0, host)
         database_url = self.spec.database_url or f"sqlite:///{(self.spec.work_dir / 'state.db').resolve()}"
         name = "control-plane" if replica == 1 else f"control-plane-{replica}"
         env = {
@@ -499,7 +346,7 @@ class LocalFabric:
         placement = self.spec.node_placement(node_id, region) if self.spec.node_placement else None
         host = placement.host if placement else self.spec.host
         # A port free on this host is free in a fresh network namespace too.
-        port = _port_or_free(port, self.spec.host)
+        port = port_or_free(port, self.spec.host)
         args = ["node", "run", "--model-uri", model_uri, "--model-name", model_name,
                 "--region", region, "--node-id", node_id, "--host", host,
                 "--port", str(port), "--control-plane-url", cp_url]
@@ -606,7 +453,7 @@ class LocalFabric:
         return next((name for name in ordered if name in allowed), None)
 
     def _start_router(self, cp_url: str, port: int, env: dict[str, str]) -> Proc:
-        port = _port_or_free(port, self.spec.host)
+        port = port_or_free(port, self.spec.host)
         self._routers += 1
         name = "router" if self._routers == 1 else f"router-{self._routers}"
         snapshot = self.spec.work_dir / f"{name.replace('router', 'routing')}-table.json"
@@ -676,7 +523,7 @@ class LocalFabric:
         return env
 
     def _run_cli(self, args: list[str]) -> None:
-        r = subprocess.run([sys.executable, "-m", "meridian", *args], env=self._base_env(),
+        r = subprocess.run([sys.executable, "-m", "cli", *args], env=self._base_env(),
                            capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise FabricError(f"meridian {' '.join(args)} failed:\n{r.stderr[-2000:]}")
@@ -688,11 +535,11 @@ class LocalFabric:
         full_env = {**self._base_env(), **env}
         with open(log, "ab") as out:
             popen = subprocess.Popen(
-                [*command_prefix, sys.executable, "-m", "meridian", *args], env=full_env, stdout=out,
+                [*command_prefix, sys.executable, "-m", "cli", *args], env=full_env, stdout=out,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 # Own session: a terminal's Ctrl-C reaches only the launcher, which then
                 # stops the processes in order.
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True, preexec_fn=die_with_parent,
             )
         if niceness:
             # Right after fork: the interpreter is still starting, its threads come later and

@@ -11,9 +11,9 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
+from cli.admin_client import AdminAPIError, AdminClient
+from cli.status_view import status_table
 from iac.cli import app as iac_app
-from meridian.cli.admin_client import AdminAPIError, AdminClient
-from meridian.cli.status_view import status_table
 from meridian.security import weak_secrets
 from meridian.settings import CLISettings, ControlPlaneSettings, NodeSettings, RouterSettings, WeightSettings
 
@@ -174,7 +174,7 @@ def model_push(
     zone: Annotated[str, typer.Option(help="Residency zone the weights may live in (eu, us, …) or global")] = "global",
 ) -> None:
     """Upload a model's files and its manifest (sizes, sha256, per-chunk digests)."""
-    from meridian.cli import weights_cmd
+    from cli import weights_cmd
 
     weights_cmd.push(model_dir, uri, _settings(WeightSettings), console, name=name, zone=zone)
 
@@ -185,7 +185,7 @@ def model_pull(
     cache_dir: Annotated[Path | None, typer.Option(help="[MERIDIAN_WEIGHTS_CACHE_DIR]")] = None,
 ) -> None:
     """Fill the node cache with a model (verified, resumable, in parallel ranges)."""
-    from meridian.cli import weights_cmd
+    from cli import weights_cmd
 
     weights_cmd.pull(uri, _settings(WeightSettings, cache_dir=cache_dir), console)
 
@@ -195,7 +195,7 @@ def model_cache(
     cache_dir: Annotated[Path | None, typer.Option(help="[MERIDIAN_WEIGHTS_CACHE_DIR]")] = None,
 ) -> None:
     """List the models in the node cache."""
-    from meridian.cli import weights_cmd
+    from cli import weights_cmd
 
     console.print(weights_cmd.cache_table(_settings(WeightSettings, cache_dir=cache_dir)))
 
@@ -258,7 +258,7 @@ def plan(
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Preview a placement of every deployment as a diff against the one in force (operator)."""
-    from meridian.cli.plan_view import plan_diff_table, plan_summary
+    from cli.plan_view import plan_diff_table, plan_summary
 
     try:
         with _admin(control_plane, api_key) as admin:
@@ -333,7 +333,7 @@ def chaos_run(
     """Run drills against a local fabric or a deployment; exit code 1 when one fails or cannot run."""
     from chaos.deployment import DeploymentError, load_deployment
     from chaos.drill import DRILLS_DIR, DrillError, load_drills
-    from meridian.cli import chaos_cmd
+    from cli import chaos_cmd
 
     try:
         chosen = chaos_cmd.pick(load_drills(directory or DRILLS_DIR), drills)
@@ -362,7 +362,7 @@ def catalog_gpus(
     ] = None,
 ) -> None:
     """Show GPU SKUs with the cheapest $/GPU-hour per provider, or one SKU's offerings."""
-    from meridian.cli.catalog_view import gpus_table, sku_offerings_table
+    from cli.catalog_view import gpus_table, sku_offerings_table
     from providers.catalog import PROVIDERS, load_catalog
     from providers.onprem.inventory import InventoryError
     from providers.regions import region_catalog
@@ -399,7 +399,7 @@ def demo(
         help="torch (starts in seconds) or vllm (vLLM's CPU build where there is no GPU: `make vllm`)")] = "torch",
 ) -> None:
     """Start a three-region local fabric on embedded defaults; Ctrl-C stops it."""
-    from meridian.cli.demo import run_demo
+    from cli.demo import run_demo
 
     if engine not in ("torch", "vllm"):
         err_console.print(f"[red]--engine must be torch or vllm, not {engine!r}[/red]")

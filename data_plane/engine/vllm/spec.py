@@ -1,6 +1,6 @@
 """DeploymentSpec: how a deployment's model is served by vLLM on a GPU node (pydantic v2).
 
-The control plane writes it, a node reads it (`MERIDIAN_NODE_DEPLOYMENT_SPEC_FILE`, JSON
+An operator (or a deployment template) writes it, a vLLM node reads it (`MERIDIAN_NODE_DEPLOYMENT_SPEC_FILE`, JSON
 or YAML) and the vLLM adapter turns it into a `vllm serve` command line. Names refer to
 the weight store (`model`, LoRA `source`, draft `model`); the node resolves them to
 local directories through its weight cache, so nothing here is a local path.

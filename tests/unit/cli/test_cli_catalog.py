@@ -2,7 +2,7 @@ import re
 
 from typer.testing import CliRunner
 
-from meridian.cli.main import app
+from cli.main import app
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "220"}

@@ -4,10 +4,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from meridian.cli.main import app
-from meridian.cli.status_view import status_table
+from cli.main import app
+from cli.status_view import status_table
 from meridian.contracts import NodeLoad, NodeStatus, NodeView
-from meridian.localfabric import free_port
+from meridian.ports import free_port
 from providers.regions import region_catalog
 
 runner = CliRunner()

@@ -1,3 +1,0 @@
-from meridian.cli.main import main
-
-main()
