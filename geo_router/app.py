@@ -63,7 +63,7 @@ from .policies import AffinityPolicy, RoutingPolicy, create_policy
 from .prefix import PrefixKeyBuilder
 from .prefix_history import InProcessPrefixHistory, PrefixHistory, RedisPrefixHistory
 from .probe import NodeProber
-from .proxy import StreamTally, UpstreamForwarder, when_stream_ends
+from .proxy import UpstreamForwarder, when_stream_ends
 from .ratelimit import (
     Admission,
     RateLimiter,
@@ -90,6 +90,7 @@ from .selection import (
     models_for,
     select_candidates,
 )
+from .sse import StreamTally
 from .table import LoadedTable, RoutingTableClient, TableSource
 
 log = logging.getLogger(__name__)

@@ -4,40 +4,25 @@ Once anything has been sent to the client the choice of replica is final: a stre
 answer whose upstream breaks ends with one `data: {"error": ...}` SSE event instead.
 For streams, the first complete SSE event is read from the node before the client gets
 its status line, so a node that accepts the request and dies during prefill is still
-failed over. Events are forwarded whole, so a break never leaves half an event behind.
+failed over. Events are forwarded whole (geo_router.sse), so a break never leaves half an
+event behind. Nodes are reached with geo_router.upstream's pooled HTTP/1.1 client.
 
 `x-meridian-overhead-ms` is the time spent in the router itself between having received
 the request body and sending the request to the node that served it, minus the time
 spent waiting on replicas that failed: what this router adds, not what failover costs
 (failovers show in `meridian_router_failovers` and the latency histogram).
-
-Nodes are reached by `UpstreamPool`, a keep-alive HTTP/1.1 client made for this one job
-(a POST with a small body, an answer passed on as it arrives) on asyncio protocols and
-httptools, the parser uvicorn uses. CPU per request of the client alone on one pooled
-connection (uvloop, 2-vCPU box): httpx ≈ 1000 µs, aiohttp ≈ 220 µs, this one ≈ 45 µs; of
-the whole router under load (bench/router.py set-up): httpx 2600 µs and 270 req/s at most
-(httpcore's pool scans every connection for every request, httpx issue #3215), aiohttp
-670 µs and 1260 req/s, this one 440 µs and 1740 req/s. It never reads proxy settings from
-the environment, never follows redirects and keeps no cookies: node traffic is
-cluster-internal, and one client serves every tenant.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
-import ssl
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import anyio
-import httptools
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -46,7 +31,6 @@ from meridian.contracts import (
     HEADER_OVERHEAD_MS,
     HEADER_REGION,
     HEADER_REQUEST_ID,
-    openai_error,
 )
 from meridian.request_journal import RequestJournal
 from meridian.settings import RouterSettings
@@ -57,6 +41,15 @@ from .metrics import RouterMetrics
 from .outlier import RetryBudget
 from .request import InferenceRequest
 from .selection import Candidate
+from .sse import SSEFramer, StreamTally, error_event
+from .upstream import (
+    FailureReason,
+    Origin,
+    UpstreamConnection,
+    UpstreamError,
+    UpstreamPool,
+    make_upstream_client,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,308 +58,12 @@ Rewrite = Callable[[str, bytes], bytes]
 # Upstream headers worth keeping; hop-by-hop and length/encoding headers are the router's.
 _PASSTHROUGH_HEADERS = {b"content-type": "content-type", b"retry-after": "retry-after",
                         b"cache-control": "cache-control"}
-# An idle pooled connection older than this is closed rather than reused.
-_KEEPALIVE_S = 30.0
-# A streamed answer buffered beyond this stops being read from the node until the client
-# catches up (TCP then slows the node down): backpressure, and bounded memory per stream.
-_HIGH_WATER = 256 * 1024
-# Bodies up to this size are joined to the head and written with one syscall.
-_JOIN_BODY_BELOW = 64 * 1024
-
-
-# --- the upstream HTTP/1.1 client ------------------------------------------------------
-
-
-class UpstreamError(Exception):
-    """Talking to a node failed; `reason` is "connect", "closed" (before any answer),
-    "timeout" or "protocol"."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Where a node listens, parsed once per URL."""
-
-    scheme: str
-    host: str
-    port: int
-    authority: str  # the Host header
-    base_path: str  # a path prefix in the node's URL ("" for none)
-
-    @classmethod
-    def parse(cls, url: str) -> Origin:
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        return cls(parts.scheme, parts.hostname, port, parts.netloc.rpartition("@")[2],
-                   parts.path.rstrip("/"))
-
-
-class UpstreamConnection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection to a node, carrying one exchange at a time."""
-
-    def __init__(self, origin: Origin) -> None:
-        self.origin = origin
-        self.idle_since = 0.0
-        self.closed = False
-        self._transport: asyncio.Transport | None = None
-        self._parser = httptools.HttpResponseParser(self)
-        self._busy = False
-        self._status = 0
-        self._headers: list[tuple[bytes, bytes]] = []
-        self._head: asyncio.Future[None] | None = None
-        self._body: deque[bytes] = deque()
-        self._buffered = 0
-        self._body_waiter: asyncio.Future[None] | None = None
-        self._complete = False
-        self._until_close = False
-        self._error: UpstreamError | None = None
-        self._paused = False
-        self.got_bytes = False
-
-    # asyncio.Protocol
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)
-
-    def data_received(self, data: bytes) -> None:
-        if not self._busy or self._complete:
-            self.close()  # bytes nobody asked for: the connection cannot be trusted
-            return
-        self.got_bytes = True
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(UpstreamError("protocol", f"invalid HTTP from the node: {exc}"))
-            self.close()
-
-    def eof_received(self) -> None:
-        # The node closed its side: not reusable from now on, not one loop turn later when
-        # connection_lost runs (returning None lets the transport close itself).
-        self.closed = True
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if not self._busy or self._complete:
-            return
-        if exc is None and self._until_close and self._head is not None and self._head.done():
-            self._finish()  # a body delimited by the end of the connection
-            return
-        detail = f"connection closed by the node ({exc})" if exc else "connection closed by the node"
-        # Before the status line the node is gone (crashed, killed), not misbehaving.
-        reason = "protocol" if self._head is not None and self._head.done() else "closed"
-        self._fail(UpstreamError(reason, detail))
-
-    # httptools callbacks
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers.append((name.lower(), value))
-
-    def on_headers_complete(self) -> None:
-        status = self._parser.get_status_code()
-        if status < 200:  # 1xx: an interim answer; the real one follows
-            self._headers = []
-            return
-        self._status = status
-        lengths = [v for k, v in self._headers if k in (b"content-length", b"transfer-encoding")]
-        self._until_close = not lengths and status not in (204, 304)
-        if self._head is not None and not self._head.done():
-            self._head.set_result(None)
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-        self._buffered += len(body)
-        if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
-            self._paused = True
-            self._transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        if self._status == 0:
-            return  # the end of a 1xx
-        if not self._parser.should_keep_alive():
-            self.closed = True  # pooled no more; closed once the body has been taken
-        self._finish()
-
-    # one exchange
-
-    def _finish(self) -> None:
-        self._complete = True
-        self._wake()
-
-    def _fail(self, error: UpstreamError) -> None:
-        if self._error is None:
-            self._error = error
-        if self._head is not None and not self._head.done():
-            self._head.set_exception(error)
-            self._head.exception()  # seen: whoever awaits it still gets it, nobody else logs it
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter, self._body_waiter = self._body_waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def send(self, head: bytes, body: bytes) -> None:
-        """Start an exchange: write the request; `status()` waits for the answer."""
-        assert self._transport is not None and not self._busy
-        self._busy = True
-        self._status = 0
-        self._headers = []
-        self._complete = self._until_close = self.got_bytes = False
-        self._error = None
-        self._body.clear()
-        self._buffered = 0
-        self._head = asyncio.get_running_loop().create_future()
-        if len(body) < _JOIN_BODY_BELOW:
-            self._transport.write(head + body)
-        else:
-            self._transport.writelines((head, body))
-
-    async def status(self) -> tuple[int, list[tuple[bytes, bytes]]]:
-        """The answer's status and headers (names lower-cased)."""
-        assert self._head is not None
-        if not self._head.done():
-            await self._head
-        self._head.result()
-        return self._status, self._headers
-
-    async def read_chunk(self) -> bytes:
-        """The body bytes received so far (waiting for some); b"" at its end."""
-        while not self._body:
-            if self._error is not None:
-                raise self._error
-            if self._complete:
-                return b""
-            self._body_waiter = asyncio.get_running_loop().create_future()
-            await self._body_waiter
-        chunk = self._body.popleft() if len(self._body) == 1 else b"".join(self._body)
-        self._body.clear()
-        self._buffered = 0
-        if self._paused and self._transport is not None:
-            self._paused = False
-            self._transport.resume_reading()
-        return chunk
-
-    async def read_all(self) -> bytes:
-        """The whole body."""
-        parts = []
-        while chunk := await self.read_chunk():
-            parts.append(chunk)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def reusable(self) -> bool:
-        """The exchange ended cleanly and the node keeps the connection open."""
-        return self._complete and self._error is None and not self.closed and not self._body
-
-    def end_exchange(self) -> None:
-        self._busy = False
-
-    def close(self) -> None:
-        self.closed = True
-        if self._transport is not None:
-            self._transport.close()
-
-
-class UpstreamPool:
-    """Keep-alive connections to every node, reused most-recent-first.
-
-    The number of connections is bounded by the caller (UpstreamForwarder's slots), so
-    the pool itself only keeps idle ones, per origin, and drops those gone stale.
-    """
-
-    def __init__(self, connect_timeout_s: float, keepalive_s: float = _KEEPALIVE_S) -> None:
-        self._connect_timeout_s = connect_timeout_s
-        self._keepalive_s = keepalive_s
-        self._idle: dict[Origin, list[UpstreamConnection]] = {}
-        self._origins: dict[str, Origin] = {}
-        self._ssl: ssl.SSLContext | None = None
-
-    def origin(self, url: str) -> Origin:
-        """The parsed origin of a node URL (cached: node URLs are few)."""
-        origin = self._origins.get(url)
-        if origin is None:
-            if len(self._origins) > 10_000:
-                self._origins.clear()
-            origin = self._origins[url] = Origin.parse(url)
-        return origin
-
-    async def acquire(self, origin: Origin) -> tuple[UpstreamConnection, bool]:
-        """A connection to `origin` and whether it is a reused one."""
-        idle = self._idle.get(origin)
-        if idle:
-            now = time.monotonic()
-            while idle:
-                conn = idle.pop()
-                if not conn.closed and now - conn.idle_since < self._keepalive_s:
-                    return conn, True
-                conn.close()
-        return await self.connect(origin), False
-
-    async def connect(self, origin: Origin) -> UpstreamConnection:
-        """A new connection to `origin` (UpstreamError "connect" when there is none)."""
-        loop = asyncio.get_running_loop()
-        conn = UpstreamConnection(origin)
-        tls: ssl.SSLContext | None = None
-        if origin.scheme == "https":
-            if self._ssl is None:
-                self._ssl = ssl.create_default_context()
-            tls = self._ssl
-        try:
-            async with asyncio.timeout(self._connect_timeout_s):
-                await loop.create_connection(
-                    lambda: conn, origin.host, origin.port, ssl=tls,
-                    server_hostname=origin.host if tls else None,
-                )
-        except TimeoutError:
-            raise UpstreamError("connect", f"connect timeout after {self._connect_timeout_s:g}s") from None
-        except OSError as exc:  # refused, unreachable, DNS, TLS
-            raise UpstreamError("connect", f"{type(exc).__name__}: {exc}") from None
-        # asyncio and uvloop both set TCP_NODELAY on TCP transports: small writes go at once.
-        return conn
-
-    def release(self, conn: UpstreamConnection) -> None:
-        """Give a connection back after an exchange: pooled if reusable, else closed."""
-        conn.end_exchange()
-        if not conn.reusable():
-            conn.close()
-            return
-        now = time.monotonic()
-        conn.idle_since = now
-        idle = self._idle.setdefault(conn.origin, [])
-        # The oldest sit at the bottom: drop the stale ones as the stack is touched.
-        while idle and (idle[0].closed or now - idle[0].idle_since >= self._keepalive_s):
-            idle.pop(0).close()
-        idle.append(conn)
-
-    async def aclose(self) -> None:
-        """Close every idle connection (those in use are closed by their exchanges)."""
-        for idle in self._idle.values():
-            for conn in idle:
-                conn.close()
-        self._idle.clear()
-
-
-def make_upstream_client(settings: RouterSettings) -> UpstreamPool:
-    """The one pooled client the router uses to reach every node."""
-    return UpstreamPool(settings.connect_timeout_s)
-
-
-# --- forwarding -----------------------------------------------------------------------
-
-
-# Failure reasons that mean the node never took the request or vanished before answering.
-_NODE_GONE = frozenset({"connect", "closed"})
 
 
 class _NodeFailed(Exception):
     """The attempt failed because of the node; the next candidate may be tried."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: FailureReason, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
 
@@ -379,72 +76,6 @@ class _Waiter:
     abandoned: bool = False
 
 
-class _SSEFramer:
-    """Releases only complete SSE events, holding back a trailing partial one."""
-
-    def __init__(self, is_sse: bool) -> None:
-        self._is_sse = is_sse
-        self._buf = b""
-        # Applied to each run of whole events released (the answer's rewrite, if any).
-        self.rewrite: Callable[[bytes], bytes] | None = None
-
-    def feed(self, chunk: bytes) -> bytes:
-        out = self._feed(chunk)
-        return self.rewrite(out) if out and self.rewrite is not None else out
-
-    def _feed(self, chunk: bytes) -> bytes:
-        if not self._is_sse:
-            return chunk
-        # Only the new bytes (and a separator straddling the old tail) can end an event.
-        search_from = max(0, len(self._buf) - 3)
-        self._buf += chunk
-        end = 0
-        for sep in (b"\n\n", b"\r\n\r\n"):
-            at = self._buf.rfind(sep, search_from)
-            if at >= 0:
-                end = max(end, at + len(sep))
-        if end == 0:
-            return b""
-        out, self._buf = self._buf[:end], self._buf[end:]
-        return out
-
-    def flush(self) -> bytes:
-        out, self._buf = self._buf, b""
-        return self.rewrite(out) if out and self.rewrite is not None else out
-
-
-@dataclass
-class StreamTally:
-    """What a passed-through SSE stream carried: its JSON data events, and the token counts
-    its events reported: an OpenAI usage chunk, the responses API's `response.usage`, or
-    Anthropic's `message.usage` then `usage` deltas (merged, later counts winning)."""
-
-    events: int = 0
-    usage: dict[str, Any] | None = None
-
-    def feed(self, events: bytes) -> None:
-        """Count complete events; parse only those that carry token counts."""
-        self.events += events.count(b"data: {")
-        if b'"total_tokens"' not in events and b'"output_tokens"' not in events:
-            return
-        # Anthropic's events carry an `event:` line before their data line.
-        for line in events.split(b"\n"):
-            if not line.startswith(b"data: {") or b"_tokens" not in line:
-                continue
-            with contextlib.suppress(ValueError):
-                usage = _usage_of(json.loads(line[6:]))
-                if usage is not None:
-                    self.usage = {**(self.usage or {}), **usage}
-
-
-def _usage_of(event: Any) -> dict[str, Any] | None:
-    if not isinstance(event, dict):
-        return None
-    for holder in (event, event.get("response"), event.get("message")):
-        if isinstance(holder, dict) and isinstance(usage := holder.get("usage"), dict):
-            return usage
-    return None
-
 
 def when_stream_ends(response: Response, callback: Callable[[StreamTally], None]) -> bool:
     """Call `callback` with the stream's tally once a streamed answer is over (however it
@@ -455,10 +86,6 @@ def when_stream_ends(response: Response, callback: Callable[[StreamTally], None]
     return True
 
 
-def _error_event(message: str, code: str) -> bytes:
-    body = openai_error(message, type_="server_error", code=code)
-    return b"data: " + json.dumps(body).encode("utf-8") + b"\n\n"
-
 
 class _UpstreamStream:
     """A committed streamed answer: its node's connection, and how to pass it on and close it."""
@@ -468,7 +95,7 @@ class _UpstreamStream:
         forwarder: UpstreamForwarder,
         candidate: Candidate,
         conn: UpstreamConnection,
-        framer: _SSEFramer,
+        framer: SSEFramer,
         first: bytes,
         ended: bool,
         deadline: float,
@@ -499,11 +126,11 @@ class _UpstreamStream:
                 async with asyncio.timeout_at(min(self._deadline, loop.time() + read_timeout_s)):
                     chunk = await self._conn.read_chunk()
             except (UpstreamError, TimeoutError) as exc:
-                reason = exc.reason if isinstance(exc, UpstreamError) else "timeout"
+                reason = exc.reason if isinstance(exc, UpstreamError) else FailureReason.TIMEOUT
                 node = self._candidate.node.node_id
                 log.warning("node %s broke a stream (%s: %s)", node, reason, exc)
-                self._fw.note_failure(self._candidate, "midstream")
-                yield _error_event(
+                self._fw.note_failure(self._candidate, FailureReason.MIDSTREAM)
+                yield error_event(
                     f"The model server stopped responding in the middle of the answer ({reason}).",
                     "upstream_disconnected",
                 )
@@ -620,11 +247,11 @@ class UpstreamForwarder:
         await self._client.aclose()
         self._journal.close()
 
-    def note_failure(self, candidate: Candidate, reason: str) -> None:
+    def note_failure(self, candidate: Candidate, reason: FailureReason) -> None:
         node = candidate.node.node_id
         # Nothing listening ejects at once; a 5xx, timeout or broken stream only after
         # several in a row (health.py), since one may be the request's own doing.
-        kind = FailureKind.UNREACHABLE if reason == "connect" else FailureKind.ERROR
+        kind = FailureKind.UNREACHABLE if reason is FailureReason.CONNECT else FailureKind.ERROR
         ejected_s = self._fleet.record_failure(node, kind)
         self._metrics.upstream_failures.labels(candidate.region.name, node, reason).inc()
         if ejected_s > 0:
@@ -738,11 +365,11 @@ class UpstreamForwarder:
                 log.warning("request %s: node %s failed (%s); trying the next replica",
                             request_id, node, exc)
                 self.note_failure(candidate, exc.reason)
-                previous_gone = exc.reason in _NODE_GONE
+                previous_gone = exc.reason.node_gone
                 continue
             except TimeoutError:
                 self._fleet.end(node)
-                self.note_failure(candidate, "timeout")
+                self.note_failure(candidate, FailureReason.TIMEOUT)
                 raise UpstreamTimeout(s.request_timeout_s) from None
             except BaseException:
                 self._fleet.end(node)
@@ -784,7 +411,7 @@ class UpstreamForwarder:
                 return conn
             except TimeoutError:  # the read timeout (the deadline's expiry arrives as a cancel)
                 self._client.release(conn)
-                raise UpstreamError("timeout", f"no answer within {self.read_timeout_s:g}s") from None
+                raise UpstreamError(FailureReason.TIMEOUT, f"no answer within {self.read_timeout_s:g}s") from None
             except UpstreamError:
                 self._client.release(conn)
                 # A pooled connection the node closed as the request went out (its keep-alive
@@ -814,7 +441,7 @@ class UpstreamForwarder:
         try:
             origin = self._client.origin(candidate.node.url)
         except ValueError as exc:
-            raise _NodeFailed("protocol", str(exc)) from None
+            raise _NodeFailed(FailureReason.PROTOCOL, str(exc)) from None
         head = (
             f"{method} {origin.base_path}{route} HTTP/1.1\r\n"
             f"host: {origin.authority}\r\n"
@@ -842,7 +469,7 @@ class UpstreamForwarder:
                 if self._on_first_byte is not None:
                     self._on_first_byte(candidate.node.node_id, time.perf_counter() - sent_at)
                 if status >= 500:
-                    raise _NodeFailed("5xx", f"HTTP {status}")
+                    raise _NodeFailed(FailureReason.SERVER_ERROR, f"HTTP {status}")
                 headers = _passthrough(upstream_headers)
                 if not request.stream or status >= 300:
                     body = await conn.read_all()
@@ -852,14 +479,14 @@ class UpstreamForwarder:
                     self._fleet.record_success(candidate.node.node_id)
                     headers.update(reply_headers)
                     return Response(body, status_code=status, headers=headers)
-                framer = _SSEFramer(headers.get("content-type", "").startswith("text/event-stream"))
+                framer = SSEFramer(headers.get("content-type", "").startswith("text/event-stream"))
                 first, ended = b"", False
                 while not first:
                     try:
                         async with asyncio.timeout(self.read_timeout_s):
                             chunk = await conn.read_chunk()
                     except TimeoutError:  # the read timeout (the deadline's expiry arrives as a cancel)
-                        raise UpstreamError("timeout", f"no event within {self.read_timeout_s:g}s") from None
+                        raise UpstreamError(FailureReason.TIMEOUT, f"no event within {self.read_timeout_s:g}s") from None
                     if not chunk:
                         first, ended = framer.flush(), True
                         break
@@ -893,3 +520,4 @@ class UpstreamForwarder:
         headers["x-accel-buffering"] = "no"  # proxies in front must not buffer the stream
         headers.update(reply_headers)
         return _UpstreamStreamingResponse(stream, status, headers)
+

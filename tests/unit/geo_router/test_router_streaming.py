@@ -9,7 +9,7 @@ import openai
 import pytest
 from router_harness import EU_KEY, GLOBAL_KEY, MODEL, Fabric, eventually
 
-from geo_router.proxy import Origin, UpstreamConnection
+from geo_router.upstream import Origin, UpstreamConnection
 from meridian.contracts import HEADER_NODE, HEADER_REGION, HEADER_REQUEST_ID
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}

@@ -1,0 +1,90 @@
+"""Server-sent events as the router passes them on: whole events only, and what they carried.
+
+A node's stream is forwarded one run of complete events at a time (`SSEFramer`), so a
+stream that breaks never leaves half an event at the client, which then gets one
+`data: {"error": ...}` event (`error_event`). `StreamTally` counts the events and keeps the
+token usage they reported, for rate-limit settlement and metrics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from meridian.contracts import openai_error
+
+
+class SSEFramer:
+    """Releases only complete SSE events, holding back a trailing partial one."""
+
+    def __init__(self, is_sse: bool) -> None:
+        self._is_sse = is_sse
+        self._buf = b""
+        # Applied to each run of whole events released (the answer's rewrite, if any).
+        self.rewrite: Callable[[bytes], bytes] | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        out = self._feed(chunk)
+        return self.rewrite(out) if out and self.rewrite is not None else out
+
+    def _feed(self, chunk: bytes) -> bytes:
+        if not self._is_sse:
+            return chunk
+        # Only the new bytes (and a separator straddling the old tail) can end an event.
+        search_from = max(0, len(self._buf) - 3)
+        self._buf += chunk
+        end = 0
+        for sep in (b"\n\n", b"\r\n\r\n"):
+            at = self._buf.rfind(sep, search_from)
+            if at >= 0:
+                end = max(end, at + len(sep))
+        if end == 0:
+            return b""
+        out, self._buf = self._buf[:end], self._buf[end:]
+        return out
+
+    def flush(self) -> bytes:
+        out, self._buf = self._buf, b""
+        return self.rewrite(out) if out and self.rewrite is not None else out
+
+
+@dataclass
+class StreamTally:
+    """What a passed-through SSE stream carried: its JSON data events, and the token counts
+    its events reported: an OpenAI usage chunk, the responses API's `response.usage`, or
+    Anthropic's `message.usage` then `usage` deltas (merged, later counts winning)."""
+
+    events: int = 0
+    usage: dict[str, Any] | None = None
+
+    def feed(self, events: bytes) -> None:
+        """Count complete events; parse only those that carry token counts."""
+        self.events += events.count(b"data: {")
+        if b'"total_tokens"' not in events and b'"output_tokens"' not in events:
+            return
+        # Anthropic's events carry an `event:` line before their data line.
+        for line in events.split(b"\n"):
+            if not line.startswith(b"data: {") or b"_tokens" not in line:
+                continue
+            with contextlib.suppress(ValueError):
+                usage = _usage_of(json.loads(line[6:]))
+                if usage is not None:
+                    self.usage = {**(self.usage or {}), **usage}
+
+
+def _usage_of(event: Any) -> dict[str, Any] | None:
+    if not isinstance(event, dict):
+        return None
+    for holder in (event, event.get("response"), event.get("message")):
+        if isinstance(holder, dict) and isinstance(usage := holder.get("usage"), dict):
+            return usage
+    return None
+
+
+def error_event(message: str, code: str) -> bytes:
+    body = openai_error(message, type_="server_error", code=code)
+    return b"data: " + json.dumps(body).encode("utf-8") + b"\n\n"
+
