@@ -64,14 +64,7 @@ from .prefix import PrefixKeyBuilder
 from .prefix_history import InProcessPrefixHistory, PrefixHistory, RedisPrefixHistory
 from .probe import NodeProber
 from .proxy import UpstreamForwarder, when_stream_ends
-from .ratelimit import (
-    Admission,
-    RateLimiter,
-    create_rate_limiter,
-    estimate_prompt_tokens,
-    estimate_tokens,
-    usage_tokens,
-)
+from .ratelimit import Admission, RateLimiter, create_rate_limiter
 from .redis_fleet import RedisFleetState
 from .request import (
     MAX_MODEL_NAME_CHARS,
@@ -92,6 +85,7 @@ from .selection import (
 )
 from .sse import StreamTally
 from .table import LoadedTable, RoutingTableClient, TableSource
+from .tokens import estimate_prompt_tokens, estimate_tokens, usage_tokens
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,8 @@ from geo_router.ratelimit import (
     InProcessRateLimiter,
     RedisRateLimiter,
     create_rate_limiter,
-    estimate_tokens,
-    usage_tokens,
 )
+from geo_router.tokens import estimate_tokens, usage_tokens
 from meridian.contracts import TenantEntry
 
 
