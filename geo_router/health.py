@@ -30,12 +30,12 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.settings import RouterSettings
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class NodeRecord:
 
     consecutive_failures: int = 0  # since the last answer or ejection
     ejections: int = 0  # since the last answer: the backoff level
-    ejected_until: float = 0.0  # time.monotonic()
+    ejected_until: float = 0.0  # the clock's monotonic()
 
 
 class EjectionRules:
@@ -214,18 +214,33 @@ class EjectionRules:
 
 
 @dataclass(slots=True)
-class _NodeHealth(NodeRecord):
+class NodeHealth(NodeRecord):
+    """A node's record as this router keeps it: its history, its in-flight requests and
+    (RedisFleetState) whether Redis holds its ejection as we do."""
+
     in_flight: int = 0
+    shared: bool = False
+
+    def clean(self) -> bool:
+        """Nothing worth remembering: the record may be dropped."""
+        return self.in_flight == 0 and self.consecutive_failures == 0 and self.ejections == 0
+
+    def reset(self) -> None:
+        """Forget the failure history (the in-flight count is kept)."""
+        self.consecutive_failures = self.ejections = 0
+        self.ejected_until = 0.0
+        self.shared = False
 
 
 class InProcessFleetState:
-    """FleetState held in this process's memory: right for one router."""
+    """FleetState held in this process's memory: right for one router, and the local view
+    a RedisFleetState shares."""
 
     def __init__(
         self,
         ejection_base_s: float,
         ejection_max_s: float,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
         *,
         consecutive_failures_to_eject: int = 5,
         max_ejected_percent: float = 50.0,
@@ -237,13 +252,14 @@ class InProcessFleetState:
             max_ejected_percent=max_ejected_percent,
         )
         self._clock = clock
-        self._nodes: dict[str, _NodeHealth] = {}
+        self._nodes: dict[str, NodeHealth] = {}
 
     @classmethod
-    def from_settings(cls, settings: RouterSettings) -> InProcessFleetState:
+    def from_settings(cls, settings: RouterSettings, clock: Clock = SYSTEM_CLOCK) -> InProcessFleetState:
         return cls(
             settings.ejection_base_s,
             settings.ejection_max_s,
+            clock,
             consecutive_failures_to_eject=settings.consecutive_failures_to_eject,
             max_ejected_percent=settings.max_ejected_percent,
         )
@@ -255,32 +271,29 @@ class InProcessFleetState:
         h = self._nodes.get(node_id)
         if h is None:
             return 0.0
-        return max(0.0, h.ejected_until - self._clock())
+        return max(0.0, h.ejected_until - self._clock.monotonic())
 
     def record_success(self, node_id: str) -> None:
         h = self._nodes.get(node_id)
         if h is None:
             return
-        h.consecutive_failures = 0
-        h.ejections = 0
-        h.ejected_until = 0.0
+        h.reset()
         self._forget_if_clean(node_id, h)
 
     def record_failure(self, node_id: str, kind: FailureKind = FailureKind.UNREACHABLE) -> float:
-        h = self._nodes.setdefault(node_id, _NodeHealth())
-        return self._rules.fail(node_id, h, kind, self._clock(), self._nodes.items())
+        h = self._nodes.setdefault(node_id, NodeHealth())
+        return self._rules.fail(node_id, h, kind, self._clock.monotonic(), self._nodes.items())
 
     def uneject(self, node_id: str) -> bool:
         h = self._nodes.get(node_id)
-        return h is not None and self._rules.uneject(h, self._clock())
+        return h is not None and self._rules.uneject(h, self._clock.monotonic())
 
     def set_known_nodes(self, node_ids: Iterable[str] | Mapping[str, Iterable[str]]) -> None:
         self._rules.set_known(node_ids)
         for node_id, h in list(self._nodes.items()):
             # A node that left the table keeps only its in-flight count, until that ends.
-            if node_id not in self._rules.known:
-                h.consecutive_failures = h.ejections = 0
-                h.ejected_until = 0.0
+            if node_id not in self._rules.known and not self._keep_record(node_id):
+                h.reset()
                 self._forget_if_clean(node_id, h)
 
     def add_ejection_listener(self, listener: EjectionListener) -> None:
@@ -291,7 +304,7 @@ class InProcessFleetState:
         return h.in_flight if h else 0
 
     def begin(self, node_id: str) -> None:
-        self._nodes.setdefault(node_id, _NodeHealth()).in_flight += 1
+        self._nodes.setdefault(node_id, NodeHealth()).in_flight += 1
 
     def end(self, node_id: str) -> None:
         h = self._nodes.get(node_id)
@@ -300,7 +313,11 @@ class InProcessFleetState:
         h.in_flight = max(0, h.in_flight - 1)
         self._forget_if_clean(node_id, h)
 
-    def _forget_if_clean(self, node_id: str, h: _NodeHealth) -> None:
+    def _keep_record(self, node_id: str) -> bool:
+        """Whether a node that left the table keeps its history (a change still to publish)."""
+        return False
+
+    def _forget_if_clean(self, node_id: str, h: NodeHealth) -> None:
         # Nodes come and go; keep entries only for nodes with something to remember.
-        if h.in_flight == 0 and h.consecutive_failures == 0 and h.ejections == 0:
+        if h.clean():
             del self._nodes[node_id]

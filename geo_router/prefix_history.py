@@ -28,15 +28,15 @@ from __future__ import annotations
 import logging
 import math
 import struct
-import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.settings import RouterSettings
 
-from .redis_sync import RedisSyncLoop, connect_redis
+from .redis_sync import RedisMirror
 
 log = logging.getLogger(__name__)
 
@@ -74,19 +74,19 @@ class InProcessPrefixHistory:
         max_keys: int,
         *,
         max_nodes_per_key: int = _MAX_NODES_PER_KEY,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._ttl_s = ttl_s
         self._max_keys = max_keys
         self._max_nodes = max_nodes_per_key
         self._clock = clock
-        # key -> node -> (believed held until, per clock; the node's epoch when recorded)
+        # key -> node -> (believed held until, per clock.monotonic(); the node's epoch when recorded)
         self._entries: OrderedDict[int, dict[str, tuple[float, int]]] = OrderedDict()
         self._epochs: dict[str, int] = {}
 
     @classmethod
     def from_settings(
-        cls, settings: RouterSettings, *, clock: Callable[[], float] = time.monotonic
+        cls, settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK
     ) -> InProcessPrefixHistory:
         return cls(settings.prefix_history_ttl_s, settings.prefix_history_max_keys, clock=clock)
 
@@ -104,7 +104,7 @@ class InProcessPrefixHistory:
     def record_fresh(self, node_id: str, keys: Sequence[int]) -> list[int]:
         """record(), returning the keys worth telling other routers: new for the node, or
         recorded more than half a TTL ago."""
-        now = self._clock()
+        now = self._clock.monotonic()
         until = now + self._ttl_s
         epoch = self._epochs.get(node_id, 0)
         refresh_before = now + self._ttl_s / 2
@@ -121,7 +121,7 @@ class InProcessPrefixHistory:
 
     def merge(self, node_id: str, keys: Sequence[int], until: float) -> None:
         """Another router's record: `node_id` holds these keys until `until` (per clock)."""
-        now = self._clock()
+        now = self._clock.monotonic()
         if until <= now:
             return
         epoch = self._epochs.get(node_id, 0)
@@ -137,7 +137,7 @@ class InProcessPrefixHistory:
         """How many leading keys each node is believed to hold (0 for none)."""
         counts = dict.fromkeys(node_ids, 0)
         alive = list(counts)
-        now = self._clock()
+        now = self._clock.monotonic()
         for i, key in enumerate(keys):
             nodes = self._entries.get(key)
             if nodes is None:
@@ -193,7 +193,7 @@ class InProcessPrefixHistory:
             entries.popitem(last=False)
 
 
-class RedisPrefixHistory:
+class RedisPrefixHistory(RedisMirror):
     """PrefixHistory shared by every router on the same Redis (see the module docstring)."""
 
     def __init__(
@@ -206,34 +206,35 @@ class RedisPrefixHistory:
         sync_interval_s: float = 0.5,
         timeout_s: float = 1.0,
         key_prefix: str = "meridian:router:",
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        # What the others recorded is of no use to a router that stops: the final flush is
+        # the base's, a push.
+        super().__init__(
+            redis_url,
+            timeout_s=timeout_s,
+            sync_interval_s=sync_interval_s,
+            task_name="prefix-history-sync",
+            while_down="routing history stays local to this router",
+            once_back="routing history is shared with the other routers",
+            log=log,
+            clock=clock,
+        )
         self._local = InProcessPrefixHistory(ttl_s, max_keys, clock=clock)
         self._ttl_ms = max(1, math.ceil(ttl_s * 1000))
         self._max_pending = max_keys
         self._maxlen = stream_maxlen
-        self._clock = clock
         self._stream = f"{key_prefix}prefix-history"
         self._router_id = uuid.uuid4().hex.encode()
-        self._redis = connect_redis(redis_url, timeout_s)
         # What Redis has not seen yet, in order: (node, keys) records and (node, None) forgets.
         self._outbox: deque[tuple[str, list[int] | None]] = deque()
         self._pending_keys = 0
         self._last_id: bytes | None = None  # the last stream entry merged (or skipped)
         self._server_ms = 0  # Redis's clock at the last read, for trimming by age
-        self._sync_loop = RedisSyncLoop(
-            self._sync,
-            interval_s=sync_interval_s,
-            task_name="prefix-history-sync",
-            while_down="routing history stays local to this router",
-            once_back="routing history is shared with the other routers",
-            log=log,
-            final_flush=self._push,  # what the others recorded is of no use to a router that stops
-        )
 
     @classmethod
     def from_settings(
-        cls, settings: RouterSettings, *, clock: Callable[[], float] = time.monotonic
+        cls, settings: RouterSettings, *, clock: Clock = SYSTEM_CLOCK
     ) -> RedisPrefixHistory:
         if not settings.redis_url:
             raise ValueError("RedisPrefixHistory needs settings.redis_url")
@@ -266,28 +267,6 @@ class RedisPrefixHistory:
         return len(self._local)
 
     # --- background sync -------------------------------------------------------------------
-
-    @property
-    def redis_reachable(self) -> bool:
-        """False since the last sync failed, until one succeeds."""
-        return self._sync_loop.reachable
-
-    async def start(self) -> None:
-        """Learn the other routers' recent history (when Redis answers), then keep in sync."""
-        await self._sync_loop.start()
-
-    async def stop(self) -> None:
-        """Stop syncing; hands over records not yet published (best effort)."""
-        await self._sync_loop.stop()
-        await self._redis.aclose()
-
-    async def sync_once(self) -> bool:
-        """Publish local records, merge the other routers'; False if Redis failed."""
-        return await self._sync_loop.sync_once()
-
-    async def _sync(self) -> None:
-        await self._push()
-        await self._pull()
 
     def _enqueue(self, node_id: str, keys: list[int] | None) -> None:
         self._outbox.append((node_id, keys))
@@ -361,7 +340,7 @@ class RedisPrefixHistory:
                 return
 
     def _merge(self, page: Sequence[tuple[bytes, dict[bytes, bytes]]], now_ms: int) -> None:
-        local_now = self._clock()
+        local_now = self._clock.monotonic()
         for entry_id, fields in page:
             self._last_id = entry_id
             entry_ms = int(entry_id.split(b"-", 1)[0])

@@ -20,23 +20,36 @@ import logging
 import math
 import os
 import socket
-import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import TenantEntry
 from meridian.settings import RouterSettings
 
-from .errors import RateLimited
-from .redis_sync import RedisSyncLoop, connect_redis
+from .ratelimit_buckets import (
+    EPSILON,
+    NO_HEADERS,
+    Limit,
+    LocalTenant,
+    Share,
+    SharedTenant,
+    bucket_for,
+    give_back,
+    learn,
+    learned_share,
+    local_headers,
+    refused,
+    script_args,
+    shared_headers,
+    take_sent,
+    too_large,
+)
+from .redis_sync import RedisMirror
 
 log = logging.getLogger(__name__)
-
-Clock = Callable[[], float]
-Limit = Literal["requests", "tokens"]
 
 DEFAULT_BURST_S = 60.0
 # A tenant's local state idle this long is dropped (a new bucket starts full, so nothing is
@@ -46,9 +59,6 @@ _SWEEP_EVERY_S = 60.0
 # A router's first syncs of a tenant divide its level by the whole fleet, not only by the
 # routers known to want it (see RedisRateLimiter).
 _COLD_SYNCS = 2
-_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
-# Refill is float arithmetic: a client retrying exactly when told must not miss by a rounding.
-_EPSILON = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,89 +85,29 @@ class RateLimiter(Protocol):
     async def stop(self) -> None: ...
 
 
-def create_rate_limiter(settings: RouterSettings) -> InProcessRateLimiter | RedisRateLimiter:
+def create_rate_limiter(
+    settings: RouterSettings, clock: Clock = SYSTEM_CLOCK
+) -> InProcessRateLimiter | RedisRateLimiter:
     """Shared through Redis when `settings.redis_url` is set, else this process's own."""
     if settings.redis_url:
-        return RedisRateLimiter.from_settings(settings)
-    return InProcessRateLimiter.from_settings(settings)
-
-
-# --- one token bucket ---------------------------------------------------------------------
-
-
-def _capacity(per_minute: int, burst_s: float) -> float:
-    # At least one request's worth, or a tiny limit with a short burst would admit nothing.
-    return max(1.0, per_minute * burst_s / 60.0)
-
-
-@dataclass(slots=True)
-class _Bucket:
-    """A token bucket; `level` may be negative: debt from answers larger than estimated."""
-
-    per_minute: int
-    capacity: float
-    level: float
-    updated_at: float
-
-    @classmethod
-    def full(cls, per_minute: int, burst_s: float, now: float) -> _Bucket:
-        capacity = _capacity(per_minute, burst_s)
-        return cls(per_minute, capacity, capacity, now)
-
-    def refill(self, now: float, per_minute: int, burst_s: float) -> None:
-        if per_minute != self.per_minute:  # the control plane changed the limit
-            self.per_minute = per_minute
-            self.capacity = _capacity(per_minute, burst_s)
-        elapsed = now - self.updated_at
-        if elapsed > 0:
-            self.updated_at = now
-            self.level += elapsed * per_minute / 60.0
-        if self.level > self.capacity:
-            self.level = self.capacity
-
-    def take(self, amount: float) -> None:
-        self.level = max(-self.capacity, min(self.capacity, self.level - amount))
-
-    def wait_s(self, need: float) -> float:
-        return max(0.0, (need - self.level) * 60.0 / self.per_minute)
-
-    def full_in_s(self) -> float:
-        return max(0.0, (self.capacity - self.level) * 60.0 / self.per_minute)
-
-
-@dataclass(slots=True)
-class _LocalTenant:
-    requests: _Bucket | None
-    tokens: _Bucket | None
-    used_at: float
-
-
-def _bucket_for(
-    bucket: _Bucket | None, per_minute: int | None, burst_s: float, now: float
-) -> _Bucket | None:
-    """`bucket` refilled to `now` under the tenant's current limit (None: no limit)."""
-    if per_minute is None:
-        return None
-    if bucket is None:
-        return _Bucket.full(per_minute, burst_s, now)
-    bucket.refill(now, per_minute, burst_s)
-    return bucket
+        return RedisRateLimiter.from_settings(settings, clock)
+    return InProcessRateLimiter.from_settings(settings, clock)
 
 
 class InProcessRateLimiter:
     """Token buckets in this process: one router's limits (each router's, without Redis)."""
 
-    def __init__(self, *, burst_s: float = DEFAULT_BURST_S, clock: Clock = time.monotonic) -> None:
+    def __init__(self, *, burst_s: float = DEFAULT_BURST_S, clock: Clock = SYSTEM_CLOCK) -> None:
         self._burst_s = burst_s
         self._clock = clock
-        self._tenants: dict[str, _LocalTenant] = {}
-        self._swept_at = clock()
+        self._tenants: dict[str, LocalTenant] = {}
+        self._swept_at = clock.monotonic()
         # By then even a bucket in full debt has refilled.
         self._forget_s = max(_FORGET_S, 2 * burst_s)
 
     @classmethod
-    def from_settings(cls, settings: RouterSettings) -> InProcessRateLimiter:
-        return cls(burst_s=settings.rate_limit_burst_s)
+    def from_settings(cls, settings: RouterSettings, clock: Clock = SYSTEM_CLOCK) -> InProcessRateLimiter:
+        return cls(burst_s=settings.rate_limit_burst_s, clock=clock)
 
     async def start(self) -> None:
         return None
@@ -168,30 +118,30 @@ class InProcessRateLimiter:
     def admit(self, tenant: TenantEntry, tokens: int) -> Admission:
         """Charge one request and `tokens`, or raise RateLimited (nothing charged)."""
         if tenant.requests_per_minute is None and tenant.tokens_per_minute is None:
-            return Admission(tenant, tokens, _NO_HEADERS)
-        now = self._clock()
+            return Admission(tenant, tokens, NO_HEADERS)
+        now = self._clock.monotonic()
         state = self._state(tenant, now)
         req, tok = state.requests, state.tokens
         if tok is not None and tokens > tok.capacity:
-            raise _too_large(tenant, tokens, tok.capacity, _local_headers(state))
+            raise too_large(tenant, tokens, tok.capacity, local_headers(state))
         short: list[tuple[Limit, float]] = []
-        if req is not None and req.level < 1 - _EPSILON:
+        if req is not None and req.level < 1 - EPSILON:
             short.append(("requests", req.wait_s(1)))
-        if tok is not None and tok.level < tokens - _EPSILON:
+        if tok is not None and tok.level < tokens - EPSILON:
             short.append(("tokens", tok.wait_s(tokens)))
         if short:
-            raise _refused(tenant, tokens, short, _local_headers(state))
+            raise refused(tenant, tokens, short, local_headers(state))
         if req is not None:
             req.take(1)
         if tok is not None:
             tok.take(tokens)
-        return Admission(tenant, tokens, _local_headers(state))
+        return Admission(tenant, tokens, local_headers(state))
 
     def charge(self, tenant: TenantEntry, tokens: int) -> None:
         """Take one request and `tokens` without asking (what another limiter admitted)."""
         if tenant.requests_per_minute is None and tenant.tokens_per_minute is None:
             return
-        state = self._state(tenant, self._clock())
+        state = self._state(tenant, self._clock.monotonic())
         if state.requests is not None:
             state.requests.take(1)
         if state.tokens is not None:
@@ -201,18 +151,18 @@ class InProcessRateLimiter:
         """Charge `actual - estimated` more tokens (a refund when negative)."""
         if tenant.tokens_per_minute is None or actual == estimated:
             return
-        state = self._state(tenant, self._clock())
+        state = self._state(tenant, self._clock.monotonic())
         if state.tokens is not None:
             state.tokens.take(actual - estimated)
 
-    def _state(self, tenant: TenantEntry, now: float) -> _LocalTenant:
+    def _state(self, tenant: TenantEntry, now: float) -> LocalTenant:
         if now - self._swept_at >= _SWEEP_EVERY_S:
             self._sweep(now)
         state = self._tenants.get(tenant.tenant)
         if state is None:
-            state = self._tenants[tenant.tenant] = _LocalTenant(None, None, now)
-        state.requests = _bucket_for(state.requests, tenant.requests_per_minute, self._burst_s, now)
-        state.tokens = _bucket_for(state.tokens, tenant.tokens_per_minute, self._burst_s, now)
+            state = self._tenants[tenant.tenant] = LocalTenant(None, None, now)
+        state.requests = bucket_for(state.requests, tenant.requests_per_minute, self._burst_s, now)
+        state.tokens = bucket_for(state.tokens, tenant.tokens_per_minute, self._burst_s, now)
         state.used_at = now
         return state
 
@@ -222,73 +172,6 @@ class InProcessRateLimiter:
         self._swept_at = now
         for name in [n for n, s in self._tenants.items() if now - s.used_at >= self._forget_s]:
             del self._tenants[name]
-
-
-def _local_headers(state: _LocalTenant) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for kind, bucket in (("requests", state.requests), ("tokens", state.tokens)):
-        if bucket is not None:
-            _add_headers(headers, kind, bucket.per_minute, bucket.level, bucket.full_in_s())
-    return headers
-
-
-# --- answers: headers and errors ------------------------------------------------------------
-
-
-_HEADER_NAMES = {
-    kind: (f"x-ratelimit-limit-{kind}", f"x-ratelimit-remaining-{kind}", f"x-ratelimit-reset-{kind}")
-    for kind in ("requests", "tokens")
-}
-
-
-def _add_headers(headers: dict[str, str], kind: str, limit: int, remaining: float, reset_s: float) -> None:
-    limit_name, remaining_name, reset_name = _HEADER_NAMES[kind]
-    headers[limit_name] = str(limit)
-    headers[remaining_name] = str(int(remaining)) if remaining > 0 else "0"
-    headers[reset_name] = _duration(reset_s)
-
-
-def _duration(seconds: float) -> str:
-    """OpenAI's x-ratelimit-reset-* form: "250ms", "12s", "6m0s"."""
-    if seconds < 1:
-        return f"{math.ceil(seconds * 1000)}ms" if seconds > 0 else "0ms"
-    minutes, secs = divmod(math.ceil(seconds), 60)
-    return f"{minutes}m{secs}s" if minutes else f"{secs}s"
-
-
-def _refused(
-    tenant: TenantEntry, tokens: int, short: list[tuple[Limit, float]], headers: dict[str, str]
-) -> RateLimited:
-    # Retrying before the longest wait is over would be refused again.
-    kind, wait_s = max(short, key=lambda s: s[1])
-    retry_after_s = max(1, math.ceil(wait_s))
-    headers["retry-after"] = str(retry_after_s)
-    headers["retry-after-ms"] = str(max(1, math.ceil(wait_s * 1000)))
-    if kind == "requests":
-        what = f"requests per min (RPM): Limit {tenant.requests_per_minute}, Requested 1"
-    else:
-        what = f"tokens per min (TPM): Limit {tenant.tokens_per_minute}, Requested {tokens}"
-    return RateLimited(
-        f"Rate limit reached for tenant `{tenant.tenant}` on {what}. "
-        f"Please try again in {retry_after_s}s.",
-        limit=kind,
-        retry_after_s=retry_after_s,
-        headers=headers,
-    )
-
-
-def _too_large(tenant: TenantEntry, tokens: int, capacity: float, headers: dict[str, str]) -> RateLimited:
-    # OpenAI's SDKs honour x-should-retry: waiting would not help this request.
-    headers["x-should-retry"] = "false"
-    return RateLimited(
-        f"Request too large for tenant `{tenant.tenant}` on tokens per min (TPM): "
-        f"Limit {tenant.tokens_per_minute}, Requested {tokens} (prompt characters / 4 plus the "
-        f"completion budget). At most {math.floor(capacity)} tokens can ever be admitted at once, "
-        "so this request never will be: lower max_tokens or shorten the prompt.",
-        limit="tokens",
-        retry_after_s=None,
-        headers=headers,
-    )
 
 
 # --- a fleet of routers sharing the limits through Redis -------------------------------------
@@ -358,73 +241,7 @@ return {redis.call('ZCARD', KEYS[1]), redis.call('ZRANGE', KEYS[2], 0, -1)}
 """
 
 
-@dataclass(slots=True)
-class _Share:
-    """This router's view of one fleet-wide bucket of a tenant."""
-
-    per_minute: int
-    capacity: float
-    level: float  # the fleet's level when last synced (our published use included)
-    unpublished: float  # used here since that sync's snapshot; negative for refunds
-
-    @classmethod
-    def provisional(cls, per_minute: int, burst_s: float) -> _Share:
-        capacity = _capacity(per_minute, burst_s)
-        return cls(per_minute, capacity, capacity, 0.0)
-
-    def update(self, per_minute: int, burst_s: float) -> None:
-        if per_minute != self.per_minute:
-            self.per_minute = per_minute
-            self.capacity = _capacity(per_minute, burst_s)
-            self.level = min(self.level, self.capacity)
-
-    def fleet_left(self, since_sync_s: float) -> float:
-        """What the fleet had left at the last sync, refilled since, less our use since."""
-        return min(self.capacity, self.level + since_sync_s * self.per_minute / 60.0) - self.unpublished
-
-    def mine(self, since_sync_s: float, routers: int) -> float:
-        """What this router may still use before the next sync: its share of the fleet's."""
-        own = min(self.capacity, self.level + since_sync_s * self.per_minute / 60.0) / routers
-        return own - self.unpublished
-
-    def admits(self, need: float, since_sync_s: float, routers: int) -> bool:
-        mine = self.mine(since_sync_s, routers)
-        if mine >= need - _EPSILON:
-            return True
-        # A request larger than any share can be would never fit one: it may take from the
-        # fleet's whole level, once per sync (the router is then in debt until it syncs).
-        return (need > self.capacity / routers and mine >= 0
-                and self.fleet_left(since_sync_s) >= need - _EPSILON)
-
-    def wait_s(self, need: float, since_sync_s: float, routers: int) -> float:
-        # The share refills at 1/routers of the rate.
-        return max(0.0, (need - self.mine(since_sync_s, routers)) * routers * 60.0 / self.per_minute)
-
-
-@dataclass(slots=True)
-class _SharedTenant:
-    requests: _Share | None
-    tokens: _Share | None
-    routers: int  # routers its level is divided among until the next sync (>= 1)
-    synced_at: float  # when the levels were learned (the limiter's clock)
-    used_at: float  # last admission or settle here; -inf when only learned from the fleet
-    demand: bool = False  # asked here since the last sync
-    warm_syncs: int = 0  # consecutive syncs with demand here
-
-    def unpublished(self) -> bool:
-        return any(s is not None and s.unpublished != 0 for s in (self.requests, self.tokens))
-
-
-@dataclass(slots=True)
-class _Sent:
-    tenant: str
-    state: _SharedTenant
-    requests: float
-    tokens: float
-    demand: bool
-
-
-class RedisRateLimiter:
+class RedisRateLimiter(RedisMirror):
     """RateLimiter whose limits hold for every router on the same Redis together.
 
     Redis is never on the request path. Redis keeps each tenant's fleet-wide buckets (hash
@@ -474,10 +291,20 @@ class RedisRateLimiter:
         sync_interval_s: float = 0.5,
         timeout_s: float = 1.0,
         key_prefix: str = "meridian:router:",
-        clock: Clock = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
+        super().__init__(
+            redis_url,
+            timeout_s=timeout_s,
+            sync_interval_s=sync_interval_s,
+            task_name="rate-limit-sync",
+            while_down="each router enforces tenant rate limits on its own",
+            once_back="tenant rate limits are shared with the other routers",
+            log=log,
+            decode_responses=True,
+            clock=clock,
+        )
         self._burst_s = burst_s
-        self._clock = clock
         self._prefix = f"{key_prefix}rl:"
         self._routers_key = f"{key_prefix}rl-routers"
         self._tenants_key = f"{key_prefix}rl-tenants"
@@ -487,26 +314,16 @@ class RedisRateLimiter:
         # A bucket unused this long has refilled from any debt: it is the same as none.
         self._window_s = 2 * burst_s + 10
         self._window_ms = math.ceil(self._window_s * 1000)
-        self._redis = connect_redis(redis_url, timeout_s, decode_responses=True)
         self._buckets_script = self._redis.register_script(_BUCKETS_LUA)
         self._fleet_script = self._redis.register_script(_FLEET_LUA)
         self._local = InProcessRateLimiter(burst_s=burst_s, clock=clock)
-        self._tenants: dict[str, _SharedTenant] = {}
+        self._tenants: dict[str, SharedTenant] = {}
         self._fleet_size = 1
         # Local limits until the first sync succeeds.
         self._shared = False
-        self._sync_loop = RedisSyncLoop(
-            self._sync_or_fall_back,
-            interval_s=sync_interval_s,
-            task_name="rate-limit-sync",
-            while_down="each router enforces tenant rate limits on its own",
-            once_back="tenant rate limits are shared with the other routers",
-            log=log,
-            final_flush=self._flush,
-        )
 
     @classmethod
-    def from_settings(cls, settings: RouterSettings) -> RedisRateLimiter:
+    def from_settings(cls, settings: RouterSettings, clock: Clock = SYSTEM_CLOCK) -> RedisRateLimiter:
         if not settings.redis_url:
             raise ValueError("RedisRateLimiter needs settings.redis_url")
         return cls(
@@ -515,6 +332,7 @@ class RedisRateLimiter:
             sync_interval_s=settings.fleet_sync_interval_s,
             timeout_s=settings.redis_timeout_s,
             key_prefix=settings.fleet_key_prefix,
+            clock=clock,
         )
 
     @property
@@ -532,30 +350,30 @@ class RedisRateLimiter:
     def admit(self, tenant: TenantEntry, tokens: int) -> Admission:
         """Charge one request and `tokens` against this router's share, or raise RateLimited."""
         if tenant.requests_per_minute is None and tenant.tokens_per_minute is None:
-            return Admission(tenant, tokens, _NO_HEADERS)
+            return Admission(tenant, tokens, NO_HEADERS)
         if not self._shared:
             return self._local.admit(tenant, tokens)
-        now = self._clock()
+        now = self._clock.monotonic()
         state = self._state(tenant, now)
         state.demand = True
         since_s = max(0.0, now - state.synced_at)
         req, tok = state.requests, state.tokens
         if tok is not None and tokens > tok.capacity:
-            raise _too_large(tenant, tokens, tok.capacity, _shared_headers(state, since_s))
+            raise too_large(tenant, tokens, tok.capacity, shared_headers(state, since_s))
         short: list[tuple[Limit, float]] = []
         if req is not None and not req.admits(1, since_s, state.routers):
             short.append(("requests", req.wait_s(1, since_s, state.routers)))
         if tok is not None and not tok.admits(tokens, since_s, state.routers):
             short.append(("tokens", tok.wait_s(tokens, since_s, state.routers)))
         if short:
-            raise _refused(tenant, tokens, short, _shared_headers(state, since_s))
+            raise refused(tenant, tokens, short, shared_headers(state, since_s))
         if req is not None:
             req.unpublished += 1
         if tok is not None:
             tok.unpublished += tokens
         # Keeps the fallback's buckets as used as the fleet's: losing Redis is no fresh burst.
         self._local.charge(tenant, tokens)
-        return Admission(tenant, tokens, _shared_headers(state, since_s))
+        return Admission(tenant, tokens, shared_headers(state, since_s))
 
     def settle(self, tenant: TenantEntry, estimated: int, actual: int) -> None:
         """Charge `actual - estimated` more tokens (a refund when negative)."""
@@ -563,14 +381,14 @@ class RedisRateLimiter:
             return
         self._local.settle(tenant, estimated, actual)
         if self._shared:
-            state = self._state(tenant, self._clock())
+            state = self._state(tenant, self._clock.monotonic())
             if state.tokens is not None:
                 state.tokens.unpublished += actual - estimated
 
-    def _state(self, tenant: TenantEntry, now: float) -> _SharedTenant:
+    def _state(self, tenant: TenantEntry, now: float) -> SharedTenant:
         state = self._tenants.get(tenant.tenant)
         if state is None:
-            state = _SharedTenant(None, None, self._fleet_size, now, now)
+            state = SharedTenant(None, None, self._fleet_size, now, now)
             self._tenants[tenant.tenant] = state
             self._sync_loop.wake()  # learn the real level now, not in up to one interval
         state.requests = self._share(state.requests, tenant.requests_per_minute)
@@ -578,33 +396,21 @@ class RedisRateLimiter:
         state.used_at = now
         return state
 
-    def _share(self, share: _Share | None, per_minute: int | None) -> _Share | None:
+    def _share(self, share: Share | None, per_minute: int | None) -> Share | None:
         if per_minute is None:
             return None
         if share is None:
-            return _Share.provisional(per_minute, self._burst_s)
+            return Share.provisional(per_minute, self._burst_s)
         share.update(per_minute, self._burst_s)
         return share
 
     # --- background sync -------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Sync once (when Redis answers), then keep syncing in the background."""
-        await self._sync_loop.start()
-
-    async def stop(self) -> None:
-        """Stop syncing; publishes what this router used since the last sync (best effort)."""
-        await self._sync_loop.stop()
-        await self._redis.aclose()
-
-    async def sync_once(self) -> bool:
-        """Publish this router's use, learn the fleet's; False (local limits) if Redis failed."""
-        return await self._sync_loop.sync_once()
-
-    async def _sync_or_fall_back(self) -> None:
-        """_sync, switching to the local limits when it fails and back when it succeeds."""
+    async def _sync(self) -> None:
+        """One exchange with Redis, switching to the local limits when it fails and back
+        when it succeeds."""
         try:
-            await self._sync()
+            await self._exchange()
         except Exception:
             if self._shared:
                 self._shared = False
@@ -620,9 +426,10 @@ class RedisRateLimiter:
             # Out of the live routers now, not a demand horizon later.
             await self._redis.zrem(self._routers_key, self._router_id)
 
-    async def _sync(self) -> None:
+    async def _exchange(self) -> None:
+        """Publish this router's use and learn the fleet's (all tenants in one pipeline)."""
         # Taken now, before the await: use during the call is published by the next sync.
-        batch = [_take(name, state) for name, state in self._tenants.items()]
+        batch = [take_sent(name, state) for name, state in self._tenants.items()]
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
                 await self._fleet_script(keys=[self._routers_key, self._tenants_key],
@@ -635,15 +442,15 @@ class RedisRateLimiter:
                 replies = await pipe.execute()
         except BaseException:
             for sent in batch:
-                _give_back(sent)
+                give_back(sent)
             raise
         fleet_size, fleet_tenants = replies[0]
         self._fleet_size = max(1, int(fleet_size))
-        synced_at = self._clock()
+        synced_at = self._clock.monotonic()
         for sent, reply in zip(batch, replies[1:], strict=True):
             state = sent.state
             state.warm_syncs = state.warm_syncs + 1 if sent.demand else 0
-            _learn(state, reply, synced_at, self._routers(reply, state.warm_syncs, sent.demand))
+            learn(state, reply, synced_at, self._routers(reply, state.warm_syncs, sent.demand))
         await self._learn_fleet_tenants(fleet_tenants)
         self._forget(set(fleet_tenants), synced_at)
 
@@ -656,14 +463,14 @@ class RedisRateLimiter:
             for name in new:
                 await self._call_buckets(pipe, name, "peek", (None, 0.0), (None, 0.0))
             replies = await pipe.execute()
-        synced_at = self._clock()
+        synced_at = self._clock.monotonic()
         for name, reply in zip(new, replies, strict=True):
             if name in self._tenants:
                 continue  # a request created it meanwhile; its own sync comes next
             requests_level, tokens_level, _, requests_limit, tokens_limit = reply
-            state = _SharedTenant(
-                _learned_share(requests_limit, requests_level, self._burst_s),
-                _learned_share(tokens_limit, tokens_level, self._burst_s),
+            state = SharedTenant(
+                learned_share(requests_limit, requests_level, self._burst_s),
+                learned_share(tokens_limit, tokens_level, self._burst_s),
                 self._routers(reply, 0, False),
                 synced_at,
                 -math.inf,
@@ -694,67 +501,14 @@ class RedisRateLimiter:
         pipe: Any,
         tenant: str,
         mode: str,
-        requests: tuple[_Share | None, float],
-        tokens: tuple[_Share | None, float],
+        requests: tuple[Share | None, float],
+        tokens: tuple[Share | None, float],
     ) -> None:
         await self._buckets_script(
             keys=[f"{self._prefix}{tenant}:b", f"{self._prefix}{tenant}:r", self._tenants_key],
             args=[self._router_id, mode, self._horizon_ms, self._window_ms, tenant,
-                  *_script_args(*requests), *_script_args(*tokens)],
+                  *script_args(*requests), *script_args(*tokens)],
             client=pipe,
         )
 
 
-def _take(name: str, state: _SharedTenant) -> _Sent:
-    sent = _Sent(name, state, _take_unpublished(state.requests), _take_unpublished(state.tokens),
-                 state.demand)
-    state.demand = False
-    return sent
-
-
-def _take_unpublished(share: _Share | None) -> float:
-    if share is None:
-        return 0.0
-    used, share.unpublished = share.unpublished, 0.0
-    return used
-
-
-def _give_back(sent: _Sent) -> None:
-    if sent.state.requests is not None:
-        sent.state.requests.unpublished += sent.requests
-    if sent.state.tokens is not None:
-        sent.state.tokens.unpublished += sent.tokens
-    sent.state.demand |= sent.demand
-
-
-def _script_args(share: _Share | None, used: float) -> tuple[float, float, float]:
-    if share is None:
-        return (0, 0, 0)
-    return (share.per_minute, share.capacity, used)
-
-
-def _learn(state: _SharedTenant, reply: list[Any], synced_at: float, routers: int) -> None:
-    for share, level in ((state.requests, reply[0]), (state.tokens, reply[1])):
-        # An empty level: the limit did not exist when the sync started (it was added since).
-        if share is not None and level != "":
-            share.level = min(share.capacity, float(level))
-    state.routers = routers
-    state.synced_at = synced_at
-
-
-def _learned_share(per_minute: str, level: str, burst_s: float) -> _Share | None:
-    if per_minute == "" or level == "":
-        return None
-    share = _Share.provisional(round(float(per_minute)), burst_s)
-    share.level = min(share.capacity, float(level))
-    return share
-
-
-def _shared_headers(state: _SharedTenant, since_s: float) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for kind, share in (("requests", state.requests), ("tokens", state.tokens)):
-        if share is not None:
-            left = share.fleet_left(since_s)
-            reset_s = max(0.0, (share.capacity - left) * 60.0 / share.per_minute)
-            _add_headers(headers, kind, share.per_minute, left, reset_s)
-    return headers

@@ -21,14 +21,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.settings import RouterSettings
 
-from .health import EjectionListener, EjectionRules, FailureKind, NodeRecord
-from .redis_sync import RedisSyncLoop, connect_redis
+from .health import FailureKind, InProcessFleetState, NodeHealth
+from .redis_sync import RedisMirror
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +38,13 @@ _INDEX_GRACE_S = 60.0
 _EXPIRY_SLACK_S = 0.1
 
 
-@dataclass(slots=True)
-class _Health(NodeRecord):
-    # consecutive_failures stay this router's own; ejections (the backoff level) are shared.
-    shared: bool = False  # Redis holds this ejection as we do
+class RedisFleetState(InProcessFleetState, RedisMirror):
+    """FleetState whose ejections are shared by every router on the same Redis.
 
-
-class RedisFleetState:
-    """FleetState whose ejections are shared by every router on the same Redis."""
+    The local view is InProcessFleetState's (the same rules, records and in-flight counts);
+    this class adds what it publishes and merges. A record's `shared` says Redis holds its
+    ejection as we do; consecutive failures stay this router's own, the backoff level is shared.
+    """
 
     def __init__(
         self,
@@ -60,32 +57,35 @@ class RedisFleetState:
         key_prefix: str = "meridian:router:",
         consecutive_failures_to_eject: int = 5,
         max_ejected_percent: float = 50.0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        self._rules = EjectionRules(
-            ejection_base_s=ejection_base_s,
-            ejection_max_s=ejection_max_s,
+        InProcessFleetState.__init__(
+            self,
+            ejection_base_s,
+            ejection_max_s,
+            clock,
             consecutive_failures_to_eject=consecutive_failures_to_eject,
             max_ejected_percent=max_ejected_percent,
         )
-        self._key_prefix = f"{key_prefix}ejected:"
-        self._index = f"{key_prefix}ejected"
-        self._redis = connect_redis(redis_url, timeout_s, decode_responses=True)
-        self._health: dict[str, _Health] = {}
-        self._in_flight: dict[str, int] = {}
-        self._dirty: set[str] = set()  # nodes whose change Redis has not seen yet
-        self._cleared: set[str] = set()  # of those, nodes whose ejection ended early here
-        self._sync_loop = RedisSyncLoop(
-            self._sync,
-            interval_s=sync_interval_s,
+        RedisMirror.__init__(
+            self,
+            redis_url,
+            timeout_s=timeout_s,
+            sync_interval_s=sync_interval_s,
             task_name="fleet-health-sync",
             while_down="node health stays local to this router",
             once_back="node health is shared with the other routers",
             log=log,
-            final_flush=self._flush,
+            decode_responses=True,
+            clock=clock,
         )
+        self._key_prefix = f"{key_prefix}ejected:"
+        self._index = f"{key_prefix}ejected"
+        self._dirty: set[str] = set()  # nodes whose change Redis has not seen yet
+        self._cleared: set[str] = set()  # of those, nodes whose ejection ended early here
 
     @classmethod
-    def from_settings(cls, settings: RouterSettings) -> RedisFleetState:
+    def from_settings(cls, settings: RouterSettings, clock: Clock = SYSTEM_CLOCK) -> RedisFleetState:
         if not settings.redis_url:
             raise ValueError("RedisFleetState needs settings.redis_url")
         return cls(
@@ -97,90 +97,42 @@ class RedisFleetState:
             key_prefix=settings.fleet_key_prefix,
             consecutive_failures_to_eject=settings.consecutive_failures_to_eject,
             max_ejected_percent=settings.max_ejected_percent,
+            clock=clock,
         )
 
     # --- FleetState: local and synchronous, never touches Redis ------------------------------
 
-    def is_ejected(self, node_id: str) -> bool:
-        return self.ejected_for_s(node_id) > 0
-
-    def ejected_for_s(self, node_id: str) -> float:
-        h = self._health.get(node_id)
-        if h is None:
-            return 0.0
-        return max(0.0, h.ejected_until - time.monotonic())
-
     def record_success(self, node_id: str) -> None:
         # Called on every answered request: only a node with a record costs anything, and
         # only one that was ejected has anything in Redis to forgive.
-        h = self._health.pop(node_id, None)
-        if h is not None and h.ejections > 0:
+        h = self._nodes.get(node_id)
+        was_ejected = h is not None and h.ejections > 0
+        super().record_success(node_id)
+        if was_ejected:
             self._publish(node_id)
 
     def record_failure(self, node_id: str, kind: FailureKind = FailureKind.UNREACHABLE) -> float:
-        h = self._health.setdefault(node_id, _Health())
-        duration = self._rules.fail(node_id, h, kind, time.monotonic(), self._health.items())
+        duration = super().record_failure(node_id, kind)
         if duration > 0:
-            h.shared = False
+            self._nodes[node_id].shared = False
             self._cleared.discard(node_id)
             self._publish(node_id)
         return duration
 
     def uneject(self, node_id: str) -> bool:
-        h = self._health.get(node_id)
-        if h is None or not self._rules.uneject(h, time.monotonic()):
+        if not super().uneject(node_id):
             return False
-        h.shared = False
+        self._nodes[node_id].shared = False
         self._cleared.add(node_id)
         self._publish(node_id)
         return True
 
-    def set_known_nodes(self, node_ids: Iterable[str] | Mapping[str, Iterable[str]]) -> None:
-        self._rules.set_known(node_ids)
-        for node_id in list(self._health):
-            # A node that left the table: its ejection in Redis simply expires.
-            if node_id not in self._rules.known and node_id not in self._dirty:
-                del self._health[node_id]
-
-    def add_ejection_listener(self, listener: EjectionListener) -> None:
-        self._rules.add_listener(listener)
-
-    def in_flight(self, node_id: str) -> int:
-        return self._in_flight.get(node_id, 0)
-
-    def begin(self, node_id: str) -> None:
-        self._in_flight[node_id] = self._in_flight.get(node_id, 0) + 1
-
-    def end(self, node_id: str) -> None:
-        n = self._in_flight.get(node_id, 0) - 1
-        if n > 0:
-            self._in_flight[node_id] = n
-        else:
-            self._in_flight.pop(node_id, None)
+    def _keep_record(self, node_id: str) -> bool:
+        # A node that left the table: its ejection in Redis simply expires, unless a change
+        # of ours is still to be told.
+        return node_id in self._dirty
 
     # --- background sync -------------------------------------------------------------------
-
-    @property
-    def redis_reachable(self) -> bool:
-        """False since the last sync failed, until one succeeds."""
-        return self._sync_loop.reachable
-
-    async def start(self) -> None:
-        """Learn the fleet's current ejections (when Redis answers), then keep in sync."""
-        await self._sync_loop.start()
-
-    async def stop(self) -> None:
-        """Stop syncing; hands over ejections not yet published (best effort)."""
-        await self._sync_loop.stop()
-        await self._redis.aclose()
-
-    async def sync_once(self) -> bool:
-        """Publish local changes, merge the other routers' ejections; False if Redis failed."""
-        return await self._sync_loop.sync_once()
-
-    async def _sync(self) -> None:
-        await self._push()
-        await self._pull()
 
     async def _flush(self) -> None:
         if self._dirty:
@@ -197,12 +149,13 @@ class RedisFleetState:
         batch, self._dirty = self._dirty, set()
         cleared, self._cleared = self._cleared & batch, self._cleared - batch
         published: list[str] = []
-        now, wall_now = time.monotonic(), time.time()
+        now, wall_now = self._clock.monotonic(), self._clock.time()
         try:
             async with self._redis.pipeline(transaction=True) as pipe:
                 for node_id in batch:
-                    h = self._health.get(node_id)
-                    if h is None or node_id in cleared:
+                    h = self._nodes.get(node_id)
+                    # No backoff level left: the node answered here, Redis must forget it.
+                    if h is None or h.ejections == 0 or node_id in cleared:
                         pipe.delete(self._key(node_id))
                         pipe.zrem(self._index, node_id)
                         continue
@@ -221,12 +174,12 @@ class RedisFleetState:
             self._cleared |= {n for n in cleared if self.ejected_for_s(n) == 0}
             raise
         for node_id in published:
-            h = self._health.get(node_id)
+            h = self._nodes.get(node_id)
             if h is not None and node_id not in self._dirty:
                 h.shared = True
 
     async def _pull(self) -> None:
-        horizon = time.time() - _INDEX_GRACE_S
+        horizon = self._clock.time() - _INDEX_GRACE_S
         async with self._redis.pipeline(transaction=False) as pipe:
             pipe.zremrangebyscore(self._index, "-inf", horizon)
             pipe.zrange(self._index, 0, -1)
@@ -246,18 +199,19 @@ class RedisFleetState:
         self._merge(remote)
 
     def _merge(self, remote: dict[str, tuple[int, float]]) -> None:
-        now = time.monotonic()
-        for node_id, h in list(self._health.items()):
+        now = self._clock.monotonic()
+        for node_id, h in list(self._nodes.items()):
             if node_id in remote or node_id in self._dirty or not h.shared:
                 continue
             if h.ejected_until - now > _EXPIRY_SLACK_S:
-                del self._health[node_id]  # another router saw it answer
+                h.reset()  # another router saw it answer
+                self._forget_if_clean(node_id, h)
             else:
                 h.shared = False  # expired: keep the count, so the next ejection is longer
         for node_id, (ejections, remaining_s) in remote.items():
             if node_id in self._dirty:
                 continue  # our newer news goes out with the next push
-            h = self._health.setdefault(node_id, _Health())
+            h = self._nodes.setdefault(node_id, NodeHealth())
             h.ejections = max(h.ejections, ejections)
             h.ejected_until = now + remaining_s
             h.shared = True

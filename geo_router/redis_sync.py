@@ -1,9 +1,14 @@
 """The background sync of router state shared through Redis, kept off the request path.
 
-`connect_redis` makes the client every such owner uses; `RedisSyncLoop` runs its owner's `sync` (push local changes, pull the other routers') every
-interval and at once after `wake()`, backs off while Redis is unreachable, warns about that
-once per _WARN_EVERY_S and says when Redis is back. The owner keeps serving from its local
-state meanwhile.
+`connect_redis` makes the client every such owner uses; `RedisSyncLoop` runs its owner's
+`sync` (push local changes, pull the other routers') every interval and at once after
+`wake()`, backs off while Redis is unreachable, warns about that once per _WARN_EVERY_S and
+says when Redis is back. The owner keeps serving from its local state meanwhile.
+
+`RedisMirror` is the base of every such owner (fleet health, prefix history, rate limits):
+one way to build the client and the loop, and one start / stop / sync_once / reachability,
+so that the three differ only in what they push and pull. Time is the owner's `Clock`, so
+a test moves intervals and backoffs with a ManualClock instead of waiting them out.
 """
 
 from __future__ import annotations
@@ -12,13 +17,14 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+
+from meridian.clock import SYSTEM_CLOCK, Clock
 
 # One warning per this many seconds while Redis stays unreachable.
 _WARN_EVERY_S = 30.0
@@ -51,6 +57,7 @@ class RedisSyncLoop:
         once_back: str,
         log: logging.Logger,
         final_flush: Callable[[], Awaitable[None]] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         """`while_down` ends the warning ("... until it is back"), `once_back` the info that
         Redis is reachable again; `log` is the owner's, so its records keep their logger."""
@@ -61,6 +68,7 @@ class RedisSyncLoop:
         self._once_back = once_back
         self._log = log
         self._final_flush = final_flush
+        self._clock = clock
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -117,23 +125,100 @@ class RedisSyncLoop:
         while not self._stopping:
             if self._down:
                 # Wakes come with every local change: heeding them would defeat the backoff.
-                await asyncio.sleep(delay)
+                await self._clock.sleep(delay)
             else:
-                # Not wait_for: on 3.11 it swallows a cancel that comes as the event fires.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(delay):
-                        await self._wake.wait()
+                await self._wake_or_sleep(delay)
             self._wake.clear()
             if self._stopping:
                 return
             ok = await self.sync_once()
             delay = self._interval_s if ok else min(max(delay * 2, self._interval_s), _MAX_RETRY_S)
 
+    async def _wake_or_sleep(self, delay: float) -> None:
+        """Until `wake()` or `delay` of the clock's time, whichever comes first."""
+        if self._wake.is_set():
+            return  # a change came in meanwhile: no wait, and no timer to start
+        # Not wait_for: on 3.11 it swallows a cancel that comes as the event fires. A cancel
+        # of this task propagates out of asyncio.wait, and the finally ends both waits.
+        sleeper = asyncio.ensure_future(self._clock.sleep(delay))
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait((sleeper, woken), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            sleeper.cancel()
+            woken.cancel()
+
     def _note_unreachable(self, exc: Exception) -> None:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if not self._down or now - self._last_warning_at >= _WARN_EVERY_S:
             self._log.warning(
                 "Redis unreachable (%s: %s); %s until it is back", type(exc).__name__, exc, self._while_down
             )
             self._last_warning_at = now
         self._down = True
+
+
+class RedisMirror:
+    """Router state kept locally and mirrored through Redis by a background RedisSyncLoop.
+
+    Subclasses implement `_push` (publish local changes) and `_pull` (merge the other
+    routers'); `_sync` (one round, push then pull) and `_flush` (the last words at stop,
+    by default a push) may be overridden. Reads and writes on the request path stay local.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        timeout_s: float,
+        sync_interval_s: float,
+        task_name: str,
+        while_down: str,
+        once_back: str,
+        log: logging.Logger,
+        decode_responses: bool = False,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
+        self._clock = clock
+        self._redis = connect_redis(redis_url, timeout_s, decode_responses=decode_responses)
+        self._sync_loop = RedisSyncLoop(
+            self._sync,
+            interval_s=sync_interval_s,
+            task_name=task_name,
+            while_down=while_down,
+            once_back=once_back,
+            log=log,
+            final_flush=self._flush,
+            clock=clock,
+        )
+
+    @property
+    def redis_reachable(self) -> bool:
+        """False since the last sync failed, until one succeeds."""
+        return self._sync_loop.reachable
+
+    async def start(self) -> None:
+        """Learn the other routers' state (when Redis answers), then keep in sync."""
+        await self._sync_loop.start()
+
+    async def stop(self) -> None:
+        """Stop syncing; hands over local changes not yet published (best effort)."""
+        await self._sync_loop.stop()
+        await self._redis.aclose()
+
+    async def sync_once(self) -> bool:
+        """Publish local changes, merge the other routers'; False if Redis failed."""
+        return await self._sync_loop.sync_once()
+
+    async def _sync(self) -> None:
+        await self._push()
+        await self._pull()
+
+    async def _flush(self) -> None:
+        await self._push()
+
+    async def _push(self) -> None:
+        raise NotImplementedError
+
+    async def _pull(self) -> None:
+        raise NotImplementedError

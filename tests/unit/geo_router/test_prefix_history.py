@@ -5,18 +5,11 @@ from __future__ import annotations
 from router_harness import router_settings
 
 from geo_router.prefix_history import InProcessPrefixHistory
+from meridian.clock import ManualClock
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def history(ttl_s: float = 10.0, max_keys: int = 1000, **kw: int) -> tuple[InProcessPrefixHistory, Clock]:
-    clock = Clock()
+def history(ttl_s: float = 10.0, max_keys: int = 1000, **kw: int) -> tuple[InProcessPrefixHistory, ManualClock]:
+    clock = ManualClock()
     return InProcessPrefixHistory(ttl_s, max_keys, clock=clock, **kw), clock
 
 
@@ -34,11 +27,11 @@ def test_match_counts_each_nodes_leading_keys_and_stops_at_its_first_miss() -> N
 def test_a_record_is_believed_for_the_ttl_and_a_new_one_extends_it() -> None:
     h, clock = history(ttl_s=10.0)
     h.record("a", [1, 2])
-    clock.now += 6
+    clock.advance(6)
     h.record("a", [1])  # a later request with the same start
-    clock.now += 4.5
+    clock.advance(4.5)
     assert h.match([1, 2], ["a"]) == {"a": 1}  # key 2 expired, key 1 was refreshed
-    clock.now += 6
+    clock.advance(6)
     assert h.match([1, 2], ["a"]) == {"a": 0}
     assert len(h) == 2  # expired keys stay until the next record...
     h.record("b", [5])
@@ -71,7 +64,7 @@ def test_a_forgotten_node_holds_nothing_until_it_is_sent_prompts_again() -> None
 def test_a_key_remembers_a_bounded_number_of_nodes_the_latest_first() -> None:
     h, clock = history(max_nodes_per_key=3)
     for i in range(5):
-        clock.now += 1
+        clock.advance(1)
         h.record(f"n{i}", [42])
     assert h.match([42], [f"n{i}" for i in range(5)]) == {"n0": 0, "n1": 0, "n2": 1, "n3": 1, "n4": 1}
 
@@ -81,7 +74,7 @@ def test_fresh_keys_are_the_new_ones_and_those_last_recorded_half_a_ttl_ago() ->
     assert h.record_fresh("a", [1, 2]) == [1, 2]
     assert h.record_fresh("a", [1, 2, 3]) == [3]
     assert h.record_fresh("b", [1]) == [1]  # new for that node
-    clock.now += 5.5
+    clock.advance(5.5)
     assert h.record_fresh("a", [1, 2, 3]) == [1, 2, 3]
     h.forget_node("a")
     assert h.record_fresh("a", [1]) == [1]
@@ -90,13 +83,13 @@ def test_fresh_keys_are_the_new_ones_and_those_last_recorded_half_a_ttl_ago() ->
 def test_merged_records_never_shorten_what_is_known() -> None:
     h, clock = history(ttl_s=10.0)
     h.record("a", [1])
-    h.merge("a", [1, 2], until=clock.now + 2)
-    h.merge("a", [3], until=clock.now - 1)  # already expired when it arrived
-    clock.now += 3
+    h.merge("a", [1, 2], until=clock.monotonic() + 2)
+    h.merge("a", [3], until=clock.monotonic() - 1)  # already expired when it arrived
+    clock.advance(3)
     assert h.match([1, 2], ["a"]) == {"a": 1}
     assert h.match([3], ["a"]) == {"a": 0}
     # Merged keys are not this router's news: recording them is.
-    h.merge("b", [7], until=clock.now + 9)
+    h.merge("b", [7], until=clock.monotonic() + 9)
     assert h.record_fresh("b", [7]) == []
 
 

@@ -14,18 +14,8 @@ from geo_router.ratelimit import (
     create_rate_limiter,
 )
 from geo_router.tokens import estimate_tokens, usage_tokens
+from meridian.clock import ManualClock
 from meridian.contracts import TenantEntry
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 def tenant(rpm: int | None = None, tpm: int | None = None, *, name: str = "acme", key: str = "a") -> TenantEntry:
@@ -34,12 +24,12 @@ def tenant(rpm: int | None = None, tpm: int | None = None, *, name: str = "acme"
 
 
 @pytest.fixture
-def clock() -> FakeClock:
-    return FakeClock()
+def clock() -> ManualClock:
+    return ManualClock()
 
 
 @pytest.fixture
-def limiter(clock: FakeClock) -> InProcessRateLimiter:
+def limiter(clock: ManualClock) -> InProcessRateLimiter:
     return InProcessRateLimiter(clock=clock)
 
 
@@ -63,7 +53,7 @@ def refusal(limiter: InProcessRateLimiter, t: TenantEntry, tokens: int = 0) -> R
 
 
 def test_a_burst_of_one_minutes_worth_then_the_per_second_refill(limiter: InProcessRateLimiter,
-                                                                  clock: FakeClock):
+                                                                  clock: ManualClock):
     t = tenant(rpm=60)
     assert admitted(limiter, t) == 60
     err = refusal(limiter, t)
@@ -75,7 +65,7 @@ def test_a_burst_of_one_minutes_worth_then_the_per_second_refill(limiter: InProc
     assert admitted(limiter, t) == 60
 
 
-def test_the_token_bucket_refills_at_the_per_minute_rate(limiter: InProcessRateLimiter, clock: FakeClock):
+def test_the_token_bucket_refills_at_the_per_minute_rate(limiter: InProcessRateLimiter, clock: ManualClock):
     t = tenant(tpm=1200)  # 20 tokens per second
     assert admitted(limiter, t, 400) == 3
     err = refusal(limiter, t, 400)
@@ -88,7 +78,7 @@ def test_the_token_bucket_refills_at_the_per_minute_rate(limiter: InProcessRateL
     assert admitted(limiter, t, 400) == 1
 
 
-def test_burst_is_a_setting(clock: FakeClock):
+def test_burst_is_a_setting(clock: ManualClock):
     limiter = InProcessRateLimiter(burst_s=6, clock=clock)
     t = tenant(rpm=600)  # 10/s, so a 6 s burst holds 60
     assert admitted(limiter, t) == 60
@@ -107,7 +97,7 @@ def test_a_request_is_admitted_only_when_both_buckets_have_room(limiter: InProce
     assert refusal(limiter, t, 0).type_ == "requests"
 
 
-def test_the_longest_wait_decides_retry_after(limiter: InProcessRateLimiter, clock: FakeClock):
+def test_the_longest_wait_decides_retry_after(limiter: InProcessRateLimiter, clock: ManualClock):
     t = tenant(rpm=2, tpm=60)  # a request every 30 s, a token per second
     limiter.admit(t, 60)
     limiter.admit(t, 0)
@@ -133,14 +123,14 @@ def test_every_key_of_a_tenant_shares_its_limits(limiter: InProcessRateLimiter):
     assert admitted(limiter, tenant(rpm=4, name="someone-else", key="c")) == 4
 
 
-def test_a_lowered_limit_applies_at_once(limiter: InProcessRateLimiter, clock: FakeClock):
+def test_a_lowered_limit_applies_at_once(limiter: InProcessRateLimiter, clock: ManualClock):
     assert admitted(limiter, tenant(rpm=60), upto=5) == 5
     assert admitted(limiter, tenant(rpm=10)) == 10  # not the 55 left under the old limit
     clock.advance(6)
     assert admitted(limiter, tenant(rpm=10)) == 1
 
 
-def test_admissions_carry_openai_rate_limit_headers(limiter: InProcessRateLimiter, clock: FakeClock):
+def test_admissions_carry_openai_rate_limit_headers(limiter: InProcessRateLimiter, clock: ManualClock):
     t = tenant(rpm=60, tpm=6000)
     limiter.admit(t, 100)
     headers = limiter.admit(t, 500).headers
@@ -176,7 +166,7 @@ def test_the_refusal_is_openai_error_json_with_retry_after(limiter: InProcessRat
 
 
 def test_a_request_larger_than_the_whole_bucket_is_refused_for_good(limiter: InProcessRateLimiter,
-                                                                    clock: FakeClock):
+                                                                    clock: ManualClock):
     t = tenant(rpm=100, tpm=1000)
     err = refusal(limiter, t, 1001)
     assert err.retry_after_s is None and "retry-after" not in err.headers
@@ -227,7 +217,7 @@ def test_settling_refunds_what_the_answer_did_not_use(limiter: InProcessRateLimi
 
 
 def test_settling_charges_what_the_answer_used_beyond_the_estimate(limiter: InProcessRateLimiter,
-                                                                    clock: FakeClock):
+                                                                    clock: ManualClock):
     t = tenant(tpm=600)  # 10 tokens per second
     limiter.admit(t, 100)
     limiter.settle(t, estimated=100, actual=1000)  # 400 tokens of debt
@@ -240,7 +230,7 @@ def test_settling_charges_what_the_answer_used_beyond_the_estimate(limiter: InPr
     assert limiter.admit(t, 0).headers["x-ratelimit-remaining-tokens"] == "600"
 
 
-def test_idle_tenants_are_forgotten(limiter: InProcessRateLimiter, clock: FakeClock):
+def test_idle_tenants_are_forgotten(limiter: InProcessRateLimiter, clock: ManualClock):
     limiter.admit(tenant(rpm=5, name="once"), 0)
     clock.advance(3600)
     limiter.admit(tenant(rpm=5, name="now"), 0)

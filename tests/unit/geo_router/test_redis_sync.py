@@ -18,6 +18,7 @@ from router_harness import eventually, reserve_port
 
 from geo_router import redis_sync
 from geo_router.redis_sync import RedisSyncLoop
+from meridian.clock import Clock, ManualClock
 
 TASK = "test-redis-sync"
 LOG = logging.getLogger("tests.redis_sync_owner")
@@ -54,6 +55,7 @@ async def make_loop() -> AsyncIterator[MakeLoop]:
         sync: Callable[[], Awaitable[None]],
         final_flush: Callable[[], Awaitable[None]] | None = None,
         interval_s: float = 10.0,
+        clock: Clock | None = None,
     ) -> RedisSyncLoop:
         loop = RedisSyncLoop(
             sync,
@@ -63,6 +65,7 @@ async def make_loop() -> AsyncIterator[MakeLoop]:
             once_back=ONCE_BACK,
             log=LOG,
             final_flush=final_flush,
+            clock=clock or ManualClock(),
         )
         made.append(loop)
         return loop
@@ -72,25 +75,27 @@ async def make_loop() -> AsyncIterator[MakeLoop]:
         await loop.stop()
 
 
+class RecordingClock(ManualClock):
+    """A ManualClock that notes every sleep asked of it and lets it pass at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.slept: list[float] = []
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.advance(seconds)
+        await super().sleep(0)
+
+
 def running() -> list[asyncio.Task[Any]]:
     return [t for t in asyncio.all_tasks() if t.get_name() == TASK]
 
 
-async def test_backoff_doubles_while_failing_up_to_the_max_and_resets_on_success(
-    make_loop: MakeLoop, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_backoff_doubles_while_failing_up_to_the_max_and_resets_on_success(make_loop: MakeLoop) -> None:
     # The loop sleeps only while Redis is down: the delays it asks for are its backoff.
-    real_sleep = asyncio.sleep
-    slept: list[float] = []
-    enough = asyncio.Event()
-
-    async def record_sleep(delay: float) -> None:
-        slept.append(delay)
-        if len(slept) == 8:
-            enough.set()
-        await real_sleep(0)
-
-    monkeypatch.setattr(asyncio, "sleep", record_sleep)
+    clock = RecordingClock()
+    slept = clock.slept
     syncs = 0
 
     async def sync() -> None:
@@ -101,21 +106,20 @@ async def test_backoff_doubles_while_failing_up_to_the_max_and_resets_on_success
             return
         raise ConnectionError("Connection refused")
 
-    loop = make_loop(sync, interval_s=1.0)
+    loop = make_loop(sync, interval_s=1.0, clock=clock)
     await loop.start()
-    async with asyncio.timeout(5):
-        await enough.wait()
+    await eventually(lambda: len(slept) >= 8)
     await loop.stop()
     assert slept[:8] == [1.0, 2.0, 4.0, 5.0, 5.0, 5.0, 2.0, 4.0]
 
 
 async def test_warns_once_per_window_while_down_and_says_when_it_is_back(
-    make_loop: MakeLoop, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    make_loop: MakeLoop, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(redis_sync, "_WARN_EVERY_S", 0.5)
     caplog.set_level(logging.INFO, logger=LOG.name)
     owner = Owner()
-    loop = make_loop(owner.sync)
+    clock = ManualClock()
+    loop = make_loop(owner.sync, clock=clock)
     assert loop.reachable  # until a sync says otherwise
 
     def logged(level: int) -> list[str]:
@@ -127,7 +131,7 @@ async def test_warns_once_per_window_while_down_and_says_when_it_is_back(
     assert not loop.reachable
     warning = f"Redis unreachable (ConnectionError: Connection refused); {WHILE_DOWN} until it is back"
     assert logged(logging.WARNING) == [warning]
-    await asyncio.sleep(0.55)
+    clock.advance(redis_sync._WARN_EVERY_S + 0.05)
     assert not await loop.sync_once()
     assert len(logged(logging.WARNING)) == 2  # still down a window later: said again
 
@@ -143,12 +147,13 @@ async def test_warns_once_per_window_while_down_and_says_when_it_is_back(
 
 async def test_a_wake_syncs_at_once_and_otherwise_the_interval_holds(make_loop: MakeLoop) -> None:
     owner = Owner()
-    loop = make_loop(owner.sync, interval_s=10.0)
+    clock = ManualClock()
+    loop = make_loop(owner.sync, interval_s=10.0, clock=clock)
     await loop.start()
     assert owner.syncs == 1 and len(running()) == 1
     loop.wake()
     await eventually(lambda: owner.syncs == 2, timeout_s=2.0)
-    await asyncio.sleep(0.3)
+    await clock.advance_async(9.9)
     assert owner.syncs == 2  # no wake, no sync before the interval
     loop.wake()
     await eventually(lambda: owner.syncs == 3, timeout_s=2.0)
@@ -157,11 +162,12 @@ async def test_a_wake_syncs_at_once_and_otherwise_the_interval_holds(make_loop: 
 async def test_a_wake_while_redis_is_down_waits_for_the_backoff(make_loop: MakeLoop) -> None:
     owner = Owner()
     owner.down = True
-    loop = make_loop(owner.sync, interval_s=10.0)
+    clock = ManualClock()
+    loop = make_loop(owner.sync, interval_s=10.0, clock=clock)
     await loop.start()
     assert owner.syncs == 1 and not loop.reachable
     loop.wake()
-    await asyncio.sleep(0.3)
+    await clock.advance_async(9.9)
     assert owner.syncs == 1
 
 
@@ -190,10 +196,13 @@ async def test_stop_returns_even_when_the_sync_swallows_the_cancel(make_loop: Ma
         if owner.syncs == 2:
             in_flight.set()
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.sleep(30)
+                await asyncio.Event().wait()  # stuck until cancelled
 
-    loop = make_loop(sync, owner.flush, interval_s=0.01)
+    clock = ManualClock()
+    loop = make_loop(sync, owner.flush, interval_s=0.01, clock=clock)
     await loop.start()
+    await eventually(lambda: clock.sleepers == 1)
+    clock.advance(0.01)
     async with asyncio.timeout(2):
         await in_flight.wait()
     t0 = time.monotonic()
@@ -209,9 +218,10 @@ async def test_stop_skips_the_flush_while_redis_is_down_and_survives_a_failing_o
 ) -> None:
     owner = Owner()
     owner.down = True
-    loop = make_loop(owner.sync, owner.flush, interval_s=10.0)
+    clock = ManualClock()
+    loop = make_loop(owner.sync, owner.flush, interval_s=10.0, clock=clock)
     await loop.start()
-    await asyncio.sleep(0.05)  # the task is in its backoff sleep now
+    await eventually(lambda: clock.sleepers == 1)  # the task is in its backoff sleep now
     t0 = time.monotonic()
     await loop.stop()
     assert time.monotonic() - t0 < 1.0  # not the rest of the backoff
@@ -271,15 +281,23 @@ async def test_with_redis_refusing_connections_it_goes_on_unreachable(
         nonlocal flushes
         flushes += 1
 
+    attempts = 0
+
     async def sync() -> None:
+        nonlocal attempts
+        attempts += 1
         await redis.ping()
 
     try:
         caplog.set_level(logging.WARNING, logger=LOG.name)
-        loop = make_loop(sync, flush, interval_s=0.05)
+        clock = ManualClock()
+        loop = make_loop(sync, flush, interval_s=0.05, clock=clock)
         await loop.start()  # does not raise
         assert not loop.reachable and len(running()) == 1
-        await asyncio.sleep(0.4)  # several failed syncs
+        for n in range(2, 6):  # several failed syncs, each after its backoff
+            await eventually(lambda: clock.sleepers == 1)
+            clock.advance(5.0)
+            await eventually(lambda n=n: attempts >= n)
         assert len([r for r in caplog.records if "Redis unreachable" in r.getMessage()]) == 1
         await loop.stop()
         assert flushes == 0 and not running()

@@ -7,46 +7,39 @@ import logging
 import pytest
 
 from geo_router.health import Ejection, FailureKind, InProcessFleetState
+from meridian.clock import ManualClock
 
 ERROR = FailureKind.ERROR
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_fleet(clock: Clock | None = None, *, base_s: float = 5, max_s: float = 60,
+def make_fleet(clock: ManualClock | None = None, *, base_s: float = 5, max_s: float = 60,
                consecutive: int = 5, max_percent: float = 50) -> InProcessFleetState:
-    return InProcessFleetState(ejection_base_s=base_s, ejection_max_s=max_s, clock=clock or Clock(),
+    return InProcessFleetState(ejection_base_s=base_s, ejection_max_s=max_s, clock=clock or ManualClock(),
                                consecutive_failures_to_eject=consecutive,
                                max_ejected_percent=max_percent)
 
 
 def test_an_unreachable_node_is_ejected_at_once_for_longer_each_time_up_to_the_cap():
-    clock = Clock()
+    clock = ManualClock()
     fleet = make_fleet(clock, max_s=30)
     assert not fleet.is_ejected("n1")
     durations = []
     for _ in range(5):
         durations.append(fleet.record_failure("n1", FailureKind.UNREACHABLE))
         assert fleet.is_ejected("n1")
-        clock.now += durations[-1] + 0.1  # the ejection ends; the node still fails
+        clock.advance(durations[-1] + 0.1)  # the ejection ends; the node still fails
     assert durations == [5, 10, 20, 30, 30]
 
 
 def test_failures_while_ejected_neither_extend_nor_escalate_the_ejection():
     # Requests sent before the ejection fail after it: that is no new evidence.
-    clock = Clock()
+    clock = ManualClock()
     fleet = make_fleet(clock)
     assert fleet.record_failure("n1") == 5
-    clock.now += 2
+    clock.advance(2)
     assert [fleet.record_failure("n1") for _ in range(3)] == [0, 0, 0]
     assert fleet.ejected_for_s("n1") == pytest.approx(3)
-    clock.now += 3.1
+    clock.advance(3.1)
     assert fleet.record_failure("n1") == 10  # the next ejection continues the backoff
 
 
@@ -69,29 +62,29 @@ def test_an_answered_request_resets_the_error_count():
 
 
 def test_after_an_ejection_ends_errors_count_from_zero_again():
-    clock = Clock()
+    clock = ManualClock()
     fleet = make_fleet(clock, consecutive=2)
     fleet.record_failure("n1", ERROR)
     assert fleet.record_failure("n1", ERROR) == 5
-    clock.now += 6
+    clock.advance(6)
     assert fleet.record_failure("n1", ERROR) == 0
     assert fleet.record_failure("n1", ERROR) == 10
 
 
 def test_a_success_resets_the_backoff():
-    clock = Clock()
+    clock = ManualClock()
     fleet = make_fleet(clock)
     fleet.record_failure("n1")
-    clock.now += 6
+    clock.advance(6)
     fleet.record_failure("n1")
-    clock.now += 11
+    clock.advance(11)
     fleet.record_success("n1")
     assert not fleet.is_ejected("n1")
     assert fleet.record_failure("n1") == 5
 
 
 def test_uneject_ends_the_ejection_early_but_keeps_the_backoff():
-    clock = Clock()
+    clock = ManualClock()
     fleet = make_fleet(clock)
     assert not fleet.uneject("n1")
     fleet.record_failure("n1")
@@ -111,7 +104,7 @@ def test_nodes_are_ejected_independently():
 def test_no_more_than_the_max_ejected_percent_of_known_nodes_is_ejected(
     caplog: pytest.LogCaptureFixture,
 ):
-    clock = Clock()
+    clock = ManualClock()
     fleet = make_fleet(clock, max_percent=50)
     events: list[Ejection] = []
     fleet.add_ejection_listener(events.append)
@@ -126,7 +119,7 @@ def test_no_more_than_the_max_ejected_percent_of_known_nodes_is_ejected(
     assert events[-1] == Ejection("c", FailureKind.UNREACHABLE, 0.0, enforced=False)
     assert [e.node_id for e in events if e.enforced] == ["a", "b"]
     # Once one ejection ends, the counted node goes at its next failure.
-    clock.now += 5.1
+    clock.advance(5.1)
     fleet.record_success("a")
     assert fleet.record_failure("c") == 5
 
