@@ -196,6 +196,10 @@ class InProcessPrefixHistory:
 class RedisPrefixHistory(RedisMirror):
     """PrefixHistory shared by every router on the same Redis (see the module docstring)."""
 
+    task_name = "prefix-history-sync"
+    while_down = "routing history stays local to this router"
+    once_back = "routing history is shared with the other routers"
+
     def __init__(
         self,
         redis_url: str,
@@ -210,16 +214,7 @@ class RedisPrefixHistory(RedisMirror):
     ) -> None:
         # What the others recorded is of no use to a router that stops: the final flush is
         # the base's, a push.
-        super().__init__(
-            redis_url,
-            timeout_s=timeout_s,
-            sync_interval_s=sync_interval_s,
-            task_name="prefix-history-sync",
-            while_down="routing history stays local to this router",
-            once_back="routing history is shared with the other routers",
-            log=log,
-            clock=clock,
-        )
+        super().__init__(redis_url, timeout_s=timeout_s, sync_interval_s=sync_interval_s, clock=clock)
         self._local = InProcessPrefixHistory(ttl_s, max_keys, clock=clock)
         self._ttl_ms = max(1, math.ceil(ttl_s * 1000))
         self._max_pending = max_keys

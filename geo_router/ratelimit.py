@@ -283,6 +283,11 @@ class RedisRateLimiter(RedisMirror):
     then they are full, the same as absent), the router sets after the demand horizon.
     """
 
+    task_name = "rate-limit-sync"
+    while_down = "each router enforces tenant rate limits on its own"
+    once_back = "tenant rate limits are shared with the other routers"
+    decode_responses = True
+
     def __init__(
         self,
         redis_url: str,
@@ -293,17 +298,7 @@ class RedisRateLimiter(RedisMirror):
         key_prefix: str = "meridian:router:",
         clock: Clock = SYSTEM_CLOCK,
     ) -> None:
-        super().__init__(
-            redis_url,
-            timeout_s=timeout_s,
-            sync_interval_s=sync_interval_s,
-            task_name="rate-limit-sync",
-            while_down="each router enforces tenant rate limits on its own",
-            once_back="tenant rate limits are shared with the other routers",
-            log=log,
-            decode_responses=True,
-            clock=clock,
-        )
+        super().__init__(redis_url, timeout_s=timeout_s, sync_interval_s=sync_interval_s, clock=clock)
         self._burst_s = burst_s
         self._prefix = f"{key_prefix}rl:"
         self._routers_key = f"{key_prefix}rl-routers"

@@ -46,6 +46,11 @@ class RedisFleetState(InProcessFleetState, RedisMirror):
     ejection as we do; consecutive failures stay this router's own, the backoff level is shared.
     """
 
+    task_name = "fleet-health-sync"
+    while_down = "node health stays local to this router"
+    once_back = "node health is shared with the other routers"
+    decode_responses = True
+
     def __init__(
         self,
         redis_url: str,
@@ -67,18 +72,7 @@ class RedisFleetState(InProcessFleetState, RedisMirror):
             consecutive_failures_to_eject=consecutive_failures_to_eject,
             max_ejected_percent=max_ejected_percent,
         )
-        RedisMirror.__init__(
-            self,
-            redis_url,
-            timeout_s=timeout_s,
-            sync_interval_s=sync_interval_s,
-            task_name="fleet-health-sync",
-            while_down="node health stays local to this router",
-            once_back="node health is shared with the other routers",
-            log=log,
-            decode_responses=True,
-            clock=clock,
-        )
+        RedisMirror.__init__(self, redis_url, timeout_s=timeout_s, sync_interval_s=sync_interval_s, clock=clock)
         self._key_prefix = f"{key_prefix}ejected:"
         self._index = f"{key_prefix}ejected"
         self._dirty: set[str] = set()  # nodes whose change Redis has not seen yet

@@ -161,32 +161,31 @@ class RedisSyncLoop:
 class RedisMirror:
     """Router state kept locally and mirrored through Redis by a background RedisSyncLoop.
 
-    Subclasses implement `_push` (publish local changes) and `_pull` (merge the other
-    routers'); `_sync` (one round, push then pull) and `_flush` (the last words at stop,
-    by default a push) may be overridden. Reads and writes on the request path stay local.
+    Subclasses name their sync task and what the warnings say (`task_name`, `while_down`,
+    `once_back`, as RedisSyncLoop takes them) and implement `_push` (publish local changes)
+    and `_pull` (merge the other routers'); `_sync` (one round, push then pull) and `_flush`
+    (the last words at stop, by default a push) may be overridden. Reads and writes on the
+    request path stay local.
     """
 
+    task_name: str
+    while_down: str
+    once_back: str
+    decode_responses: bool = False
+
     def __init__(
-        self,
-        redis_url: str,
-        *,
-        timeout_s: float,
-        sync_interval_s: float,
-        task_name: str,
-        while_down: str,
-        once_back: str,
-        log: logging.Logger,
-        decode_responses: bool = False,
-        clock: Clock = SYSTEM_CLOCK,
+        self, redis_url: str, *, timeout_s: float, sync_interval_s: float, clock: Clock = SYSTEM_CLOCK
     ) -> None:
         self._clock = clock
-        self._redis = connect_redis(redis_url, timeout_s, decode_responses=decode_responses)
+        self._redis = connect_redis(redis_url, timeout_s, decode_responses=self.decode_responses)
+        # The subclass's logger, so that its records keep their name.
+        log = logging.getLogger(type(self).__module__)
         self._sync_loop = RedisSyncLoop(
             self._sync,
             interval_s=sync_interval_s,
-            task_name=task_name,
-            while_down=while_down,
-            once_back=once_back,
+            task_name=self.task_name,
+            while_down=self.while_down,
+            once_back=self.once_back,
             log=log,
             final_flush=self._flush,
             clock=clock,
