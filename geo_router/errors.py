@@ -1,4 +1,9 @@
-"""The router's typed errors and the one place they become OpenAI error bodies."""
+"""The router's typed errors and the one place they become OpenAI (or Anthropic) error bodies.
+
+Every error the router answers itself is a `RouterError`, a meridian.errors.OpenAIError;
+the handlers installed by `install_error_handlers` turn it, and anything else raised, into
+the answer in the API's own shape.
+"""
 
 from __future__ import annotations
 
@@ -11,35 +16,19 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from meridian.contracts import HEADER_REQUEST_ID, openai_error
+from meridian.contracts import HEADER_REQUEST_ID
+from meridian.errors import OpenAIError
 
 log = logging.getLogger(__name__)
 
 
-class RouterError(Exception):
-    """An error the router answers itself, in OpenAI's error shape."""
+class RouterError(OpenAIError):
+    """An error the router answers itself, in OpenAI's error shape.
 
-    status: int = 500
-    type_: str = "server_error"
-    code: str | None = None
-    param: str | None = None
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        status: int | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        if status is not None:
-            self.status = status
-            self.type_ = "invalid_request_error" if status < 500 else "server_error"
-        if code is not None:
-            self.code = code
-        self.headers = headers or {}
+    The attributes (status, type_, code, param, headers) and the body are the shared base's
+    (meridian.errors), the same as the node's errors: a client sees one shape whichever
+    part of the fabric answered.
+    """
 
 
 class BadRequest(RouterError):
@@ -47,8 +36,7 @@ class BadRequest(RouterError):
     type_ = "invalid_request_error"
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param=param)
 
 
 class InvalidApiKey(RouterError):
@@ -209,11 +197,7 @@ def error_response(exc: RouterError, request_id: str | None = None) -> JSONRespo
     headers = dict(exc.headers)
     if request_id:
         headers[HEADER_REQUEST_ID] = request_id
-    return JSONResponse(
-        openai_error(exc.message, type_=exc.type_, code=exc.code, param=exc.param),
-        status_code=exc.status,
-        headers=headers,
-    )
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 # Anthropic's error types by status (its clients read `error.type`; docs: "Errors").

@@ -4,7 +4,8 @@ A policy sees only candidates that residency, health and circuit breakers alread
 through (geo_router.selection), each annotated with what the router knows of it: RTT,
 load, how much of the prompt's KV prefix it holds and whether it has the LoRA adapter
 (geo_router.affinity). Policies are chosen by name (`RouterSettings.routing_policy`)
-from a small registry, as vLLM production-stack's router does.
+from a small registry (`POLICIES`, a meridian.registry.Registry), as vLLM production-stack's
+router does.
 
 `affinity` (the default) orders regions by RTT, spilling past a region whose queueing
 time would break the latency objective, then scores each region's replicas on KV-prefix
@@ -20,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from meridian.registry import Registry
 from meridian.settings import RouterSettings
 
 from .selection import Candidate, LoraState, RoutingContext
@@ -247,27 +249,23 @@ def _affinity_differs(cands: Sequence[Candidate]) -> bool:
 
 PolicyFactory = Callable[[RouterSettings], RoutingPolicy]
 
-_POLICIES: dict[str, PolicyFactory] = {
-    "nearest": lambda _settings: NearestPolicy(),
-    "least-load": lambda _settings: LeastLoadPolicy(),
-    "round-robin": lambda _settings: RoundRobinPolicy(),
-    "affinity": AffinityPolicy.from_settings,
-}
+# The policies by name; an unknown name is meridian.registry's UnknownName.
+POLICIES: Registry[PolicyFactory] = Registry("routing policy")
+POLICIES.register("nearest", lambda _settings: NearestPolicy())
+POLICIES.register("least-load", lambda _settings: LeastLoadPolicy())
+POLICIES.register("round-robin", lambda _settings: RoundRobinPolicy())
+POLICIES.register("affinity", AffinityPolicy.from_settings)
 
 
 def register_policy(name: str, factory: PolicyFactory) -> None:
     """Make a policy available to `RouterSettings.routing_policy` under `name`."""
-    _POLICIES[name] = factory
+    POLICIES.register(name, factory)
 
 
 def policy_names() -> list[str]:
-    return sorted(_POLICIES)
+    return POLICIES.names()
 
 
 def create_policy(name: str, settings: RouterSettings) -> RoutingPolicy:
-    """Build the policy registered under `name` (ValueError when there is none)."""
-    try:
-        factory = _POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown routing policy {name!r}; known: {policy_names()}") from None
-    return factory(settings)
+    """Build the policy registered under `name` (UnknownName when there is none)."""
+    return POLICIES.get(name)(settings)

@@ -22,6 +22,7 @@ from geo_router.selection import (
 from geo_router.table import LoadedTable
 from meridian.contracts import NodeStatus, TenantEntry
 from meridian.geo import Point
+from meridian.registry import UnknownName
 from meridian.settings import RouterSettings
 
 TABLE = LoadedTable.build(make_table([node("us", "http://us:1"), node("eu", "http://eu:1"),
@@ -154,7 +155,7 @@ def test_client_location_from_trusted_header_else_default():
 def test_policies_come_from_a_registry_by_name():
     settings = RouterSettings(cluster_token="t")
     assert isinstance(create_policy("nearest", settings), NearestPolicy)
-    with pytest.raises(ValueError, match="unknown routing policy"):
+    with pytest.raises(UnknownName, match="unknown routing policy"):
         create_policy("no-such-policy", settings)
 
     class Farthest:
