@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -17,123 +17,75 @@ class RouterMetrics:
 
     def __init__(self, table_version: Callable[[], float]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        self.requests = Counter(
-            "meridian_router_requests",
-            "Inference requests answered, by serving region/node ('' when the router answered).",
-            ["region", "node", "status"],
-            registry=self.registry,
-        )
-        self.failovers = Counter(
-            "meridian_router_failovers",
-            "Retries on another replica after a failure before the first byte.",
-            ["from_region", "to_region"],
-            registry=self.registry,
-        )
-        self.upstream_failures = Counter(
-            "meridian_router_upstream_failures",
-            "Node failures seen by this router (connect, timeout, 5xx, midstream...).",
-            ["region", "node", "reason"],
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            "meridian_router_request_duration_seconds",
-            "Time from request received to last byte sent, by serving region.",
-            ["region"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.ttft = Histogram(
-            "meridian_router_time_to_first_byte_seconds",
+        self.requests = self._counter(
+            "meridian_router_requests", ("region", "node", "status"),
+            "Inference requests answered, by serving region/node ('' when the router answered).")
+        self.failovers = self._counter(
+            "meridian_router_failovers", ("from_region", "to_region"),
+            "Retries on another replica after a failure before the first byte.")
+        self.upstream_failures = self._counter(
+            "meridian_router_upstream_failures", ("region", "node", "reason"),
+            "Node failures seen by this router (connect, timeout, 5xx, midstream...).")
+        self.latency = self._histogram(
+            "meridian_router_request_duration_seconds", ("region",),
+            "Time from request received to last byte sent, by serving region.", _LATENCY_BUCKETS)
+        self.ttft = self._histogram(
+            "meridian_router_time_to_first_byte_seconds", ("region", "node"),
             "Time from request received to the first byte from the node (for streams: the first "
-            "complete event, i.e. the first token), by serving region and node.",
-            ["region", "node"],
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.ejections = Counter(
-            "meridian_router_ejections",
-            "Nodes this router ejected (passive outlier detection or failed active probes).",
-            ["region", "node", "reason"],
-            registry=self.registry,
-        )
-        self.prompt_tokens = Counter(
-            "meridian_router_prompt_tokens",
-            "Prompt tokens of the requests the router tokenized (affinity routing), by first-choice node.",
-            ["region", "node"],
-            registry=self.registry,
-        )
-        self.predicted_cache_hits = Counter(
-            "meridian_router_predicted_cache_hit_tokens",
-            "Prompt tokens the router predicted the first-choice node holds in its KV cache.",
-            ["region", "node"],
-            registry=self.registry,
-        )
-        self.reported_cache_hits = Gauge(
-            "meridian_router_node_reported_cache_hit_tokens",
-            "Prompt tokens each node reports as prefix-cache hits (vllm:prefix_cache_hits, from probes).",
-            ["node"],
-            registry=self.registry,
-        )
-        self.reported_cache_queries = Gauge(
-            "meridian_router_node_reported_cache_query_tokens",
-            "Prompt tokens each node looked up in its prefix cache (vllm:prefix_cache_queries, from probes).",
-            ["node"],
-            registry=self.registry,
-        )
+            "complete event, i.e. the first token), by serving region and node.", _LATENCY_BUCKETS)
+        self.ejections = self._counter(
+            "meridian_router_ejections", ("region", "node", "reason"),
+            "Nodes this router ejected (passive outlier detection or failed active probes).")
+        self.prompt_tokens = self._counter(
+            "meridian_router_prompt_tokens", ("region", "node"),
+            "Prompt tokens of the requests the router tokenized (affinity routing), by first-choice node.")
+        self.predicted_cache_hits = self._counter(
+            "meridian_router_predicted_cache_hit_tokens", ("region", "node"),
+            "Prompt tokens the router predicted the first-choice node holds in its KV cache.")
+        self.reported_cache_hits = self._gauge(
+            "meridian_router_node_reported_cache_hit_tokens", ("node",),
+            "Prompt tokens each node reports as prefix-cache hits (vllm:prefix_cache_hits, from probes).")
+        self.reported_cache_queries = self._gauge(
+            "meridian_router_node_reported_cache_query_tokens", ("node",),
+            "Prompt tokens each node looked up in its prefix cache (vllm:prefix_cache_queries, from probes).")
         # A running total kept by the policy itself, read at scrape time.
-        self.imbalance_fallbacks = Gauge(
-            "meridian_router_imbalance_fallbacks_total",
-            "Requests the affinity policy sent least-load first because affinity would create a hot spot.",
-            registry=self.registry,
-        )
-        self.rate_limited = Counter(
-            "meridian_router_rate_limited",
-            "Requests refused with 429 by tenant rate limits, by limit (requests or tokens).",
-            ["tenant", "limit"],
-            registry=self.registry,
-        )
-        self.overhead = Histogram(
-            "meridian_router_overhead_seconds",
-            "Time spent in the router itself before the upstream request (upstream waits excluded).",
-            buckets=_OVERHEAD_BUCKETS,
-            registry=self.registry,
-        )
-        self.scale_queued = Gauge(
-            "meridian_router_scale_from_zero_queued",
-            "Requests held while their model scales up from zero replicas.",
-            ["model"],
-            registry=self.registry,
-        )
-        self.scale_up_requests = Counter(
-            "meridian_router_scale_up_requests",
-            "Scale-up requests sent to the control plane, by outcome (ok, not_found, error).",
-            ["model", "outcome"],
-            registry=self.registry,
-        )
-        self.scale_timeouts = Counter(
-            "meridian_router_scale_from_zero_timeouts",
-            "Held requests answered 503 because no replica became ready in time.",
-            ["model"],
-            registry=self.registry,
-        )
-        self.scale_rejected = Counter(
-            "meridian_router_scale_from_zero_rejected",
-            "Requests answered 503 at once because the model's scale-from-zero queue was full.",
-            ["model"],
-            registry=self.registry,
-        )
-        self.scale_wait = Histogram(
-            "meridian_router_scale_from_zero_wait_seconds",
-            "How long held requests waited before a replica turned ready.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        version = Gauge(
-            "meridian_router_routing_table_version",
-            "Version of the routing table in use (-1 before one is loaded).",
-            registry=self.registry,
-        )
+        self.imbalance_fallbacks = self._gauge(
+            "meridian_router_imbalance_fallbacks_total", (),
+            "Requests the affinity policy sent least-load first because affinity would create a hot spot.")
+        self.rate_limited = self._counter(
+            "meridian_router_rate_limited", ("tenant", "limit"),
+            "Requests refused with 429 by tenant rate limits, by limit (requests or tokens).")
+        self.overhead = self._histogram(
+            "meridian_router_overhead_seconds", (),
+            "Time spent in the router itself before the upstream request (upstream waits excluded).", _OVERHEAD_BUCKETS)
+        self.scale_queued = self._gauge(
+            "meridian_router_scale_from_zero_queued", ("model",),
+            "Requests held while their model scales up from zero replicas.")
+        self.scale_up_requests = self._counter(
+            "meridian_router_scale_up_requests", ("model", "outcome"),
+            "Scale-up requests sent to the control plane, by outcome (ok, not_found, error).")
+        self.scale_timeouts = self._counter(
+            "meridian_router_scale_from_zero_timeouts", ("model",),
+            "Held requests answered 503 because no replica became ready in time.")
+        self.scale_rejected = self._counter(
+            "meridian_router_scale_from_zero_rejected", ("model",),
+            "Requests answered 503 at once because the model's scale-from-zero queue was full.")
+        self.scale_wait = self._histogram(
+            "meridian_router_scale_from_zero_wait_seconds", (),
+            "How long held requests waited before a replica turned ready.", _LATENCY_BUCKETS)
+        version = self._gauge(
+            "meridian_router_routing_table_version", (),
+            "Version of the routing table in use (-1 before one is loaded).")
         version.set_function(table_version)
+
+    def _counter(self, name: str, labels: Sequence[str], doc: str) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, labels: Sequence[str], doc: str) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
+
+    def _histogram(self, name: str, labels: Sequence[str], doc: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
 
     def set_reported_cache(self, loads: Mapping[str, NodeLoad]) -> None:
         """The nodes' own prefix-cache counters as last probed (to compare with the predictions)."""
