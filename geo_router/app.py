@@ -14,8 +14,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import (
     GENERATION_ROUTES,
     HEADER_REQUEST_ID,
@@ -86,6 +87,7 @@ from .selection import (
 from .sse import StreamTally
 from .table import LoadedTable, RoutingTableClient, TableSource
 from .tokens import estimate_prompt_tokens, estimate_tokens, usage_tokens
+from .upstream import make_upstream_client
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,7 @@ class RouterState:
     """Everything one router app owns (reachable as `app.state.router`)."""
 
     settings: RouterSettings
+    clock: Clock
     table_source: TableSource
     fleet: FleetState
     policy: RoutingPolicy
@@ -141,25 +144,43 @@ def create_app(
     table_source: TableSource | None = None,
     *,
     fleet: FleetState | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> FastAPI:
     """Build the router app; its lifespan starts the routing-table source and background work.
 
     Without `fleet`, node health is shared through Redis when `settings.redis_url` is set
     (the app then starts and stops that sync), else kept in this process. The same goes for
-    the approximate prefix index and the rate-limit counters.
+    the approximate prefix index and the rate-limit counters. `clock` is the one clock of
+    every part of the app that keeps time (tests pass a ManualClock).
     """
     source: TableSource = table_source if table_source is not None else RoutingTableClient(settings)
+    state, shared_fleet = _build_state(settings, source, fleet, clock)
+    app = FastAPI(title="Meridian geo router", lifespan=_lifespan(state, shared_fleet),
+                  docs_url=None, redoc_url=None)
+    app.state.router = state
+    install_error_handlers(app)
+    for route in MODEL_ROUTES:
+        _add_model_route(app, state, route)
+    _add_other_routes(app, state)
+    return app
+
+
+def _build_state(
+    settings: RouterSettings, source: TableSource, fleet: FleetState | None, clock: Clock
+) -> tuple[RouterState, RedisFleetState | None]:
+    """Every part of one router app, wired together; the Redis fleet state when one is made
+    here (its sync is then the app's to start and stop)."""
     shared_fleet: RedisFleetState | None = None
     fleet_state: FleetState
     if fleet is not None:
         fleet_state = fleet
     elif settings.redis_url:
-        fleet_state = shared_fleet = RedisFleetState.from_settings(settings)
+        fleet_state = shared_fleet = RedisFleetState.from_settings(settings, clock)
     else:
-        fleet_state = InProcessFleetState.from_settings(settings)
+        fleet_state = InProcessFleetState.from_settings(settings, clock)
     history: PrefixHistory = (
-        RedisPrefixHistory.from_settings(settings) if settings.redis_url
-        else InProcessPrefixHistory.from_settings(settings)
+        RedisPrefixHistory.from_settings(settings, clock=clock) if settings.redis_url
+        else InProcessPrefixHistory.from_settings(settings, clock=clock)
     )
 
     def table_version() -> float:
@@ -167,7 +188,7 @@ def create_app(
         return float(loaded.version) if loaded is not None else -1.0
 
     metrics = RouterMetrics(table_version)
-    prober = NodeProber(settings, fleet_state)
+    prober = NodeProber(settings, fleet_state, clock=clock.monotonic)
     kv_index = KVIndex(settings.kv_index_max_blocks_per_node)
     prefixes = PrefixKeyBuilder(settings)
     affinity = Affinity(
@@ -175,16 +196,17 @@ def create_app(
         default_service_ms=settings.default_service_ms,
         balance_half_life_s=settings.affinity_balance_half_life_s,
         use_kv_events=settings.kv_events_enabled,
+        clock=clock.monotonic,
     )
-    breaker = CircuitBreaker.from_settings(settings, fleet_state)
     state = RouterState(
         settings=settings,
+        clock=clock,
         table_source=source,
         fleet=fleet_state,
         policy=create_policy(settings.routing_policy, settings),
         metrics=metrics,
         forwarder=UpstreamForwarder(
-            settings, fleet_state, metrics,
+            settings, fleet_state, metrics, make_upstream_client(settings, clock),
             retry_budget=RetryBudget.from_settings(settings),
             journal=RequestJournal(settings.request_journal_path),
             on_first_byte=lambda node_id, s: _first_byte(state, node_id, s),
@@ -196,8 +218,8 @@ def create_app(
         history=history,
         prefixes=prefixes,
         affinity=affinity,
-        breaker=breaker,
-        rate_limiter=create_rate_limiter(settings),
+        breaker=CircuitBreaker.from_settings(settings, fleet_state),
+        rate_limiter=create_rate_limiter(settings, clock),
         locator=ClientLocator(settings),
         rtt=RttEstimator.from_settings(settings),
         response_ids=ResponseIds(settings.cluster_token.get_secret_value()),
@@ -208,14 +230,22 @@ def create_app(
         policy = state.policy
         metrics.imbalance_fallbacks.set_function(lambda: policy.imbalance_fallbacks)
     source.add_listener(lambda loaded: _on_table(state, loaded))
+    return state, shared_fleet
+
+
+def _lifespan(
+    state: RouterState, shared_fleet: RedisFleetState | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Starts the app's background parts in order, and stops them in reverse."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        source = state.table_source
         async with AsyncExitStack() as stack:
             if shared_fleet is not None:
                 await shared_fleet.start()
                 stack.push_async_callback(shared_fleet.stop)
-            for part in (history, state.rate_limiter):
+            for part in (state.history, state.rate_limiter):
                 await part.start()
                 stack.push_async_callback(part.stop)
             stack.callback(state.locator.close)
@@ -223,9 +253,9 @@ def create_app(
             stack.push_async_callback(source.stop)
             stack.push_async_callback(state.scale_from_zero.aclose)
             stack.push_async_callback(state.forwarder.aclose)
-            await prober.start()
-            stack.push_async_callback(prober.stop)
-            if settings.kv_events_enabled:
+            await state.prober.start()
+            stack.push_async_callback(state.prober.stop)
+            if state.settings.kv_events_enabled:
                 await state.kv_events.start()
                 stack.push_async_callback(state.kv_events.stop)
             # A static source never announces its first table; a polled one may have
@@ -237,12 +267,12 @@ def create_app(
             stack.push_async_callback(_cancel, refine)
             yield
 
-    app = FastAPI(title="Meridian geo router", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.router = state
-    install_error_handlers(app)
+    return lifespan
 
-    for route in MODEL_ROUTES:
-        _add_model_route(app, state, route)
+
+def _add_other_routes(app: FastAPI, state: RouterState) -> None:
+    """Stored responses, the model list, health and metrics."""
+    settings, source, metrics = state.settings, state.table_source, state.metrics
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Response:
@@ -284,10 +314,9 @@ def create_app(
         token = bearer_token(request.headers.get("authorization"))
         if token is None or not any(constant_time_equals(token, t) for t in scrapers):
             raise InvalidApiKey("/metrics needs the router's metrics token or the cluster token.")
-        metrics.set_reported_cache(prober.loads())
+        metrics.set_reported_cache(state.prober.loads())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
 
 
 def _add_model_route(app: FastAPI, state: RouterState, route: str) -> None:
@@ -361,47 +390,13 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         stored: StoredResponse | None = None
         if route == "/v1/responses":
             inference, stored = follow_up(state.response_ids, inference, tenant)
-        try:
-            # Counting, tokenizing and embedding generate nothing: only the prompt is charged.
-            budget = state.settings.rate_limit_default_completion_tokens if route in GENERATION_ROUTES else 0
-            admission = state.rate_limiter.admit(tenant, estimate_tokens(inference.payload, budget))
-        except RateLimited as exc:
-            state.metrics.rate_limited.labels(tenant.tenant, exc.type_).inc()
-            raise
+        admission = _admit(state, route, tenant, inference)
         peer = request.client.host if request.client else None
         location = state.locator.locate(request.headers, peer, loaded.regions)
-        queued_s = 0.0
-        try:
-            candidates = state.select(loaded, tenant, inference.model, location)
-        except (ModelNotFound, NoHealthyReplica, NoReplicaInZone):
-            if awaiting_scale_up(loaded, tenant, inference.model) is None:
-                raise
-            held_at = time.perf_counter()
-            candidates = await state.scale_from_zero.hold(
-                tenant,
-                inference.model,
-                location,
-                lambda table: state.select(table, tenant, inference.model, location),
-                request.receive,
-            )
-            queued_s = time.perf_counter() - held_at
+        candidates, queued_s = await _candidates(state, loaded, tenant, inference, location, request)
         if stored is not None:
             candidates = pinned(loaded, candidates, stored, inference.model)
-        candidates, prefix = state.affinity.annotate(candidates, inference.model, inference.payload)
-        ctx = RoutingContext(
-            tenant=tenant,
-            model=inference.model,
-            stream=inference.stream,
-            client_location=location,
-            request_id=request_id,
-            payload=inference.payload,
-        )
-        ordered = state.policy.order(candidates, ctx)
-        choice = state.affinity.chosen(ordered[0], inference.model, prefix) if ordered else None
-        if choice is not None:
-            labels = (ordered[0].region.name, choice.node_id)
-            state.metrics.prompt_tokens.labels(*labels).inc(choice.prompt_tokens)
-            state.metrics.predicted_cache_hits.labels(*labels).inc(choice.predicted_hit_tokens)
+        ordered = _ordered(state, candidates, tenant, inference, location, request_id)
         # Until the answer starts, nothing else notices the client leaving: the node would
         # go on generating a whole non-streamed answer (or a stream's prefill) for nobody.
         watch = ClientWatch(request.scope, request.receive)
@@ -430,6 +425,69 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
     except RouterError as exc:
         state.metrics.requests.labels("", "", str(exc.status)).inc()
         raise
+
+
+def _admit(state: RouterState, route: str, tenant: TenantEntry, inference: InferenceRequest) -> Admission:
+    """The tenant's rate limits charged for this request (RateLimited, counted, if over)."""
+    try:
+        # Counting, tokenizing and embedding generate nothing: only the prompt is charged.
+        budget = state.settings.rate_limit_default_completion_tokens if route in GENERATION_ROUTES else 0
+        return state.rate_limiter.admit(tenant, estimate_tokens(inference.payload, budget))
+    except RateLimited as exc:
+        state.metrics.rate_limited.labels(tenant.tenant, exc.type_).inc()
+        raise
+
+
+async def _candidates(
+    state: RouterState,
+    loaded: LoadedTable,
+    tenant: TenantEntry,
+    inference: InferenceRequest,
+    location: Point | None,
+    request: Request,
+) -> tuple[list[Candidate], float]:
+    """The replicas that may serve, and how long the request was held for one to scale up."""
+    try:
+        return state.select(loaded, tenant, inference.model, location), 0.0
+    except (ModelNotFound, NoHealthyReplica, NoReplicaInZone):
+        if awaiting_scale_up(loaded, tenant, inference.model) is None:
+            raise
+    held_at = time.perf_counter()
+    candidates = await state.scale_from_zero.hold(
+        tenant,
+        inference.model,
+        location,
+        lambda table: state.select(table, tenant, inference.model, location),
+        request.receive,
+    )
+    return candidates, time.perf_counter() - held_at
+
+
+def _ordered(
+    state: RouterState,
+    candidates: list[Candidate],
+    tenant: TenantEntry,
+    inference: InferenceRequest,
+    location: Point | None,
+    request_id: str,
+) -> list[Candidate]:
+    """The candidates in the policy's order, counting the first choice's predicted cache hits."""
+    candidates, prefix = state.affinity.annotate(candidates, inference.model, inference.payload)
+    ctx = RoutingContext(
+        tenant=tenant,
+        model=inference.model,
+        stream=inference.stream,
+        client_location=location,
+        request_id=request_id,
+        payload=inference.payload,
+    )
+    ordered = state.policy.order(candidates, ctx)
+    choice = state.affinity.chosen(ordered[0], inference.model, prefix) if ordered else None
+    if choice is not None:
+        labels = (ordered[0].region.name, choice.node_id)
+        state.metrics.prompt_tokens.labels(*labels).inc(choice.prompt_tokens)
+        state.metrics.predicted_cache_hits.labels(*labels).inc(choice.predicted_hit_tokens)
+    return ordered
 
 
 async def _stored_response(state: RouterState, request: Request, response_id: str, method: str, suffix: str) -> Response:

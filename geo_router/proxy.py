@@ -442,19 +442,7 @@ class UpstreamForwarder:
             origin = self._client.origin(candidate.node.url)
         except ValueError as exc:
             raise _NodeFailed(FailureReason.PROTOCOL, str(exc)) from None
-        head = (
-            f"{method} {origin.base_path}{route} HTTP/1.1\r\n"
-            f"host: {origin.authority}\r\n"
-            "content-type: application/json\r\n"
-            f"accept: {'text/event-stream' if request.stream else 'application/json'}\r\n"
-            # Bytes are passed through untouched, so ask for them uncompressed.
-            "accept-encoding: identity\r\n"
-            # request_id is a sanitised token (request_id_for): no header injection.
-            f"{HEADER_REQUEST_ID}: {request_id}\r\n"
-            # Nodes serve routers only; the tenant's own key never leaves the router.
-            f"authorization: {self._node_auth}\r\n"
-            f"content-length: {len(request.body)}\r\n\r\n"
-        ).encode("latin-1")
+        head = self._request_head(method, origin, route, request, request_id)
         await self._take_slot()
         conn: UpstreamConnection | None = None
         committed = False
@@ -480,17 +468,7 @@ class UpstreamForwarder:
                     headers.update(reply_headers)
                     return Response(body, status_code=status, headers=headers)
                 framer = SSEFramer(headers.get("content-type", "").startswith("text/event-stream"))
-                first, ended = b"", False
-                while not first:
-                    try:
-                        async with asyncio.timeout(self.read_timeout_s):
-                            chunk = await conn.read_chunk()
-                    except TimeoutError:  # the read timeout (the deadline's expiry arrives as a cancel)
-                        raise UpstreamError(FailureReason.TIMEOUT, f"no event within {self.read_timeout_s:g}s") from None
-                    if not chunk:
-                        first, ended = framer.flush(), True
-                        break
-                    first = framer.feed(chunk)
+                first, ended = await self._first_event(conn, framer)
                 committed = True
         except UpstreamError as exc:
             raise _NodeFailed(exc.reason, str(exc)) from None
@@ -521,3 +499,35 @@ class UpstreamForwarder:
         headers.update(reply_headers)
         return _UpstreamStreamingResponse(stream, status, headers)
 
+    def _request_head(
+        self, method: str, origin: Origin, route: str, request: InferenceRequest, request_id: str
+    ) -> bytes:
+        """The HTTP/1.1 request line and headers sent to the node."""
+        return (
+            f"{method} {origin.base_path}{route} HTTP/1.1\r\n"
+            f"host: {origin.authority}\r\n"
+            "content-type: application/json\r\n"
+            f"accept: {'text/event-stream' if request.stream else 'application/json'}\r\n"
+            # Bytes are passed through untouched, so ask for them uncompressed.
+            "accept-encoding: identity\r\n"
+            # request_id is a sanitised token (request_id_for): no header injection.
+            f"{HEADER_REQUEST_ID}: {request_id}\r\n"
+            # Nodes serve routers only; the tenant's own key never leaves the router.
+            f"authorization: {self._node_auth}\r\n"
+            f"content-length: {len(request.body)}\r\n\r\n"
+        ).encode("latin-1")
+
+    async def _first_event(self, conn: UpstreamConnection, framer: SSEFramer) -> tuple[bytes, bool]:
+        """A stream's first complete event (whatever the node sent, if it ended before one),
+        and whether the stream has ended; each read within the read timeout."""
+        while True:
+            try:
+                async with asyncio.timeout(self.read_timeout_s):
+                    chunk = await conn.read_chunk()
+            except TimeoutError:  # the read timeout (the deadline's expiry arrives as a cancel)
+                raise UpstreamError(FailureReason.TIMEOUT, f"no event within {self.read_timeout_s:g}s") from None
+            if not chunk:
+                return framer.flush(), True
+            first = framer.feed(chunk)
+            if first:
+                return first, False
