@@ -5,7 +5,7 @@ import pytest
 
 import providers.aws.offerings as aws
 import providers.gcp.offerings as gcp
-from providers.catalog import PROVIDERS, load_catalog, per_gpu_hour
+from providers.catalog import load_catalog, per_gpu_hour
 from providers.offerings import CatalogDataError
 from providers.onprem.inventory import InventoryError, load_inventory
 from providers.onprem.offerings import host_capacity, onprem_capacity
@@ -212,7 +212,7 @@ def test_duplicate_site_is_an_error(tmp_path):
 
 def test_every_offering_is_in_a_known_region_with_a_known_sku():
     catalog, regions = load_catalog(), region_catalog()
-    assert {o.provider for o in catalog.offerings} == set(PROVIDERS)
+    assert {o.provider for o in catalog.offerings} == set(catalog.providers) == {"aws", "gcp", "onprem"}
     for o in catalog.offerings:
         assert o.region in regions, o
         assert regions[o.region].provider == o.provider
