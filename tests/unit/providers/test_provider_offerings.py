@@ -261,7 +261,9 @@ def test_catalog_queries(tmp_path):
 
 
 def test_catalog_imports_no_cloud_sdk():
-    code = ("import sys, providers.catalog; "
+    # Loading the catalog and the regions imports every registered provider's description, and no SDK.
+    code = ("import sys, providers.catalog, providers.regions; "
+            "providers.catalog.load_catalog(); providers.regions.region_catalog(); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('boto3', 'botocore', 'google')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
