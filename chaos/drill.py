@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from meridian.contracts import REGION_PATTERN, ZONE_PATTERN
+from meridian.contracts import REGION_PATTERN, ZONE_PATTERN, ProviderName
+from meridian.registry import UnknownName
+from providers.provider import PROVIDERS
 
 MAX_SHORT_DURATION_S = 60.0
 DRILLS_DIR = Path(__file__).parent / "drills"
@@ -171,7 +173,7 @@ class Target(_Spec):
 
     node: str | None = None
     region: str | None = Field(None, pattern=REGION_PATTERN)
-    provider: Literal["aws", "gcp", "onprem"] | None = None
+    provider: ProviderName | None = None
     service: Service | None = None
     model: str | None = None
 
@@ -183,6 +185,14 @@ class Target(_Spec):
             and (self.node in (None, "any") or node_id == self.node)
             and (self.model is None or self.model in models)
         )
+
+    @field_validator("provider")
+    @classmethod
+    def _registered(cls, provider: str | None) -> str | None:
+        """A provider of the registry (providers.provider.PROVIDERS); the error lists them."""
+        if provider is not None and provider not in PROVIDERS:
+            raise ValueError(str(UnknownName(PROVIDERS.kind, provider, PROVIDERS.names())))
+        return provider
 
     @model_validator(mode="after")
     def _not_empty(self) -> Target:

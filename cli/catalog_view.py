@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from providers.catalog import PROVIDERS, Catalog, per_gpu_hour
+from providers.catalog import Catalog, per_gpu_hour
 
 PRICE_NOTE = (
     "$/GPU-h: cheapest on-demand price of an instance divided by its GPUs. gcp n1+NxGPU offerings price "
@@ -16,8 +16,11 @@ def _money(value: float | None) -> str:
     return "-" if value is None else f"${value:,.3f}"
 
 
-def gpus_table(catalog: Catalog, providers: tuple[str, ...] = PROVIDERS) -> Table:
-    """One row per SKU that is offered: memory, speed, GPUs per instance, cheapest $/GPU-hour per provider."""
+def gpus_table(catalog: Catalog, providers: tuple[str, ...] | None = None) -> Table:
+    """One row per SKU that is offered: memory, speed, GPUs per instance, cheapest $/GPU-hour per
+    provider (those given, or every provider of the catalog)."""
+    if providers is None:
+        providers = catalog.providers
     table = Table(title="GPU SKUs", header_style="bold", caption=PRICE_NOTE)
     table.add_column("SKU")
     table.add_column("Memory", justify="right")

@@ -355,7 +355,7 @@ def catalog_gpus(
     sku: Annotated[
         str | None, typer.Argument(help="List this SKU's offerings (any spelling: H100-SXM, a100 80gb)")
     ] = None,
-    provider: Annotated[str | None, typer.Option(help="aws, gcp or onprem")] = None,
+    provider: Annotated[str | None, typer.Option(help="A registered provider: aws, gcp, onprem, ...")] = None,
     region: Annotated[str | None, typer.Option(help="Only this region, e.g. aws:us-east-1")] = None,
     onprem_inventory: Annotated[
         Path | None, typer.Option(envvar="MERIDIAN_CP_ONPREM_INVENTORY", help="On-prem inventory YAML")
@@ -363,13 +363,15 @@ def catalog_gpus(
 ) -> None:
     """Show GPU SKUs with the cheapest $/GPU-hour per provider, or one SKU's offerings."""
     from cli.catalog_view import gpus_table, sku_offerings_table
-    from providers.catalog import PROVIDERS, load_catalog
+    from meridian.registry import UnknownName
+    from providers.catalog import load_catalog
     from providers.onprem.inventory import InventoryError
+    from providers.provider import PROVIDERS
     from providers.regions import region_catalog
     from providers.skus import UnknownGpuError, normalise_gpu_name
 
     if provider is not None and provider not in PROVIDERS:
-        err_console.print(f"[red]unknown provider {provider!r}: use one of {', '.join(PROVIDERS)}[/red]")
+        err_console.print(f"[red]{UnknownName(PROVIDERS.kind, provider, PROVIDERS.names())}[/red]")
         raise typer.Exit(2)
     try:
         catalog = load_catalog(onprem_inventory)
@@ -388,7 +390,7 @@ def catalog_gpus(
     if canonical is not None:
         console.print(sku_offerings_table(catalog, canonical))
     else:
-        console.print(gpus_table(catalog, (provider,) if provider else PROVIDERS))
+        console.print(gpus_table(catalog, (provider,) if provider else catalog.providers))
 
 
 @app.command("demo")

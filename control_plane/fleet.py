@@ -14,6 +14,7 @@ from control_plane.context import AppContext
 from control_plane.leader import Deposed, Fence, LeaderElector, make_elector
 from control_plane.reconciler import Reconciler, default_drivers
 from meridian.backoff import Backoff
+from providers.provider import PROVIDERS
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ async def fleet_loops(ctx: AppContext) -> AsyncIterator[LeaderElector | None]:
     stop = asyncio.Event()
     tasks = [asyncio.create_task(elector.run(stop), name="meridian-leader")]
     if settings.reconciler_enabled:
-        drivers = await asyncio.to_thread(default_drivers, settings.onprem_inventory)
+        # The process-wide registry, so that a provider registered in this process has its driver.
+        drivers = await asyncio.to_thread(default_drivers, settings.onprem_inventory, providers=PROVIDERS)
         loop = run_while_leading(
             "reconciler", settings.reconcile_interval_s, elector, Reconciler(ctx, drivers).tick, stop
         )

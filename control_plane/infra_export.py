@@ -113,6 +113,9 @@ def _region(r: RegionInfo, catalog: Catalog) -> InfraRegion:
 
 
 def _cloud(r: RegionInfo) -> Literal["aws", "gcp"]:
-    if r.provider == "onprem":
-        raise InfraExportError(f"the global stack needs a cloud region, not {r.name}")
-    return r.provider
+    """The cloud of the global stack's region: iac builds it on AWS or GCP only."""
+    if r.provider == "aws":
+        return "aws"
+    if r.provider == "gcp":
+        return "gcp"
+    raise InfraExportError(f"the global stack needs a cloud region, not {r.name}")

@@ -105,6 +105,10 @@ def _group_order(g: InfraGroup) -> tuple[str, str, bool]:
     return (g.model, g.instance_type, g.spot)
 
 
+# The providers iac has stacks for (iac.aws, iac.gcp, iac.onprem).
+STACK_PROVIDERS = ("aws", "gcp", "onprem")
+
+
 def region_stacks(plan: InfraPlan) -> list[RegionStack]:
     """The region stacks, by name: every cloud region with a group, the global region (its network
     holds Postgres and Redis) and every on-prem site with Kubernetes. An inventory-only on-prem
@@ -115,6 +119,10 @@ def region_stacks(plan: InfraPlan) -> list[RegionStack]:
     for region in sorted(plan.regions, key=lambda r: r.name):
         if region.name not in used:
             continue
+        if region.provider not in STACK_PROVIDERS:
+            # The plan format takes any registered provider; Terraform stacks exist for these alone.
+            raise PlanError(f"{region.name}: iac has no stacks for provider {region.provider!r} "
+                            f"(it synthesises {', '.join(STACK_PROVIDERS)})")
         site = sites.get(region.name)
         if region.provider == "onprem" and (site is None or site.kubernetes is None):
             continue

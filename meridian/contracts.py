@@ -22,8 +22,12 @@ from pydantic import (
     model_serializer,
 )
 
+# Providers are registered by name (providers.provider.PROVIDERS; the kernel does not know
+# which), so the kernel accepts any well-formed name and the layer that holds the registry
+# (the control plane, the CLI, chaos) refuses one that is not registered.
+PROVIDER_PATTERN = r"^[a-z][a-z0-9-]{0,15}$"
 # Region names are "<provider>:<location>", e.g. "aws:us-east-1", "onprem:tokyo-1".
-REGION_PATTERN = r"^(aws|gcp|onprem):[a-z0-9][a-z0-9-]{0,62}$"
+REGION_PATTERN = r"^[a-z][a-z0-9-]{0,15}:[a-z0-9][a-z0-9-]{0,62}$"
 NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 # Residency zones are short lowercase names; "global" means "may be served anywhere".
 ZONE_PATTERN = r"^[a-z][a-z0-9-]{0,31}$"
@@ -43,6 +47,7 @@ HEADER_OVERHEAD_MS = "x-meridian-overhead-ms"
 # after an outage the control plane waits this long (plus the TTL) before expiring anyone.
 HEARTBEAT_RETRY_MAX_S = 10.0
 
+ProviderName = Annotated[str, Field(pattern=PROVIDER_PATTERN)]
 RegionName = Annotated[str, Field(pattern=REGION_PATTERN)]
 NodeId = Annotated[str, Field(pattern=NODE_ID_PATTERN)]
 ZoneName = Annotated[str, Field(pattern=ZONE_PATTERN)]
@@ -192,7 +197,7 @@ class RegionInfo(_Wire):
     """A region as routers see it: where it is and which residency zones it belongs to."""
 
     name: RegionName
-    provider: Literal["aws", "gcp", "onprem"]
+    provider: ProviderName
     location: str
     zones: list[ZoneName]
     latitude: float = Field(ge=-90, le=90)

@@ -18,10 +18,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from meridian.contracts import GLOBAL_ZONE, NODE_ID_PATTERN, ModelName, RegionName, ZoneName
+from meridian.contracts import GLOBAL_ZONE, NODE_ID_PATTERN, ModelName, ProviderName, RegionName, ZoneName
 
 FORMAT = "meridian-infra-plan/v1"
-Provider = Literal["aws", "gcp", "onprem"]
 
 
 class _Strict(BaseModel):
@@ -32,7 +31,8 @@ class InfraRegion(_Strict):
     """A region the plan uses; `location` is the cloud's own region name ("us-east-1")."""
 
     name: RegionName
-    provider: Provider
+    # Any well-formed provider name: iac refuses a plan with a provider it has no stacks for.
+    provider: ProviderName
     location: str = Field(min_length=1, max_length=63)
     zones: list[ZoneName] = Field(min_length=1)
     # The availability zones to spread a group over: AWS zone IDs ("use1-az1", the same

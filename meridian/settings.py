@@ -10,10 +10,11 @@ CLI flags override the environment.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 from pydantic import AliasChoices, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from meridian.contracts import ProviderName
 
 _CLUSTER_TOKEN = Field(
     validation_alias=AliasChoices("MERIDIAN_CLUSTER_TOKEN", "cluster_token"),
@@ -88,8 +89,9 @@ class ProviderSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MERIDIAN_PROVIDER_", extra="ignore")
 
-    # Providers whose drivers the reconciler uses; the on-prem one needs no credentials.
-    enabled: list[Literal["aws", "gcp", "onprem"]] = Field(default_factory=lambda: ["onprem"])
+    # Providers whose drivers the reconciler uses; the on-prem one needs no credentials. Any
+    # registered provider (providers.provider.PROVIDERS), checked where the drivers are built.
+    enabled: list[ProviderName] = Field(default_factory=lambda: ["onprem"])
     # AWS: credentials come from boto3's usual chain (env, profile, instance role).
     # An endpoint URL points every AWS client at an S3/EC2-compatible stand-in (moto in tests).
     aws_endpoint_url: str | None = None

@@ -1,7 +1,9 @@
 """The GPU catalog placement works from: canonical SKUs and every provider's offerings of them.
 
-Built fresh by `load_catalog` from the vendored AWS/GCP rows and the on-prem inventory; nothing
-is cached at module level, so a changed inventory file is seen by the next load.
+Built fresh by `load_catalog` from the registered providers (`providers.provider.PROVIDERS`:
+the built-ins read vendored AWS/GCP rows and the on-prem inventory), so a provider registered
+later is in the next catalog with no change here; nothing is cached at module level, so a
+changed inventory file is seen by the next load too.
 """
 
 from __future__ import annotations
@@ -9,14 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from providers.aws import offerings as aws_offerings
-from providers.gcp import offerings as gcp_offerings
 from providers.offerings import Offering
-from providers.onprem import offerings as onprem_offerings
 from providers.onprem.inventory import Inventory, load_inventory
+from providers.provider import PROVIDERS, ProviderRegistry
 from providers.skus import SKUS, GpuSku, normalise_gpu_name
-
-PROVIDERS = ("aws", "gcp", "onprem")
 
 
 def per_gpu_hour(offering: Offering, spot: bool = False) -> float | None:
@@ -31,6 +29,8 @@ class Catalog:
 
     skus: dict[str, GpuSku]
     offerings: tuple[Offering, ...]
+    # The providers it was built from, in name order (one may have no offerings).
+    providers: tuple[str, ...]
     # Most instances of an offering there are, keyed by (region, instance type). Absent means the
     # catalog knows no limit (clouds: quotas are enforced at provisioning time, not here).
     host_limits: dict[tuple[str, str], int] = field(default_factory=dict)
@@ -97,13 +97,16 @@ def _price_order(o: Offering) -> tuple[bool, float, int, str, str]:
     return (p is None, round(p, 6) if p is not None else 0.0, o.gpu_count, o.region, o.instance_type)
 
 
-def load_catalog(onprem_inventory: Path | Inventory | None = None) -> Catalog:
-    """The catalog from the vendored AWS and GCP rows and the on-prem inventory (built-in when None)."""
-    inventory = load_inventory(onprem_inventory)
+def load_catalog(
+    onprem_inventory: Path | Inventory | None = None, providers: ProviderRegistry | None = None
+) -> Catalog:
+    """The catalog of every registered provider (`PROVIDERS` unless given), on-prem sites from
+    the inventory (built-in when None)."""
+    sites = load_inventory(onprem_inventory)
+    described = (providers or PROVIDERS).descriptions()
     return Catalog(
         skus=dict(SKUS),
-        offerings=(
-            *aws_offerings.offerings(), *gcp_offerings.offerings(), *onprem_offerings.offerings(inventory)
-        ),
-        host_limits=onprem_offerings.host_capacity(inventory),
+        offerings=tuple(o for d in described for o in d.offerings(sites)),
+        providers=tuple(d.name for d in described),
+        host_limits={key: n for d in described for key, n in d.host_limits(sites).items()},
     )

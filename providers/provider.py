@@ -1,19 +1,29 @@
 """One provider behind one small protocol: what it sells, where, how much of it we may use,
 and the driver that grows and shrinks its node groups.
 
-Providers are registered by name (`register_provider`); the built-in ones are imported
-only when asked for, so a control plane that runs on-prem only never imports boto3 or
-google-cloud-compute (each cloud's SDK is imported inside its own package only).
+A provider is registered once, by name, as a `ProviderDescription`: its regions and its
+catalog offerings (read from data alone, with no SDK and no credentials, so the catalog, the
+placement solver and the routing table can list it anywhere) and the factory of the live
+`Provider` (SDK clients, quotas, the node-group driver). The catalog and the region list
+iterate the registered descriptions, so one `PROVIDERS.register_provider(...)` call is all
+a fourth provider needs to show up in `meridian catalog gpus`, in placement plans and in
+the routing table.
+
+Built-ins are `"module:attr"` strings (`meridian.registry.Registry`), and each built-in's
+factory is one too: listing the catalog imports only the vendored rows, and a control plane
+that runs on-prem only never imports boto3 or google-cloud-compute (each cloud's SDK is
+imported inside its own package only). An unknown name is `meridian.registry.UnknownName`,
+which lists the registered providers.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, cast, runtime_checkable
 
 from meridian.contracts import RegionInfo
+from meridian.registry import Registry, load_target
 from meridian.settings import ProviderSettings
 from providers.driver import NodeGroupDriver
 from providers.offerings import Offering
@@ -73,45 +83,87 @@ class ProviderConfig:
 
 ProviderFactory = Callable[[ProviderConfig], Provider]
 
-# Built-in providers by name, as "module:attribute" so that an SDK is imported only when used.
-_BUILTIN = {
-    "aws": "providers.aws.provider:AwsProvider.from_config",
-    "gcp": "providers.gcp.provider:GcpProvider.from_config",
-    "onprem": "providers.onprem.provider:OnPremProvider.from_config",
-}
+
+def _no_host_limits(sites: Inventory) -> dict[tuple[str, str], int]:
+    return {}
 
 
-class UnknownProviderError(LookupError):
-    """No provider is registered under that name."""
+@dataclass(frozen=True, slots=True)
+class ProviderDescription:
+    """A provider as registered: what it sells and where, and how to build the live provider.
 
+    `regions`, `offerings` and `host_limits` are read from data (vendored catalog rows, a
+    site inventory) without an SDK or credentials. Each takes `sites`, the parsed on-prem
+    inventory of this control plane: the one input a provider's listing may depend on that
+    varies between installations (a cloud's listing ignores it). `host_limits` is the most
+    instances of an offering there are, by (region, instance type), for providers of finite
+    sites; a cloud has none (its quotas are enforced when it provisions). `factory` builds
+    the live provider; a `"module:attr"` string is imported only then, so that listing a
+    provider never loads its SDK.
+    """
 
-class ProviderRegistry:
-    """Provider factories by name; the built-ins are there from the start."""
+    name: str
+    regions: Callable[[Inventory], list[RegionInfo]]
+    offerings: Callable[[Inventory], list[Offering]]
+    factory: ProviderFactory | str
+    host_limits: Callable[[Inventory], dict[tuple[str, str], int]] = _no_host_limits
 
-    def __init__(self) -> None:
-        self._factories: dict[str, ProviderFactory | str] = dict(_BUILTIN)
+    @classmethod
+    def fixed(
+        cls,
+        name: str,
+        *,
+        regions: Callable[[], list[RegionInfo]],
+        offerings: Callable[[], list[Offering]],
+        factory: ProviderFactory | str,
+    ) -> ProviderDescription:
+        """A provider whose listing is the same in every installation (a cloud's vendored rows)."""
+        return cls(name, regions=lambda sites: regions(), offerings=lambda sites: offerings(), factory=factory)
 
-    def register_provider(self, name: str, factory: ProviderFactory) -> None:
-        """Make `factory` the provider called `name` (replacing a built-in of that name)."""
-        self._factories[name] = factory
-
-    def names(self) -> list[str]:
-        return sorted(self._factories)
-
-    def create(self, name: str, config: ProviderConfig) -> Provider:
-        """A new provider object; UnknownProviderError when `name` is not registered."""
-        try:
-            factory = self._factories[name]
-        except KeyError:
-            raise UnknownProviderError(f"unknown provider {name!r}; known: {', '.join(self.names())}") from None
+    def create(self, config: ProviderConfig) -> Provider:
+        """A new live provider object (imports the factory's module if it is a string)."""
+        factory = self.factory
         if isinstance(factory, str):
-            factory = _load(factory)
+            factory = cast(ProviderFactory, load_target(factory))
         return factory(config)
 
 
-def _load(target: str) -> ProviderFactory:
-    module_name, _, attr_path = target.partition(":")
-    obj: object = importlib.import_module(module_name)
-    for attr in attr_path.split("."):
-        obj = getattr(obj, attr)
-    return obj  # type: ignore[return-value]
+# Built-in providers by name: light modules of vendored data (no SDK) that name their factories.
+_BUILTIN = {
+    "aws": "providers.aws.description:DESCRIPTION",
+    "gcp": "providers.gcp.description:DESCRIPTION",
+    "onprem": "providers.onprem.description:DESCRIPTION",
+}
+
+
+class ProviderRegistry(Registry[ProviderDescription]):
+    """Provider descriptions by name; the built-ins are there from the start.
+
+    `PROVIDERS` below is the process-wide one that the catalog, the region list and the
+    control plane read; a test or an app that needs its own takes `PROVIDERS.copy()`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("provider", _BUILTIN)
+
+    def register_provider(self, description: ProviderDescription) -> ProviderDescription:
+        """Make `description` the provider called `description.name` (replacing a built-in of that name)."""
+        return self.register(description.name, description)
+
+    def descriptions(self) -> list[ProviderDescription]:
+        """Every registered provider, in name order (built-ins imported now)."""
+        return [self.get(name) for name in self.names()]
+
+    def create(self, name: str, config: ProviderConfig) -> Provider:
+        """A new provider object; UnknownName (listing the known providers) when `name` is not registered."""
+        return self.get(name).create(config)
+
+    def copy(self) -> ProviderRegistry:
+        """A registry of its own with the same providers."""
+        other = ProviderRegistry()
+        for name in self.names():
+            other.register(name, self.get(name))
+        return other
+
+
+PROVIDERS = ProviderRegistry()

@@ -1,19 +1,18 @@
-"""Every region Meridian knows, across providers, keyed by name ("aws:us-east-1")."""
+"""Every region Meridian knows, across the registered providers, keyed by name ("aws:us-east-1")."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from meridian.contracts import RegionInfo
-from providers.aws import regions as aws_regions
-from providers.gcp import regions as gcp_regions
-from providers.onprem import regions as onprem_regions
-from providers.onprem.inventory import Inventory
+from providers.onprem.inventory import Inventory, load_inventory
+from providers.provider import PROVIDERS, ProviderRegistry
 
 
-def region_catalog(onprem_inventory: Path | Inventory | None = None) -> dict[str, RegionInfo]:
-    """All known regions of all providers; on-prem sites come from the inventory file."""
-    out: dict[str, RegionInfo] = {}
-    for r in [*aws_regions.regions(), *gcp_regions.regions(), *onprem_regions.regions(onprem_inventory)]:
-        out[r.name] = r
-    return out
+def region_catalog(
+    onprem_inventory: Path | Inventory | None = None, providers: ProviderRegistry | None = None
+) -> dict[str, RegionInfo]:
+    """All regions of all registered providers (`PROVIDERS` unless given); on-prem sites come
+    from the inventory file (built-in when None)."""
+    sites = load_inventory(onprem_inventory)
+    return {r.name: r for d in (providers or PROVIDERS).descriptions() for r in d.regions(sites)}

@@ -21,10 +21,11 @@ from chaos.environment import InjectionError
 from chaos.faults.injector import Injector
 from chaos.history import History, Outcome
 from meridian.contracts import NodeStatus
+from meridian.registry import UnknownName
 from meridian.settings import ProviderSettings
 from providers.driver import FailsInstances
 from providers.errors import ProviderError
-from providers.provider import ProviderConfig, ProviderRegistry, UnknownProviderError
+from providers.provider import PROVIDERS, ProviderConfig
 
 if TYPE_CHECKING:
     from chaos.deployed import DeployedEnvironment, DeployedNode
@@ -174,8 +175,8 @@ class TerminateInstance:
 
     async def _terminate(self, node: DeployedNode) -> None:
         try:
-            provider = ProviderRegistry().create(node.provider, ProviderConfig(ProviderSettings()))
-        except UnknownProviderError as exc:
+            provider = PROVIDERS.create(node.provider, ProviderConfig(ProviderSettings()))
+        except UnknownName as exc:
             raise InjectionError(str(exc)) from exc
         driver = provider.driver()
         try:

@@ -12,13 +12,13 @@ from control_plane.auth import Ctx, require_scopes
 from control_plane.context import AppContext
 from control_plane.errors import BadRequest, NotFound
 from control_plane.scopes import FLEET_READERS
-from meridian.contracts import PRINTABLE_PATTERN, REGION_PATTERN
-from providers.catalog import PROVIDERS
+from meridian.contracts import PRINTABLE_PATTERN, PROVIDER_PATTERN, REGION_PATTERN
+from meridian.registry import UnknownName
 from providers.offerings import Offering
 from providers.skus import GpuSku, UnknownGpuError, normalise_gpu_name
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))])
-ProviderParam = Annotated[str, Path(pattern=r"^[a-z]{1,16}$")]
+ProviderParam = Annotated[str, Path(pattern=PROVIDER_PATTERN)]
 # Any spelling of a GPU ("A100 80GB", "a100-80gb", "p4de.24xlarge") is looked up; the answer is canonical.
 GpuSpelling = Annotated[str, Path(min_length=1, max_length=64, pattern=PRINTABLE_PATTERN)]
 Page = Annotated[PageParams, Depends(page_params)]
@@ -97,9 +97,10 @@ def _provider_view(ctx: AppContext, name: str) -> ProviderView:
     )
 
 
-def _provider(name: str) -> str:
-    if name not in PROVIDERS:
-        raise NotFound(f"no provider {name!r}; known: {', '.join(PROVIDERS)}")
+def _provider(ctx: AppContext, name: str) -> str:
+    """A provider of the catalog the control plane loaded; 404 listing them when not."""
+    if name not in ctx.catalog.providers:
+        raise NotFound(str(UnknownName("provider", name, list(ctx.catalog.providers))))
     return name
 
 
@@ -114,14 +115,14 @@ def _canonical(spelling: str) -> str:
 @router.get("/providers")
 def list_providers(ctx: Ctx, request: Request, response: Response, page: Page) -> list[ProviderView]:
     """Every provider: its regions, how many offerings it has, the SKUs they carry."""
-    rows, next_cursor = paginate_items([_provider_view(ctx, p) for p in PROVIDERS], lambda v: (v.name,), page)
+    rows, next_cursor = paginate_items([_provider_view(ctx, p) for p in ctx.catalog.providers], lambda v: (v.name,), page)
     set_next_link(request, response, next_cursor)
     return rows
 
 
 @router.get("/providers/{name}")
 def get_provider(ctx: Ctx, name: ProviderParam) -> ProviderView:
-    return _provider_view(ctx, _provider(name))
+    return _provider_view(ctx, _provider(ctx, name))
 
 
 @router.get("/providers/{name}/offerings")
@@ -137,7 +138,7 @@ def list_offerings(
     ] = None,
 ) -> list[OfferingView]:
     """The provider's offerings, by region and instance type; optionally of one region or SKU."""
-    _provider(name)
+    _provider(ctx, name)
     canonical = _canonical(sku) if sku is not None else None
     catalog = ctx.catalog
     views = [

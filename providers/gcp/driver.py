@@ -10,7 +10,9 @@ instances and deletes it. A MIG under the group's name whose `meridian-model` la
 metadata) is another model's, or whose instance template is for another machine type (or
 market), is refused: never resized, adopted or deleted. The MIG is the durable record of a
 group's nodes, so `ensure_group` ignores `known_nodes`. Node ids are the MIG's instance names
-("<base instance name>-xxxx", see providers.gcp.naming).
+("<base instance name>-xxxx", see providers.gcp.naming). What the driver decides from the
+API's answers (is a MIG the group's, which MIG to create, a MIG's instances) is the pure
+providers.gcp.migs; this module makes the calls and waits around them.
 
 The SDK (google-cloud-compute, REST transport) blocks; every call runs in a worker thread with
 `call_timeout_s`, and the waits between calls are asyncio sleeps, so a caller that cancels
@@ -41,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cached_property
 
@@ -56,26 +57,29 @@ from providers.errors import ProviderError
 from providers.gcp import naming
 from providers.gcp import offerings as gcp_offerings
 from providers.gcp.clients import ComputeClients, LazyClients, call, call_or_none, read_retry
-from providers.gcp.errors import ComputeErrorEntry, GcpOperationError, map_error
+from providers.gcp.errors import GcpOperationError, map_error
+from providers.gcp.migs import (
+    CREATING_ACTIONS,
+    GONE_ACTIONS,
+    Group,
+    Member,
+    label_mismatch,
+    mig_resource,
+    operation_errors,
+    parse_template_url,
+    parse_time,
+    template_mismatch,
+    template_urls,
+)
 from providers.offerings import Offering
 
 PROVIDER = "gcp"
 PREEMPTION_NOTICE_S = 30.0
 PREEMPTION_LOOKBACK_S = 120.0
 PREEMPTED_FILTER = 'operationType="compute.instances.preempted"'
-# BALANCED favours zones that have the hardware while spreading for availability; any target
-# shape but EVEN requires proactive redistribution off (regional MIG distribution shape docs).
-TARGET_SHAPE = "BALANCED"
 DEFAULT_POLL = Backoff(base_s=0.1, max_s=5.0, jitter=0.1)
-COMPUTE_URL = "https://www.googleapis.com/compute/v1"
 
 _NODE_ID = re.compile(NODE_ID_PATTERN)
-_GONE = {"DELETING", "ABANDONING"}
-_CREATING = {"CREATING", "CREATING_WITHOUT_RETRIES", "RECREATING"}
-_ZONE_IN_URL = re.compile(r"zones/([^/]+)")
-_TEMPLATE_URL = re.compile(
-    r"projects/(?P<project>[^/]+)/(?:regions/(?P<region>[^/]+)|global)/instanceTemplates/(?P<name>[^/]+)$"
-)
 
 
 def permanent_error(message: str) -> ProviderError:
@@ -93,137 +97,6 @@ def location_of(region: str) -> str:
     if provider != PROVIDER or not location:
         raise ProviderError(f"{region} is not a GCP region", provider=PROVIDER)
     return location
-
-
-def zone_url(project: str, zone: str) -> str:
-    return f"{COMPUTE_URL}/projects/{project}/zones/{zone}"
-
-
-def region_template_url(project: str, region: str, template: str) -> str:
-    """A regional instance template's (partial) URL, as a MIG's instanceTemplate takes it."""
-    return f"projects/{project}/regions/{region}/instanceTemplates/{template}"
-
-
-def template_urls(mig: compute_v1.InstanceGroupManager) -> list[str]:
-    """The instance templates a MIG creates VMs from: its versions' (iac sets those) and its own."""
-    urls = [v.instance_template for v in mig.versions if v.instance_template]
-    if mig.instance_template and mig.instance_template not in urls:
-        urls.append(mig.instance_template)
-    return urls
-
-
-def template_mismatch(template: compute_v1.InstanceTemplate, instance_type: str, spot: bool) -> str | None:
-    """Why a template does not make VMs of `instance_type` (Spot or not); None when it does.
-
-    An attached-GPU offering ("n1+4xT4") is an n1 machine type of iac's choosing with that many
-    GPUs of that kind attached (acceleratorType "nvidia-tesla-t4").
-    """
-    props = template.properties
-    machine = props.machine_type.rsplit("/", 1)[-1]
-    attached = gcp_offerings.attached_accelerator(instance_type)
-    if attached is None:
-        if machine != instance_type:
-            return f"makes {machine or 'no machine type'} VMs, not {instance_type}"
-    else:
-        kind, count = attached
-        gpus = sum(
-            a.accelerator_count
-            for a in props.guest_accelerators
-            if a.accelerator_type.rsplit("/", 1)[-1].rsplit("-", 1)[-1] == kind.lower()
-        )
-        if not machine.startswith("n1-") or gpus != count:
-            return f"makes {machine or 'no machine type'} VMs with {gpus} {kind} GPUs, not {instance_type}"
-    scheduling = props.scheduling
-    template_spot = scheduling.provisioning_model == "SPOT" or scheduling.preemptible
-    if template_spot != spot:
-        return f"makes {'Spot' if template_spot else 'on-demand'} VMs, not {'Spot' if spot else 'on-demand'}"
-    return None
-
-
-def label_mismatch(mig: compute_v1.InstanceGroupManager, model: str) -> str | None:
-    """Why a MIG's VMs are not labelled (and given the metadata) of `model`; None when they are."""
-    props = mig.all_instances_config.properties
-    label = props.labels.get(naming.LABEL_MODEL)
-    if label is None:
-        return f"has no {naming.LABEL_MODEL} label (expected {naming.label_value(model)!r})"
-    if label != naming.label_value(model):
-        return f"is labelled {naming.LABEL_MODEL}={label!r}, not {naming.label_value(model)!r}"
-    # The label is lossy (lowercased, cut to 63 characters); the metadata, where set, is exact.
-    exact = props.metadata.get(naming.METADATA_MODEL)
-    if exact is not None and exact != model:
-        return f"serves {exact!r} (metadata {naming.METADATA_MODEL}), not {model!r}"
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class _Group:
-    """A group spec resolved to its GCP names."""
-
-    project: str
-    location: str
-    machine_type: str
-    spot: bool
-    model: str
-    mig: str
-    template: str  # a regional template in `location`
-    base_instance_name: str
-    gpus: int
-    zones: tuple[str, ...]
-
-    @property
-    def where(self) -> str:
-        machine = f"machine type {self.machine_type}"
-        return f"project {self.project}, region {self.location}, {machine}, MIG {self.mig}"
-
-    @property
-    def template_url(self) -> str:
-        return region_template_url(self.project, self.location, self.template)
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """One instance of a MIG as listManagedInstances reports it."""
-
-    name: str
-    url: str
-    zone: str
-    action: str  # currentAction: NONE, CREATING, DELETING, ...
-    status: str  # instanceStatus; empty until the VM exists
-    errors: tuple[ComputeErrorEntry, ...]
-
-    @property
-    def exists(self) -> bool:
-        return bool(self.status) and self.action not in _GONE
-
-    @property
-    def ready(self) -> bool:
-        return self.action == "NONE" and self.status == "RUNNING"
-
-    @classmethod
-    def of(cls, mi: compute_v1.ManagedInstance) -> Member:
-        url = mi.instance
-        zone = m.group(1) if (m := _ZONE_IN_URL.search(url)) else ""
-        return cls(
-            name=mi.name or url.rsplit("/", 1)[-1],
-            url=url,
-            zone=zone,
-            action=mi.current_action or "NONE",
-            status=mi.instance_status,
-            errors=tuple(ComputeErrorEntry(e.code, e.message) for e in mi.last_attempt.errors.errors),
-        )
-
-
-def _operation_errors(op: compute_v1.Operation) -> GcpOperationError | None:
-    entries = [ComputeErrorEntry(e.code, e.message) for e in op.error.errors]
-    return GcpOperationError(entries, op.http_error_status_code) if entries else None
-
-
-def _parse_time(text: str) -> datetime | None:
-    try:
-        t = datetime.fromisoformat(text)
-    except ValueError:
-        return None
-    return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
 class GcpDriver:
@@ -276,7 +149,7 @@ class GcpDriver:
             raise permanent_error(f"{spec.instance_type} carries {offering.sku}, not {spec.sku}")
         return offering
 
-    def _resolve(self, spec: GroupSpec) -> _Group:
+    def _resolve(self, spec: GroupSpec) -> Group:
         offering = self.offering(spec)
         prefix = self._settings.gcp_name_prefix
         try:
@@ -285,7 +158,7 @@ class GcpDriver:
             base = naming.base_instance_name(prefix, spec.model, spec.region, spec.instance_type, spec.spot)
         except ValueError as e:
             raise permanent_error(f"cannot name the GCP resources of group {spec.group_id}: {e}") from e
-        return _Group(
+        return Group(
             project=self._project(),
             location=location_of(spec.region),
             machine_type=spec.instance_type,
@@ -298,7 +171,7 @@ class GcpDriver:
             zones=offering.availability_zones,
         )
 
-    async def _group(self, spec: GroupSpec) -> _Group:
+    async def _group(self, spec: GroupSpec) -> Group:
         # The first call reads the catalog CSVs (a fraction of a second): off the event loop.
         return await asyncio.to_thread(self._resolve, spec)
 
@@ -307,7 +180,7 @@ class GcpDriver:
     def _deadline(self) -> float:
         return asyncio.get_running_loop().time() + self._settings.operation_timeout_s
 
-    async def _sleep(self, attempt: int, deadline: float, what: str, g: _Group) -> None:
+    async def _sleep(self, attempt: int, deadline: float, what: str, g: Group) -> None:
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             raise ProviderError(
@@ -316,7 +189,7 @@ class GcpDriver:
             )
         await asyncio.sleep(min(self._poll.delay(attempt), left))
 
-    async def _wait(self, g: _Group, op: compute_v1.Operation, deadline: float) -> None:
+    async def _wait(self, g: Group, op: compute_v1.Operation, deadline: float) -> None:
         """Poll a region operation until DONE; its errors come back typed."""
         attempt = 0
         name = op.name
@@ -334,10 +207,10 @@ class GcpDriver:
                     retry=self._retry,
                 ),
             )
-        if (failed := _operation_errors(op)) is not None:
+        if (failed := operation_errors(op)) is not None:
             raise map_error(failed, g.where)
 
-    async def _get_mig(self, g: _Group) -> compute_v1.InstanceGroupManager | None:
+    async def _get_mig(self, g: Group) -> compute_v1.InstanceGroupManager | None:
         return await call_or_none(
             self._clients,
             g.where,
@@ -350,12 +223,12 @@ class GcpDriver:
             ),
         )
 
-    async def _get_template(self, g: _Group, url: str) -> compute_v1.InstanceTemplate | None:
+    async def _get_template(self, g: Group, url: str) -> compute_v1.InstanceTemplate | None:
         """A regional or global instance template by its URL (None: it does not exist)."""
-        m = _TEMPLATE_URL.search(url)
-        if m is None:
+        parsed = parse_template_url(url)
+        if parsed is None:
             raise permanent_error(f"instance template URL {url!r} is neither regional nor global ({g.where})")
-        project, region, name = m.group("project"), m.group("region"), m.group("name")
+        project, region, name = parsed
         if region is not None:
             return await call_or_none(
                 self._clients,
@@ -376,7 +249,7 @@ class GcpDriver:
             ),
         )
 
-    async def _templates_mismatch(self, g: _Group, urls: Sequence[str]) -> str | None:
+    async def _templates_mismatch(self, g: Group, urls: Sequence[str]) -> str | None:
         """Why the templates at `urls` do not make the group's VMs; None when they all do."""
         if not urls:
             return "has no instance template"
@@ -388,7 +261,7 @@ class GcpDriver:
                 return f"uses instance template {url}, which {mismatch}"
         return None
 
-    async def _owned_mig(self, g: _Group) -> compute_v1.InstanceGroupManager | None:
+    async def _owned_mig(self, g: Group) -> compute_v1.InstanceGroupManager | None:
         """The MIG under the group's name (None: there is none), once it is known to be the group's:
         labelled for its model and making VMs of its machine type (a non-retryable error if not)."""
         mig = await self._get_mig(g)
@@ -408,7 +281,7 @@ class GcpDriver:
         self._checked.add(checked)
         return mig
 
-    async def _members(self, g: _Group) -> list[Member] | None:
+    async def _members(self, g: Group) -> list[Member] | None:
         """The MIG's instances; None when the MIG does not exist."""
 
         def run(c: ComputeClients) -> list[Member]:
@@ -423,7 +296,7 @@ class GcpDriver:
 
         return await call_or_none(self._clients, g.where, run)
 
-    def _state(self, g: _Group, members: Sequence[Member]) -> GroupState:
+    def _state(self, g: Group, members: Sequence[Member]) -> GroupState:
         nodes = sorted(m.name for m in members if m.exists)
         bad = [n for n in nodes if not _NODE_ID.match(n)]
         if bad:
@@ -433,7 +306,7 @@ class GcpDriver:
         return GroupState(nodes=tuple(nodes), gpus_per_node=g.gpus)
 
     async def _ensure_mig(
-        self, g: _Group, spec: GroupSpec, deadline: float
+        self, g: Group, spec: GroupSpec, deadline: float
     ) -> compute_v1.InstanceGroupManager:
         mig = await self._owned_mig(g)
         if mig is not None:
@@ -447,7 +320,7 @@ class GcpDriver:
             )
         if (mismatch := template_mismatch(template, g.machine_type, g.spot)) is not None:
             raise permanent_error(f"instance template {g.template_url} {mismatch} ({g.where})")
-        resource = self._mig_resource(g, spec, g.template_url)
+        resource = mig_resource(g, spec)
         op = await call_or_none(
             self._clients,
             g.where,
@@ -466,35 +339,7 @@ class GcpDriver:
             raise ProviderError(f"the MIG was created but cannot be read back ({g.where})", provider=PROVIDER)
         return mig
 
-    def _mig_resource(self, g: _Group, spec: GroupSpec, template_url: str) -> compute_v1.InstanceGroupManager:
-        resource = compute_v1.InstanceGroupManager(
-            name=g.mig,
-            description=f"Meridian node group {spec.group_id}: {spec.model} on {spec.instance_type}"
-            f"{' (Spot)' if spec.spot else ''}",
-            base_instance_name=g.base_instance_name,
-            instance_template=template_url,
-            target_size=0,
-            update_policy=compute_v1.InstanceGroupManagerUpdatePolicy(
-                type_="OPPORTUNISTIC", instance_redistribution_type="NONE"
-            ),
-            all_instances_config=compute_v1.InstanceGroupManagerAllInstancesConfig(
-                properties=compute_v1.InstancePropertiesPatch(
-                    labels=naming.group_labels(spec.model, spec.group_id),
-                    metadata={naming.METADATA_GROUP_ID: spec.group_id, naming.METADATA_MODEL: spec.model},
-                )
-            ),
-        )
-        if g.zones:
-            resource.distribution_policy = compute_v1.DistributionPolicy(
-                target_shape=TARGET_SHAPE,
-                zones=[
-                    compute_v1.DistributionPolicyZoneConfiguration(zone=zone_url(g.project, z))
-                    for z in g.zones
-                ],
-            )
-        return resource
-
-    async def _settle(self, g: _Group, size: int, deadline: float) -> GroupState:
+    async def _settle(self, g: Group, size: int, deadline: float) -> GroupState:
         """Poll until the MIG has `size` instances whose VMs exist and nothing else; creation errors
         raise at once."""
         attempt = 0
@@ -502,7 +347,7 @@ class GcpDriver:
             members = await self._members(g)
             if members is None:
                 raise ProviderError(f"the MIG disappeared while resizing ({g.where})", provider=PROVIDER)
-            failing = [m for m in members if m.errors and m.action in _CREATING]
+            failing = [m for m in members if m.errors and m.action in CREATING_ACTIONS]
             if failing:
                 m = failing[0]
                 raise map_error(GcpOperationError(m.errors), f"{g.where}, creating instance {m.name}")
@@ -569,7 +414,7 @@ class GcpDriver:
         target = next((m for m in members if m.name == node), None)
         if target is None:
             return self._state(g, members)
-        if target.action not in _GONE:
+        if target.action not in GONE_ACTIONS:
             request = compute_v1.RegionInstanceGroupManagersDeleteInstancesRequest(
                 instances=[target.url], skip_instances_on_validation_error=True
             )
@@ -636,7 +481,7 @@ class GcpDriver:
 
             for op in await call(self._clients, g.where, run):
                 node = op.target_link.rsplit("/", 1)[-1]
-                started = _parse_time(op.insert_time) or now
+                started = parse_time(op.insert_time) or now
                 if node not in names or now - started > timedelta(seconds=PREEMPTION_LOOKBACK_S):
                     continue
                 deadline = started + timedelta(seconds=PREEMPTION_NOTICE_S)

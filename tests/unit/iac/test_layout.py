@@ -35,6 +35,17 @@ def test_the_global_region_gets_a_stack_even_without_groups():
     assert stacks["aws-us-east-2"].groups == ()
 
 
+def test_a_region_of_a_provider_without_stacks_is_refused():
+    """The plan format takes any registered provider; iac says which ones it has stacks for."""
+    d = plan_dict()
+    d["regions"].append(
+        {"name": "lattice:reykjavik-1", "provider": "lattice", "location": "reykjavik-1", "zones": ["us"]}
+    )
+    d["groups"].append({**d["groups"][0], "region": "lattice:reykjavik-1"})
+    with pytest.raises(PlanError, match="no stacks for provider 'lattice' .it synthesises aws, gcp, onprem"):
+        layout.region_stacks(InfraPlan.model_validate(d))
+
+
 def test_replication_stays_inside_each_deployment_zone(plan):
     edges = {(r.model, r.source.name, r.destination.name) for r in layout.replications(plan)}
     assert edges == {

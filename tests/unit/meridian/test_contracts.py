@@ -9,8 +9,12 @@ from meridian.contracts import NodeRegistration, RoutingTable, TenantEntry, open
 def test_registration_validates_region_and_url():
     reg = NodeRegistration(node_id="n1", region="aws:us-east-1", url="http://10.0.0.1:8000/", models=["m"])
     assert reg.url == "http://10.0.0.1:8000"
+    # The kernel takes any well-formed "<provider>:<location>"; whether the provider is
+    # registered is the control plane's check (tests/unit/providers/test_fourth_provider.py).
     with pytest.raises(ValidationError):
-        NodeRegistration(node_id="n1", region="azure:westeurope", url="http://h:1")
+        NodeRegistration(node_id="n1", region="westeurope", url="http://h:1")
+    with pytest.raises(ValidationError):
+        NodeRegistration(node_id="n1", region="Azure:westeurope", url="http://h:1")
     with pytest.raises(ValidationError):
         NodeRegistration(node_id="n1", region="aws:us-east-1", url="ftp://h:1")
     with pytest.raises(ValidationError):

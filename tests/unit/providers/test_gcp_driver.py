@@ -6,7 +6,7 @@ import pytest
 from google.cloud import compute_v1
 
 from providers.gcp import naming
-from providers.gcp.driver import label_mismatch, template_mismatch, template_urls
+from providers.gcp.migs import label_mismatch, template_mismatch, template_urls
 
 
 def template(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from providers.driver import DriverRegistry, GroupSpec, NodeGroupDriver, UnknownDriverError
+from meridian.registry import UnknownName
+from providers.driver import DriverRegistry, GroupSpec, NodeGroupDriver
 from providers.errors import CapacityError, ProviderError
 from providers.onprem.driver import OnPremDriver
 from providers.onprem.inventory import Inventory
@@ -85,5 +86,5 @@ def test_the_registry_finds_drivers_by_provider() -> None:
     registry.register_driver(driver)
     assert registry.get_driver("onprem") is driver
     assert registry.providers() == ["onprem"]
-    with pytest.raises(UnknownDriverError, match="no node-group driver for provider 'aws'"):
+    with pytest.raises(UnknownName, match="unknown node-group driver 'aws'; known: onprem"):
         registry.get_driver("aws")
