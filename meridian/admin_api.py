@@ -29,6 +29,9 @@ from meridian.contracts import (
     ZoneName,
 )
 
+# The media type of the admin API's error answers (RFC 9457 problem details, contracts.Problem).
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
 # --- scopes ----------------------------------------------------------------------------
 
 
