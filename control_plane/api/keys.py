@@ -27,17 +27,7 @@ KeyIdParam = Annotated[str, Path(min_length=1, max_length=36)]
 
 def key_view(row: ApiKey) -> ApiKeyView:
     """A key row as the API shows it (never its hash)."""
-    return ApiKeyView(
-        id=row.id,
-        name=row.name,
-        tenant=row.tenant,
-        zone=row.zone,
-        scopes=[Scope(s) for s in row.scopes],
-        models=row.models,
-        key_prefix=row.key_prefix,
-        created_at=row.created_at,
-        revoked_at=row.revoked_at,
-    )
+    return ApiKeyView.model_validate(row, from_attributes=True)
 
 
 def _key_audit(row: ApiKey) -> dict[str, object]:

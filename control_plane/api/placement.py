@@ -46,20 +46,7 @@ class InfraRequest(BaseModel):
 
 
 def plan_view(row: PlacementPlan) -> PlanView:
-    return PlanView(
-        id=row.id,
-        status=row.status,
-        base_plan_id=row.base_plan_id,
-        cost_per_hour=row.cost_per_hour,
-        assignments=list(row.assignments),
-        diff=dict(row.diff),
-        explanation=row.explanation,
-        solve_seconds=row.solve_seconds,
-        created_at=row.created_at,
-        created_by=row.created_by,
-        applied_at=row.applied_at,
-        applied_by=row.applied_by,
-    )
+    return PlanView.model_validate(row, from_attributes=True)
 
 
 @router.post("/plans", status_code=201)
