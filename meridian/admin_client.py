@@ -9,7 +9,8 @@ would refuse it), an answer that does not parse, or a control plane that cannot 
 
 `AdminClient` (sync: the CLI, the local fabric's threads) and `AsyncAdminClient` (the chaos
 drills, in an event loop) make the same calls: each call is described once, as an `_Call`
-(method, path, body, how to read the answer), and each client only sends it.
+(method, path, body, how to read the answer), and each client only sends it. A client has
+the calls its users make (listing and revoking keys only the drills do, so only the async one).
 """
 
 from __future__ import annotations
@@ -257,12 +258,6 @@ class AdminClient:
     def create_key(self, body: ApiKeyCreate) -> ApiKeyCreated:
         """A new key; the answer is the only time its secret is shown."""
         return self._run(_create_key(body))
-
-    def list_keys(self, tenant: str | None = None, include_revoked: bool = False) -> list[ApiKeyView]:
-        return self._run(_list_keys(tenant, include_revoked))
-
-    def revoke_key(self, key_id: str) -> None:
-        self._run(_revoke_key(key_id))
 
     def deployments(self) -> list[DeploymentView]:
         return self._run(_deployments())
