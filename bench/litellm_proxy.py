@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 from types import TracebackType
 
 import httpx
+
+from meridian.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 LITELLM_VENV = REPO_ROOT / ".venv-litellm"
@@ -69,12 +70,6 @@ def ensure_litellm(venv: Path = LITELLM_VENV) -> LiteLLMInstall:
     if not exe.exists():
         return LiteLLMInstall(None, f"{LITELLM_REQUIREMENT} installed no `litellm` command in {venv}")
     return LiteLLMInstall(exe)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class LiteLLMProxy:
@@ -127,7 +122,7 @@ general_settings:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         config = self.work_dir / "litellm.yaml"
         config.write_text(self._config())
-        self.port = _free_port()
+        self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith(("LITELLM", "OPENAI"))}
         env |= {
             # No network at start-up (the model price map ships with the package) and no telemetry.

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from meridian.ports import free_port
+
 NGINX_BIN = "/usr/sbin/nginx"
 START_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 10.0
@@ -106,12 +108,6 @@ def parse_access_line(line: str) -> AccessRecord | None:
         connection=int(m.group("conn")),
         connection_requests=int(m.group("conn_requests")),
     )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class NginxServer:
@@ -194,7 +190,7 @@ http {{
         # A free port can be taken between choosing and binding it: try a few.
         last_error = ""
         for _ in range(5):
-            self.port = _free_port()
+            self.port = free_port()
             self.conf_path.write_text(self._conf())
             # A file, not a pipe: nobody would drain a pipe while nginx runs.
             with open(self.stderr_log, "wb") as stderr:

@@ -17,7 +17,7 @@ a request, so on two shared cores it takes as little CPU as possible from the pr
 test and adds no Python of its own to the latency being subtracted (a minimal asyncio
 server would cost tens of microseconds a request and jitter with the GC).
 
-The load generator is this process (the proxies are separate processes): raw keep-alive
+The load generator (bench/http_load.py) is this process (the proxies are separate processes): raw keep-alive
 HTTP/1.1 connections on uvloop, responses parsed with httptools, latency measured at the
 client. Latency is open-loop at a fixed rate (`--rate` req/s for `--seconds`, after a
 warm-up that is not counted): requests are sent on schedule whether or not earlier ones
@@ -47,27 +47,25 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import cast
 
-import httptools
 import httpx
 import uvloop
 
 from bench.common import Figure, median, percentile
+from bench.http_load import DRAIN_S, Target, closed_loop, open_loop, wait_idle
 from bench.litellm_proxy import LiteLLMProxy, ensure_litellm
 from bench.nginx import NginxServer, nginx_available
 from geo_router.snapshot import write_snapshot
 from meridian.contracts import NodeStatus, RegionInfo, RoutingNode, RoutingTable, TenantEntry
+from meridian.ports import free_port
 from meridian.security import hash_api_key, key_prefix
 
 BENCH = "router"
@@ -86,14 +84,6 @@ NODE_ANSWER = json.dumps({
 }, separators=(",", ":"))
 IDLE_NODE_METRICS = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0\n"
 START_TIMEOUT_S = 60.0
-# Requests in flight per path at most: more wait in the client, timed from when they were
-# due, so a path that cannot keep up shows it without being buried under a backlog.
-MAX_IN_FLIGHT = 128
-# An open-loop phase waits at most this long for its last answers; those still missing
-# count with the time waited so far (so percentiles are then lower bounds).
-DRAIN_S = 5.0
-# After each phase, wait (at most this long) until the proxy has worked off its backlog.
-IDLE_TIMEOUT_S = 30.0
 
 
 # --- the node and the nginx proxy ---------------------------------------------------
@@ -165,12 +155,6 @@ def nginx_proxy(work_dir: Path, upstream_port: int) -> NginxServer:
 # --- the router -----------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def bench_table(node_url: str) -> RoutingTable:
     """One region, one ready node serving MODEL, one global tenant with TENANT_KEY."""
     return RoutingTable(
@@ -197,7 +181,7 @@ def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | No
     work_dir.mkdir(parents=True, exist_ok=True)
     snapshot = work_dir / "routing-table.json"
     write_snapshot(snapshot, bench_table(node_url))
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     env |= {"MERIDIAN_CLUSTER_TOKEN": "router-bench-cluster-token", "PYTHONUNBUFFERED": "1",
             "MERIDIAN_ROUTER_DEFAULT_CLIENT_LOCATION": REGION.name} | (env_extra or {})
@@ -206,7 +190,7 @@ def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | No
         process = subprocess.Popen(
             [sys.executable, "-m", "cli", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
              # Nothing listens there: the router serves from its snapshot (static stability).
-             "--control-plane-url", f"http://127.0.0.1:{_free_port()}", "--snapshot-path", str(snapshot)],
+             "--control-plane-url", f"http://127.0.0.1:{free_port()}", "--snapshot-path", str(snapshot)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
     url = f"http://127.0.0.1:{port}"
@@ -231,18 +215,7 @@ def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | No
                 process.wait(timeout=10)
 
 
-# --- the load generator ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Target:
-    """One path under test: where to connect, the request bytes to send, and the process
-    group of the proxy (to wait for it to go idle between phases; None: not needed)."""
-
-    name: str
-    port: int
-    request: bytes = field(repr=False)
-    pgid: int | None = None
+# --- the paths under test -------------------------------------------------------------
 
 
 def make_target(name: str, url: str, api_key: str, pgid: int | None = None) -> Target:
@@ -250,239 +223,6 @@ def make_target(name: str, url: str, api_key: str, pgid: int | None = None) -> T
     head = (f"POST {ROUTE} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {api_key}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(REQUEST_BODY)}\r\n\r\n")
     return Target(name, port, head.encode() + REQUEST_BODY, pgid)
-
-
-def _group_cpu_s(pgid: int) -> float:
-    """CPU seconds used so far by the processes of a process group."""
-    total = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-async def wait_idle(target: Target) -> None:
-    """Wait until the proxy uses under 10% of a CPU (a backlog left by the last phase is done)."""
-    if target.pgid is None:
-        return
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
-    before = _group_cpu_s(target.pgid)
-    while time.monotonic() < deadline:
-        await asyncio.sleep(0.25)
-        now = _group_cpu_s(target.pgid)
-        if now - before < 0.025:
-            return
-        before = now
-
-
-class _Conn(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 client connection carrying one request at a time."""
-
-    def __init__(self) -> None:
-        self._parser = httptools.HttpResponseParser(self)
-        self._transport: asyncio.Transport | None = None
-        self._waiter: asyncio.Future[int] | None = None
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio subclasses
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(exc)
-            self.close()
-
-    def on_message_complete(self) -> None:
-        if not self._parser.should_keep_alive():
-            self.close()
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(self._parser.get_status_code())
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._fail(exc or ConnectionResetError("connection closed by the server"))
-
-    def _fail(self, exc: Exception) -> None:
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
-
-    def send(self, request: bytes) -> asyncio.Future[int]:
-        """Write `request`; the future gets the response's status code."""
-        assert self._transport is not None
-        self._waiter = asyncio.get_running_loop().create_future()
-        self._transport.write(request)
-        return self._waiter
-
-    def close(self) -> None:
-        self.closed = True
-        if self._transport is not None:
-            self._transport.close()
-
-
-class _Pool:
-    """Keep-alive connections to one port, at most `limit` open; waiters are served in turn."""
-
-    def __init__(self, port: int, limit: int) -> None:
-        self._port = port
-        self._limit = limit
-        self._idle: list[_Conn] = []
-        self._all: set[_Conn] = set()
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    async def _connect(self) -> _Conn:
-        loop = asyncio.get_running_loop()
-        conn = _Conn()
-        self._all.add(conn)
-        try:
-            await loop.create_connection(lambda: conn, "127.0.0.1", self._port)
-        except BaseException:
-            self._all.discard(conn)
-            raise
-        return conn
-
-    async def fill(self, n: int) -> None:
-        for conn in await asyncio.gather(*(self._connect() for _ in range(min(n, self._limit)))):
-            self._idle.append(conn)
-
-    async def acquire(self) -> _Conn:
-        while True:
-            while self._idle:
-                conn = self._idle.pop()
-                if not conn.closed:
-                    return conn
-                self._all.discard(conn)
-            if len(self._all) < self._limit:
-                return await self._connect()
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            await waiter
-
-    def release(self, conn: _Conn) -> None:
-        if conn.closed:
-            self._all.discard(conn)
-        else:
-            self._idle.append(conn)
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                break
-
-    def close(self) -> None:
-        for conn in self._all:
-            conn.close()
-        self._all.clear()
-        self._idle.clear()
-
-
-@dataclass
-class LatencyRun:
-    latencies_ms: list[float]  # the unanswered included, as lower bounds
-    errors: int  # error answers and broken connections
-    unanswered: int  # still waiting when the phase ended
-    sent: int
-
-
-async def open_loop(target: Target, rate: float, seconds: float, warmup_s: float,
-                    max_in_flight: int = MAX_IN_FLIGHT, drain_s: float = DRAIN_S) -> LatencyRun:
-    """Send at a fixed `rate` for warmup_s + seconds; latencies of the requests after the warm-up."""
-    loop = asyncio.get_running_loop()
-    pool = _Pool(target.port, max_in_flight)
-    await pool.fill(16)
-    n_warm = int(rate * warmup_s)
-    n = n_warm + int(rate * seconds)
-    latencies: list[float] = []
-    waiting: dict[int, float] = {}  # measured requests not answered yet: their start
-    errors = 0
-
-    async def one(i: int, t0: float) -> None:
-        nonlocal errors
-        try:
-            conn = await pool.acquire()
-        except OSError:
-            errors += 1
-            return
-        try:
-            status = await conn.send(target.request)
-        except (OSError, httptools.HttpParserError):
-            errors += 1
-            return
-        finally:
-            pool.release(conn)
-            waiting.pop(i, None)
-        if status != 200:
-            errors += 1
-        elif i >= n_warm:
-            latencies.append((time.perf_counter() - t0) * 1000.0)
-
-    tasks: list[asyncio.Task[None]] = []
-    start = loop.time() + 0.005
-    for i in range(n):
-        delay = start + i / rate - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        # Timed from when it is due to go out, so any wait for a free connection counts.
-        t0 = time.perf_counter()
-        if i >= n_warm:
-            waiting[i] = t0
-        tasks.append(loop.create_task(one(i, t0)))
-    _, pending = await asyncio.wait(tasks, timeout=drain_s)
-    cutoff = time.perf_counter()
-    latencies += [(cutoff - t0) * 1000.0 for t0 in waiting.values()]
-    unanswered = len(waiting)
-    for t in pending:
-        t.cancel()
-    pool.close()
-    return LatencyRun(latencies, errors, unanswered, n - n_warm)
-
-
-async def closed_loop(target: Target, concurrency: int, seconds: float, warmup_s: float) -> tuple[float, int]:
-    """Requests/s answered with `concurrency` back-to-back clients over `seconds` (after a warm-up)."""
-    pool = _Pool(target.port, concurrency)
-    await pool.fill(concurrency)
-    begin = time.perf_counter() + warmup_s
-    end = begin + seconds
-    done = 0
-    errors = 0
-
-    async def client() -> None:
-        nonlocal done, errors
-        conn = await pool.acquire()
-        while True:
-            now = time.perf_counter()
-            if now >= end:
-                break
-            if conn.closed:
-                pool.release(conn)
-                conn = await pool.acquire()
-            try:
-                status = await conn.send(target.request)
-            except (OSError, httptools.HttpParserError):
-                errors += 1
-                continue
-            if status != 200:
-                errors += 1
-            elif begin <= time.perf_counter() <= end:
-                done += 1
-        pool.release(conn)
-
-    tasks = [asyncio.ensure_future(client()) for _ in range(concurrency)]
-    _, pending = await asyncio.wait(tasks, timeout=seconds + warmup_s + DRAIN_S)
-    for t in pending:
-        t.cancel()
-    pool.close()
-    return done / seconds, errors + len(pending)
 
 
 # --- the run --------------------------------------------------------------------------

@@ -1,16 +1,18 @@
 """The control plane's admin API as a drill uses it: a key per drill tenant, the regions'
 residency zones, the nodes a fault may target. The same calls for a local fabric and a
-deployment."""
+deployment, over the kernel's admin client (`meridian.admin_client`); its errors become
+`AdminApiError`s that say which drill step failed."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import httpx
 
 from chaos.drill import TenantLoad
+from meridian.admin_api import ApiKeyCreate, ApiKeyView, Scope
+from meridian.admin_client import AdminAPIError, AsyncAdminClient
+from meridian.contracts import NodeView
 
 
 class AdminApiError(RuntimeError):
@@ -33,10 +35,9 @@ class AdminApi:
     admin_key: str
     timeout_s: float = 10.0
 
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> AsyncAdminClient:
         """A client of the control plane with the admin key (close it: `async with`)."""
-        return httpx.AsyncClient(base_url=self.url, timeout=self.timeout_s,
-                                 headers={"authorization": f"Bearer {self.admin_key}"})
+        return AsyncAdminClient(self.url, self.admin_key, self.timeout_s)
 
     async def create_tenant_keys(self, tenants: Sequence[TenantLoad], name: str = "chaos") -> dict[str, TenantKey]:
         """One inference key per drill tenant, in its residency zone, named `<name>-<tenant>`."""
@@ -44,49 +45,44 @@ class AdminApi:
 
     async def create_tenant_key(self, tenant: TenantLoad, name: str = "chaos") -> TenantKey:
         """An inference key for a drill tenant, in its residency zone, named `<name>-<tenant>`."""
-        async with self.client() as http:
-            r = await http.post("/v1/api-keys", json={
-                "name": f"{name}-{tenant.name}", "tenant": tenant.name, "zone": tenant.zone,
-                "scopes": ["inference"], "models": None,
-            })
-        if r.status_code != 201:
-            raise AdminApiError(f"creating the key of tenant {tenant.name} failed: {r.status_code} {r.text[:300]}")
-        body = r.json()
-        return TenantKey(key_id=body["id"], secret=body["key"])
+        body = ApiKeyCreate(name=f"{name}-{tenant.name}", tenant=tenant.name, zone=tenant.zone,
+                            scopes=[Scope.INFERENCE], models=None)
+        async with self._admin(f"creating the key of tenant {tenant.name}") as admin:
+            made = await admin.create_key(body)
+        return TenantKey(key_id=made.id, secret=made.key)
 
     async def revoke_keys(self, key_ids: Iterable[str]) -> list[str]:
         """Revoke the keys; the ids that could not be revoked (already gone counts as revoked)."""
         failed = []
-        async with self.client() as http:
+        async with self.client() as admin:
             for key_id in key_ids:
                 try:
-                    r = await http.delete(f"/v1/api-keys/{key_id}")
-                    if r.status_code not in (204, 404):
+                    await admin.revoke_key(key_id)
+                except AdminAPIError as e:
+                    if e.status != 404:
                         failed.append(key_id)
-                except httpx.HTTPError:
-                    failed.append(key_id)
         return failed
 
     async def region_zones(self) -> dict[str, list[str]]:
         """Each region's residency zones."""
-        return {x["name"]: list(x["zones"]) for x in await self._all("/v1/regions")}
+        async with self._admin("GET /v1/regions") as admin:
+            return {r.name: list(r.zones) for r in await admin.regions()}
 
-    async def api_keys(self, tenant: str) -> list[dict[str, Any]]:
-        """The tenant's live keys (ApiKeyView as JSON), across pages."""
-        return await self._all(f"/v1/api-keys?tenant={tenant}")
+    async def api_keys(self, tenant: str) -> list[ApiKeyView]:
+        """The tenant's live keys, across pages."""
+        async with self._admin("GET /v1/api-keys") as admin:
+            return await admin.list_keys(tenant=tenant)
 
-    async def nodes(self) -> list[dict[str, Any]]:
-        """Every node the control plane knows (NodeView as JSON), across pages."""
-        return await self._all("/v1/nodes")
+    async def nodes(self) -> list[NodeView]:
+        """Every node the control plane knows, across pages."""
+        async with self._admin("GET /v1/nodes") as admin:
+            return await admin.nodes()
 
-    async def _all(self, path: str) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
-        url: str | None = path
-        async with self.client() as http:
-            while url is not None:
-                r = await http.get(url)
-                if r.status_code != 200:
-                    raise AdminApiError(f"GET {path} failed: {r.status_code} {r.text[:300]}")
-                out += r.json()
-                url = r.links.get("next", {}).get("url")
-        return out
+    @contextlib.asynccontextmanager
+    async def _admin(self, what: str) -> AsyncIterator[AsyncAdminClient]:
+        """A client whose errors become AdminApiError("<what> failed: <status title: detail>")."""
+        try:
+            async with self.client() as admin:
+                yield admin
+        except AdminAPIError as e:
+            raise AdminApiError(f"{what} failed: {e}") from e

@@ -9,9 +9,10 @@ import asyncio
 from collections import Counter
 from collections.abc import Callable
 
-import httpx
-
 from chaos.admin_api import AdminApi
+from meridian.admin_api import ApiKeyCreate, Scope
+from meridian.admin_client import AdminAPIError
+from meridian.contracts import GLOBAL_ZONE
 
 # One write (a new API key) this often while the probe runs.
 WRITE_INTERVAL_S = 0.2
@@ -53,31 +54,35 @@ class AdminWrites:
 
     async def _write(self) -> None:
         n = 0
-        async with self._admin.client() as http:
+        async with self._admin.client() as admin:
             while self._writing:
                 n += 1
                 name = f"{self._prefix}-ack-{n:05d}"
                 try:
-                    r = await http.post("/v1/api-keys", json={
-                        "name": name, "tenant": TENANT, "zone": "global", "scopes": ["inference"], "models": None,
-                    })
-                    self._statuses[str(r.status_code)] += 1
-                    if r.status_code == 201:
-                        self._acknowledged[name] = r.json()["id"]
-                    elif not (r.status_code == 503 and "retry-after" in r.headers
-                              and r.headers.get("content-type", "").startswith("application/problem+json")):
-                        self._unclean.append(f"{name}: {r.status_code} {r.text[:120]}")
-                except httpx.HTTPError as exc:
-                    self._statuses[type(exc).__name__] += 1
-                    self._unclean.append(f"{name}: {type(exc).__name__}")
+                    made = await admin.create_key(ApiKeyCreate(name=name, tenant=TENANT, zone=GLOBAL_ZONE,
+                                                               scopes=[Scope.INFERENCE], models=None))
+                    self._statuses["201"] += 1
+                    self._acknowledged[name] = made.id
+                except AdminAPIError as e:
+                    self._refused(name, e)
                 await asyncio.sleep(WRITE_INTERVAL_S)
         self._event("writes", f"{n} admin writes, {len(self._acknowledged)} acknowledged; "
                               f"answers {dict(sorted(self._statuses.items()))}")
 
+    def _refused(self, name: str, e: AdminAPIError) -> None:
+        """Count a write that was not acknowledged; only a 503 problem with Retry-After is clean."""
+        if e.unreachable:
+            self._statuses[type(e.__cause__).__name__] += 1
+            self._unclean.append(f"{name}: {type(e.__cause__).__name__}")
+            return
+        self._statuses[str(e.status)] += 1
+        if not (e.status == 503 and e.retry_after is not None and e.problem):
+            self._unclean.append(f"{name}: {e}"[:160])
+
     async def verify(self) -> dict[str, bool]:
         """`acknowledged_writes_present` and `admin_errors_clean`; then revokes the probe's keys."""
         await self.stop()
-        present = {k["name"] for k in await self._admin.api_keys(tenant=TENANT)}
+        present = {k.name for k in await self._admin.api_keys(tenant=TENANT)}
         missing = [n for n in self._acknowledged if n not in present]
         if missing:
             self._event("check", f"acknowledged writes missing afterwards: {missing[:10]}")

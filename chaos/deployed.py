@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable, Mapping, Set
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -35,7 +34,7 @@ from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadTarget, warm_up
 from chaos.observe import RouterMetrics, answers, busiest
 from chaos.schedule import FaultState, RunOutcome, TickCallback, Timeline, drive, finish
-from meridian.contracts import NodeStatus
+from meridian.contracts import NodeStatus, NodeView
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +52,9 @@ class DeployedNode:
     status: str
 
     @classmethod
-    def of(cls, view: dict[str, Any]) -> DeployedNode:
-        return cls(node_id=view["node_id"], region=view["region"], provider=view["provider"], url=view["url"],
-                   models=tuple(view.get("models") or ()), status=view["status"])
+    def of(cls, view: NodeView) -> DeployedNode:
+        return cls(node_id=view.node_id, region=view.region, provider=view.provider, url=view.url,
+                   models=tuple(view.models), status=view.status)
 
     def fields(self) -> dict[str, str]:
         """What a command template may say about the node (chaos.deployment.NODE_FIELDS)."""

@@ -12,9 +12,9 @@ from types import FrameType
 from rich.console import Console
 from rich.panel import Panel
 
-from cli.admin_client import AdminClient
 from cli.status_view import status_table
 from localfabric import DEMO_MODEL, FabricSpec, LocalFabric
+from meridian.admin_client import AdminClient
 from meridian.contracts import HEADER_REGION
 
 

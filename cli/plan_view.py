@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.table import Table
+
+from meridian.admin_api import PlanView
 
 _KIND_STYLE = {"added": "green", "removed": "red", "changed": "yellow"}
 
 
-def plan_diff_table(plan: dict[str, Any]) -> Table:
+def plan_diff_table(plan: PlanView) -> Table:
     """One row per deployment × region × instance type whose count changes."""
-    table = Table(title=f"Placement plan {plan['id']} ({plan['status']})", title_justify="left")
+    table = Table(title=f"Placement plan {plan.id} ({plan.status})", title_justify="left")
     for column in ("", "Deployment", "Region", "Instance type", "SKU", "Instances", "Replicas", "$/h"):
         table.add_column(column, justify="right" if column in ("Instances", "Replicas", "$/h") else "left")
-    diff = plan.get("diff") or {}
+    diff = plan.diff or {}
     for kind in ("added", "changed", "removed"):
         style = _KIND_STYLE[kind]
         sign = {"added": "+", "removed": "-", "changed": "~"}[kind]
@@ -33,10 +33,10 @@ def plan_diff_table(plan: dict[str, Any]) -> Table:
     return table
 
 
-def plan_summary(plan: dict[str, Any]) -> str:
+def plan_summary(plan: PlanView) -> str:
     """The plan's cost and what it changes, in one line."""
-    diff = plan.get("diff") or {}
+    diff = plan.diff or {}
     counts = ", ".join(f"{len(diff.get(k, []))} {k}" for k in ("added", "changed", "removed"))
-    cost = plan.get("cost_per_hour") or 0.0
+    cost = plan.cost_per_hour or 0.0
     delta = diff.get("cost_delta_per_hour", 0.0)
-    return f"${cost:,.2f}/h ({delta:+,.2f} $/h); {counts}; solved in {plan['solve_seconds']:.2f} s"
+    return f"${cost:,.2f}/h ({delta:+,.2f} $/h); {counts}; solved in {plan.solve_seconds:.2f} s"

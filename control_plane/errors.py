@@ -13,9 +13,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meridian.admin_api import PROBLEM_MEDIA_TYPE
 from meridian.contracts import Problem
-
-PROBLEM_MEDIA_TYPE = "application/problem+json"
 
 log = logging.getLogger(__name__)
 

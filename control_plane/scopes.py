@@ -1,16 +1,11 @@
-"""Scopes an API key can carry."""
+"""Scopes an API key can carry: the enum is the admin API's (meridian.admin_api), shared
+with its clients; who may read the fleet is the control plane's decision."""
 
 from __future__ import annotations
 
-from enum import StrEnum
+from meridian.admin_api import Scope
 
-
-class Scope(StrEnum):
-    ADMIN = "admin"  # manage API keys, and everything below
-    OPERATOR = "operator"  # operate the fleet
-    READ_ONLY = "read-only"  # look at nodes and regions
-    INFERENCE = "inference"  # call the global OpenAI endpoint (checked by routers)
-
+__all__ = ["FLEET_READERS", "Scope"]
 
 # Who may read the fleet's state through the admin API.
 FLEET_READERS = frozenset({Scope.ADMIN, Scope.OPERATOR, Scope.READ_ONLY})

@@ -36,7 +36,9 @@ from pathlib import Path
 
 import httpx
 
-from meridian.contracts import GLOBAL_ZONE, DeploymentView, RegionInfo
+from meridian.admin_api import ApiKeyCreate, DeploymentUpsert, Scope
+from meridian.admin_client import AdminAPIError, AdminClient
+from meridian.contracts import GLOBAL_ZONE, DeploymentView, NodeStatus, RegionInfo
 from meridian.security import generate_api_key
 
 from .procs import die_with_parent, port_or_free, renice
@@ -244,13 +246,11 @@ class LocalFabric:
         assert self.info is not None, "start the fabric first"
         deadline = time.monotonic() + timeout_s
         self.wait_healthy(proc, timeout_s)
-        headers = {"authorization": f"Bearer {self.info.admin_key}"}
-        with httpx.Client(timeout=5.0) as http:
+        with self._admin(self.info.control_plane_url, 5.0) as admin:
             while time.monotonic() < deadline:
                 self._check_alive([proc])
-                with contextlib.suppress(httpx.HTTPError, ValueError):
-                    nodes = http.get(f"{self.info.control_plane_url}/v1/nodes", headers=headers).json()
-                    if any(n["node_id"] == proc.node_id and n["status"] == "ready" for n in nodes):
+                with contextlib.suppress(AdminAPIError):
+                    if any(n.node_id == proc.node_id and n.status == NodeStatus.READY for n in admin.nodes()):
                         return
                 time.sleep(0.2)
         raise FabricError(f"{proc.name} was not ready in the control plane within {timeout_s:g}s")
@@ -314,29 +314,29 @@ class LocalFabric:
         self._wait_http(p, "/health")
         return p
 
+    def _admin(self, cp_url: str, timeout_s: float = 10.0) -> AdminClient:
+        return AdminClient(cp_url, self._admin_key, timeout_s)
+
     def _create_keys(self, cp_url: str) -> dict[str, str]:
         keys: dict[str, str] = {}
-        headers = {"authorization": f"Bearer {self._admin_key}"}
-        with httpx.Client(base_url=cp_url, headers=headers, timeout=10.0) as http:
-            for zone in ("global", "eu", "us", "apac"):
-                r = http.post("/v1/api-keys", json={
-                    "name": f"demo-{zone}", "tenant": f"demo-{zone}", "zone": zone,
-                    "scopes": ["inference"], "models": None,
-                })
-                if r.status_code != 201:
-                    raise FabricError(f"creating the {zone} key failed: {r.status_code} {r.text}")
-                keys[zone] = r.json()["key"]
+        with self._admin(cp_url) as admin:
+            for zone in (GLOBAL_ZONE, "eu", "us", "apac"):
+                try:
+                    keys[zone] = admin.create_key(ApiKeyCreate(
+                        name=f"demo-{zone}", tenant=f"demo-{zone}", zone=zone, scopes=[Scope.INFERENCE], models=None,
+                    )).key
+                except AdminAPIError as e:
+                    raise FabricError(f"creating the {zone} key failed: {e}") from e
         return keys
 
     def _create_deployments(self, cp_url: str) -> None:
-        headers = {"authorization": f"Bearer {self._admin_key}"}
-        with httpx.Client(base_url=cp_url, headers=headers, timeout=10.0) as http:
+        with self._admin(cp_url) as admin:
             for d in self.spec.deployments:
-                r = http.put(f"/v1/deployments/{d.model_name}", json={
-                    "zone": d.zone, "min_replicas": d.min_replicas, "max_replicas": d.max_replicas,
-                })
-                if r.status_code not in (200, 201):
-                    raise FabricError(f"creating deployment {d.model_name} failed: {r.status_code} {r.text}")
+                try:
+                    admin.put_deployment(d.model_name, DeploymentUpsert(
+                        zone=d.zone, min_replicas=d.min_replicas, max_replicas=d.max_replicas))
+                except AdminAPIError as e:
+                    raise FabricError(f"creating deployment {d.model_name} failed: {e}") from e
 
     def _start_node(self, region: str, model_uri: str, cp_url: str, port: int,
                     model_name: str | None = None, node_id: str | None = None, niceness: int = 0,
@@ -413,19 +413,15 @@ class LocalFabric:
         Nodes are spawned from this thread, so their parent-death signal fires when it
         ends; it ends only in stop(), which stops those nodes anyway.
         """
-        headers = {"authorization": f"Bearer {self._admin_key}"}
         regions: list[RegionInfo] = []
-        with httpx.Client(base_url=cp_url, headers=headers, timeout=5.0) as http:
+        with self._admin(cp_url, 5.0) as admin:
             while not self._scaler_stop.wait(self.spec.scaler_interval_s):
                 try:
-                    if not regions:
-                        regions = [RegionInfo.model_validate(r) for r in http.get("/v1/regions").json()]
-                    r = http.get("/v1/deployments")
-                    r.raise_for_status()
-                    for d in r.json():
-                        self._scale(DeploymentView.model_validate(d), regions, model_uri, cp_url)
-                except (httpx.HTTPError, ValueError) as exc:
-                    logger.warning("local scaler: %s: %s; trying again", type(exc).__name__, exc)
+                    regions = regions or admin.regions()
+                    for d in admin.deployments():
+                        self._scale(d, regions, model_uri, cp_url)
+                except AdminAPIError as exc:
+                    logger.warning("local scaler: %s; trying again", exc)
 
     def _scale(self, d: DeploymentView, regions: list[RegionInfo], model_uri: str, cp_url: str) -> None:
         with self._lock:
@@ -480,13 +476,11 @@ class LocalFabric:
         want = {p.node_id for p in self._procs if p.node_id}
         # Without a node of its own the fabric serves nothing until something scales up.
         must_serve = bool(self.spec.regions)
-        headers = {"authorization": f"Bearer {self.info.admin_key}"}
-        with httpx.Client(timeout=5.0) as http:
+        with self._admin(self.info.control_plane_url, 5.0) as admin, httpx.Client(timeout=5.0) as http:
             while True:
                 self._check_alive()
-                with contextlib.suppress(httpx.HTTPError):
-                    nodes = http.get(f"{self.info.control_plane_url}/v1/nodes", headers=headers).json()
-                    ready = {n["node_id"] for n in nodes if n["status"] == "ready"}
+                with contextlib.suppress(httpx.HTTPError, AdminAPIError):
+                    ready = {n.node_id for n in admin.nodes() if n.status == NodeStatus.READY}
                     r = http.get(f"{self.info.router_url}/v1/models",
                                  headers={"authorization": f"Bearer {self.info.keys['global']}"})
                     served = not must_serve or (r.status_code == 200 and any(

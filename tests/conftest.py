@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, NoReturn
 import pytest
 from sqlalchemy.engine import make_url
 
+from meridian.ports import free_port
+
 if TYPE_CHECKING:
     from bench.nginx import NginxServer
 
@@ -92,14 +94,6 @@ def redis_url() -> str:
 # --- Weight origins: nginx, an S3 API (moto server mode), a GCS emulator --------------
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait_for_port(port: int, process: subprocess.Popen[bytes] | None, timeout_s: float) -> bool:
     import socket
     import time
@@ -142,7 +136,7 @@ def _moto_server() -> Iterator[str]:
         import moto.server  # noqa: F401
     except ImportError as e:
         _unavailable("moto server", "python -m moto.server", e)
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdin=subprocess.DEVNULL,
@@ -218,7 +212,7 @@ def gcs_emulator() -> Iterator[str]:
         from gcp_storage_emulator.server import create_server
     except ImportError as e:
         _unavailable("gcp-storage-emulator", "gcp_storage_emulator", e)
-    port = _free_port()
+    port = free_port()
     server = create_server("127.0.0.1", port, in_memory=True)
     server.start()
     try:

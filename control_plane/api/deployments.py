@@ -6,7 +6,6 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
@@ -19,15 +18,8 @@ from control_plane.auth import Ctx, require_actor, require_cluster_token, requir
 from control_plane.db.models import Deployment
 from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import FLEET_READERS, Scope
-from meridian.contracts import (
-    GLOBAL_ZONE,
-    PRINTABLE_PATTERN,
-    AutoscalingSpec,
-    DeploymentView,
-    PlacementSpec,
-    ScaleUpRequest,
-    ZoneName,
-)
+from meridian.admin_api import DeploymentUpsert
+from meridian.contracts import PRINTABLE_PATTERN, DeploymentView, ScaleUpRequest
 
 router = APIRouter(prefix="/v1")
 OperatorActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN, Scope.OPERATOR]))]
@@ -35,24 +27,6 @@ fleet_readers = [Depends(require_scopes(FLEET_READERS))]
 internal = [Depends(require_cluster_token)]
 # Model names may contain '/' ("org/name"), so the path parameter takes the rest of the path.
 ModelParam = Annotated[str, Path(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN)]
-
-
-class DeploymentUpsert(BaseModel):
-    """The body of PUT /v1/deployments/{model}."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    zone: ZoneName = GLOBAL_ZONE
-    min_replicas: int = Field(0, ge=0, le=1000)
-    max_replicas: int = Field(1, ge=1, le=1000)
-    placement: PlacementSpec = PlacementSpec()
-    autoscaling: AutoscalingSpec = AutoscalingSpec()
-
-    @model_validator(mode="after")
-    def _bounds(self) -> DeploymentUpsert:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must not exceed max_replicas")
-        return self
 
 
 # Declared before the catch-all {model:path} routes so that ".../scale-up" is not a model name.

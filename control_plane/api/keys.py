@@ -6,78 +6,32 @@ from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from control_plane import audit, keystore, tenant_store
 from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
-from control_plane.api.tenants import TENANT_PATTERN, TenantCreate, create_audited, known_zone
+from control_plane.api.tenants import create_audited, known_zone
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import ApiKey
 from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import Scope
-from meridian.contracts import GLOBAL_ZONE, PRINTABLE_PATTERN, ModelName, ZoneName, allows_model
+from meridian.admin_api import TENANT_PATTERN, ApiKeyCreate, ApiKeyCreated, ApiKeyView, TenantCreate
+from meridian.contracts import GLOBAL_ZONE, allows_model
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes([Scope.ADMIN]))])
 AdminActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN]))]
 KeyIdParam = Annotated[str, Path(min_length=1, max_length=36)]
 
 
-class ApiKeyCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    # Shown in listings, the audit log and logs: no control characters (CR/LF forge lines).
-    name: str = Field(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN)
-    tenant: str = Field(pattern=TENANT_PATTERN)
-    # The tenant's zone when left out; a new tenant is created in this zone (default global).
-    zone: ZoneName | None = None
-    scopes: list[Scope] = Field(min_length=1, max_length=len(Scope))
-    models: list[ModelName] | None = Field(None, max_length=64)
-
-    @field_validator("scopes")
-    @classmethod
-    def _unique(cls, v: list[Scope]) -> list[Scope]:
-        return sorted(set(v))
-
-
-class ApiKeyView(BaseModel):
-    """A key as listings show it: never the key itself."""
-
-    id: str
-    name: str
-    tenant: str
-    zone: str
-    scopes: list[Scope]
-    models: list[str] | None
-    key_prefix: str
-    created_at: datetime
-    revoked_at: datetime | None = None
-
-    @classmethod
-    def of(cls, row: ApiKey) -> ApiKeyView:
-        return cls(
-            id=row.id,
-            name=row.name,
-            tenant=row.tenant,
-            zone=row.zone,
-            scopes=[Scope(s) for s in row.scopes],
-            models=row.models,
-            key_prefix=row.key_prefix,
-            created_at=row.created_at,
-            revoked_at=row.revoked_at,
-        )
-
-
-class ApiKeyCreated(ApiKeyView):
-    """The answer to a creation: the only time the plaintext key is ever shown."""
-
-    key: str
+def key_view(row: ApiKey) -> ApiKeyView:
+    """A key row as the API shows it (never its hash)."""
+    return ApiKeyView.model_validate(row, from_attributes=True)
 
 
 def _key_audit(row: ApiKey) -> dict[str, object]:
-    return ApiKeyView.of(row).model_dump(mode="json")
+    return key_view(row).model_dump(mode="json")
 
 
 @router.post("/api-keys", status_code=201)
@@ -108,7 +62,7 @@ def create_api_key(ctx: Ctx, actor: AdminActor, body: ApiKeyCreate) -> ApiKeyCre
                 models=body.models,
                 now=now,
             )
-            view = ApiKeyView.of(row)
+            view = key_view(row)
             audit.record(session, actor, action="create", resource_type="api_key", resource_id=row.id,
                          before=None, after=view.model_dump(mode="json"), now=now)
     except IntegrityError as e:
@@ -132,7 +86,7 @@ def list_api_keys(
         query = query.where(ApiKey.tenant == tenant)
     with ctx.read() as session:
         rows, next_cursor = paginate(session, query, [ApiKey.created_at, ApiKey.id], page)
-        views = [ApiKeyView.of(r) for r in rows]
+        views = [key_view(r) for r in rows]
     set_next_link(request, response, next_cursor)
     return views
 
@@ -140,7 +94,7 @@ def list_api_keys(
 @router.get("/api-keys/{key_id}")
 def get_api_key(ctx: Ctx, key_id: KeyIdParam) -> ApiKeyView:
     with ctx.read() as session:
-        return ApiKeyView.of(keystore.get_key(session, key_id))
+        return key_view(keystore.get_key(session, key_id))
 
 
 @router.delete("/api-keys/{key_id}", status_code=204)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
@@ -19,6 +19,7 @@ from control_plane.db.models import ModelRecord
 from control_plane.errors import Conflict
 from control_plane.placement.fit import ModelFit, fit_model
 from control_plane.scopes import FLEET_READERS, Scope
+from meridian.admin_api import ModelUpsert, ModelView
 from meridian.contracts import PRINTABLE_PATTERN
 from providers.catalog import Catalog
 
@@ -30,59 +31,8 @@ ModelNameParam = Annotated[
     str, Path(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN, examples=["meta-llama/Llama-3.1-8B"])
 ]
 
-# Keys of control_plane.placement.fit.BYTES_PER_WEIGHT and KV_BYTES (a test keeps them in step).
-Quantization = Literal["bf16", "fp16", "fp8", "int8", "int4", "awq", "gptq"]
-KvCacheDtype = Literal["bf16", "fp16", "fp8", "int8"]
-WEIGHTS_URI_PATTERN = r"^(file|s3|gs|https?)://[^\s\x00-\x1f\x7f]+$"
-
-
-class ModelUpsert(BaseModel):
-    """The body of PUT /v1/models/{name}: the model's shape and the workload one replica holds."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    # At least a thousand parameters: smaller values only make the roofline's numbers overflow.
-    params_b: float = Field(ge=1e-6, le=10_000, allow_inf_nan=False, description="parameters, billions")
-    layers: int = Field(ge=1, le=1000)
-    kv_heads: int = Field(ge=1, le=1024)
-    head_dim: int = Field(ge=1, le=4096)
-    quantization: Quantization = "bf16"
-    kv_cache_dtype: KvCacheDtype = "bf16"
-    attention_heads: int | None = Field(None, ge=1, le=4096)
-    hidden_size: int | None = Field(None, ge=1, le=1_000_000)
-    max_context: int = Field(8192, ge=1, le=10_000_000)
-    target_concurrent_seqs: int = Field(16, ge=1, le=100_000)
-    weights_uri: str | None = Field(None, max_length=2048, pattern=WEIGHTS_URI_PATTERN)
-
-    @model_validator(mode="after")
-    def _grouped_query_attention(self) -> ModelUpsert:
-        if self.attention_heads is not None and self.attention_heads % self.kv_heads:
-            raise ValueError("attention_heads must be a multiple of kv_heads")
-        return self
-
-
-class ModelView(BaseModel):
-    """A model as the API shows it; send resource_version back as If-Match to update it."""
-
-    name: str
-    params_b: float
-    layers: int
-    kv_heads: int
-    head_dim: int
-    quantization: str
-    kv_cache_dtype: str
-    attention_heads: int | None
-    hidden_size: int | None
-    max_context: int
-    target_concurrent_seqs: int
-    weights_uri: str | None
-    resource_version: int
-    created_at: datetime
-    updated_at: datetime
-
-    @classmethod
-    def of(cls, row: ModelRecord) -> ModelView:
-        return cls.model_validate(model_store.as_dict(row))
+def model_view(row: ModelRecord) -> ModelView:
+    return ModelView.model_validate(model_store.as_dict(row))
 
 
 class OfferingCost(BaseModel):
@@ -220,7 +170,7 @@ def list_models(
 ) -> list[ModelView]:
     with ctx.read() as session:
         rows, next_cursor = paginate(session, select(ModelRecord), [ModelRecord.name], page)
-        views = [ModelView.of(r) for r in rows]
+        views = [model_view(r) for r in rows]
     set_next_link(request, response, next_cursor)
     return views
 
@@ -228,7 +178,7 @@ def list_models(
 @router.get("/models/{name:path}", dependencies=fleet_readers)
 def get_model(ctx: Ctx, name: ModelNameParam, response: Response) -> ModelView:
     with ctx.read() as session:
-        view = ModelView.of(model_store.get(session, name))
+        view = model_view(model_store.get(session, name))
     set_etag(response, view.resource_version)
     return view
 

@@ -20,21 +20,13 @@ from control_plane.errors import BadRequest, Conflict, NotFound
 from control_plane.infra_export import InfraExportError, InfraOptions, infra_plan
 from control_plane.placement.problem import SolveOptions
 from control_plane.scopes import FLEET_READERS, Scope
+from meridian.admin_api import PlanRequest, PlanView
 from meridian.infra_plan import KubernetesTarget
 
 router = APIRouter(prefix="/v1/placement")
 readers = [Depends(require_scopes(FLEET_READERS))]
 OperatorActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN, Scope.OPERATOR]))]
 PlanIdParam = Annotated[str, Path(min_length=1, max_length=36)]
-
-
-class PlanRequest(BaseModel):
-    """Solver limits for one preview."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    time_limit_s: float = Field(10.0, gt=0, le=120)
-    mip_rel_gap: float = Field(0.005, ge=0, le=0.5)
 
 
 class InfraRequest(BaseModel):
@@ -53,36 +45,8 @@ class InfraRequest(BaseModel):
     max_scale: float = Field(2.0, ge=1, le=100)
 
 
-class PlanView(BaseModel):
-    id: str
-    status: str
-    base_plan_id: str | None
-    cost_per_hour: float | None
-    assignments: list[dict[str, Any]]
-    diff: dict[str, Any]
-    explanation: str | None
-    solve_seconds: float
-    created_at: datetime
-    created_by: str
-    applied_at: datetime | None
-    applied_by: str | None
-
-    @classmethod
-    def of(cls, row: PlacementPlan) -> PlanView:
-        return cls(
-            id=row.id,
-            status=row.status,
-            base_plan_id=row.base_plan_id,
-            cost_per_hour=row.cost_per_hour,
-            assignments=list(row.assignments),
-            diff=dict(row.diff),
-            explanation=row.explanation,
-            solve_seconds=row.solve_seconds,
-            created_at=row.created_at,
-            created_by=row.created_by,
-            applied_at=row.applied_at,
-            applied_by=row.applied_by,
-        )
+def plan_view(row: PlacementPlan) -> PlanView:
+    return PlanView.model_validate(row, from_attributes=True)
 
 
 @router.post("/plans", status_code=201)
@@ -104,7 +68,7 @@ async def preview_plan(ctx: Ctx, actor: OperatorActor, body: PlanRequest | None 
 
     def store() -> PlanView:
         with ctx.write() as session:
-            return PlanView.of(planner.store_plan(session, state, result, actor, datetime.now(UTC)))
+            return plan_view(planner.store_plan(session, state, result, actor, datetime.now(UTC)))
 
     return await asyncio.to_thread(store)
 
@@ -118,7 +82,7 @@ def list_plans(
         rows, next_cursor = paginate(
             session, select(PlacementPlan), [PlacementPlan.created_at, PlacementPlan.id], page, descending=True
         )
-        views = [PlanView.of(r) for r in rows]
+        views = [plan_view(r) for r in rows]
     set_next_link(request, response, next_cursor)
     return views
 
@@ -130,13 +94,13 @@ def current_placement(ctx: Ctx) -> PlanView:
         row = planner.current_plan(session)
         if row is None:
             raise NotFound("no placement has been applied yet; preview and apply a plan")
-        return PlanView.of(row)
+        return plan_view(row)
 
 
 @router.get("/plans/{plan_id}", dependencies=readers)
 def get_plan(ctx: Ctx, plan_id: PlanIdParam) -> PlanView:
     with ctx.read() as session:
-        return PlanView.of(planner.get_plan(session, plan_id))
+        return plan_view(planner.get_plan(session, plan_id))
 
 
 @router.post("/plans/{plan_id}/infra", dependencies=readers)
@@ -171,6 +135,6 @@ def apply_plan(ctx: Ctx, actor: OperatorActor, plan_id: PlanIdParam) -> PlanView
     """Put a previewed plan in force (409 when another plan was applied since it was solved)."""
     try:
         with ctx.write() as session:
-            return PlanView.of(planner.apply_plan(session, plan_id, actor, datetime.now(UTC)))
+            return plan_view(planner.apply_plan(session, plan_id, actor, datetime.now(UTC)))
     except IntegrityError as e:
         raise Conflict("another plan was applied concurrently; preview a new plan") from e

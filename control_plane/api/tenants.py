@@ -6,7 +6,6 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Path, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -19,55 +18,17 @@ from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import Tenant
 from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import FLEET_READERS, Scope
-from meridian.contracts import GLOBAL_ZONE, CacheGroupName, ModelName, ZoneName
+from meridian.admin_api import TENANT_PATTERN, TenantCreate, TenantPatch, TenantView
+from meridian.contracts import GLOBAL_ZONE
 
 router = APIRouter(prefix="/v1")
 readers = [Depends(require_scopes(FLEET_READERS))]
 AdminActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN]))]
-TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
 TenantParam = Annotated[str, Path(pattern=TENANT_PATTERN)]
-RateLimit = Annotated[int, Field(ge=1, le=1_000_000_000)]
 
 
-class TenantCreate(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(pattern=TENANT_PATTERN)
-    zone: ZoneName = GLOBAL_ZONE
-    models: list[ModelName] | None = Field(None, max_length=64)
-    requests_per_minute: RateLimit | None = None
-    tokens_per_minute: RateLimit | None = None
-    cache_group: CacheGroupName | None = Field(
-        None, description="Tenants of one group share prefix-cache entries (and can see each other's "
-        "cache hits); by default a tenant's cache is its own.")
-
-
-class TenantPatch(BaseModel):
-    """Fields to change; those left out stay as they are (null clears a limit or model list)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    zone: ZoneName | None = None
-    models: list[ModelName] | None = Field(None, max_length=64)
-    requests_per_minute: RateLimit | None = None
-    tokens_per_minute: RateLimit | None = None
-    cache_group: CacheGroupName | None = None
-
-
-class TenantView(BaseModel):
-    name: str
-    zone: str
-    models: list[str] | None
-    requests_per_minute: int | None
-    tokens_per_minute: int | None
-    cache_group: str | None = None
-    resource_version: int
-    created_at: datetime
-    updated_at: datetime
-
-    @classmethod
-    def of(cls, row: Tenant) -> TenantView:
-        return cls.model_validate(tenant_store.as_dict(row))
+def tenant_view(row: Tenant) -> TenantView:
+    return TenantView.model_validate(tenant_store.as_dict(row))
 
 
 def known_zone(ctx: Ctx, zone: str) -> str:
@@ -101,7 +62,7 @@ def create_tenant(ctx: Ctx, actor: AdminActor, body: TenantCreate, response: Res
     now = datetime.now(UTC)
     try:
         with ctx.write() as session:
-            view = TenantView.of(create_audited(session, actor, body, now))
+            view = tenant_view(create_audited(session, actor, body, now))
     except IntegrityError as e:
         # Postgres lets two creators past the existence check; the second insert loses.
         raise Conflict(f"tenant {body.name!r} already exists") from e
@@ -115,7 +76,7 @@ def list_tenants(
 ) -> list[TenantView]:
     with ctx.read() as session:
         rows, next_cursor = paginate(session, select(Tenant), [Tenant.name], page)
-        views = [TenantView.of(r) for r in rows]
+        views = [tenant_view(r) for r in rows]
     set_next_link(request, response, next_cursor)
     return views
 
@@ -123,7 +84,7 @@ def list_tenants(
 @router.get("/tenants/{name}", dependencies=readers)
 def get_tenant(ctx: Ctx, name: TenantParam, response: Response) -> TenantView:
     with ctx.read() as session:
-        view = TenantView.of(tenant_store.get(session, name))
+        view = tenant_view(tenant_store.get(session, name))
     set_etag(response, view.resource_version)
     return view
 
@@ -150,7 +111,7 @@ def patch_tenant(
         if tenant_store.update_fields(session, row, changes, now):
             audit.record(session, actor, action="update", resource_type="tenant", resource_id=name,
                          before=before, after=tenant_store.as_dict(row), now=now)
-        view = TenantView.of(row)
+        view = tenant_view(row)
     set_etag(response, view.resource_version)
     return view
 

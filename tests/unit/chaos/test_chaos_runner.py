@@ -16,7 +16,7 @@ from chaos.faults import injector
 from chaos.faults.injector import NotRunnable, create_injector, supported_kinds
 from chaos.observe import busiest
 from chaos.runner import runnable
-from cli.chaos_cmd import pick
+from chaos.suite import pick
 from cli.main import app
 from localfabric import FabricInfo, FabricSpec, LocalFabric, Proc
 

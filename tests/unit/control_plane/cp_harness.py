@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -74,13 +73,6 @@ _SERVE = (
     "from control_plane.app import serve; from meridian.settings import ControlPlaneSettings; "
     "serve(ControlPlaneSettings())"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def spawn_control_plane(port: int, database_url: str, **env: str) -> subprocess.Popen[bytes]:

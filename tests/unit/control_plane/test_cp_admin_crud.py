@@ -8,8 +8,8 @@ import pytest
 from admin_harness import MODEL_SPEC, walk
 from cp_harness import ControlPlane
 
-from control_plane.api.models import KvCacheDtype, Quantization
 from control_plane.placement.fit import BYTES_PER_WEIGHT, KV_BYTES
+from meridian.admin_api import KvCacheDtype, Quantization
 
 
 def test_model_dtypes_are_the_ones_fit_knows() -> None:

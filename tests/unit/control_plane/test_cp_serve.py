@@ -7,9 +7,10 @@ from pathlib import Path
 
 import httpx
 from alembic.script import ScriptDirectory
-from cp_harness import CLUSTER_TOKEN, free_port, spawn_control_plane, stop_process, wait_until_up
+from cp_harness import CLUSTER_TOKEN, spawn_control_plane, stop_process, wait_until_up
 
 from control_plane.db import migrate
+from meridian.ports import free_port
 
 
 def test_serve_migrates_answers_and_exits_cleanly_on_sigterm(tmp_path: Path) -> None:

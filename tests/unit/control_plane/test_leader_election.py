@@ -15,11 +15,12 @@ from typing import Any
 
 import httpx
 import pytest
-from cp_harness import ADMIN_KEY, ControlPlane, free_port, spawn_control_plane, stop_process, wait_until_up
+from cp_harness import ADMIN_KEY, ControlPlane, spawn_control_plane, stop_process, wait_until_up
 from sqlalchemy import text
 
 from control_plane.context import AppContext
 from control_plane.leader import ADVISORY_LOCK_KEY, Deposed, Fence, LeaderElector, check_fence, make_elector
+from meridian.ports import free_port
 
 TAKEOVER_S = 5.0
 # Tests that run electors by hand turn the app's own off (it would compete with them).

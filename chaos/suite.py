@@ -1,5 +1,6 @@
-"""`meridian chaos run`: run drills against a local fabric or a deployment with a progress
-bar, then show each verdict as a table and where the report is."""
+"""What `meridian chaos run` does (chaos/cli.py): run drills against a local fabric or a
+deployment with a progress bar, then show each verdict as a table and where the report is.
+The command imports this module when it runs: it loads the runners and the local fabric."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""`meridian model push / pull / cache`: move model weights between a directory, an
-origin and the node cache, with progress bars."""
+"""What `meridian model push / pull / cache` do: move model weights between a directory, an
+origin and the node cache, with progress bars. The commands (data_plane/cli.py) import this
+module when they run, so that `meridian --help` loads none of the weight machinery."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`meridian catalog gpus`: the GPU SKU catalog as tables, in the manner of SkyPilot's `sky show-gpus`."""
+"""The tables of `meridian catalog gpus` (providers/cli.py): the GPU SKU catalog, in the manner
+of SkyPilot's `sky show-gpus`."""
 
 from __future__ import annotations
 

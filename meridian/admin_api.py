@@ -1,0 +1,236 @@
+"""The control plane's admin API as its clients see it: request and response bodies (pydantic v2).
+
+The control plane serves these models and its clients (the CLI, the chaos tooling, the local
+fabric, through `meridian.admin_client`) send and read them, so both sides share one
+contract instead of clients building JSON bodies by hand; the layering rules keep clients
+out of `control_plane`, hence the kernel. Region, node and deployment views, which other
+planes read too, are in `meridian.contracts`.
+
+The published OpenAPI document is built from these classes: their names, field order,
+docstrings (schema descriptions) and constraints are part of the API. A class without a
+docstring here has none on purpose, because adding one would change the published schema.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from meridian.contracts import (
+    GLOBAL_ZONE,
+    PRINTABLE_PATTERN,
+    AutoscalingSpec,
+    CacheGroupName,
+    ModelName,
+    PlacementSpec,
+    ZoneName,
+)
+
+# The media type of the admin API's error answers (RFC 9457 problem details, contracts.Problem).
+PROBLEM_MEDIA_TYPE = "application/problem+json"
+
+# --- scopes ----------------------------------------------------------------------------
+
+
+# Scopes an API key can carry (no docstring: it would become the schema's description).
+class Scope(StrEnum):
+    ADMIN = "admin"  # manage API keys, and everything below
+    OPERATOR = "operator"  # operate the fleet
+    READ_ONLY = "read-only"  # look at nodes and regions
+    INFERENCE = "inference"  # call the global OpenAI endpoint (checked by routers)
+
+
+# --- tenants ---------------------------------------------------------------------------
+
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+RateLimit = Annotated[int, Field(ge=1, le=1_000_000_000)]
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=TENANT_PATTERN)
+    zone: ZoneName = GLOBAL_ZONE
+    models: list[ModelName] | None = Field(None, max_length=64)
+    requests_per_minute: RateLimit | None = None
+    tokens_per_minute: RateLimit | None = None
+    cache_group: CacheGroupName | None = Field(
+        None, description="Tenants of one group share prefix-cache entries (and can see each other's "
+        "cache hits); by default a tenant's cache is its own.")
+
+
+class TenantPatch(BaseModel):
+    """Fields to change; those left out stay as they are (null clears a limit or model list)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    zone: ZoneName | None = None
+    models: list[ModelName] | None = Field(None, max_length=64)
+    requests_per_minute: RateLimit | None = None
+    tokens_per_minute: RateLimit | None = None
+    cache_group: CacheGroupName | None = None
+
+
+class TenantView(BaseModel):
+    name: str
+    zone: str
+    models: list[str] | None
+    requests_per_minute: int | None
+    tokens_per_minute: int | None
+    cache_group: str | None = None
+    resource_version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+# --- API keys --------------------------------------------------------------------------
+
+
+class ApiKeyCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # Shown in listings, the audit log and logs: no control characters (CR/LF forge lines).
+    name: str = Field(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN)
+    tenant: str = Field(pattern=TENANT_PATTERN)
+    # The tenant's zone when left out; a new tenant is created in this zone (default global).
+    zone: ZoneName | None = None
+    scopes: list[Scope] = Field(min_length=1, max_length=len(Scope))
+    models: list[ModelName] | None = Field(None, max_length=64)
+
+    @field_validator("scopes")
+    @classmethod
+    def _unique(cls, v: list[Scope]) -> list[Scope]:
+        return sorted(set(v))
+
+
+class ApiKeyView(BaseModel):
+    """A key as listings show it: never the key itself."""
+
+    id: str
+    name: str
+    tenant: str
+    zone: str
+    scopes: list[Scope]
+    models: list[str] | None
+    key_prefix: str
+    created_at: datetime
+    revoked_at: datetime | None = None
+
+
+class ApiKeyCreated(ApiKeyView):
+    """The answer to a creation: the only time the plaintext key is ever shown."""
+
+    key: str
+
+
+# --- deployments -----------------------------------------------------------------------
+
+
+class DeploymentUpsert(BaseModel):
+    """The body of PUT /v1/deployments/{model}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    zone: ZoneName = GLOBAL_ZONE
+    min_replicas: int = Field(0, ge=0, le=1000)
+    max_replicas: int = Field(1, ge=1, le=1000)
+    placement: PlacementSpec = PlacementSpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+
+    @model_validator(mode="after")
+    def _bounds(self) -> DeploymentUpsert:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
+# --- models ----------------------------------------------------------------------------
+
+# Keys of control_plane.placement.fit.BYTES_PER_WEIGHT and KV_BYTES (a test keeps them in step).
+Quantization = Literal["bf16", "fp16", "fp8", "int8", "int4", "awq", "gptq"]
+KvCacheDtype = Literal["bf16", "fp16", "fp8", "int8"]
+WEIGHTS_URI_PATTERN = r"^(file|s3|gs|https?)://[^\s\x00-\x1f\x7f]+$"
+
+
+class ModelUpsert(BaseModel):
+    """The body of PUT /v1/models/{name}: the model's shape and the workload one replica holds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # At least a thousand parameters: smaller values only make the roofline's numbers overflow.
+    params_b: float = Field(ge=1e-6, le=10_000, allow_inf_nan=False, description="parameters, billions")
+    layers: int = Field(ge=1, le=1000)
+    kv_heads: int = Field(ge=1, le=1024)
+    head_dim: int = Field(ge=1, le=4096)
+    quantization: Quantization = "bf16"
+    kv_cache_dtype: KvCacheDtype = "bf16"
+    attention_heads: int | None = Field(None, ge=1, le=4096)
+    hidden_size: int | None = Field(None, ge=1, le=1_000_000)
+    max_context: int = Field(8192, ge=1, le=10_000_000)
+    target_concurrent_seqs: int = Field(16, ge=1, le=100_000)
+    weights_uri: str | None = Field(None, max_length=2048, pattern=WEIGHTS_URI_PATTERN)
+
+    @model_validator(mode="after")
+    def _grouped_query_attention(self) -> ModelUpsert:
+        if self.attention_heads is not None and self.attention_heads % self.kv_heads:
+            raise ValueError("attention_heads must be a multiple of kv_heads")
+        return self
+
+
+class ModelView(BaseModel):
+    """A model as the API shows it; send resource_version back as If-Match to update it."""
+
+    name: str
+    params_b: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+    quantization: str
+    kv_cache_dtype: str
+    attention_heads: int | None
+    hidden_size: int | None
+    max_context: int
+    target_concurrent_seqs: int
+    weights_uri: str | None
+    resource_version: int
+    created_at: datetime
+    updated_at: datetime
+
+
+# --- placement plans -------------------------------------------------------------------
+
+
+class PlanRequest(BaseModel):
+    """Solver limits for one preview."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    time_limit_s: float = Field(10.0, gt=0, le=120)
+    mip_rel_gap: float = Field(0.005, ge=0, le=0.5)
+
+
+class PlanStatus(StrEnum):
+    """A placement plan's state (PlanView.status; the database column stays a string)."""
+
+    PREVIEW = "preview"
+    APPLIED = "applied"
+    SUPERSEDED = "superseded"
+    INFEASIBLE = "infeasible"
+
+
+class PlanView(BaseModel):
+    id: str
+    status: str
+    base_plan_id: str | None
+    cost_per_hour: float | None
+    assignments: list[dict[str, Any]]
+    diff: dict[str, Any]
+    explanation: str | None
+    solve_seconds: float
+    created_at: datetime
+    created_by: str
+    applied_at: datetime | None
+    applied_by: str | None

@@ -1,0 +1,334 @@
+"""The one client of the control plane's admin API, for the CLI, the chaos tooling and the local fabric.
+
+Requests and answers are the kernel's models (`meridian.admin_api`, `meridian.contracts`), so
+no caller builds a JSON body by hand or reads one by key. Every failure is one typed error,
+`AdminAPIError`: a problem+json answer (status, title, detail, errors, and whether it came
+with Retry-After), an invalid request refused before it is sent (422, as the control plane
+would refuse it), an answer that does not parse, or a control plane that cannot be reached
+(status 0, the transport error as its cause). Every call has a timeout.
+
+`AdminClient` (sync: the CLI, the local fabric's threads) and `AsyncAdminClient` (the chaos
+drills, in an event loop) make the same calls: each call is described once, as an `_Call`
+(method, path, body, how to read the answer), and each client only sends it. A client has
+the calls its users make (listing and revoking keys only the drills do, so only the async one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Generic, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from meridian.admin_api import (
+    PROBLEM_MEDIA_TYPE,
+    ApiKeyCreate,
+    ApiKeyCreated,
+    ApiKeyView,
+    DeploymentUpsert,
+    PlanRequest,
+    PlanView,
+)
+from meridian.contracts import DeploymentView, NodeView, RegionInfo
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+# A placement preview may solve for up to its time limit; the call waits this much longer.
+PLAN_TIMEOUT_MARGIN_S = 30.0
+
+
+class AdminAPIError(Exception):
+    """The admin call failed: the control plane's problem answer, or why there was none.
+
+    `status` 0 means the control plane could not be reached (the httpx error is the cause).
+    `problem` says the answer was application/problem+json; `retry_after` is its header.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        title: str,
+        detail: str | None = None,
+        *,
+        errors: list[dict[str, Any]] | None = None,
+        retry_after: str | None = None,
+        problem: bool = False,
+    ) -> None:
+        super().__init__(f"{status} {title}" + (f": {detail}" if detail else ""))
+        self.status, self.title, self.detail, self.errors = status, title, detail, errors
+        self.retry_after, self.problem = retry_after, problem
+
+    @property
+    def unreachable(self) -> bool:
+        return self.status == 0
+
+    @classmethod
+    def of_response(cls, r: httpx.Response) -> AdminAPIError:
+        """The error an answer of 400 or more stands for."""
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            body = {}
+        errors = body.get("errors")
+        return cls(r.status_code, str(body.get("title") or r.reason_phrase), body.get("detail"),
+                   errors=errors if isinstance(errors, list) else None,
+                   retry_after=r.headers.get("retry-after"),
+                   problem=r.headers.get("content-type", "").startswith(PROBLEM_MEDIA_TYPE))
+
+    @classmethod
+    def invalid_request(cls, e: ValidationError) -> AdminAPIError:
+        """A request body the control plane would refuse, refused here in the same words."""
+        errors = [{"loc": list(err["loc"]), "msg": err["msg"], "type": err["type"]} for err in e.errors()]
+        return cls(422, HTTPStatus(422).phrase, "request failed validation", errors=errors)
+
+
+def request_body(model: type[M], **fields: Any) -> M:
+    """`model(**fields)`, or the AdminAPIError (422) the control plane would answer with."""
+    try:
+        return model(**fields)
+    except ValidationError as e:
+        raise AdminAPIError.invalid_request(e) from None
+
+
+def _list_of(model: type[M]) -> Callable[[Any], list[M]]:
+    return TypeAdapter(list[model]).validate_python  # type: ignore[valid-type]
+
+
+def _nothing(_: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class _Call(Generic[T]):
+    """One admin call: what to send, and `parse` to read a successful answer's JSON.
+
+    A `paged` call follows the Link: rel="next" headers; `parse` reads every page's items.
+    """
+
+    method: str
+    path: str
+    parse: Callable[[Any], T]
+    body: BaseModel | None = None
+    params: Mapping[str, str] = field(default_factory=dict)
+    timeout_s: float | None = None
+    paged: bool = False
+
+    def kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = {"params": dict(self.params) or None}
+        if self.body is not None:
+            # Only what the caller set: the control plane fills in its own defaults.
+            kw["json"] = self.body.model_dump(mode="json", exclude_unset=True)
+        if self.timeout_s is not None:
+            kw["timeout"] = self.timeout_s
+        return kw
+
+
+def _paged(path: str, parse: Callable[[Any], T], **params: str) -> _Call[T]:
+    return _Call("GET", path, parse, params=params, paged=True)
+
+
+# --- the calls ---------------------------------------------------------------------------
+
+
+def _regions() -> _Call[list[RegionInfo]]:
+    return _paged("/v1/regions", _list_of(RegionInfo))
+
+
+def _nodes() -> _Call[list[NodeView]]:
+    return _paged("/v1/nodes", _list_of(NodeView))
+
+
+def _create_key(body: ApiKeyCreate) -> _Call[ApiKeyCreated]:
+    return _Call("POST", "/v1/api-keys", ApiKeyCreated.model_validate, body=body)
+
+
+def _list_keys(tenant: str | None, include_revoked: bool) -> _Call[list[ApiKeyView]]:
+    params = {"tenant": tenant} if tenant is not None else {}
+    if include_revoked:
+        params["include_revoked"] = "true"
+    return _paged("/v1/api-keys", _list_of(ApiKeyView), **params)
+
+
+def _revoke_key(key_id: str) -> _Call[None]:
+    return _Call("DELETE", f"/v1/api-keys/{quote(key_id, safe='')}", _nothing)
+
+
+def _deployments() -> _Call[list[DeploymentView]]:
+    return _paged("/v1/deployments", _list_of(DeploymentView))
+
+
+def _put_deployment(model: str, body: DeploymentUpsert) -> _Call[DeploymentView]:
+    # Model names may hold '/', which the route takes as part of the name.
+    return _Call("PUT", f"/v1/deployments/{quote(model, safe='/')}", DeploymentView.model_validate, body=body)
+
+
+def _preview_plan(body: PlanRequest) -> _Call[PlanView]:
+    timeout = body.time_limit_s + PLAN_TIMEOUT_MARGIN_S
+    return _Call("POST", "/v1/placement/plans", PlanView.model_validate, body=body, timeout_s=timeout)
+
+
+def _apply_plan(plan_id: str) -> _Call[PlanView]:
+    return _Call("POST", f"/v1/placement/plans/{quote(plan_id, safe='')}/apply", PlanView.model_validate)
+
+
+# --- sending them ------------------------------------------------------------------------
+
+
+def _checked(r: httpx.Response) -> httpx.Response:
+    if r.status_code >= 400:
+        raise AdminAPIError.of_response(r)
+    return r
+
+
+def _unexpected(call: _Call[Any], r: httpx.Response, why: object) -> AdminAPIError:
+    return AdminAPIError(r.status_code, "unexpected answer", f"{call.method} {call.path}: {why}")
+
+
+def _body(call: _Call[Any], r: httpx.Response) -> Any:
+    """The answer's JSON (None when empty); a paged call's must be a list of items."""
+    try:
+        value = r.json() if r.content else None
+    except ValueError as e:
+        raise _unexpected(call, r, e) from e
+    if call.paged and not isinstance(value, list):
+        raise _unexpected(call, r, "not a list")
+    return value
+
+
+def _parsed(call: _Call[T], r: httpx.Response, value: Any) -> T:
+    """`call.parse(value)`: an answer that is not what the API promises is an AdminAPIError."""
+    try:
+        return call.parse(value)
+    except ValueError as e:  # pydantic's ValidationError is one
+        raise _unexpected(call, r, e) from e
+
+
+def _next_url(r: httpx.Response) -> str | None:
+    return r.links.get("next", {}).get("url")
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class AdminClient:
+    """The admin API over one HTTP connection pool (close it, or use `with`)."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 10.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self._http = httpx.Client(base_url=base_url.rstrip("/"), headers=_headers(api_key), timeout=timeout_s,
+                                  transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> AdminClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _send(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        try:
+            return _checked(self._http.request(method, url, **kw))
+        except httpx.HTTPError as e:
+            raise AdminAPIError(0, "control plane unreachable", f"{self._http.base_url}: {e}") from e
+
+    def _run(self, call: _Call[T]) -> T:
+        r = self._send(call.method, call.path, **call.kwargs())
+        value = _body(call, r)
+        while call.paged and (url := _next_url(r)) is not None:
+            r = self._send("GET", url)
+            value += _body(call, r)
+        return _parsed(call, r, value)
+
+    def regions(self) -> list[RegionInfo]:
+        return self._run(_regions())
+
+    def nodes(self) -> list[NodeView]:
+        return self._run(_nodes())
+
+    def create_key(self, body: ApiKeyCreate) -> ApiKeyCreated:
+        """A new key; the answer is the only time its secret is shown."""
+        return self._run(_create_key(body))
+
+    def deployments(self) -> list[DeploymentView]:
+        return self._run(_deployments())
+
+    def put_deployment(self, model: str, body: DeploymentUpsert) -> DeploymentView:
+        return self._run(_put_deployment(model, body))
+
+    def preview_plan(self, body: PlanRequest) -> PlanView:
+        """Solve a placement preview; waits for the solve (its time limit and a margin)."""
+        return self._run(_preview_plan(body))
+
+    def apply_plan(self, plan_id: str) -> PlanView:
+        return self._run(_apply_plan(plan_id))
+
+
+class AsyncAdminClient:
+    """`AdminClient`'s calls for an event loop (close it, or use `async with`)."""
+
+    def __init__(self, base_url: str, api_key: str | None, timeout_s: float = 10.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=_headers(api_key),
+                                       timeout=timeout_s, transport=transport)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncAdminClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _send(self, method: str, url: str, **kw: Any) -> httpx.Response:
+        try:
+            return _checked(await self._http.request(method, url, **kw))
+        except httpx.HTTPError as e:
+            raise AdminAPIError(0, "control plane unreachable", f"{self._http.base_url}: {e}") from e
+
+    async def _run(self, call: _Call[T]) -> T:
+        r = await self._send(call.method, call.path, **call.kwargs())
+        value = _body(call, r)
+        while call.paged and (url := _next_url(r)) is not None:
+            r = await self._send("GET", url)
+            value += _body(call, r)
+        return _parsed(call, r, value)
+
+    async def regions(self) -> list[RegionInfo]:
+        return await self._run(_regions())
+
+    async def nodes(self) -> list[NodeView]:
+        return await self._run(_nodes())
+
+    async def create_key(self, body: ApiKeyCreate) -> ApiKeyCreated:
+        """A new key; the answer is the only time its secret is shown."""
+        return await self._run(_create_key(body))
+
+    async def list_keys(self, tenant: str | None = None, include_revoked: bool = False) -> list[ApiKeyView]:
+        return await self._run(_list_keys(tenant, include_revoked))
+
+    async def revoke_key(self, key_id: str) -> None:
+        await self._run(_revoke_key(key_id))
+
+    async def deployments(self) -> list[DeploymentView]:
+        return await self._run(_deployments())
+
+    async def put_deployment(self, model: str, body: DeploymentUpsert) -> DeploymentView:
+        return await self._run(_put_deployment(model, body))
+
+    async def preview_plan(self, body: PlanRequest) -> PlanView:
+        """Solve a placement preview; waits for the solve (its time limit and a margin)."""
+        return await self._run(_preview_plan(body))
+
+    async def apply_plan(self, plan_id: str) -> PlanView:
+        return await self._run(_apply_plan(plan_id))
