@@ -17,6 +17,7 @@ from data_plane.engine.base import (
     EngineRequestError,
 )
 from data_plane.tokenizer import ChatTemplateError
+from meridian import http_body
 from meridian.errors import OpenAIError
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,14 @@ def install_error_handlers(app: FastAPI) -> None:
             APIError(str(exc.detail), status=exc.status_code, headers=getattr(exc, "headers", None))
         )
 
+    async def on_body(_: Request, exc: Exception) -> JSONResponse:
+        # The kernel's body reader's errors, as the node's own.
+        if isinstance(exc, http_body.BodyTooLarge):
+            return error_response(PayloadTooLargeError(str(exc)))
+        if isinstance(exc, http_body.ClientGone):
+            return error_response(ClientClosedError())
+        return error_response(BadRequestError(str(exc)))
+
     async def on_client_gone(_: Request, exc: Exception) -> JSONResponse:
         # The client left mid-body: nobody reads this, and it is not the node's error.
         return error_response(ClientClosedError())
@@ -137,5 +146,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineRequestError, on_engine_request)
     app.add_exception_handler(ChatTemplateError, on_template)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(http_body.BodyError, on_body)
     app.add_exception_handler(ClientDisconnect, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)
