@@ -4,10 +4,11 @@ a `meridian.registry.Registry` whose built-ins load lazily)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.registry import Registry
 from meridian.settings import NodeSettings
 
@@ -175,7 +176,12 @@ class PassthroughEngine(Protocol):
         ...
 
 
-EngineFactory = Callable[[NodeSettings], Engine]
+class EngineFactory(Protocol):
+    """Makes an engine (not yet started) for a node's settings, reading time from `clock`
+    (the node's one Clock)."""
+
+    def __call__(self, settings: NodeSettings, *, clock: Clock) -> Engine: ...
+
 
 # Built-in engines are imported on first use, so a CPU node never imports vLLM and a
 # vLLM node never pays for what it does not run. Register more with ENGINES.register.
@@ -188,9 +194,9 @@ ENGINES: Registry[EngineFactory] = Registry(
 )
 
 
-def create_engine(name: str, settings: NodeSettings) -> Engine:
+def create_engine(name: str, settings: NodeSettings, *, clock: Clock = SYSTEM_CLOCK) -> Engine:
     """Instantiate the engine registered as `name` (not yet started); UnknownName else."""
-    return ENGINES.get(name)(settings)
+    return ENGINES.get(name)(settings, clock=clock)
 
 
 def served_model_name(settings: NodeSettings) -> str:

@@ -19,6 +19,7 @@ from data_plane.engine.base import (
     create_engine,
 )
 from data_plane.engine.torch_engine import TorchEngine
+from meridian.clock import Clock
 from meridian.registry import UnknownName
 from meridian.settings import NodeSettings
 
@@ -136,8 +137,8 @@ async def test_registry_creates_engines_by_name(tiny_checkpoint: Path) -> None:
     assert isinstance(create_engine("torch", settings), TorchEngine)
     assert isinstance(create_engine("torch", settings), Engine)
 
-    def factory(s: NodeSettings) -> Engine:
-        return TorchEngine(s)
+    def factory(s: NodeSettings, *, clock: Clock) -> Engine:
+        return TorchEngine(s, clock=clock)
 
     ENGINES.register("test-alias", factory)
     try:
