@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from data_plane.timing import wait_at_most
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import (
     HEARTBEAT_RETRY_MAX_S,
     ColdStart,
@@ -148,6 +150,7 @@ class NodeAgent:
         retry_base_s: float = 0.5,
         retry_max_s: float = HEARTBEAT_RETRY_MAX_S,
         transport: httpx.AsyncBaseTransport | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if not settings.control_plane_url:
             raise ValueError("the node agent needs settings.control_plane_url")
@@ -162,6 +165,8 @@ class NodeAgent:
         self._retry_base_s = retry_base_s
         self._retry_max_s = retry_max_s
         self._transport = transport
+        # Heartbeat intervals, retry backoffs and the wait for the first registration.
+        self._clock = clock
         kv_events, kv_events_replay = advertise_kv_events(settings)
         # Validated now so a misconfigured node fails at start-up, not in the loop.
         self._registration = NodeRegistration(
@@ -196,12 +201,7 @@ class NodeAgent:
     async def wait_registered(self, timeout_s: float) -> bool:
         """Wait (at most timeout_s) until the control plane has taken this node's
         registration once; False if it has not (the node goes on without it)."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self._first_registration.wait()
-        except TimeoutError:
-            return False
-        return True
+        return await wait_at_most(self._clock, timeout_s, self._first_registration.wait())
 
     def notify(self) -> None:
         """Report now instead of at the next interval (the status changed)."""
@@ -251,8 +251,7 @@ class NodeAgent:
                 # Jitter keeps a fleet of nodes from retrying in lockstep after an outage.
                 delay = backoff * self._rng.uniform(0.5, 1.0)
             self._wake.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+            await wait_at_most(self._clock, delay, self._wake.wait())
 
     async def _report(self) -> bool:
         async with self._send_lock:

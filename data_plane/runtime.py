@@ -6,14 +6,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 
 from data_plane.agent import NodeAgent, default_node_id
 from data_plane.engine.base import Engine
 from data_plane.kv_events import ZmqEventPublisher, create_publisher
 from data_plane.lifecycle import NodeLifecycle
+from data_plane.timing import wait_at_most
 from data_plane.weights.node_weights import NodeWeights
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import ColdStart, NodeLoad
 from meridian.settings import NodeSettings
 
@@ -28,9 +29,12 @@ class NodeRuntime:
     """
 
     def __init__(
-        self, settings: NodeSettings, engine: Engine, agent: NodeAgent | None = None
+        self, settings: NodeSettings, engine: Engine, agent: NodeAgent | None = None,
+        *, clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.settings = settings
+        # The node's one clock: the cold-start timeline, the drain timeout, the agent's waits.
+        self.clock = clock
         self.engine = engine
         self.lifecycle = NodeLifecycle()
         self.on_fatal: Callable[[BaseException], None] | None = None
@@ -49,6 +53,7 @@ class NodeRuntime:
                 load=self.load,
                 weights=(lambda: list(self.weights.digests)) if self.weights is not None else None,
                 cold_start=lambda: self.cold_start,
+                clock=clock,
             )
         self.agent = agent
         self._drain: asyncio.Task[None] | None = None
@@ -70,7 +75,7 @@ class NodeRuntime:
         orchestrators and routers can tell a loading node from a dead one.
         """
         if self._started_at is None:
-            self._started_at = time.monotonic()
+            self._started_at = self.clock.monotonic()
         if self.weights is not None:
             await self.weights.scan()
         if self.agent is not None:
@@ -86,7 +91,8 @@ class NodeRuntime:
             raise self.load_error
 
     def _step(self, **update: object) -> None:
-        since = time.monotonic() - (self._started_at or time.monotonic())
+        now = self.clock.monotonic()
+        since = now - (self._started_at or now)
         self.cold_start = self.cold_start.model_copy(update={k: since if v is None else v for k, v in update.items()})
 
     async def _load(self) -> None:
@@ -146,10 +152,7 @@ class NodeRuntime:
         in_flight = self.lifecycle.in_flight
         if in_flight:
             log.info("draining: waiting for %d in-flight requests", in_flight)
-        try:
-            async with asyncio.timeout(self.settings.drain_timeout_s):
-                await self.lifecycle.wait_idle()
-        except TimeoutError:
+        if not await wait_at_most(self.clock, self.settings.drain_timeout_s, self.lifecycle.wait_idle()):
             log.warning(
                 "drain timeout (%.0fs): %d requests still in flight will be aborted",
                 self.settings.drain_timeout_s, self.lifecycle.in_flight,

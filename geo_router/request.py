@@ -16,6 +16,7 @@ import msgspec
 from fastapi import Request
 from starlette.types import Receive, Scope
 
+from meridian import http_body
 from meridian.http_server import DISCONNECT_EXTENSION
 from meridian.json_limits import MAX_JSON_DEPTH, too_deep
 
@@ -46,30 +47,21 @@ def request_id_for(client_value: str | None) -> str:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing (413) anything over `limit` bytes without buffering it."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestTooLarge(limit)
-    # The ASGI messages themselves, not Request.stream(): a chat request is nearly always one
-    # message, and this path runs for every request.
-    receive = request.receive
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            # Gone mid-body (or cut off by the listener's body timeout): nobody reads this.
-            raise ClientClosedRequest()
-        chunk: bytes = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(limit)
-        if not message.get("more_body", False):
-            if not chunks:
-                return chunk
-            chunks.append(chunk)
-            return b"".join(chunks)
-        chunks.append(chunk)
+    """The request body, refusing (413) anything over `limit` bytes without buffering it,
+    and (400) a Content-Length that is malformed or that the body disagrees with.
+
+    The kernel's one reader (meridian.http_body); its errors become the router's here, so
+    that they are counted with every other RouterError of the request.
+    """
+    try:
+        return await http_body.read_body(request.receive, request.headers.get("content-length"), limit)
+    except http_body.BodyTooLarge:
+        raise RequestTooLarge(limit) from None
+    except http_body.BadContentLength as exc:
+        raise BadRequest(str(exc)) from None
+    except http_body.ClientGone:
+        # Gone mid-body (or cut off by the listener's body timeout): nobody reads this.
+        raise ClientClosedRequest() from None
 
 
 async def until_disconnected(receive: Receive) -> None:

@@ -1,13 +1,15 @@
 """The Engine protocol every runtime implements (built-in torch engine, vLLM adapter),
-its request/output types, and the registry engines are created from by name."""
+its request/output types, and the registry engines are created from by name (`ENGINES`,
+a `meridian.registry.Registry` whose built-ins load lazily)."""
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
+from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.registry import Registry
 from meridian.settings import NodeSettings
 
 if TYPE_CHECKING:
@@ -174,36 +176,27 @@ class PassthroughEngine(Protocol):
         ...
 
 
-EngineFactory = Callable[[NodeSettings], Engine]
+class EngineFactory(Protocol):
+    """Makes an engine (not yet started) for a node's settings, reading time from `clock`
+    (the node's one Clock)."""
+
+    def __call__(self, settings: NodeSettings, *, clock: Clock) -> Engine: ...
+
 
 # Built-in engines are imported on first use, so a CPU node never imports vLLM and a
-# vLLM node never pays for what it does not run.
-_BUILTIN: dict[str, str] = {"torch": "data_plane.engine.torch_engine:TorchEngine", "vllm": "data_plane.engine.vllm.engine:VllmEngine"}
-_FACTORIES: dict[str, EngineFactory] = {}
+# vLLM node never pays for what it does not run. Register more with ENGINES.register.
+ENGINES: Registry[EngineFactory] = Registry(
+    "engine",
+    builtins={
+        "torch": "data_plane.engine.torch_engine:TorchEngine",
+        "vllm": "data_plane.engine.vllm.engine:VllmEngine",
+    },
+)
 
 
-class UnknownEngineError(LookupError):
-    """No engine is registered under the requested name."""
-
-
-def register_engine(name: str, factory: EngineFactory) -> None:
-    """Make an engine available to create_engine under `name`."""
-    _FACTORIES[name] = factory
-
-
-def engine_names() -> list[str]:
-    return sorted(set(_BUILTIN) | set(_FACTORIES))
-
-
-def create_engine(name: str, settings: NodeSettings) -> Engine:
-    """Instantiate the engine registered as `name` (not yet started)."""
-    factory = _FACTORIES.get(name)
-    if factory is None and name in _BUILTIN:
-        module_name, _, attr = _BUILTIN[name].partition(":")
-        factory = getattr(importlib.import_module(module_name), attr)
-    if factory is None:
-        raise UnknownEngineError(f"unknown engine {name!r}; known: {', '.join(engine_names())}")
-    return factory(settings)
+def create_engine(name: str, settings: NodeSettings, *, clock: Clock = SYSTEM_CLOCK) -> Engine:
+    """Instantiate the engine registered as `name` (not yet started); UnknownName else."""
+    return ENGINES.get(name)(settings, clock=clock)
 
 
 def served_model_name(settings: NodeSettings) -> str:

@@ -17,7 +17,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +44,7 @@ from data_plane.model.loader import load_model
 from data_plane.model.paged_attention import PagedKVCache
 from data_plane.sampling import Sampled, SamplingError, SamplingFailed, check_sampling, make_generator
 from data_plane.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
 from meridian.settings import NodeSettings
 
@@ -94,10 +94,12 @@ def kv_cache_blocks(settings: NodeSettings, bytes_per_block: int) -> int:
 class TorchEngine:
     """Engine protocol implementation over data_plane.model.llama."""
 
-    def __init__(self, settings: NodeSettings) -> None:
+    def __init__(self, settings: NodeSettings, *, clock: Clock = SYSTEM_CLOCK) -> None:
         if settings.model_dir is None:
             raise ValueError("the torch engine needs settings.model_dir")
         self._settings = settings
+        # The node's clock: the times of KV events.
+        self._clock = clock
         self._model_dir = Path(settings.model_dir)
         self._model_name = served_model_name(settings)
         self._max_model_len = settings.max_model_len
@@ -553,7 +555,7 @@ class TorchEngine:
         if sink is None or not events:
             return
         try:
-            sink.publish(KVEventBatch(ts=time.time(), events=events))
+            sink.publish(KVEventBatch(ts=self._clock.time(), events=events))
         except Exception:  # a broken publisher must not take the engine down
             log.exception("publishing KV events failed")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,38 +19,30 @@ from data_plane.server.errors import ModelNotFoundError, install_error_handlers
 from data_plane.server.metrics import NodeMetrics
 from data_plane.server.passthrough import GET_ROUTES, POST_ROUTES, Passthrough
 from data_plane.weights.node_weights import with_model_uri
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import ModelCard, ModelList
 from meridian.request_journal import RequestJournal
 from meridian.settings import NodeSettings
 
 
-def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
+def create_app(
+    settings: NodeSettings, engine: Engine | None = None, *, clock: Clock = SYSTEM_CLOCK
+) -> FastAPI:
     """Build a node app. Its lifespan starts the agent, loads the model in the
     background (app.state.runtime.wait_ready() waits for it) and drains on exit.
 
     `engine` defaults to create_engine(settings.engine, settings); the app owns its
-    start and stop either way.
+    start and stop either way. `clock` is the node's one clock (the runtime, its agent
+    and the engine read time from it); tests pass a ManualClock.
     """
     settings = with_model_uri(settings)
     if engine is None:
-        engine = create_engine(settings.engine, settings)
-    runtime = NodeRuntime(settings, engine)
-    models = engine.models()
-    # An engine with its own server (vLLM) measures requests and exports its cache config
-    # itself; its families are relayed on /metrics.
-    passthrough = isinstance(engine, PassthroughEngine)
-    metrics = NodeMetrics(
-        models[0] if models else "", engine.stats,
-        cache_config=None if passthrough else {
-            "block_size": str(settings.block_size),
-            "enable_prefix_caching": str(settings.enable_prefix_caching),
-        },
-        request_metrics=not passthrough,
-    )
+        engine = create_engine(settings.engine, settings, clock=clock)
+    runtime = NodeRuntime(settings, engine, clock=clock)
+    metrics = _node_metrics(settings, engine)
     metrics.track_cold_start(lambda: runtime.cold_start)
     journal = RequestJournal(settings.request_journal_path)
     service = CompletionService(runtime, metrics, journal)
-    started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -82,11 +73,37 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
         async def completions(request: Request) -> Response:
             return await service.completion(request)
 
-    @app.get("/v1/models", dependencies=internal)
+    _model_routes(app, service, int(clock.time()), internal)
+    if runtime.weights is not None:
+        # Same-region peers fetch this node's cached weights (cluster token, like routers).
+        app.include_router(runtime.weights.router(), dependencies=internal)
+    _probe_routes(app, runtime, metrics, engine)
+    return app
+
+
+def _node_metrics(settings: NodeSettings, engine: Engine) -> NodeMetrics:
+    # An engine with its own server (vLLM) measures requests and exports its cache config
+    # itself; its families are relayed on /metrics.
+    models = engine.models()
+    passthrough = isinstance(engine, PassthroughEngine)
+    return NodeMetrics(
+        models[0] if models else "", engine.stats,
+        cache_config=None if passthrough else {
+            "block_size": str(settings.block_size),
+            "enable_prefix_caching": str(settings.enable_prefix_caching),
+        },
+        request_metrics=not passthrough,
+    )
+
+
+def _model_routes(app: FastAPI, service: CompletionService, started: int, dependencies: list[Any]) -> None:
+    """/v1/models and /v1/models/{id}: the models this node serves, created at `started`."""
+
+    @app.get("/v1/models", dependencies=dependencies)
     async def list_models() -> ModelList:
         return await service.model_list(started)
 
-    @app.get("/v1/models/{model_id:path}", dependencies=internal)
+    @app.get("/v1/models/{model_id:path}", dependencies=dependencies)
     async def get_model(model_id: str) -> ModelCard:
         # vLLM has no such route; the card is the list's.
         for card in (await service.model_list(started)).data:
@@ -94,9 +111,9 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
                 return card
         raise ModelNotFoundError(model_id)
 
-    if runtime.weights is not None:
-        # Same-region peers fetch this node's cached weights (cluster token, like routers).
-        app.include_router(runtime.weights.router(), dependencies=internal)
+
+def _probe_routes(app: FastAPI, runtime: NodeRuntime, metrics: NodeMetrics, engine: Engine) -> None:
+    """/health (200 only when ready) and /metrics, open to probes and scrapers."""
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -111,8 +128,6 @@ def create_app(settings: NodeSettings, engine: Engine | None = None) -> FastAPI:
             # A vLLM child's own metrics, minus the families this node already exports.
             body += (await raw_metrics(metrics.family_names())).encode()
         return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def _pass_through(app: FastAPI, passthrough: Passthrough, dependencies: list[Any]) -> None:

@@ -1,5 +1,5 @@
-"""Reading request bodies: size-capped, JSON-decoded and validated, with every failure
-as an OpenAI 400/413 rather than FastAPI's 422."""
+"""Reading request bodies: size-capped (meridian.http_body), JSON-decoded and validated,
+with every failure as an OpenAI 400/413 rather than FastAPI's 422."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from typing import Any, TypeVar
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 
-from data_plane.server.errors import BadRequestError, PayloadTooLargeError, validation_error
+from data_plane.server.errors import BadRequestError, validation_error
+from meridian import http_body
 from meridian.json_limits import MAX_JSON_DEPTH, too_deep
 
 M = TypeVar("M", bound=BaseModel)
@@ -17,24 +18,10 @@ _TOO_DEEP = object()
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing anything over `limit` bytes without reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        try:
-            too_big = int(declared) > limit
-        except ValueError:
-            raise BadRequestError("invalid Content-Length header") from None
-        if too_big:
-            raise PayloadTooLargeError(f"request body is larger than {limit} bytes")
-    chunks: list[bytes] = []
-    size = 0
-    # Chunked uploads carry no length: count as the bytes arrive.
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLargeError(f"request body is larger than {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """The raw body, read by the kernel's one reader (meridian.http_body): over `limit`
+    bytes is a 413 without reading it all, a malformed or lying Content-Length a 400 (the
+    node's error handlers map its errors)."""
+    return await http_body.read_body(request.receive, request.headers.get("content-length"), limit)
 
 
 # OpenAI parameters this server does not implement, and the values that ask for nothing

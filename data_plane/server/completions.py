@@ -257,7 +257,7 @@ class CompletionService:
         ex = _Exchange(
             kind=kind,
             id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
-            created=int(time.time()),
+            created=int(self._runtime.clock.time()),
             # The name the client used (an adapter's included), as OpenAI and vLLM echo it.
             model=params.model,
             prompt_tokens=len(prompt_ids),

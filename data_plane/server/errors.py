@@ -17,61 +17,53 @@ from data_plane.engine.base import (
     EngineRequestError,
 )
 from data_plane.tokenizer import ChatTemplateError
-from meridian.contracts import openai_error
+from meridian import http_body
+from meridian.errors import OpenAIError
 
 log = logging.getLogger(__name__)
 
 
-class APIError(Exception):
-    """An error with a status and an OpenAI error body."""
-
-    status_code = 500
-    error_type = "server_error"
-    default_code: str | None = None
-
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code or self.default_code
+class APIError(OpenAIError):
+    """An error the node answers itself, in OpenAI's error shape (the kernel's base, so
+    that the router and the node answer the same failure with the same body)."""
 
 
 class BadRequestError(APIError):
-    status_code = 400
-    error_type = "invalid_request_error"
+    status = 400
+    type_ = "invalid_request_error"
 
 
 class ContextLengthError(BadRequestError):
-    default_code = "context_length_exceeded"
+    code = "context_length_exceeded"
 
 
 class AuthenticationError(APIError):
-    status_code = 401
-    error_type = "invalid_request_error"
-    default_code = "invalid_api_key"
+    status = 401
+    type_ = "invalid_request_error"
+    code = "invalid_api_key"
 
 
 class ModelNotFoundError(APIError):
-    status_code = 404
-    error_type = "invalid_request_error"
-    default_code = "model_not_found"
+    status = 404
+    type_ = "invalid_request_error"
+    code = "model_not_found"
 
     def __init__(self, model: str) -> None:
         super().__init__(f"The model `{model}` does not exist on this node.", param="model")
 
 
 class PayloadTooLargeError(APIError):
-    status_code = 413
-    error_type = "invalid_request_error"
-    default_code = "request_too_large"
+    status = 413
+    type_ = "invalid_request_error"
+    code = "request_too_large"
 
 
 class ClientClosedError(APIError):
     """The client went away; nobody reads this answer (nginx's 499)."""
 
-    status_code = 499
-    error_type = "invalid_request_error"
-    default_code = "client_disconnected"
+    status = 499
+    type_ = "invalid_request_error"
+    code = "client_disconnected"
 
     def __init__(self) -> None:
         super().__init__("client disconnected")
@@ -81,15 +73,12 @@ class UnavailableError(APIError):
     """The node cannot take this request now (loading, draining, overloaded); the
     router may retry it on another replica."""
 
-    status_code = 503
-    error_type = "service_unavailable"
+    status = 503
+    type_ = "service_unavailable"
 
 
 def error_response(exc: APIError) -> JSONResponse:
-    return JSONResponse(
-        openai_error(exc.message, type_=exc.error_type, code=exc.code, param=exc.param),
-        status_code=exc.status_code,
-    )
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
 
 def validation_error(exc: ValidationError | RequestValidationError) -> BadRequestError:
@@ -129,11 +118,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_http(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(
-            openai_error(str(exc.detail), type_=kind), status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+        return error_response(
+            APIError(str(exc.detail), status=exc.status_code, headers=getattr(exc, "headers", None))
         )
+
+    async def on_body(_: Request, exc: Exception) -> JSONResponse:
+        # The kernel's body reader's errors, as the node's own.
+        if isinstance(exc, http_body.BodyTooLarge):
+            return error_response(PayloadTooLargeError(str(exc)))
+        if isinstance(exc, http_body.ClientGone):
+            return error_response(ClientClosedError())
+        return error_response(BadRequestError(str(exc)))
 
     async def on_client_gone(_: Request, exc: Exception) -> JSONResponse:
         # The client left mid-body: nobody reads this, and it is not the node's error.
@@ -141,10 +136,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse(
-            openai_error("The server had an internal error.", type_="server_error"),
-            status_code=500,
-        )
+        return error_response(APIError("The server had an internal error."))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(ValidationError, on_validation)
@@ -154,5 +146,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(EngineRequestError, on_engine_request)
     app.add_exception_handler(ChatTemplateError, on_template)
     app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(http_body.BodyError, on_body)
     app.add_exception_handler(ClientDisconnect, on_client_gone)
     app.add_exception_handler(Exception, on_unexpected)

@@ -27,7 +27,8 @@ from fastapi import FastAPI
 from router_harness import ServerGroup
 
 from data_plane.weights.cache import NodeCache
-from data_plane.weights.origins import OriginDenied, OriginURI, S3Origin
+from data_plane.weights.origins import OriginDenied, OriginURI
+from data_plane.weights.origins.s3 import S3Origin
 from data_plane.weights.origins.sigv4 import AwsCredentials
 from data_plane.weights.pull import WeightPuller
 from data_plane.weights.push import push_model

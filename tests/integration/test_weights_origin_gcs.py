@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from data_plane.weights.origins import (
-    GcsOrigin,
     OriginError,
     OriginNotFound,
     OriginURI,
     open_origin,
 )
+from data_plane.weights.origins.gcs import GcsOrigin
 from meridian.settings import WeightSettings
 
 MIB = 1024 * 1024

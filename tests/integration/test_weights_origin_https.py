@@ -16,13 +16,12 @@ import pytest
 
 from bench.nginx import NginxServer
 from data_plane.weights.origins import (
-    HttpOrigin,
     OriginError,
     OriginNotFound,
     OriginReadOnly,
     open_origin,
 )
-from data_plane.weights.origins.http import redirect_refusal
+from data_plane.weights.origins.http import HttpOrigin, redirect_refusal
 from meridian.settings import WeightSettings
 
 

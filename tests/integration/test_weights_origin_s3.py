@@ -18,9 +18,9 @@ from data_plane.weights.origins import (
     OriginError,
     OriginNotFound,
     OriginURI,
-    S3Origin,
     open_origin,
 )
+from data_plane.weights.origins.s3 import S3Origin
 from data_plane.weights.origins.sigv4 import EMPTY_SHA256, AwsCredentials, sha256_hex, sign_headers
 from meridian.settings import WeightSettings
 

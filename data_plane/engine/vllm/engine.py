@@ -48,7 +48,9 @@ from data_plane.engine.vllm.metrics import StatsTracker, drop_metric_families, p
 from data_plane.engine.vllm.relay import KVEventRelay
 from data_plane.engine.vllm.spec import DeploymentSpec, DeploymentSpecError
 from data_plane.engine.vllm.supervisor import RestartPolicy, VllmSupervisor
+from data_plane.timing import wait_at_most
 from data_plane.tokenizer import ChatTokenizer
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.ports import free_port
 from meridian.settings import NodeSettings
 
@@ -210,10 +212,14 @@ class VllmEngine:
     supervisor gives up, so that the node can leave the fleet.
     """
 
-    def __init__(self, settings: NodeSettings, *, spec: DeploymentSpec | None = None) -> None:
+    def __init__(
+        self, settings: NodeSettings, *, spec: DeploymentSpec | None = None, clock: Clock = SYSTEM_CLOCK
+    ) -> None:
         if settings.model_dir is None:
             raise ValueError("the vLLM engine needs settings.model_dir (the model's local directory)")
         self._settings = settings
+        # The node's clock: KV event times, the metrics scrape interval, the drain timeout.
+        self._clock = clock
         self.spec = spec or load_spec(settings)
         self._model_dir = Path(settings.model_dir)
         self._served = self.spec.served_name
@@ -265,7 +271,7 @@ class VllmEngine:
         self._tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, self._model_dir)
         self.base_url = f"http://{LOOPBACK}:{port}"
         self.relay = KVEventRelay(endpoints.endpoint, topic=endpoints.topic,
-                                  replay_endpoint=endpoints.replay_endpoint)
+                                  replay_endpoint=endpoints.replay_endpoint, clock=self._clock)
         self.relay.set_sink(self._sink)
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
@@ -307,9 +313,7 @@ class VllmEngine:
         self._accepting = False
         if self._streams:
             log.info("vLLM engine draining %d in-flight requests", len(self._streams))
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self._settings.drain_timeout_s):
-                    await self._idle.wait()
+            await wait_at_most(self._clock, self._settings.drain_timeout_s, self._idle.wait())
         for request_id in list(self._streams):
             self.abort(request_id)
         await self._release()
@@ -533,7 +537,7 @@ class VllmEngine:
                         self._tracker.update(generation, parse_vllm_metrics(response.text))
                 except (httpx.HTTPError, ValueError) as exc:
                     log.debug("scraping vLLM's metrics failed: %r", exc)
-            await asyncio.sleep(self._settings.vllm_probe_interval_s)
+            await self._clock.sleep(self._settings.vllm_probe_interval_s)
 
     async def _release(self) -> None:
         scraper, self._scraper = self._scraper, None

@@ -23,8 +23,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -32,6 +30,7 @@ import zmq
 
 from data_plane.engine.base import KVEventSink
 from data_plane.engine.vllm.rehash import BlockRehasher
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.kv_events import END_SEQ, AllBlocksCleared, KVEventBatch, decode_batch
 
 log = logging.getLogger(__name__)
@@ -105,7 +104,7 @@ class KVEventRelay:
         *,
         topic: str = "",
         replay_endpoint: str | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.bind_endpoint = bind_endpoint
         self.replay_endpoint = replay_endpoint
@@ -222,10 +221,10 @@ class KVEventRelay:
                 replay.connect(self.replay_endpoint)
             # vLLM's ROUTER expects [identity, empty, start seq]; a DEALER adds the identity.
             replay.send_multipart([b"", start.to_bytes(8, "big")])
-            deadline = time.monotonic() + _REPLAY_TIMEOUT_S
+            deadline = self._clock.monotonic() + _REPLAY_TIMEOUT_S
             complete = False
-            while not complete and time.monotonic() < deadline:
-                if not replay.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            while not complete and self._clock.monotonic() < deadline:
+                if not replay.poll(max(1, int((deadline - self._clock.monotonic()) * 1000))):
                     break
                 frames = replay.recv_multipart()
                 if len(frames) != 3 or frames[1] == END_SEQ:
@@ -253,7 +252,7 @@ class KVEventRelay:
 
     def _cleared(self) -> None:
         self.rehasher.clear()
-        self._publish(KVEventBatch(ts=self._clock(), events=[AllBlocksCleared()]))
+        self._publish(KVEventBatch(ts=self._clock.time(), events=[AllBlocksCleared()]))
 
     def _deliver(self, payload: bytes) -> None:
         try:

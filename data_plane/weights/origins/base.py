@@ -1,5 +1,6 @@
 """The one small protocol every weight origin implements, its errors, and the registry
-that opens an origin from a URI by scheme."""
+that opens an origin from a URI by scheme (`ORIGINS`, a `meridian.registry.Registry`
+whose built-ins load lazily)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlsplit
 
+from meridian.registry import Registry
 from meridian.settings import WeightSettings
 
 # Called with the number of bytes just transferred (progress bars).
@@ -94,24 +96,24 @@ class WeightOrigin(Protocol):
 
 
 OriginFactory = Callable[[OriginURI, WeightSettings], WeightOrigin]
-_REGISTRY: dict[str, OriginFactory] = {}
 
-
-def register_origin(scheme: str, factory: OriginFactory) -> None:
-    """Make `scheme://` URIs open with `factory`."""
-    _REGISTRY[scheme] = factory
-
-
-def origin_schemes() -> list[str]:
-    return sorted(_REGISTRY)
+# Origins by URI scheme. Built-ins are imported on first use, so a node reading file://
+# weights never loads the S3 or GCS clients; anything may register more schemes.
+ORIGINS: Registry[OriginFactory] = Registry(
+    "weight URI scheme",
+    builtins={
+        "file": "data_plane.weights.origins.file:FileOrigin",
+        "http": "data_plane.weights.origins.http:HttpOrigin",
+        "https": "data_plane.weights.origins.http:HttpOrigin",
+        "s3": "data_plane.weights.origins.s3:S3Origin",
+        "gs": "data_plane.weights.origins.gcs:GcsOrigin",
+        # Another node's cache in the same region (served by its node agent, cluster token).
+        "peer": "data_plane.weights.origins.peer:PeerOrigin",
+    },
+)
 
 
 def open_origin(uri: str | OriginURI, settings: WeightSettings) -> WeightOrigin:
-    """Open the origin a URI names; OriginError for an unknown scheme."""
+    """Open the origin a URI names; UnknownName for a scheme no origin is registered under."""
     parsed = uri if isinstance(uri, OriginURI) else OriginURI.parse(uri)
-    factory = _REGISTRY.get(parsed.scheme)
-    if factory is None:
-        raise OriginError(
-            f"unsupported weight URI scheme {parsed.scheme!r}; use one of {', '.join(origin_schemes())}"
-        )
-    return factory(parsed, settings)
+    return ORIGINS.get(parsed.scheme)(parsed, settings)

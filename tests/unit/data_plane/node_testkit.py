@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request, Response
 
 from data_plane.engine.base import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from data_plane.engine.torch_engine import TorchEngine
+from meridian.clock import ManualClock
 from meridian.contracts import HeartbeatAck, NodeHeartbeat, NodeRegistered, NodeRegistration
 from meridian.settings import NodeSettings
 
@@ -87,10 +88,8 @@ async def running_server(app: Any, port: int = 0) -> AsyncIterator[str]:
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     server = _TestServer(config)
     task = asyncio.create_task(server.serve())
-    for _ in range(500):
-        if server.started or task.done():
-            break
-        await asyncio.sleep(0.01)
+    with contextlib.suppress(AssertionError):
+        await eventually(lambda: server.started or task.done(), within=5.0, interval=0.01)
     if not server.started:
         task.cancel()
         raise RuntimeError("server did not start")
@@ -103,15 +102,31 @@ async def running_server(app: Any, port: int = 0) -> AsyncIterator[str]:
 
 
 async def eventually(
-    predicate: Callable[[], object], within: float = 5.0, interval: float = 0.02
+    predicate: Callable[[], object], within: float = 5.0, interval: float = 0.02,
+    *, clock: ManualClock | None = None, step: float = 0.0,
 ) -> None:
-    """Wait until predicate() is true, failing the test after `within` seconds."""
+    """Wait until predicate() is true, failing the test after `within` seconds.
+
+    With `clock`, each poll also moves that ManualClock on by `step`: the node's timers
+    (heartbeats, backoffs) run on it while the real I/O they start runs on real time.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
     while not predicate():
         if loop.time() > deadline:
             raise AssertionError(f"condition not met within {within}s")
+        if clock is not None:
+            clock.advance(step)
         await asyncio.sleep(interval)
+
+
+async def clock_turns(clock: ManualClock, step: float, turns: int) -> None:
+    """Let a loop that waits on `clock` (the node agent) take `turns` more turns: each time
+    something waits on the clock, move it on by `step`; return once it waits again."""
+    for _ in range(turns):
+        await eventually(lambda: clock.sleepers > 0)
+        clock.advance(step)
+    await eventually(lambda: clock.sleepers > 0)
 
 
 def parse_sse(body: str) -> Iterator[Any]:

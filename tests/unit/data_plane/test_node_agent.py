@@ -17,6 +17,7 @@ from node_testkit import (
     GatedEngine,
     StandInControlPlane,
     asgi_client,
+    clock_turns,
     eventually,
     make_settings,
     running_server,
@@ -24,6 +25,7 @@ from node_testkit import (
 
 from data_plane.agent import NodeAgent, advertise_kv_events
 from data_plane.server.app import create_app
+from meridian.clock import ManualClock
 from meridian.contracts import NodeLoad, NodeStatus
 from meridian.ports import free_port
 
@@ -87,15 +89,19 @@ async def test_drain_reports_draining_then_deregisters(
     control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path
 ) -> None:
     cp, url = control_plane
-    app = create_app(agent_settings(tiny_checkpoint, url))
+    clock = ManualClock()
+    app = create_app(agent_settings(tiny_checkpoint, url), clock=clock)
     async with asgi_client(app):
-        await eventually(lambda: any(h.status == NodeStatus.READY for h in cp.heartbeats()))
+        await eventually(lambda: any(h.status == NodeStatus.READY for h in cp.heartbeats()),
+                         clock=clock, step=cp.heartbeat_interval_s)
         await app.state.runtime.drain()
         kinds = cp.kinds()
         assert kinds[-1] == "delete"
         assert cp.events[-2] == ("heartbeat", cp.heartbeats()[-1])
         assert cp.heartbeats()[-1].status == NodeStatus.DRAINING
-        await asyncio.sleep(0.2)
+        # Many heartbeat intervals on: no loop is left waiting to report again.
+        await clock.advance_async(100 * cp.heartbeat_interval_s)
+        assert clock.sleepers == 0
         assert cp.kinds() == kinds  # nothing after leaving: no zombie re-registration
         assert NODE_ID not in cp.nodes
 
@@ -121,22 +127,23 @@ async def test_agent_retries_until_the_control_plane_comes_back(tiny_checkpoint:
     settings = agent_settings(tiny_checkpoint, f"http://127.0.0.1:{port}",
                               control_plane_timeout_s=0.5)
     status = NodeStatus.READY
+    clock = ManualClock()
     agent = NodeAgent(settings, models=["tiny-llama"], status=lambda: status,
-                      load=lambda: NodeLoad(running=2), retry_base_s=0.02, retry_max_s=0.1)
+                      load=lambda: NodeLoad(running=2), retry_base_s=0.02, retry_max_s=0.1, clock=clock)
     await agent.start()
     try:
-        await asyncio.sleep(0.3)
+        await clock_turns(clock, 0.1, 3)  # three attempts, each backed off on the clock
         assert not agent.registered
 
         cp = StandInControlPlane()
         async with running_server(cp.app(), port=port):
-            await eventually(lambda: agent.registered and cp.heartbeats())
+            await eventually(lambda: agent.registered and cp.heartbeats(), clock=clock, step=0.1)
             assert cp.heartbeats()[-1].load.running == 2
         # Down again, then back with no memory of the node: it must re-register.
-        await asyncio.sleep(0.3)
+        await clock_turns(clock, 0.1, 3)
         fresh = StandInControlPlane()
         async with running_server(fresh.app(), port=port):
-            await eventually(lambda: fresh.registrations() and fresh.heartbeats())
+            await eventually(lambda: fresh.registrations() and fresh.heartbeats(), clock=clock, step=0.1)
     finally:
         await agent.close()
 
@@ -146,11 +153,12 @@ async def test_wrong_token_is_retried_not_fatal(
 ) -> None:
     cp, url = control_plane
     settings = agent_settings(tiny_checkpoint, url).model_copy(update={"cluster_token": None})
+    clock = ManualClock()
     agent = NodeAgent(settings, models=[], status=lambda: NodeStatus.READY, load=NodeLoad,
-                      retry_base_s=0.02, retry_max_s=0.05)
+                      retry_base_s=0.02, retry_max_s=0.05, clock=clock)
     await agent.start()
     try:
-        await asyncio.sleep(0.2)
+        await clock_turns(clock, 0.05, 3)  # three refused attempts, backed off on the clock
         assert not agent.registered and not cp.nodes
     finally:
         await agent.close()

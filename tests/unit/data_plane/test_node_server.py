@@ -203,6 +203,14 @@ async def test_oversized_body_is_413(tiny_checkpoint: Path) -> None:
         assert_openai_error(resp, 413, code="request_too_large")
 
 
+async def test_a_malformed_or_lying_content_length_is_400(client: httpx.AsyncClient) -> None:
+    body = json.dumps({"model": MODEL_NAME, "prompt": "hi"}).encode()
+    for length in ("abc", "-1", str(len(body) - 1), str(len(body) + 1)):
+        resp = await client.post("/v1/completions", content=body, headers={"content-length": length})
+        error = assert_openai_error(resp, 400, type="invalid_request_error")
+        assert "Content-Length" in error["message"], error
+
+
 async def test_unexpected_errors_are_a_clean_500(tiny_checkpoint: Path) -> None:
     class BrokenEngine(TorchEngine):
         async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:

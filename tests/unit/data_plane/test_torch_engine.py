@@ -9,18 +9,18 @@ import pytest
 from node_testkit import ENGINE_PROMPT, eventually, make_settings, run_request, tokens_of
 
 from data_plane.engine.base import (
+    ENGINES,
     Engine,
     EngineNotReadyError,
     EngineOverloadedError,
     EngineRequestError,
     GenerationRequest,
     SamplingParams,
-    UnknownEngineError,
     create_engine,
-    engine_names,
-    register_engine,
 )
 from data_plane.engine.torch_engine import TorchEngine
+from meridian.clock import Clock
+from meridian.registry import UnknownName
 from meridian.settings import NodeSettings
 
 
@@ -137,14 +137,17 @@ async def test_registry_creates_engines_by_name(tiny_checkpoint: Path) -> None:
     assert isinstance(create_engine("torch", settings), TorchEngine)
     assert isinstance(create_engine("torch", settings), Engine)
 
-    def factory(s: NodeSettings) -> Engine:
-        return TorchEngine(s)
+    def factory(s: NodeSettings, *, clock: Clock) -> Engine:
+        return TorchEngine(s, clock=clock)
 
-    register_engine("test-alias", factory)
-    assert "test-alias" in engine_names()
-    assert isinstance(create_engine("test-alias", settings), TorchEngine)
-    with pytest.raises(UnknownEngineError, match="unknown engine 'no-such-engine'"):
-        create_engine("no-such-engine", settings)
+    ENGINES.register("test-alias", factory)
+    try:
+        assert "test-alias" in ENGINES.names()
+        assert isinstance(create_engine("test-alias", settings), TorchEngine)
+        with pytest.raises(UnknownName, match="unknown engine 'no-such-engine'"):
+            create_engine("no-such-engine", settings)
+    finally:
+        ENGINES.unregister("test-alias")
 
 
 async def test_load_failure_surfaces_from_start(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from data_plane.engine.base import (
 from data_plane.engine.vllm.engine import VllmEngine
 from data_plane.engine.vllm.spec import DeploymentSpec
 from data_plane.engine.vllm.supervisor import ChildState, VllmFailedError
+from meridian.clock import ManualClock
 from meridian.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from meridian.settings import NodeSettings
 
@@ -360,11 +361,14 @@ async def test_stop_drains_in_flight_requests(tiny_checkpoint: Path, state: Path
 async def test_stop_aborts_what_outlives_the_drain_timeout(tiny_checkpoint: Path, state: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MERIDIAN_STANDIN_TOKEN_DELAY_S", "0.02")
-    eng = VllmEngine(settings(tiny_checkpoint, drain_timeout_s=0.2))
+    clock = ManualClock()
+    eng = VllmEngine(settings(tiny_checkpoint, drain_timeout_s=0.2), clock=clock)
     await eng.start()
     stream = eng.generate(GenerationRequest("endless", PROMPT, SamplingParams(max_tokens=2000)))
     await stream.__anext__()
     stopping = asyncio.create_task(eng.stop())
+    # The drain timeout passes on the engine's clock, long before the request would end.
+    await eventually(stopping.done, within=30.0, clock=clock, step=0.2)
     rest = [o async for o in stream]
     assert rest[-1].finish_reason == "abort"
     await stopping

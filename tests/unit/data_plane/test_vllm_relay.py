@@ -82,11 +82,18 @@ class ListSink:
             return [e for b in self.batches for e in b.events]
 
 
-def wait_for(predicate: Any, within: float = 5.0) -> None:
+def wait_for(predicate: Any, within: float = 5.0, interval: float = 0.01) -> None:
+    """Poll the relay's thread until predicate() holds (real sockets: nothing to drive)."""
     deadline = time.monotonic() + within
     while not predicate():
         assert time.monotonic() < deadline, "condition not met"
-        time.sleep(0.01)
+        time.sleep(interval)
+
+
+def subscribed(pub: zmq.Socket[bytes], sink: ListSink) -> None:
+    """Send sequence 0 until one arrives: a PUB socket drops messages until the
+    subscription has reached it."""
+    wait_for(lambda: sink.batches or send(pub, 0, 100), interval=0.02)
 
 
 @pytest.fixture
@@ -112,12 +119,7 @@ def send(pub: zmq.Socket[bytes], seq: int, *stored_hashes: int, topic: bytes = b
 
 def test_relay_delivers_in_order_skips_duplicates_and_clears_on_exit(relay_and_pub: Any) -> None:
     relay, pub, sink = relay_and_pub
-    # A PUB socket drops messages until the subscription has reached it.
-    deadline = time.monotonic() + 5
-    while not sink.batches:
-        assert time.monotonic() < deadline
-        send(pub, 0, 100)
-        time.sleep(0.02)
+    subscribed(pub, sink)
     wait_for(lambda: relay.batches >= 1)
     base = len(sink.batches)
     send(pub, 1, 1)
@@ -138,11 +140,7 @@ def test_relay_delivers_in_order_skips_duplicates_and_clears_on_exit(relay_and_p
 
 def test_relay_counts_gaps_it_cannot_replay(relay_and_pub: Any) -> None:
     relay, pub, sink = relay_and_pub
-    deadline = time.monotonic() + 5
-    while not sink.batches:
-        assert time.monotonic() < deadline
-        send(pub, 0, 100)
-        time.sleep(0.02)
+    subscribed(pub, sink)
     send(pub, 1, 1)
     send(pub, 4, 4)
     wait_for(lambda: any(isinstance(e, BlockStored) and e.token_ids == [4] for e in sink.events()))

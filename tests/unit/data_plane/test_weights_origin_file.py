@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 
 from data_plane.weights.origins import (
-    FileOrigin,
     OriginError,
     OriginNotFound,
     OriginURI,
     open_origin,
 )
+from data_plane.weights.origins.file import FileOrigin
+from meridian.registry import UnknownName
 from meridian.settings import WeightSettings
 
 
@@ -26,6 +27,14 @@ def origin(tmp_path: Path) -> FileOrigin:
     o = open_origin(f"file://{tmp_path}/store", WeightSettings())
     assert isinstance(o, FileOrigin)
     return o
+
+
+def test_an_unknown_scheme_names_the_known_ones() -> None:
+    with pytest.raises(UnknownName) as err:
+        open_origin("ftp://host/models/tiny", WeightSettings())
+    assert err.value.name == "ftp"
+    assert {"file", "gs", "http", "https", "peer", "s3"} <= set(err.value.known)
+    assert "known: file, gs, http, https, peer, s3" in str(err.value)
 
 
 def _visible_files(root: Path) -> list[str]:
