@@ -15,8 +15,8 @@ from meridian.settings import NodeSettings
 if TYPE_CHECKING:
     import httpx
 
-    from data_plane.tokenizer import ChatTokenizer
     from meridian.kv_events import KVEventBatch
+    from meridian.tokenizer import ChatTokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
 

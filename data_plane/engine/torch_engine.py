@@ -43,10 +43,10 @@ from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.loader import load_model
 from data_plane.model.paged_attention import PagedKVCache
 from data_plane.sampling import Sampled, SamplingError, SamplingFailed, check_sampling, make_generator
-from data_plane.tokenizer import ChatTokenizer, IncrementalDetokenizer
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
 from meridian.settings import NodeSettings
+from meridian.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from data_plane.lora.manager import LoraManager

@@ -16,9 +16,9 @@ from data_plane.engine.base import (
     EngineOverloadedError,
     EngineRequestError,
 )
-from data_plane.tokenizer import ChatTemplateError
 from meridian import http_body
 from meridian.errors import OpenAIError
+from meridian.tokenizer import ChatTemplateError
 
 log = logging.getLogger(__name__)
 

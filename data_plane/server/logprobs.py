@@ -13,7 +13,7 @@ from data_plane.server.protocol import (
     CompletionLogprobs,
     TopLogprob,
 )
-from data_plane.tokenizer import ChatTokenizer
+from meridian.tokenizer import ChatTokenizer
 
 # SentencePiece byte-fallback pieces stand for one raw byte each.
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -3,9 +3,9 @@ bookkeeping that turns full blocks into cache entries."""
 
 from __future__ import annotations
 
-from data_plane.engine.kv_cache.block_hash import hash_blocks
 from data_plane.engine.kv_cache.block_pool import Block, BlockPool
 from data_plane.engine.sequence import Sequence
+from meridian.block_hash import hash_blocks
 from meridian.kv_events import KVEvent
 
 

@@ -49,10 +49,10 @@ from data_plane.engine.vllm.relay import KVEventRelay
 from data_plane.engine.vllm.spec import DeploymentSpec, DeploymentSpecError
 from data_plane.engine.vllm.supervisor import RestartPolicy, VllmSupervisor
 from data_plane.timing import wait_at_most
-from data_plane.tokenizer import ChatTokenizer
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.ports import free_port
 from meridian.settings import NodeSettings
+from meridian.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from data_plane.tokenizer import REPLACEMENT_CHAR, ChatTemplateError, ChatTokenizer
+from meridian.tokenizer import REPLACEMENT_CHAR, ChatTemplateError, ChatTokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from data_plane.engine.base import GenerationRequest
-from data_plane.engine.kv_cache.block_hash import hash_block, hash_blocks
 from data_plane.engine.kv_cache.block_pool import BlockPool
 from data_plane.engine.kv_cache.manager import KVCacheManager
 from data_plane.engine.sequence import Sequence
+from meridian.block_hash import hash_block, hash_blocks
 from meridian.kv_events import BlockRemoved, BlockStored
 
 BS = 4

@@ -18,7 +18,7 @@ from data_plane.lora.make_tiny import make_tiny_lora
 from data_plane.model.make_tiny import SPECIAL_TOKENS
 from data_plane.server.app import create_app
 from data_plane.server.logprobs import TokenTexts
-from data_plane.tokenizer import ChatTokenizer
+from meridian.tokenizer import ChatTokenizer
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a story."}]}
 PROMPT = "The river city is"

@@ -25,7 +25,7 @@ from chaos.history import Served, read_records
 from data_plane.engine.base import GenerationOutput, GenerationRequest
 from data_plane.engine.torch_engine import TorchEngine
 from data_plane.server.app import create_app
-from data_plane.tokenizer import ChatTokenizer
+from meridian.tokenizer import ChatTokenizer
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a story."}]}
 GREEDY = {"temperature": 0, "ignore_eos": True}

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import data_plane.engine.kv_cache.block_hash as node_block_hash
-import data_plane.tokenizer as node_tokenizer
-import meridian.tokenizer
 from meridian.block_hash import hash_block, hash_blocks
 
 
@@ -18,9 +15,3 @@ def test_the_salt_keys_the_first_block_and_the_chain_carries_it() -> None:
     salted = hash_blocks(list(range(8)), 4, None, "s")
     assert salted[0] == hash_block(None, range(4), None, "s")
     assert salted[1] == hash_block(salted[0], range(4, 8))
-
-
-def test_the_node_uses_the_shared_modules() -> None:
-    assert node_block_hash.hash_blocks is hash_blocks
-    assert node_tokenizer.ChatTokenizer is meridian.tokenizer.ChatTokenizer
-    assert node_tokenizer.ChatTemplateError is meridian.tokenizer.ChatTemplateError
