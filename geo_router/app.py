@@ -188,7 +188,7 @@ def _build_state(
         return float(loaded.version) if loaded is not None else -1.0
 
     metrics = RouterMetrics(table_version)
-    prober = NodeProber(settings, fleet_state, clock=clock.monotonic)
+    prober = NodeProber(settings, fleet_state, clock=clock)
     kv_index = KVIndex(settings.kv_index_max_blocks_per_node)
     prefixes = PrefixKeyBuilder(settings)
     affinity = Affinity(
@@ -196,7 +196,7 @@ def _build_state(
         default_service_ms=settings.default_service_ms,
         balance_half_life_s=settings.affinity_balance_half_life_s,
         use_kv_events=settings.kv_events_enabled,
-        clock=clock.monotonic,
+        clock=clock,
     )
     state = RouterState(
         settings=settings,
@@ -359,7 +359,7 @@ def _count_ejection(state: RouterState, ejection: Ejection) -> None:
 async def _refine_rtt(state: RouterState) -> None:
     """Feed the probes' measured round trips into the client-to-region RTT estimates."""
     while True:
-        await asyncio.sleep(state.settings.probe_interval_s)
+        await state.clock.sleep(state.settings.probe_interval_s)
         loaded = state.table_source.current()
         if loaded is None:
             continue
