@@ -153,7 +153,7 @@ def create_app(
     the approximate prefix index and the rate-limit counters. `clock` is the one clock of
     every part of the app that keeps time (tests pass a ManualClock).
     """
-    source: TableSource = table_source if table_source is not None else RoutingTableClient(settings)
+    source: TableSource = table_source if table_source is not None else RoutingTableClient(settings, clock=clock)
     state, shared_fleet = _build_state(settings, source, fleet, clock)
     app = FastAPI(title="Meridian geo router", lifespan=_lifespan(state, shared_fleet),
                   docs_url=None, redoc_url=None)
@@ -211,10 +211,10 @@ def _build_state(
             journal=RequestJournal(settings.request_journal_path),
             on_first_byte=lambda node_id, s: _first_byte(state, node_id, s),
         ),
-        scale_from_zero=ScaleFromZero(settings, source, metrics, ScaleUpClient(settings, metrics)),
+        scale_from_zero=ScaleFromZero(settings, source, metrics, ScaleUpClient(settings, metrics), clock=clock),
         prober=prober,
         kv_index=kv_index,
-        kv_events=KVEventSubscriber(settings, kv_index),
+        kv_events=KVEventSubscriber(settings, kv_index, clock=clock),
         history=history,
         prefixes=prefixes,
         affinity=affinity,
@@ -452,7 +452,8 @@ async def _candidates(
     except (ModelNotFound, NoHealthyReplica, NoReplicaInZone):
         if awaiting_scale_up(loaded, tenant, inference.model) is None:
             raise
-    held_at = time.perf_counter()
+    # On the app's clock, as the hold's deadline is: the wait a test moves is the one reported.
+    held_at = state.clock.monotonic()
     candidates = await state.scale_from_zero.hold(
         tenant,
         inference.model,
@@ -460,7 +461,7 @@ async def _candidates(
         lambda table: state.select(table, tenant, inference.model, location),
         request.receive,
     )
-    return candidates, time.perf_counter() - held_at
+    return candidates, state.clock.monotonic() - held_at
 
 
 def _ordered(
