@@ -15,10 +15,11 @@ that keeps the common single-replica path cheap.
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
+
+from meridian.clock import SYSTEM_CLOCK, Clock
 
 from .node_load import NodeLoad
 from .prefix import RequestPrefix
@@ -86,7 +87,7 @@ class ServiceTimes:
 class RecentCounts:
     """Requests sent to each node, decaying with a half-life: who got the most work lately."""
 
-    def __init__(self, half_life_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, half_life_s: float, clock: Clock = SYSTEM_CLOCK) -> None:
         self._rate = math.log(2) / half_life_s
         self._clock = clock
         self._counts: dict[str, tuple[float, float]] = {}  # node -> (count, at)
@@ -96,10 +97,10 @@ class RecentCounts:
         if entry is None:
             return 0.0
         count, at = entry
-        return count * math.exp(-self._rate * (self._clock() - at))
+        return count * math.exp(-self._rate * (self._clock.monotonic() - at))
 
     def add(self, node_id: str) -> None:
-        self._counts[node_id] = (self.get(node_id) + 1.0, self._clock())
+        self._counts[node_id] = (self.get(node_id) + 1.0, self._clock.monotonic())
 
     def forget(self, node_id: str) -> None:
         self._counts.pop(node_id, None)
@@ -120,7 +121,7 @@ class Affinity:
         prefixes: PrefixSource,
         default_service_ms: float = 200.0,
         balance_half_life_s: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
         use_kv_events: bool = True,
     ) -> None:
         self._loads = loads
@@ -171,7 +172,7 @@ class Affinity:
         self.recent.add(node_id)
         _, adapter = split_adapter(model)
         if adapter is not None:
-            self._recent_adapters.setdefault(node_id, {})[adapter] = self._clock()
+            self._recent_adapters.setdefault(node_id, {})[adapter] = self._clock.monotonic()
         if prefix is None:
             return None
         if prefix.text_keys:
@@ -224,11 +225,11 @@ class Affinity:
             return LoraState.NOT_REQUESTED
         recent = self._recent_adapters.get(node_id, {})
         sent_at = recent.get(adapter)
-        if sent_at is not None and self._clock() - sent_at <= _ADAPTER_RECENT_S:
+        if sent_at is not None and self._clock.monotonic() - sent_at <= _ADAPTER_RECENT_S:
             return LoraState.LOADED
         if load is not None and adapter in load.active_adapters:
             return LoraState.LOADED
         if load is not None:
-            in_use = len(load.active_adapters | {a for a, t in recent.items() if self._clock() - t <= _ADAPTER_RECENT_S})
+            in_use = len(load.active_adapters | {a for a, t in recent.items() if self._clock.monotonic() - t <= _ADAPTER_RECENT_S})
             return LoraState.FREE_SLOT if in_use < load.max_loras else LoraState.NONE
         return LoraState.NONE

@@ -153,7 +153,7 @@ def create_app(
     the approximate prefix index and the rate-limit counters. `clock` is the one clock of
     every part of the app that keeps time (tests pass a ManualClock).
     """
-    source: TableSource = table_source if table_source is not None else RoutingTableClient(settings)
+    source: TableSource = table_source if table_source is not None else RoutingTableClient(settings, clock=clock)
     state, shared_fleet = _build_state(settings, source, fleet, clock)
     app = FastAPI(title="Meridian geo router", lifespan=_lifespan(state, shared_fleet),
                   docs_url=None, redoc_url=None)
@@ -188,7 +188,7 @@ def _build_state(
         return float(loaded.version) if loaded is not None else -1.0
 
     metrics = RouterMetrics(table_version)
-    prober = NodeProber(settings, fleet_state, clock=clock.monotonic)
+    prober = NodeProber(settings, fleet_state, clock=clock)
     kv_index = KVIndex(settings.kv_index_max_blocks_per_node)
     prefixes = PrefixKeyBuilder(settings)
     affinity = Affinity(
@@ -196,7 +196,7 @@ def _build_state(
         default_service_ms=settings.default_service_ms,
         balance_half_life_s=settings.affinity_balance_half_life_s,
         use_kv_events=settings.kv_events_enabled,
-        clock=clock.monotonic,
+        clock=clock,
     )
     state = RouterState(
         settings=settings,
@@ -211,10 +211,10 @@ def _build_state(
             journal=RequestJournal(settings.request_journal_path),
             on_first_byte=lambda node_id, s: _first_byte(state, node_id, s),
         ),
-        scale_from_zero=ScaleFromZero(settings, source, metrics, ScaleUpClient(settings, metrics)),
+        scale_from_zero=ScaleFromZero(settings, source, metrics, ScaleUpClient(settings, metrics), clock=clock),
         prober=prober,
         kv_index=kv_index,
-        kv_events=KVEventSubscriber(settings, kv_index),
+        kv_events=KVEventSubscriber(settings, kv_index, clock=clock),
         history=history,
         prefixes=prefixes,
         affinity=affinity,
@@ -359,7 +359,7 @@ def _count_ejection(state: RouterState, ejection: Ejection) -> None:
 async def _refine_rtt(state: RouterState) -> None:
     """Feed the probes' measured round trips into the client-to-region RTT estimates."""
     while True:
-        await asyncio.sleep(state.settings.probe_interval_s)
+        await state.clock.sleep(state.settings.probe_interval_s)
         loaded = state.table_source.current()
         if loaded is None:
             continue
@@ -452,7 +452,8 @@ async def _candidates(
     except (ModelNotFound, NoHealthyReplica, NoReplicaInZone):
         if awaiting_scale_up(loaded, tenant, inference.model) is None:
             raise
-    held_at = time.perf_counter()
+    # On the app's clock, as the hold's deadline is: the wait a test moves is the one reported.
+    held_at = state.clock.monotonic()
     candidates = await state.scale_from_zero.hold(
         tenant,
         inference.model,
@@ -460,7 +461,7 @@ async def _candidates(
         lambda table: state.select(table, tenant, inference.model, location),
         request.receive,
     )
-    return candidates, time.perf_counter() - held_at
+    return candidates, state.clock.monotonic() - held_at
 
 
 def _ordered(

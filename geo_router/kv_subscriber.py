@@ -29,7 +29,8 @@ applies decoded batches to the index; the event loop only posts table updates th
 queue. Doing the decoding there keeps it off the event loop, which serves requests. The
 index takes a lock per batch and per match, so the event loop reads it while it is
 updated. Replays never block the thread: replies are read as they arrive, while live
-batches of that node wait in a bounded list.
+batches of that node wait in a bounded list. Replay deadlines and the warnings' throttle
+are on the router's `Clock` (the thread only reads its monotonic time).
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import logging
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +49,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.kv_events import END_SEQ, decode_batch, seq_from_bytes, seq_to_bytes
 from meridian.settings import RouterSettings
 
@@ -97,14 +98,15 @@ class KVSubscriberStats:
 class _Throttle:
     """Lets a repeated warning through at most once per interval, counting the rest."""
 
-    def __init__(self, interval_s: float = _LOG_INTERVAL_S) -> None:
+    def __init__(self, clock: Clock, interval_s: float = _LOG_INTERVAL_S) -> None:
+        self._clock = clock
         self._interval_s = interval_s
         self._last = float("-inf")
         self._suppressed = 0
 
     def allow(self) -> int | None:
         """None to stay silent, else how many were suppressed since the last one logged."""
-        now = time.monotonic()
+        now = self._clock.monotonic()
         if now - self._last < self._interval_s:
             self._suppressed += 1
             return None
@@ -147,8 +149,9 @@ class KVEventSubscriber:
     `stop()` from the event loop. Tables seen before `start()` are applied when it runs.
     """
 
-    def __init__(self, settings: RouterSettings, index: KVIndex) -> None:
+    def __init__(self, settings: RouterSettings, index: KVIndex, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.index = index
+        self._clock = clock
         self.stats = KVSubscriberStats()
         self._settings = settings
         self._topic = settings.kv_events_topic.encode("utf-8")
@@ -250,8 +253,9 @@ class _Worker:
         self._conns: dict[str, _Conn] = {}
         # Socket -> (connection, handler) for every socket registered besides the pipe.
         self._handlers: dict[zmq.Socket[bytes], tuple[_Conn, Callable[[_Conn], None]]] = {}
-        self._decode_log = _Throttle()
-        self._lost_log = _Throttle()
+        self._clock = owner._clock
+        self._decode_log = _Throttle(owner._clock)
+        self._lost_log = _Throttle(owner._clock)
 
     def run(self) -> None:
         owner = self._owner
@@ -448,7 +452,7 @@ class _Worker:
         self._stats.replays += 1
         conn.replaying = True
         conn.replay_until = until
-        conn.replay_deadline = time.monotonic() + self._owner._replay_timeout_s
+        conn.replay_deadline = self._clock.monotonic() + self._owner._replay_timeout_s
         conn.pending = [first] if first is not None else []
         try:
             # The ROUTER expects [identity, empty, start seq]; DEALER adds the identity.
@@ -474,7 +478,7 @@ class _Worker:
             if len(frames) != 3 or len(frames[1]) != 8:
                 self._decode_error(conn, f"a replay message of {len(frames)} frames")
                 continue
-            conn.replay_deadline = time.monotonic() + self._owner._replay_timeout_s
+            conn.replay_deadline = self._clock.monotonic() + self._owner._replay_timeout_s
             if frames[1] == END_SEQ:
                 self._finish_replay(conn)
                 continue
@@ -529,7 +533,7 @@ class _Worker:
             conn.replay = None
 
     def _expire_replays(self) -> None:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         for conn in list(self._conns.values()):
             if conn.replaying and now >= conn.replay_deadline:
                 self._replay_failed(conn, f"no answer within {self._owner._replay_timeout_s:g}s")
@@ -538,7 +542,7 @@ class _Worker:
         deadlines = [c.replay_deadline for c in self._conns.values() if c.replaying]
         if not deadlines:
             return None
-        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+        return max(0, int((min(deadlines) - self._clock.monotonic()) * 1000) + 1)
 
 
 def _also(suppressed: int) -> str:

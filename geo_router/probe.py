@@ -22,6 +22,9 @@ READY, is no longer probed and its load is forgotten. Each node has a task of it
 semaphore bounds the probes in flight. Load and round trips older than three intervals are
 not reported. The round trip is measured to the response headers, so it includes the node's
 rendering of /metrics: an upper bound on the network RTT, smoothed per region.
+
+Intervals and the age of what was learnt are on the router's `Clock` (tests move them with a
+ManualClock); the probe timeout and the round trip are real network time.
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
 import httpx
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import NodeStatus, RoutingNode
 from meridian.settings import RouterSettings
 
@@ -110,7 +113,7 @@ class NodeProber:
         fleet: FleetState,
         client: httpx.AsyncClient | None = None,
         *,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._settings = settings
         self._fleet = fleet
@@ -130,7 +133,7 @@ class NodeProber:
     def load(self, node_id: str) -> NodeLoad | None:
         """The node's last reported load; None when unknown or older than three intervals."""
         t = self._targets.get(node_id)
-        if t is None or t.load is None or self._clock() - t.load.observed_at > self._stale_s:
+        if t is None or t.load is None or self._clock.monotonic() - t.load.observed_at > self._stale_s:
             return None
         return t.load
 
@@ -141,7 +144,7 @@ class NodeProber:
     def rtt_ms(self, region: str) -> float | None:
         """Smoothed probe round trip to the region's nodes; None when not measured lately."""
         r = self._rtt.get(region)
-        if r is None or self._clock() - r.at > self._stale_s:
+        if r is None or self._clock.monotonic() - r.at > self._stale_s:
             return None
         return r.ms
 
@@ -221,16 +224,15 @@ class NodeProber:
 
     async def _run(self, node_id: str) -> None:
         interval = self._settings.probe_interval_s
-        loop = asyncio.get_running_loop()
-        await asyncio.sleep(random.uniform(0, interval))
+        await self._clock.sleep(random.uniform(0, interval))
         while True:
-            started = loop.time()
+            started = self._clock.monotonic()
             try:
                 await self.probe(node_id)
             except Exception:  # noqa: BLE001 - a probe's bug must not end the node's probing
                 log.exception("probing node %s failed unexpectedly", node_id)
             delay = interval * random.uniform(1 - _JITTER, 1 + _JITTER)
-            await asyncio.sleep(max(0.0, started + delay - loop.time()))
+            await self._clock.sleep(started + delay - self._clock.monotonic())
 
     async def _fetch(self, node: RoutingNode) -> _Outcome:
         started = time.perf_counter()
@@ -248,7 +250,7 @@ class NodeProber:
             return _Outcome(ProbeResult.FAILURE, f"no answer within {self._settings.probe_timeout_s:g}s")
         except (httpx.HTTPError, httpx.InvalidURL, OSError) as exc:
             return _Outcome(ProbeResult.FAILURE, f"{type(exc).__name__}: {exc}")
-        load = parse_node_metrics(body.decode("utf-8", errors="replace"), observed_at=self._clock())
+        load = parse_node_metrics(body.decode("utf-8", errors="replace"), observed_at=self._clock.monotonic())
         return _Outcome(ProbeResult.SUCCESS, "ok", rtt_s, load)
 
     def _succeeded(self, node_id: str, target: _Target, load: NodeLoad | None) -> None:
@@ -281,7 +283,7 @@ class NodeProber:
     def _note_rtt(self, region: str, rtt_s: float) -> None:
         ms = rtt_s * 1000
         r = self._rtt.get(region)
-        self._rtt[region] = _RegionRtt(ms if r is None else r.ms + _RTT_ALPHA * (ms - r.ms), self._clock())
+        self._rtt[region] = _RegionRtt(ms if r is None else r.ms + _RTT_ALPHA * (ms - r.ms), self._clock.monotonic())
 
     def _spawn(self, node_id: str, target: _Target) -> None:
         if self._settings.probe_enabled:

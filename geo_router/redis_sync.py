@@ -26,6 +26,8 @@ from redis.backoff import NoBackoff
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 
+from .waits import event_or_timeout
+
 # One warning per this many seconds while Redis stays unreachable.
 _WARN_EVERY_S = 30.0
 # While Redis is unreachable, retries back off up to this.
@@ -127,26 +129,13 @@ class RedisSyncLoop:
                 # Wakes come with every local change: heeding them would defeat the backoff.
                 await self._clock.sleep(delay)
             else:
-                await self._wake_or_sleep(delay)
+                # Until wake() or `delay` of the clock's time, whichever comes first.
+                await event_or_timeout(self._clock, self._wake, delay)
             self._wake.clear()
             if self._stopping:
                 return
             ok = await self.sync_once()
             delay = self._interval_s if ok else min(max(delay * 2, self._interval_s), _MAX_RETRY_S)
-
-    async def _wake_or_sleep(self, delay: float) -> None:
-        """Until `wake()` or `delay` of the clock's time, whichever comes first."""
-        if self._wake.is_set():
-            return  # a change came in meanwhile: no wait, and no timer to start
-        # Not wait_for: on 3.11 it swallows a cancel that comes as the event fires. A cancel
-        # of this task propagates out of asyncio.wait, and the finally ends both waits.
-        sleeper = asyncio.ensure_future(self._clock.sleep(delay))
-        woken = asyncio.ensure_future(self._wake.wait())
-        try:
-            await asyncio.wait((sleeper, woken), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            sleeper.cancel()
-            woken.cancel()
 
     def _note_unreachable(self, exc: Exception) -> None:
         now = self._clock.monotonic()

@@ -7,13 +7,13 @@ up, and asks again every `scale_from_zero_reask_s` while requests still wait (th
 idempotent). Every routing table the router installs wakes the waiters, which look again
 for a ready replica they may use and are then forwarded as usual. A full queue is answered
 503 at once and a passed deadline 503 too, both with Retry-After; a client that hangs up
-leaves the queue. Nothing is dropped without an answer.
+leaves the queue. Nothing is dropped without an answer. The deadline and the re-asking are
+timed on the router's `Clock`, so tests move them with a ManualClock.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +22,7 @@ from urllib.parse import quote
 import httpx
 from starlette.types import Receive
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import (
     GLOBAL_ZONE,
     DeploymentEntry,
@@ -39,6 +40,7 @@ from .metrics import RouterMetrics
 from .request import until_disconnected
 from .selection import Candidate, tenant_may_use
 from .table import LoadedTable, TableSource
+from .waits import event_or_timeout, first_or_timeout
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +158,11 @@ class ScaleFromZero:
         source: TableSource,
         metrics: RouterMetrics,
         client: ScaleUpClient,
+        *,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._settings = settings
+        self._clock = clock
         self._source = source
         self._metrics = metrics
         self._client = client
@@ -211,8 +216,7 @@ class ScaleFromZero:
         episode.waiting += 1
         episode.by_tenant[tenant.tenant] = episode.by_tenant.get(tenant.tenant, 0) + 1
         self._metrics.scale_queued.labels(model).set(episode.waiting)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = self._clock.monotonic()
         deadline = started + s.scale_from_zero_timeout_s
         disconnected = asyncio.ensure_future(until_disconnected(receive))
         try:
@@ -220,18 +224,16 @@ class ScaleFromZero:
                 changed = episode.changed
                 candidates = self._ready(tenant, model, select)
                 if candidates:
-                    self._metrics.scale_wait.observe(loop.time() - started)
+                    self._metrics.scale_wait.observe(self._clock.monotonic() - started)
                     return candidates
-                remaining = deadline - loop.time()
+                remaining = deadline - self._clock.monotonic()
                 if remaining <= 0:
                     self._metrics.scale_timeouts.labels(model).inc()
                     log.warning("no replica of %s turned ready within %gs", model, s.scale_from_zero_timeout_s)
                     raise ScaleFromZeroTimeout(model, s.scale_from_zero_timeout_s, s.scale_from_zero_retry_after_s)
                 woken = asyncio.ensure_future(changed.wait())
                 try:
-                    done, _ = await asyncio.wait(
-                        {woken, disconnected}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                    )
+                    done = await first_or_timeout(self._clock, remaining, woken, disconnected)
                 finally:
                     woken.cancel()
                 if disconnected in done:
@@ -275,8 +277,7 @@ class ScaleFromZero:
         while not episode.ended.is_set():
             body = episode.hint.model_copy(update={"queued_requests": episode.waiting})
             await self._client.request(episode.model, body)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(episode.ended.wait(), self._settings.scale_from_zero_reask_s)
+            await event_or_timeout(self._clock, episode.ended, self._settings.scale_from_zero_reask_s)
 
     def _leave(self, episode: _Episode, tenant: str) -> None:
         episode.waiting -= 1

@@ -3,6 +3,7 @@
 `RoutingTableClient` long-polls the control plane and keeps serving from the last table it
 has (in memory, and on disk across restarts) while the control plane is unreachable:
 static stability. `StaticTableSource` serves a fixed table (tests, single-box setups).
+The client's retry backoff is timed on its `Clock`, so tests move it with a ManualClock.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -19,6 +19,7 @@ from typing import Protocol
 import httpx
 from pydantic import ValidationError
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import DeploymentEntry, RegionInfo, RoutingTable, TenantEntry
 from meridian.settings import RouterSettings
 
@@ -116,8 +117,10 @@ class RoutingTableClient:
         retry_base_s: float = 0.5,
         retry_max_s: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._settings = settings
+        self._clock = clock
         self._retry_base_s = retry_base_s
         self._retry_max_s = retry_max_s
         self._loaded: LoadedTable | None = None
@@ -172,7 +175,7 @@ class RoutingTableClient:
         failures = 0
         while True:
             wait_s = self._settings.table_poll_timeout_s if self._loaded is not None else 0.0
-            started = time.monotonic()
+            started = self._clock.monotonic()
             try:
                 changed = await self._poll(wait_s)
             except asyncio.CancelledError:
@@ -186,13 +189,13 @@ class RoutingTableClient:
                     "routing-table poll failed (%s: %s); serving version %s, retrying in %.1fs",
                     type(exc).__name__, exc, version, delay,
                 )
-                await asyncio.sleep(delay)
+                await self._clock.sleep(delay)
                 continue
             failures = 0
             # A control plane that answers 304 at once instead of holding the long-poll
             # must not turn this loop into a busy loop.
-            if not changed and time.monotonic() - started < 0.2:
-                await asyncio.sleep(0.2)
+            if not changed and self._clock.monotonic() - started < 0.2:
+                await self._clock.sleep(0.2)
 
     async def _poll(self, wait_s: float) -> bool:
         """One request to the control plane; True when a new table was loaded."""

@@ -1,6 +1,6 @@
 """Helpers for the tests of router state shared through Redis: the sync interval they run
-at, "seen by the other router within about one interval", and a TCP proxy in front of
-Redis that a test opens and cuts."""
+at, "seen by the other router within about one interval", failed syncs driven on a
+ManualClock, and a TCP proxy in front of Redis that a test opens and cuts."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from types import TracebackType
 
 import httpx
 from router_harness import eventually, reserve_port
+
+from meridian.clock import ManualClock
 
 INTERVAL_S = 0.2
 # "Within about one interval": A's push and B's pull each wait up to one, plus slack for a
@@ -25,6 +27,17 @@ async def seen_within(condition: Callable[[], bool], limit_s: float = SEEN_WITHI
     elapsed = time.monotonic() - t0
     assert elapsed <= limit_s, f"took {elapsed:.2f}s"
     return elapsed
+
+
+async def failed_syncs(clock: ManualClock, count: int) -> None:
+    """Let a sync loop that cannot reach Redis fail `count` more times: it backs off on its
+    clock, doubling from the interval (four failures take 3 s of the clock)."""
+    delay = INTERVAL_S
+    for _ in range(count):
+        await eventually(lambda: clock.sleepers == 1)
+        clock.advance(delay)
+        delay *= 2
+    await eventually(lambda: clock.sleepers == 1)
 
 
 class RedisProxy:

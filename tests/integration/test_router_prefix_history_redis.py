@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from redis_sharing import INTERVAL_S, seen_within
+from redis_sharing import INTERVAL_S, failed_syncs, seen_within
 from router_harness import eventually, reserve_port
 
 from geo_router.prefix_history import RedisPrefixHistory
+from meridian.clock import ManualClock
 
 pytestmark = pytest.mark.redis
 
@@ -84,7 +85,7 @@ async def test_shared_records_expire_and_so_does_the_stream(
     async def gone() -> bool:
         return await redis.exists(stream) == 0
 
-    for _ in range(200):
+    for _ in range(200):  # Redis expires the stream in real time: poll it for real
         if await gone():
             break
         await asyncio.sleep(0.01)
@@ -113,10 +114,11 @@ async def test_without_redis_a_router_keeps_its_own_history(
     closed = reserve_port()  # bound, never listening: connections are refused
     try:
         caplog.set_level(logging.WARNING, logger="geo_router.prefix_history")
-        history = await make_history(url=f"redis://127.0.0.1:{closed.getsockname()[1]}/0")
+        clock = ManualClock()
+        history = await make_history(url=f"redis://127.0.0.1:{closed.getsockname()[1]}/0", clock=clock)
         assert not history.redis_reachable
         history.record("n1", [1, 2, 3])
-        await asyncio.sleep(4 * INTERVAL_S)  # several failed syncs
+        await failed_syncs(clock, 4)
         assert history.match([1, 2, 3], NODES) == {"n1": 3, "n2": 0, "n3": 0}
         history.forget_node("n1")
         assert history.match([1, 2, 3], NODES)["n1"] == 0

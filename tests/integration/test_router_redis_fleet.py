@@ -14,7 +14,7 @@ import pytest
 from redis.asyncio import Redis
 
 # The router tests' stand-in nodes and uvicorn runner are shared, not copied.
-from redis_sharing import INTERVAL_S, RedisProxy, seen_within
+from redis_sharing import INTERVAL_S, RedisProxy, failed_syncs, seen_within
 from router_harness import (
     GLOBAL_KEY,
     MODEL,
@@ -32,6 +32,7 @@ from geo_router import create_app
 from geo_router.health import Ejection, FailureKind
 from geo_router.redis_fleet import RedisFleetState
 from geo_router.table import StaticTableSource
+from meridian.clock import ManualClock
 from meridian.contracts import HEADER_NODE
 
 pytestmark = pytest.mark.redis
@@ -123,7 +124,8 @@ async def test_errors_below_the_threshold_are_counted_per_router(make_fleet: Mak
     b = await make_fleet(consecutive_failures_to_eject=3)
     for fleet in (a, b, a, b):
         assert fleet.record_failure("node-x", FailureKind.ERROR) == 0.0
-    await asyncio.sleep(2 * INTERVAL_S)  # syncs happen: nothing of this is shared
+    # Syncs happen: nothing of this is shared.
+    assert await a.sync_once() and await b.sync_once()
     assert not a.is_ejected("node-x") and not b.is_ejected("node-x")
     assert a.record_failure("node-x", FailureKind.ERROR) == 5.0
     await seen_within(lambda: b.is_ejected("node-x"))
@@ -150,6 +152,7 @@ async def test_an_ejection_expires_by_itself(make_fleet: MakeFleet, redis: Redis
     key = f"{prefix}ejected:node-x"
     await seen_within(lambda: b.is_ejected("node-x"))
     assert 0 < await redis.pttl(key) <= 600
+    # Redis counts the key's TTL in real time, so this waits for real: just past the ejection.
     await asyncio.sleep(0.7)
     assert not a.is_ejected("node-x") and not b.is_ejected("node-x")
     assert await redis.exists(key) == 0
@@ -176,13 +179,14 @@ async def test_without_redis_each_router_still_ejects_on_its_own(
     closed = reserve_port()  # bound, never listening: connections are refused
     try:
         caplog.set_level(logging.WARNING, logger="geo_router.redis_fleet")
-        fleet = await make_fleet(url=f"redis://127.0.0.1:{closed.getsockname()[1]}/0")
+        clock = ManualClock()
+        fleet = await make_fleet(url=f"redis://127.0.0.1:{closed.getsockname()[1]}/0", clock=clock)
         assert not fleet.redis_reachable
         assert fleet.record_failure("node-x") == 5.0
         assert fleet.is_ejected("node-x") and not fleet.is_ejected("node-y")
         fleet.begin("node-y")
         assert fleet.in_flight("node-y") == 1
-        await asyncio.sleep(4 * INTERVAL_S)  # several failed syncs
+        await failed_syncs(clock, 4)
         assert fleet.is_ejected("node-x")
         fleet.record_success("node-x")
         assert not fleet.is_ejected("node-x")
@@ -199,7 +203,8 @@ async def test_a_router_shares_its_ejections_once_redis_is_back(
         a = await make_fleet(url=proxy.url)
         b = await make_fleet()
         a.record_failure("node-x")
-        await asyncio.sleep(2 * INTERVAL_S)
+        await a.sync_once()  # fails: the proxy refuses
+        await b.sync_once()
         assert not a.redis_reachable and not b.is_ejected("node-x")
         await proxy.open()
         # A backs off while Redis is down (0.4 s, 0.8 s, ...), so allow a few intervals.

@@ -22,8 +22,8 @@ from geo_router.table import StaticTableSource
 @pytest.fixture
 async def fabric() -> AsyncIterator[Fabric]:
     servers = ServerGroup()
+    behaviours = {name: NodeBehaviour(name) for name in ("us", "eu", "apac")}
     try:
-        behaviours = {name: NodeBehaviour(name) for name in ("us", "eu", "apac")}
         urls = {name: await servers.start(node_app(b)) for name, b in behaviours.items()}
         source = StaticTableSource(make_table([node(n, u) for n, u in urls.items()]))
         app = create_app(router_settings(), table_source=source)
@@ -32,4 +32,6 @@ async def fabric() -> AsyncIterator[Fabric]:
         for c in f.clients:
             await c.aclose()
     finally:
+        for b in behaviours.values():
+            b.release.set()  # a hung or slow node lets go
         await servers.stop()

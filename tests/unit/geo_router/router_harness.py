@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import socket
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -102,8 +101,8 @@ class NodeBehaviour:
 
     ok: answer; error500: 500 before any byte; error400: 400 (client's fault);
     die_early: stream headers then close before any event; break: two events then close;
-    slow: stream many events slowly (for client-disconnect tests); hang: take the request
-    and never answer (a frozen or partitioned node).
+    slow: stream one event, then hold the stream open until `release` (for client-disconnect
+    tests); hang: take the request and never answer (a frozen or partitioned node).
     """
 
     name: str
@@ -113,7 +112,7 @@ class NodeBehaviour:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
     stream_closed: asyncio.Event = field(default_factory=asyncio.Event)
-    # Set on every request; `hang` waits for `release` (a test sets it when done).
+    # Set on every request; `hang` and `slow` wait for `release` (set when the test is done).
     received: asyncio.Event = field(default_factory=asyncio.Event)
     release: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -164,14 +163,14 @@ async def _events(b: NodeBehaviour, usage: bool = False) -> AsyncIterator[str]:
     try:
         if b.mode == "die_early":
             raise RuntimeError("node died during prefill")
-        count = 200 if b.mode == "slow" else 3
-        for i in range(count):
+        for i in range(3):
             yield _chunk(b.name, i)
             if b.mode == "break" and i == 1:
                 # Half an event, then the connection drops.
                 yield 'data: {"id": "chatcmpl-1", "choi'
                 raise RuntimeError("node crashed mid-stream")
-            await asyncio.sleep(0.05 if b.mode == "slow" else 0)
+            if b.mode == "slow":
+                await b.release.wait()  # a generation that goes on until the router hangs up
         if usage:
             last = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 0, "model": MODEL,
                     "choices": [], "usage": STREAM_USAGE}
@@ -261,6 +260,19 @@ def url_of(sock: socket.socket) -> str:
     return f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+class _Server(uvicorn.Server):
+    """A uvicorn server that says when it accepts requests (`ready`) instead of being polled."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = asyncio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.ready.set()
+
+
 class ServerGroup:
     """uvicorn servers in this event loop, stopped together (shutdown is ~0.2 s each)."""
 
@@ -274,16 +286,19 @@ class ServerGroup:
         sock = sock or reserve_port()
         config = config or uvicorn.Config(app, lifespan="on", log_level="warning",
                                           timeout_graceful_shutdown=2)
-        server = uvicorn.Server(config)
+        server = _Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         self._running.append((server, task, sock))
-        deadline = time.monotonic() + 10
-        while not server.started:
+        ready = asyncio.ensure_future(server.ready.wait())
+        try:
+            # A server that fails to start ends its task instead.
+            await asyncio.wait((ready, task), timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        if not server.started:
             if task.done():
                 task.result()
-            if time.monotonic() > deadline:
-                raise TimeoutError("uvicorn did not start")
-            await asyncio.sleep(0.01)
+            raise TimeoutError("uvicorn did not start")
         return url_of(sock)
 
     async def stop(self) -> None:

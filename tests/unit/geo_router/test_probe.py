@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ from geo_router.health import InProcessFleetState
 from geo_router.node_load import NodeLoad, parse_node_metrics
 from geo_router.probe import NodeProber, ProbeResult
 from geo_router.table import LoadedTable
+from meridian.clock import SYSTEM_CLOCK, Clock, ManualClock
 from meridian.contracts import NodeStatus, RoutingNode
 
 US = REGIONS["us"].name
@@ -147,14 +148,6 @@ def metrics_app(n: MetricsNode) -> FastAPI:
     return app
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = time.monotonic()
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @dataclass
 class Rig:
     servers: ServerGroup
@@ -168,8 +161,7 @@ class Rig:
         url = await self.servers.start(metrics_app(n))
         return n, node(region, url).model_copy(update={"node_id": name})
 
-    def prober(self, nodes: list[RoutingNode], *, clock: Callable[[], float] = time.monotonic,
-               **settings: Any) -> NodeProber:
+    def prober(self, nodes: list[RoutingNode], *, clock: Clock = SYSTEM_CLOCK, **settings: Any) -> NodeProber:
         values: dict[str, Any] = {"probe_interval_s": 0.05, "probe_timeout_s": 0.5, **settings}
         prober = NodeProber(router_settings(**values), self.fleet, clock=clock)
         prober.on_table(LoadedTable.build(make_table(nodes)))
@@ -272,12 +264,12 @@ async def test_a_node_without_a_metrics_page_is_neither_healthy_nor_failing(rig:
 
 async def test_load_goes_stale_after_three_intervals(rig: Rig):
     _, us1 = await rig.node("us-1", MetricsNode(EngineStats(running=1)))
-    clock = Clock()
+    clock = ManualClock()
     prober = rig.prober([us1], probe_interval_s=1.0, clock=clock)
     await prober.probe("us-1")
-    clock.now += 2.9
+    clock.advance(2.9)
     assert prober.load("us-1") is not None and prober.rtt_ms(US) is not None
-    clock.now += 0.2
+    clock.advance(0.2)
     assert prober.load("us-1") is None and prober.rtt_ms(US) is None
 
 
@@ -337,10 +329,16 @@ async def test_probes_in_flight_are_bounded_and_stop_is_prompt(rig: Rig):
     for i in range(4):
         _, rn = await rig.node(f"hung-{i}", MetricsNode(mode="hang", concurrency=shared))
         routing_nodes.append(rn)
-    prober = rig.prober(routing_nodes, probe_concurrency=2, probe_timeout_s=5.0)
+    clock = ManualClock()
+    prober = rig.prober(routing_nodes, probe_concurrency=2, probe_timeout_s=5.0, clock=clock)
     await prober.start()
+    await eventually(lambda: clock.sleepers == 4)
+    await clock.advance_async(0.05)  # the first interval: every node's first probe is due
     await eventually(lambda: shared.now == 2)
-    await asyncio.sleep(0.2)  # more intervals pass: still only two in flight
+    for _ in range(4):  # more intervals pass: still only two in flight
+        await clock.advance_async(0.05)
+    # None waits for its next interval: two probe, two wait for the semaphore.
+    assert clock.sleepers == 0
     assert shared.peak == 2
     started = time.monotonic()
     await prober.stop()
@@ -349,7 +347,11 @@ async def test_probes_in_flight_are_bounded_and_stop_is_prompt(rig: Rig):
 
 async def test_probes_are_off_when_disabled(rig: Rig):
     n, us1 = await rig.node("us-1")
-    prober = rig.prober([us1], probe_enabled=False)
+    clock = ManualClock()
+    prober = rig.prober([us1], probe_enabled=False, clock=clock)
     await prober.start()
-    await asyncio.sleep(0.2)  # several intervals: nothing may happen in them
+    await clock.advance_async(0)  # a probe task, were there one, would now wait for its interval
+    assert clock.sleepers == 0
+    for _ in range(4):  # several intervals: nothing may happen in them
+        await clock.advance_async(0.05)
     assert n.hits == 0 and prober.load("us-1") is None

@@ -248,8 +248,11 @@ async def test_with_a_real_redis_it_syncs_and_flushes_at_stop(make_loop: MakeLoo
     redis = client(redis_url)
     try:
 
+        synced_twice = asyncio.Event()
+
         async def sync() -> None:
-            await redis.incr(f"{key}:syncs")
+            if await redis.incr(f"{key}:syncs") == 2:
+                synced_twice.set()
 
         async def flush() -> None:
             await redis.set(f"{key}:flushed", "1")
@@ -258,10 +261,7 @@ async def test_with_a_real_redis_it_syncs_and_flushes_at_stop(make_loop: MakeLoo
         await loop.start()
         assert loop.reachable and await redis.get(f"{key}:syncs") == b"1"
         loop.wake()
-        for _ in range(200):
-            if await redis.get(f"{key}:syncs") == b"2":
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(synced_twice.wait(), 2)
         assert await redis.get(f"{key}:syncs") == b"2"
         await loop.stop()
         assert await redis.get(f"{key}:flushed") == b"1"

@@ -20,6 +20,7 @@ from router_harness import (
     Fabric,
     NodeBehaviour,
     ServerGroup,
+    eventually,
     make_table,
     metric,
     node,
@@ -476,12 +477,13 @@ async def test_a_client_gone_mid_body_is_a_quiet_499(fabric: Fabric, caplog: pyt
                      b"authorization: Bearer " + GLOBAL_KEY.encode() + b"\r\n\r\n{\"model\": \"ti")
         await writer.drain()
         writer.close()
-    text = ""
-    for _ in range(300):
-        text = (await fabric.client(None).get("/metrics", headers=SCRAPE)).text
-        if metric(text, "meridian_router_requests_total", region="", node="", status="499") == 5:
-            break
-        await asyncio.sleep(0.01)
+    metrics = fabric.app.state.router.metrics
+
+    def answered_499() -> float:
+        return metric(metrics.render().decode(), "meridian_router_requests_total", region="", node="", status="499")
+
+    await eventually(lambda: answered_499() == 5)
+    text = (await fabric.client(None).get("/metrics", headers=SCRAPE)).text
     assert metric(text, "meridian_router_requests_total", region="", node="", status="499") == 5
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert sum(hits(fabric).values()) == 0

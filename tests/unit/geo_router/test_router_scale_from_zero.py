@@ -1,7 +1,8 @@
 """Scale-from-zero: a router holds requests for a deployed model until a replica turns ready.
 
 A real router long-polls a stand-in control plane (which records scale-up calls) and
-forwards to stand-in nodes that the tests publish in the routing table.
+forwards to stand-in nodes that the tests publish in the routing table. The router's clock is
+a ManualClock: tests move the hold's deadline and the re-ask interval instead of waiting.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from router_harness import (
 
 from geo_router import create_app
 from geo_router.table import RoutingTableClient, StaticTableSource
+from meridian.clock import ManualClock
 from meridian.contracts import HEADER_NODE, HEADER_SCALE_WAIT_MS, DeploymentEntry, NodeStatus, RoutingNode
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -53,11 +55,17 @@ class ColdStart:
     node_urls: dict[str, str]
     behaviours: dict[str, NodeBehaviour]
     http: httpx.AsyncClient
+    clock: ManualClock
 
     def publish(self, *nodes: RoutingNode, deployments: list[DeploymentEntry] | None = None) -> None:
         """A new routing table: these nodes, and DEPLOYED unless told otherwise."""
         deps = [DEPLOYED] if deployments is None else deployments
         self.cp.publish(make_table(list(nodes), version=self.cp.table.version + 1, deployments=deps))
+
+    async def published(self) -> None:
+        """Until the router has installed the table last published (and woken its waiters)."""
+        source = self.app.state.router.table_source
+        await eventually(lambda: (t := source.current()) is not None and t.version == self.cp.table.version)
 
     def node(self, name: str, status: NodeStatus = NodeStatus.READY) -> RoutingNode:
         return node(name, self.node_urls[name], status=status)
@@ -89,11 +97,13 @@ async def cold_start(deployments: list[DeploymentEntry] | None = None, **overrid
             "scale_from_zero_reask_s": 30.0,
         }
         settings = router_settings(**(values | overrides))
+        # The table arrives by real long-polls; the router's own timing is on the clock.
         source = RoutingTableClient(settings, retry_base_s=0.05, retry_max_s=0.2)
-        app = create_app(settings, table_source=source)
+        clock = ManualClock()
+        app = create_app(settings, table_source=source, clock=clock)
         router_url = await front.start(app)
         async with httpx.AsyncClient(base_url=router_url, timeout=10) as http:
-            yield ColdStart(cp, app, router_url, urls, behaviours, http)
+            yield ColdStart(cp, app, router_url, urls, behaviours, http, clock)
     finally:
         await front.stop()
         cp.publish(cp.table)  # answers a long-poll the stopped router left behind
@@ -116,7 +126,8 @@ async def test_requests_wait_for_a_replica_and_are_released_when_it_is_ready():
 
         # A starting replica is not enough.
         f.publish(f.node("us", NodeStatus.STARTING))
-        await asyncio.sleep(0.3)
+        await f.published()
+        await f.clock.advance_async(0.3)
         assert not plain.done() and not streamed.done()
 
         f.publish(f.node("us"))
@@ -143,21 +154,25 @@ async def test_one_scale_up_per_episode_repeated_while_requests_wait():
     async with cold_start(scale_from_zero_reask_s=0.4) as f:
         waiting = [f.chat() for _ in range(3)]
         await eventually(lambda: f.queued() == 3)
-        await asyncio.sleep(0.2)
+        # On the clock: three deadlines, the next ask, and the RTT refinement.
+        await eventually(lambda: f.clock.sleepers == 5)
+        await f.clock.advance_async(0.2)
         assert len(f.cp.scale_ups) == 1
         # Still waiting: asked again, with how many wait now.
+        await f.clock.advance_async(0.2)
         await eventually(lambda: len(f.cp.scale_ups) == 2, timeout_s=2)
         assert f.cp.scale_ups[1].body["queued_requests"] == 3
 
         f.publish(f.node("us"))
         assert [r.status_code for r in await asyncio.gather(*waiting)] == [200] * 3
         calls = len(f.cp.scale_ups)
-        await asyncio.sleep(0.6)
+        await f.clock.advance_async(0.6)
+        await f.metrics()  # a round trip's real time, for an ask (were there one) to land
         assert len(f.cp.scale_ups) == calls  # the episode is over: no more asking
 
         # Scaled back to zero later: a new request opens a new episode.
         f.publish()
-        await asyncio.sleep(0.2)
+        await f.published()
         late = f.chat()
         await eventually(lambda: len(f.cp.scale_ups) == calls + 1)
         f.publish(f.node("us"))
@@ -198,15 +213,19 @@ async def test_one_tenant_cannot_fill_the_queue_and_lock_the_others_out():
 
 async def test_past_the_deadline_the_answer_is_503_with_retry_after():
     async with cold_start(scale_from_zero_timeout_s=0.5, scale_from_zero_retry_after_s=3) as f:
-        started = time.monotonic()
+        started = f.clock.monotonic()
         plain, streamed = f.chat(), f.chat(stream=True)
+        await eventually(lambda: f.queued() == 2)
+        # On the clock: two deadlines, the next ask, and the RTT refinement.
+        await eventually(lambda: f.clock.sleepers == 4)
+        await f.clock.advance_async(0.5)
         for r in (await plain, await streamed):
             assert r.status_code == 503
             assert r.headers["retry-after"] == "3"
             assert r.json()["error"]["type"] == "service_unavailable_error"
             assert r.json()["error"]["code"] == "model_scaling_from_zero"
             assert "scaling up from zero" in r.json()["error"]["message"]
-        assert 0.5 <= time.monotonic() - started < 3
+        assert 0.5 <= f.clock.monotonic() - started < 3
         text = await f.metrics()
         assert metric(text, "meridian_router_scale_from_zero_timeouts_total", model=MODEL) == 2
         assert metric(text, "meridian_router_scale_from_zero_queued", model=MODEL) == 0
@@ -231,14 +250,15 @@ async def test_a_client_that_hangs_up_leaves_the_queue():
         assert metric(await f.metrics(), "meridian_router_scale_from_zero_queued", model=MODEL) == 0
         # Nobody waits any more, so nobody asks any more.
         calls = len(f.cp.scale_ups)
-        await asyncio.sleep(0.5)
+        await f.clock.advance_async(0.5)
+        await f.metrics()  # a round trip's real time, for an ask (were there one) to land
         assert len(f.cp.scale_ups) == calls
 
 
 async def test_residency_only_replicas_the_tenant_may_use_count():
     async with cold_start() as f:
         f.publish(f.node("us"))
-        await asyncio.sleep(0.2)
+        await f.published()
         # A global tenant is served by the US replica at once...
         r = await f.chat()
         assert r.status_code == 200 and r.headers[HEADER_NODE] == "us-1"
@@ -247,7 +267,7 @@ async def test_residency_only_replicas_the_tenant_may_use_count():
         await eventually(lambda: len(f.cp.scale_ups) == 1)
         assert f.cp.scale_ups[0].body["zone"] == "eu"
         assert f.cp.scale_ups[0].body["client_region"] == "gcp:europe-west4"
-        await asyncio.sleep(0.2)
+        await f.clock.advance_async(0.2)
         assert not eu.done()
         f.publish(f.node("us"), f.node("eu"))
         r = await asyncio.wait_for(eu, 5)
@@ -258,7 +278,7 @@ async def test_a_deployment_that_can_never_serve_the_tenant_is_not_waited_for():
     us_only = DeploymentEntry(model=MODEL, zone="us", min_replicas=0, max_replicas=1)
     async with cold_start(deployments=[us_only]) as f:
         f.publish(f.node("us"), deployments=[us_only])
-        await asyncio.sleep(0.2)
+        await f.published()
         r = await f.chat(EU_KEY)
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_replica_in_zone"
         assert f.cp.scale_ups == []
@@ -271,7 +291,7 @@ async def test_without_a_deployment_the_answers_are_unchanged():
         models = (await f.http.get("/v1/models", headers={"authorization": f"Bearer {GLOBAL_KEY}"})).json()
         assert models["data"] == []
         f.publish(f.node("us", NodeStatus.STARTING), deployments=[])
-        await asyncio.sleep(0.2)
+        await f.published()
         r = await f.chat()
         assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_replica"
         assert f.cp.scale_ups == []
