@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request, Response
@@ -104,7 +104,7 @@ async def preview_plan(ctx: Ctx, actor: OperatorActor, body: PlanRequest | None 
 
     def store() -> PlanView:
         with ctx.write() as session:
-            return PlanView.of(planner.store_plan(session, state, result, actor, datetime.now(UTC)))
+            return PlanView.of(planner.store_plan(session, state, result, actor, ctx.clock.now()))
 
     return await asyncio.to_thread(store)
 
@@ -171,6 +171,6 @@ def apply_plan(ctx: Ctx, actor: OperatorActor, plan_id: PlanIdParam) -> PlanView
     """Put a previewed plan in force (409 when another plan was applied since it was solved)."""
     try:
         with ctx.write() as session:
-            return PlanView.of(planner.apply_plan(session, plan_id, actor, datetime.now(UTC)))
+            return PlanView.of(planner.apply_plan(session, plan_id, actor, ctx.clock.now()))
     except IntegrityError as e:
         raise Conflict("another plan was applied concurrently; preview a new plan") from e

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +16,7 @@ import httpx
 from fastapi import FastAPI
 
 from control_plane.errors import PROBLEM_MEDIA_TYPE
+from meridian.clock import ManualClock
 from meridian.settings import ControlPlaneSettings
 
 CLUSTER_TOKEN = "test-cluster-token"
@@ -66,6 +69,28 @@ class ControlPlane:
     async def create_key(self, headers: dict[str, str] | None = None, **fields: Any) -> httpx.Response:
         body = {"name": "k", "tenant": "acme", "zone": "eu", "scopes": ["inference"], **fields}
         return await self.http.post("/v1/api-keys", json=body, headers=headers or self.admin)
+
+
+# --- driving an app that runs on a ManualClock --------------------------------------------
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Let the event loop and the worker threads (database calls) run until `predicate()` holds.
+
+    Nothing here waits for time to pass: the test moves the ManualClock; the real-time bound
+    only turns a hang into a failure.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.002)
+
+
+async def advance(clock: ManualClock, seconds: float, *, sleepers: int) -> None:
+    """Move `clock` on by `seconds`, then wait until the app's `sleepers` loops sleep on it
+    again, i.e. every loop it woke has finished its pass."""
+    clock.advance(seconds)
+    await until(lambda: clock.sleepers >= sleepers)
 
 
 # --- control planes as real processes (`serve`, as `meridian control-plane serve` runs it) ---
