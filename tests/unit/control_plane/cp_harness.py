@@ -93,6 +93,16 @@ async def advance(clock: ManualClock, seconds: float, *, sleepers: int) -> None:
     await until(lambda: clock.sleepers >= sleepers)
 
 
+async def advance_until(
+    clock: ManualClock, predicate: Callable[[], bool], *, step_s: float, sleepers: int, within_s: float
+) -> None:
+    """`advance` by `step_s` until `predicate()` holds, failing after `within_s` of the clock's time."""
+    started = clock.monotonic()
+    while not predicate():
+        assert clock.monotonic() - started < within_s, f"condition not met within {within_s:g}s"
+        await advance(clock, step_s, sleepers=sleepers)
+
+
 # --- control planes as real processes (`serve`, as `meridian control-plane serve` runs it) ---
 
 _SERVE = (
@@ -122,19 +132,27 @@ def spawn_control_plane(port: int, database_url: str, **env: str) -> subprocess.
     )
 
 
+def poll(check: Callable[[], bool], timeout_s: float, message: str, interval_s: float = 0.1) -> None:
+    """Call `check` until it returns True: the state of real processes, which run on real
+    time (`check` may raise to fail at once)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, message
+        time.sleep(interval_s)
+
+
 def wait_until_up(proc: subprocess.Popen[bytes], port: int, timeout_s: float = 20) -> None:
     """Wait for /health to answer 200; fails with the process's output if it exits first."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def up() -> bool:
         if proc.poll() is not None:
             raise AssertionError(proc.stdout.read().decode() if proc.stdout else f"exited {proc.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
         except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "control plane did not come up"
-        time.sleep(0.1)
+            return False
+
+    poll(up, timeout_s, "control plane did not come up")
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
