@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
 
 from control_plane.errors import PROBLEM_MEDIA_TYPE
@@ -72,6 +73,15 @@ class ControlPlane:
 
 
 # --- driving an app that runs on a ManualClock --------------------------------------------
+
+# The fleet loops off: the reaper is then the one loop of the app's own on its clock.
+LOOPS_OFF: dict[str, Any] = {"reconciler_enabled": False, "autoscaler_enabled": False}
+REAPER = 1
+# A test that runs its control plane on a ManualClock (and the fleet loops off).
+on_manual_clock = pytest.mark.parametrize(
+    ("clock_kind", "settings_overrides"), [("manual", LOOPS_OFF)], ids=["manual-clock"]
+)
+
 
 
 async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:

@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from cp_harness import ControlPlane, advance, until
+from cp_harness import LOOPS_OFF, REAPER, ControlPlane, advance, until
 
 from control_plane.context import AppContext
 from control_plane.db.clock import db_now
@@ -20,9 +20,6 @@ from control_plane.db.models import Node
 from meridian.clock import ManualClock
 
 INTERVAL_S = 0.05
-# The fleet loops stay off: the reaper is the app's one loop on the clock.
-LOOPS_OFF = {"reconciler_enabled": False, "autoscaler_enabled": False}
-REAPER = 1
 
 
 @pytest.fixture
