@@ -9,7 +9,6 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 
 import uvicorn
 from fastapi import FastAPI
@@ -41,6 +40,7 @@ from control_plane.fleet import fleet_loops
 from control_plane.reaper import run_reaper
 from control_plane.routing_table import current_version
 from control_plane.version_watch import VersionWatch
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.http_server import limited_config, problem_body
 from meridian.settings import ControlPlaneSettings
 from providers.catalog import load_catalog
@@ -61,7 +61,7 @@ def _ensure_bootstrap_key(ctx: AppContext) -> None:
         return
     try:
         with ctx.write() as session:
-            added = keystore.ensure_bootstrap_key(session, secret.get_secret_value(), datetime.now(UTC))
+            added = keystore.ensure_bootstrap_key(session, secret.get_secret_value(), ctx.clock.now())
     except IntegrityError:
         # Another control plane starting on the same database added it first.
         added = False
@@ -72,6 +72,7 @@ def _ensure_bootstrap_key(ctx: AppContext) -> None:
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     settings: ControlPlaneSettings = app.state.settings
+    clock: Clock = app.state.clock
     await asyncio.to_thread(migrate.upgrade, settings.database_url)
     # One parse of the inventory, so the regions and the catalog agree on its sites.
     inventory = await asyncio.to_thread(load_inventory, settings.onprem_inventory)
@@ -92,7 +93,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             write_sessions=writes,
             regions=regions,
             catalog=catalog,
-            watch=VersionWatch(read_version, asyncio.get_running_loop()),
+            watch=VersionWatch(read_version, asyncio.get_running_loop(), clock=clock),
+            clock=clock,
         )
         await asyncio.to_thread(_ensure_bootstrap_key, ctx)
         app.state.ctx = ctx
@@ -109,10 +111,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.dispose()
 
 
-def create_app(settings: ControlPlaneSettings) -> FastAPI:
-    """The control plane's ASGI app; start-up migrates the database and starts the reaper."""
+def create_app(settings: ControlPlaneSettings, *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
+    """The control plane's ASGI app; start-up migrates the database and starts the reaper.
+
+    `clock` is the time every part of it reads and its loops sleep on (tests: a ManualClock).
+    """
     app = FastAPI(title="Meridian control plane", version="0.1.0", lifespan=_lifespan)
     app.state.settings = settings
+    app.state.clock = clock
     register_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     for module in (

@@ -23,11 +23,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import select
@@ -67,10 +67,17 @@ class KpaState:
     wanted: tuple[tuple[float, int], ...] = ()
 
 
+class ScaleMode(StrEnum):
+    """Which window a decision followed (stored as its string in autoscaler_decisions.mode)."""
+
+    STABLE = "stable"
+    PANIC = "panic"
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     desired: int
-    mode: str  # "stable" or "panic"
+    mode: ScaleMode
     reason: str
     inputs: dict[str, Any]
     state: KpaState
@@ -81,6 +88,102 @@ class Decision:
 
 def _mean(samples: Sequence[Sample]) -> float:
     return sum(s.concurrency for s in samples) / len(samples) if samples else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Load:
+    """What the samples say over both windows, and the replicas each would need."""
+
+    stable_w: float
+    panic_w: float
+    stable_samples: int
+    panic_samples: int
+    avg_stable: float
+    avg_panic: float
+    want_stable: int
+    want_panic: int
+
+
+def _load(spec: AutoscalingSpec, samples: Sequence[Sample], now: float) -> _Load:
+    stable_w = spec.stable_window_s
+    panic_w = stable_w * spec.panic_window_pct / 100.0
+    stable = [s for s in samples if s.at > now - stable_w]
+    panic = [s for s in samples if s.at > now - panic_w]
+    avg_stable = _mean(stable)
+    avg_panic = _mean(panic) if panic else avg_stable
+    return _Load(
+        stable_w=stable_w, panic_w=panic_w, stable_samples=len(stable), panic_samples=len(panic),
+        avg_stable=avg_stable, avg_panic=avg_panic,
+        want_stable=math.ceil(avg_stable / spec.target_concurrency),
+        want_panic=math.ceil(avg_panic / spec.target_concurrency),
+    )
+
+
+def _panic_since(
+    spec: AutoscalingSpec, load: _Load, base: int, now: float, state: KpaState, notes: list[str]
+) -> tuple[float | None, int]:
+    """Enter, stay in or leave panic: the new (panic_since, max_panic)."""
+    over_threshold = (load.avg_panic / spec.target_concurrency) / base >= spec.panic_threshold_pct / 100.0
+    if over_threshold:
+        if state.panic_since is None:
+            notes.append(f"entering panic: {load.avg_panic:.1f} in flight over {load.panic_w:g}s needs "
+                         f"≥{spec.panic_threshold_pct:g}% of {base} ready")
+        return now, state.max_panic
+    if state.panic_since is not None and now - state.panic_since >= load.stable_w:
+        notes.append(f"leaving panic: below the threshold for {load.stable_w:g}s")
+        return None, 0
+    return state.panic_since, state.max_panic
+
+
+def _wanted(
+    spec: AutoscalingSpec, load: _Load, mode: ScaleMode, base: int, max_up: int, max_down: int, notes: list[str]
+) -> int:
+    """The count the window of `mode` asks for, limited to the scale rates."""
+    if mode is ScaleMode.PANIC:
+        # Provision for the larger of both windows.
+        raw = max(load.want_panic, load.want_stable)
+        notes.append(f"panic: {load.avg_panic:.1f} in flight over {load.panic_w:g}s / "
+                     f"{spec.target_concurrency:g} per replica")
+    else:
+        raw = load.want_stable
+        notes.append(f"stable: {load.avg_stable:.1f} in flight over {load.stable_w:g}s / "
+                     f"{spec.target_concurrency:g} per replica")
+    wanted = min(max(raw, max_down), max_up)
+    if wanted != raw:
+        notes.append(f"rate-limited from {raw} to {wanted} (×{spec.max_scale_up_rate:g} up, "
+                     f"÷{spec.max_scale_down_rate:g} down of {base} ready)")
+    return wanted
+
+
+def _guarded(
+    spec: AutoscalingSpec,
+    wanted: int,
+    delayed: int,
+    *,
+    current: int,
+    observed_s: float,
+    since_scale_request_s: float | None,
+    min_replicas: int,
+    max_replicas: int,
+    notes: list[str],
+) -> int:
+    """`delayed` once the guards had their say: an observed window before any scale-down, a
+    recent scale-from-zero request, the deployment's bounds."""
+    desired = delayed
+    if wanted < desired <= current:
+        notes.append(f"scale-down to {wanted} delayed: {desired} was wanted within {spec.scale_down_delay_s:g}s")
+    if observed_s < spec.stable_window_s and desired < current:
+        desired = current
+        notes.append(f"no scale-down yet: observed {observed_s:.0f}s of a {spec.stable_window_s:g}s window")
+    if since_scale_request_s is not None and since_scale_request_s < spec.stable_window_s and desired < 1 <= current:
+        desired = 1
+        notes.append(f"kept at 1: scale-from-zero request {since_scale_request_s:.0f}s ago")
+    bounded = max(min_replicas, min(desired, max_replicas))
+    if bounded != desired:
+        notes.append(f"bounded to [{min_replicas}, {max_replicas}]")
+    if bounded == 0 and current > 0:
+        notes.append(f"scale to zero: no traffic for {spec.stable_window_s:g}s")
+    return bounded
 
 
 def decide(
@@ -101,50 +204,21 @@ def decide(
     samples' times monotonic seconds; `since_scale_request_s` is the age of the last
     scale-from-zero request (None: none).
     """
-    stable_w = spec.stable_window_s
-    panic_w = stable_w * spec.panic_window_pct / 100.0
     all_samples = sorted(samples, key=lambda s: s.at)
-    stable = [s for s in all_samples if s.at > now - stable_w]
-    panic = [s for s in all_samples if s.at > now - panic_w]
+    load = _load(spec, all_samples, now)
     observing_since = state.observing_since
     if observing_since is None:
         observing_since = all_samples[0].at if all_samples else now
-    covered = now - observing_since >= stable_w
-    avg_stable = _mean(stable)
-    avg_panic = _mean(panic) if panic else avg_stable
-    want_stable = math.ceil(avg_stable / spec.target_concurrency)
-    want_panic = math.ceil(avg_panic / spec.target_concurrency)
     # Knative: rates and the panic threshold are relative to the ready replicas, at least one.
     base = max(1, ready)
     max_up = math.ceil(spec.max_scale_up_rate * base)
     max_down = math.floor(base / spec.max_scale_down_rate)
-    over_threshold = (avg_panic / spec.target_concurrency) / base >= spec.panic_threshold_pct / 100.0
 
-    panic_since = state.panic_since
-    max_panic = state.max_panic
     notes: list[str] = []
-    if over_threshold:
-        if panic_since is None:
-            notes.append(f"entering panic: {avg_panic:.1f} in flight over {panic_w:g}s needs "
-                         f"≥{spec.panic_threshold_pct:g}% of {base} ready")
-        panic_since = now
-    elif panic_since is not None and now - panic_since >= stable_w:
-        notes.append(f"leaving panic: below the threshold for {stable_w:g}s")
-        panic_since, max_panic = None, 0
-
-    mode = "panic" if panic_since is not None else "stable"
-    if mode == "panic":
-        # Provision for the larger of both windows.
-        raw = max(want_panic, want_stable)
-        notes.append(f"panic: {avg_panic:.1f} in flight over {panic_w:g}s / {spec.target_concurrency:g} per replica")
-    else:
-        raw = want_stable
-        notes.append(f"stable: {avg_stable:.1f} in flight over {stable_w:g}s / {spec.target_concurrency:g} per replica")
-    wanted = min(max(raw, max_down), max_up)
-    if wanted != raw:
-        notes.append(f"rate-limited from {raw} to {wanted} (×{spec.max_scale_up_rate:g} up, "
-                     f"÷{spec.max_scale_down_rate:g} down of {base} ready)")
-    if mode == "panic":
+    panic_since, max_panic = _panic_since(spec, load, base, now, state, notes)
+    mode = ScaleMode.PANIC if panic_since is not None else ScaleMode.STABLE
+    wanted = _wanted(spec, load, mode, base, max_up, max_down, notes)
+    if mode is ScaleMode.PANIC:
         # Panic only scales up: never below what is in force or was wanted earlier in this panic.
         wanted = max(wanted, current, max_panic)
         max_panic = wanted
@@ -155,37 +229,27 @@ def decide(
     delayed = max(n for _, n in history)
     if now - observing_since < spec.scale_down_delay_s:
         delayed = max(delayed, current)
-    desired = delayed
-    if wanted < desired <= current:
-        notes.append(f"scale-down to {wanted} delayed: {desired} was wanted within {spec.scale_down_delay_s:g}s")
-    if not covered and desired < current:
-        desired = current
-        notes.append(f"no scale-down yet: observed {now - observing_since:.0f}s of a {stable_w:g}s window")
-    if since_scale_request_s is not None and since_scale_request_s < stable_w and desired < 1 <= current:
-        desired = 1
-        notes.append(f"kept at 1: scale-from-zero request {since_scale_request_s:.0f}s ago")
-    bounded = max(min_replicas, min(desired, max_replicas))
-    if bounded != desired:
-        notes.append(f"bounded to [{min_replicas}, {max_replicas}]")
-    desired = bounded
-    if desired == 0 and current > 0:
-        notes.append(f"scale to zero: no traffic for {stable_w:g}s")
+    desired = _guarded(
+        spec, wanted, delayed, current=current, observed_s=now - observing_since,
+        since_scale_request_s=since_scale_request_s, min_replicas=min_replicas, max_replicas=max_replicas,
+        notes=notes,
+    )
 
     inputs: dict[str, Any] = {
-        "avg_concurrency_stable": round(avg_stable, 3),
-        "avg_concurrency_panic": round(avg_panic, 3),
-        "stable_samples": len(stable),
-        "panic_samples": len(panic),
-        "stable_window_s": stable_w,
-        "panic_window_s": panic_w,
+        "avg_concurrency_stable": round(load.avg_stable, 3),
+        "avg_concurrency_panic": round(load.avg_panic, 3),
+        "stable_samples": load.stable_samples,
+        "panic_samples": load.panic_samples,
+        "stable_window_s": load.stable_w,
+        "panic_window_s": load.panic_w,
         "target_concurrency": spec.target_concurrency,
         "current": current,
         "ready": ready,
-        "want_stable": want_stable,
-        "want_panic": want_panic,
+        "want_stable": load.want_stable,
+        "want_panic": load.want_panic,
         "max_scale_up": max_up,
         "max_scale_down": max_down,
-        "panic": mode == "panic",
+        "panic": mode is ScaleMode.PANIC,
         "observed_s": round(now - observing_since, 1),
         "since_scale_request_s": None if since_scale_request_s is None else round(since_scale_request_s, 1),
         "min_replicas": min_replicas,
@@ -254,16 +318,9 @@ class _Tracked:
 class Autoscaler:
     """Samples load and applies `decide` to every deployment; `tick` is one pass (leader only)."""
 
-    def __init__(
-        self,
-        ctx: AppContext,
-        *,
-        monotonic: Callable[[], float] = time.monotonic,
-        wall: Callable[[], datetime] = lambda: datetime.now(UTC),
-    ) -> None:
+    def __init__(self, ctx: AppContext) -> None:
         self._ctx = ctx
-        self._monotonic = monotonic
-        self._wall = wall
+        self._clock = ctx.clock
         self._epoch: int | None = None
         self._tracked: dict[str, _Tracked] = {}
 
@@ -273,8 +330,8 @@ class Autoscaler:
             # A new term starts observing afresh (another leader may have acted meanwhile).
             self._epoch, self._tracked = fence.epoch, {}
         observed = await asyncio.to_thread(self._read)
-        now = self._monotonic()
-        wall = self._wall()
+        now = self._clock.monotonic()
+        wall = self._clock.now()
         decisions: list[tuple[str, Decision]] = []
         for obs in observed:
             tracked = self._tracked.setdefault(obs.model, _Tracked())
@@ -324,7 +381,7 @@ class Autoscaler:
                 ) or (row.min_replicas, row.max_replicas) != (obs.min_replicas, obs.max_replicas):
                     return False
                 session.add(AutoscalerDecision(
-                    model=obs.model, at=wall, mode=decision.mode, inputs=decision.inputs, current=obs.desired,
+                    model=obs.model, at=wall, mode=decision.mode.value, inputs=decision.inputs, current=obs.desired,
                     desired=decision.desired, reason=decision.reason[:500], epoch=fence.epoch,
                 ))
                 if decision.changes(obs.desired):
@@ -333,7 +390,7 @@ class Autoscaler:
                     row.updated_at = wall
                     audit.record(session, ACTOR, action="scale", resource_type="deployment", resource_id=obs.model,
                                  before={"desired_replicas": obs.desired},
-                                 after={"desired_replicas": decision.desired, "mode": decision.mode},
+                                 after={"desired_replicas": decision.desired, "mode": decision.mode.value},
                                  now=wall)
                 return True
 

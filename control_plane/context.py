@@ -1,4 +1,5 @@
-"""Per-app state of a running control plane: settings, database, region catalog, watchers."""
+"""Per-app state of a running control plane: settings, database, region catalog, watchers,
+and the one clock every component reads time from (tests pass a ManualClock)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from control_plane.routing_table import BUMPED
 from control_plane.version_watch import VersionWatch
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import RegionInfo
 from meridian.settings import ControlPlaneSettings
 from providers.catalog import Catalog
@@ -26,6 +28,8 @@ class AppContext:
     watch: VersionWatch
     # GPU offerings of every provider (static data plus the on-prem inventory), loaded at start-up.
     catalog: Catalog
+    # Monotonic time for intervals, wall time for records, and the loops' sleeping.
+    clock: Clock = SYSTEM_CLOCK
 
     @contextmanager
     def read(self) -> Iterator[Session]:

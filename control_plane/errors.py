@@ -59,10 +59,6 @@ class PreconditionFailed(ControlPlaneError):
     status = 412
 
 
-class PayloadTooLarge(ControlPlaneError):
-    status = 413
-
-
 class ServiceUnavailable(ControlPlaneError):
     status = 503
 

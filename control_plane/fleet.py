@@ -12,8 +12,10 @@ from typing import Any
 from control_plane.autoscaler import Autoscaler
 from control_plane.context import AppContext
 from control_plane.leader import Deposed, Fence, LeaderElector, make_elector
+from control_plane.pacing import wait_event
 from control_plane.reconciler import Reconciler, default_drivers
 from meridian.backoff import Backoff
+from meridian.clock import Clock
 from providers.provider import PROVIDERS
 
 log = logging.getLogger(__name__)
@@ -28,8 +30,9 @@ async def run_while_leading(
     elector: LeaderElector,
     tick: Callable[[Fence], Awaitable[Any]],
     stop: asyncio.Event,
+    clock: Clock,
 ) -> None:
-    """Call `tick` every interval_s while this replica leads, until `stop`.
+    """Call `tick` every interval_s of `clock` while this replica leads, until `stop`.
 
     A failing pass is logged and retried with backoff; the loop never dies of it.
     """
@@ -37,9 +40,7 @@ async def run_while_leading(
     failures = 0
     while not stop.is_set():
         delay = interval_s if failures == 0 else backoff.delay(failures)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), delay)
-        if stop.is_set():
+        if await wait_event(stop, clock, delay):
             return
         fence = elector.fence()
         if fence is None:
@@ -69,11 +70,13 @@ async def fleet_loops(ctx: AppContext) -> AsyncIterator[LeaderElector | None]:
         # The process-wide registry, so that a provider registered in this process has its driver.
         drivers = await asyncio.to_thread(default_drivers, settings.onprem_inventory, providers=PROVIDERS)
         loop = run_while_leading(
-            "reconciler", settings.reconcile_interval_s, elector, Reconciler(ctx, drivers).tick, stop
+            "reconciler", settings.reconcile_interval_s, elector, Reconciler(ctx, drivers).tick, stop, ctx.clock
         )
         tasks.append(asyncio.create_task(loop, name="meridian-reconciler"))
     if settings.autoscaler_enabled:
-        loop = run_while_leading("autoscaler", settings.autoscale_interval_s, elector, Autoscaler(ctx).tick, stop)
+        loop = run_while_leading(
+            "autoscaler", settings.autoscale_interval_s, elector, Autoscaler(ctx).tick, stop, ctx.clock
+        )
         tasks.append(asyncio.create_task(loop, name="meridian-autoscaler"))
     try:
         yield elector

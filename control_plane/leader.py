@@ -27,10 +27,9 @@ import contextlib
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Literal, TypeVar
 
 from sqlalchemy import Connection, Engine, select, text, update
@@ -40,6 +39,7 @@ from sqlalchemy.pool import NullPool
 from control_plane.context import AppContext
 from control_plane.db.engine import make_engine
 from control_plane.db.models import Leadership
+from control_plane.pacing import wait_event
 from meridian.backoff import Backoff
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ class LeaderElector:
 
     def __init__(self, ctx: AppContext, name: str = FLEET, holder: str | None = None) -> None:
         self._ctx = ctx
+        self._clock = ctx.clock
         self.name = name
         self.holder = holder or ctx.settings.replica_id or default_replica_id()
         self._interval = ctx.settings.leader_check_interval_s
@@ -140,7 +141,7 @@ class LeaderElector:
 
     def fence(self) -> Fence | None:
         """The fence to write under while this replica leads, else None."""
-        if self._fence is None or time.monotonic() >= self._valid_until:
+        if self._fence is None or self._clock.monotonic() >= self._valid_until:
             return None
         return self._fence
 
@@ -166,8 +167,7 @@ class LeaderElector:
                     with contextlib.suppress(Exception):
                         await self._call(self._reset)
                 delay = self._interval if failures == 0 else backoff.delay(failures)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay)
+                await wait_event(stop, self._clock, delay)
         finally:
             was_leader = self._fence is not None
             fence = self._fence
@@ -178,19 +178,19 @@ class LeaderElector:
                 log.info("leadership %s released", self.name)
 
     async def _acquire(self) -> None:
-        started = time.monotonic()
+        started = self._clock.monotonic()
         epoch = await self._call(self._try_acquire)
         if epoch is None:
             return
         self._fence = Fence(self.name, epoch)
-        self._since = datetime.now(UTC)
+        self._since = self._clock.now()
         self._valid_until = started + self._validity_s()
         log.info("this replica (%s) leads %s at epoch %d [%s]", self.holder, self.name, epoch, self.backend)
 
     async def _keep(self) -> None:
         fence = self._fence
         assert fence is not None
-        started = time.monotonic()
+        started = self._clock.monotonic()
         if await self._call(lambda: self._check(fence)):
             self._valid_until = started + self._validity_s()
             return
@@ -254,7 +254,7 @@ class PostgresLeaderElector(LeaderElector):
             return None
         try:
             with self._ctx.write() as session:
-                return claim(session, self.name, self.holder, datetime.now(UTC), None)
+                return claim(session, self.name, self.holder, self._clock.now(), None)
         except Exception:
             self._reset()
             raise
@@ -274,7 +274,7 @@ class PostgresLeaderElector(LeaderElector):
             renewed = session.execute(
                 update(Leadership)
                 .where(Leadership.name == fence.name, Leadership.epoch == fence.epoch)
-                .values(renewed_at=datetime.now(UTC))
+                .values(renewed_at=self._clock.now())
                 .execution_options(synchronize_session=False)
             )
             return bool(renewed.rowcount)
@@ -306,7 +306,7 @@ class SqliteLeaderElector(LeaderElector):
         return now + timedelta(seconds=self._ctx.settings.leader_lease_s)
 
     def _try_acquire(self) -> int | None:
-        now = datetime.now(UTC)
+        now = self._clock.now()
         # BEGIN IMMEDIATE: two processes on one file cannot both see the lease free.
         with self._ctx.write() as session:
             row = leadership(session, self.name)
@@ -315,7 +315,7 @@ class SqliteLeaderElector(LeaderElector):
             return claim(session, self.name, self.holder, now, self._lease(now))
 
     def _check(self, fence: Fence) -> bool:
-        now = datetime.now(UTC)
+        now = self._clock.now()
         with self._ctx.write() as session:
             row = leadership(session, self.name)
             if row is None or row.epoch != fence.epoch or row.holder != self.holder:
@@ -330,7 +330,7 @@ class SqliteLeaderElector(LeaderElector):
         with self._ctx.write() as session:
             row = leadership(session, self.name)
             if row is not None and row.epoch == fence.epoch and row.holder == self.holder:
-                row.expires_at = datetime.now(UTC)
+                row.expires_at = self._clock.now()
 
 
 def make_elector(ctx: AppContext, name: str = FLEET, holder: str | None = None) -> LeaderElector:

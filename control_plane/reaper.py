@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
@@ -14,6 +12,7 @@ from sqlalchemy import delete, select, update
 from control_plane.context import AppContext
 from control_plane.db.clock import db_now
 from control_plane.db.models import Node, WeightReplica
+from control_plane.pacing import wait_event
 from control_plane.routing_table import bump_version
 from meridian.contracts import HEARTBEAT_RETRY_MAX_S, NodeStatus
 
@@ -70,25 +69,23 @@ async def run_reaper(ctx: AppContext, stop: asyncio.Event) -> None:
     `reaper_grace_s` (a TTL plus their longest retry backoff) to prove they are alive before
     anyone is expired; otherwise every healthy node would be expired the moment the control
     plane came back from an outage longer than the TTL. Until then each pass only checks
-    that the database still answers.
+    that the database still answers. The grace and the interval run on the app's clock.
     """
-    settings = ctx.settings
+    settings, clock = ctx.settings, ctx.clock
     grace_s = settings.reaper_grace_s
     if grace_s is None:
         grace_s = settings.node_ttl_s + max(settings.heartbeat_interval_s, HEARTBEAT_RETRY_MAX_S)
-    reachable_since: float | None = time.monotonic()  # None: the last pass failed
+    reachable_since: float | None = clock.monotonic()  # None: the last pass failed
     while not stop.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), settings.reaper_interval_s)
-        if stop.is_set():
+        if await wait_event(stop, clock, settings.reaper_interval_s):
             return
         try:
-            if reachable_since is not None and time.monotonic() - reachable_since >= grace_s:
+            if reachable_since is not None and clock.monotonic() - reachable_since >= grace_s:
                 await asyncio.to_thread(reap_once, ctx)
             else:
                 await asyncio.to_thread(_ping, ctx)
                 if reachable_since is None:
-                    reachable_since = time.monotonic()
+                    reachable_since = clock.monotonic()
                     log.warning("database reachable again; expiring no node for %.0fs", grace_s)
         except Exception:
             if reachable_since is not None:

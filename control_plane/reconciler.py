@@ -14,229 +14,60 @@ Each tick of the leader (see control_plane.leader):
 
 Every step writes a `reconcile_steps` row and an audit entry in one transaction that first
 checks the leader's fencing epoch. A failed step is retried after exponential backoff with
-jitter (`node_groups.retry_at`), recorded each time.
+jitter (`node_groups.retry_at`), recorded each time. Backoffs, drain timeouts and records
+read the app's clock (`AppContext.clock`).
+
+What the reconciler aims at and sees (targets, the snapshot, its states and steps) is pure
+and lives in control_plane.reconcile_state; this module takes the steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import time
 import uuid
-from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime, timedelta
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from control_plane import audit, planner
+from control_plane import audit
 from control_plane.audit import Actor
 from control_plane.context import AppContext
-from control_plane.db.models import Deployment, Node, NodeDrain, NodeGroup, ReconcileStep
+from control_plane.db.models import Node, NodeDrain, NodeGroup, ReconcileStep
 from control_plane.leader import Deposed, Fence, check_fence
+from control_plane.reconcile_state import (
+    GroupKey,
+    GroupRow,
+    NodeGroupState,
+    PlacedGroup,
+    Snapshot,
+    StepAction,
+    StepOutcome,
+    choose_victims,
+    group_row,
+    read_snapshot,
+    stale_drains,
+    state_after,
+)
 from control_plane.routing_table import bump_version
 from meridian.backoff import Backoff
 from meridian.contracts import NodeStatus
+from meridian.registry import UnknownName
 from meridian.settings import ProviderSettings
-from providers.driver import DriverRegistry, GroupSpec, GroupState, UnknownDriverError
+from providers.driver import DriverRegistry, GroupSpec, GroupState
 from providers.errors import ProviderError
 from providers.onprem.inventory import Inventory, load_inventory
-from providers.provider import ProviderConfig, ProviderRegistry
+from providers.provider import PROVIDERS, ProviderConfig, ProviderRegistry
 
 log = logging.getLogger(__name__)
 
 ACTOR = Actor.system("reconciler")
-GroupKey = tuple[str, str, str, bool]  # model, region, instance type, spot
 T = TypeVar("T")
-
-
-# --- the target: the plan's shape, the autoscaler's count --------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PlacedGroup:
-    """One assignment of the applied plan: `instances` nodes giving `replicas` replicas."""
-
-    model: str
-    region: str
-    instance_type: str
-    sku: str
-    spot: bool
-    instances: int
-    replicas: int
-
-    @property
-    def key(self) -> GroupKey:
-        return (self.model, self.region, self.instance_type, self.spot)
-
-    @property
-    def provider(self) -> str:
-        return self.region.split(":", 1)[0]
-
-    @property
-    def replicas_per_node(self) -> int:
-        return max(1, round(self.replicas / self.instances)) if self.instances else max(1, self.replicas)
-
-
-def parse_assignments(assignments: Iterable[Mapping[str, Any]]) -> list[PlacedGroup]:
-    """The plan's assignments (control_plane.placement.problem.Assignment as JSON) as groups;
-    assignments of one group are summed."""
-    merged: dict[GroupKey, PlacedGroup] = {}
-    for data in assignments:
-        try:
-            a = planner.assignment_of(data)
-        except (KeyError, TypeError):
-            log.warning("applied plan has an assignment without deployment/region/instance_type: %s", data)
-            continue
-        group = PlacedGroup(
-            model=a.deployment, region=a.region, instance_type=a.instance_type, sku=a.sku,
-            spot=a.spot, instances=a.instances, replicas=a.replicas,
-        )
-        if (old := merged.get(group.key)) is not None:
-            group = replace(group, instances=old.instances + a.instances, replicas=old.replicas + a.replicas)
-        merged[group.key] = group
-    return list(merged.values())
-
-
-def apportion(total: int, weights: Sequence[float]) -> list[int]:
-    """Split `total` in proportion to `weights` by largest remainder (ties: earlier first)."""
-    if not weights:
-        return []
-    if total <= 0:
-        return [0] * len(weights)
-    weights = [max(0.0, w) for w in weights]
-    whole = sum(weights)
-    if whole == 0:
-        weights, whole = [1.0] * len(weights), float(len(weights))
-    quotas = [total * w / whole for w in weights]
-    shares = [math.floor(q) for q in quotas]
-    by_remainder = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - shares[i]), i))
-    for i in by_remainder[: total - sum(shares)]:
-        shares[i] += 1
-    return shares
-
-
-def spread_replicas(desired: int, groups: Sequence[PlacedGroup]) -> dict[GroupKey, int]:
-    """Replicas per group: `desired` spread in proportion to the plan's replicas, every placed
-    region keeping at least one while `desired` allows it."""
-    if not groups:
-        return {}
-    by_region: dict[str, list[PlacedGroup]] = defaultdict(list)
-    for g in groups:
-        by_region[g.region].append(g)
-    regions = sorted(by_region, key=lambda r: (-sum(g.replicas for g in by_region[r]), r))
-    per_region = apportion(desired, [sum(g.replicas for g in by_region[r]) for r in regions])
-    if desired >= len(regions):
-        # Active-active: a region the plan placed never goes empty while there are enough replicas.
-        for i, share in enumerate(per_region):
-            if share == 0:
-                donor = max(range(len(regions)), key=lambda j: (per_region[j], -j))
-                per_region[donor] -= 1
-                per_region[i] = 1
-    out: dict[GroupKey, int] = {}
-    for region, share in zip(regions, per_region, strict=True):
-        members = sorted(by_region[region], key=lambda g: (-g.replicas, g.instance_type, g.spot))
-        for g, n in zip(members, apportion(share, [g.replicas for g in members]), strict=True):
-            out[g.key] = n
-    return out
-
-
-def target_sizes(desired: int, groups: Sequence[PlacedGroup]) -> dict[GroupKey, int]:
-    """Nodes per group for `desired` replicas of one deployment placed as `groups`."""
-    replicas = spread_replicas(desired, groups)
-    by_key = {g.key: g for g in groups}
-    return {key: math.ceil(n / by_key[key].replicas_per_node) for key, n in replicas.items()}
-
-
-# --- what one tick reads -----------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class GroupRow:
-    """A node group as the tick read it (plain data, safe across threads)."""
-
-    id: str
-    model: str
-    provider: str
-    region: str
-    instance_type: str
-    sku: str
-    spot: bool
-    desired_size: int
-    current_size: int
-    nodes: tuple[str, ...]
-    state: str
-    failures: int
-    retry_at: datetime | None
-
-    @property
-    def key(self) -> GroupKey:
-        return (self.model, self.region, self.instance_type, self.spot)
-
-    @property
-    def spec(self) -> GroupSpec:
-        return GroupSpec(
-            group_id=self.id, model=self.model, provider=self.provider, region=self.region,
-            instance_type=self.instance_type, sku=self.sku, spot=self.spot,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSeen:
-    status: str
-    in_flight: int
-    last_heartbeat: datetime
-
-
-@dataclass(frozen=True, slots=True)
-class Snapshot:
-    placed: dict[GroupKey, PlacedGroup]
-    targets: dict[GroupKey, int]
-    groups: dict[GroupKey, GroupRow]
-    # group id → node id → when the drain was asked for
-    drains: dict[str, dict[str, datetime]]
-    nodes: dict[str, NodeSeen]
-
-
-def _group_row(g: NodeGroup) -> GroupRow:
-    return GroupRow(
-        id=g.id, model=g.model, provider=g.provider, region=g.region, instance_type=g.instance_type, sku=g.sku,
-        spot=g.spot, desired_size=g.desired_size, current_size=g.current_size, nodes=tuple(g.nodes or ()),
-        state=g.state, failures=g.failures, retry_at=g.retry_at,
-    )
-
-
-def read_snapshot(session: Session) -> Snapshot:
-    """The applied plan, desired counts, node groups, drains and nodes, in one read."""
-    plan = planner.current_plan(session)
-    desired = {d.model: d.desired_replicas for d in session.scalars(select(Deployment))}
-    placed_groups = [g for g in parse_assignments(plan.assignments if plan else []) if g.model in desired]
-    by_model: dict[str, list[PlacedGroup]] = defaultdict(list)
-    for g in placed_groups:
-        by_model[g.model].append(g)
-    targets: dict[GroupKey, int] = {}
-    for model, groups in by_model.items():
-        targets.update(target_sizes(desired[model], groups))
-    rows = {row.key: row for row in map(_group_row, session.scalars(select(NodeGroup)))}
-    drains: dict[str, dict[str, datetime]] = defaultdict(dict)
-    for d in session.scalars(select(NodeDrain)):
-        drains[d.node_group_id][d.node_id] = d.requested_at
-    nodes = {
-        n.node_id: NodeSeen(
-            status=n.status,
-            in_flight=int((n.load or {}).get("running", 0)) + int((n.load or {}).get("waiting", 0)),
-            last_heartbeat=n.last_heartbeat,
-        )
-        for n in session.scalars(select(Node))
-    }
-    return Snapshot(
-        placed={g.key: g for g in placed_groups}, targets=targets, groups=rows, drains=dict(drains), nodes=nodes
-    )
 
 
 # --- the reconciler ----------------------------------------------------------------------
@@ -259,9 +90,9 @@ class StepResult:
     """What a step did, as the tick reports it (tests and logs)."""
 
     group_id: str
-    action: str
+    action: StepAction
     target: int
-    outcome: str
+    outcome: StepOutcome
     error: str | None = None
 
 
@@ -285,10 +116,10 @@ class _Term:
 class Reconciler:
     """Takes the steps that bring node groups to their targets; `tick` is one pass (leader only)."""
 
-    def __init__(self, ctx: AppContext, drivers: DriverRegistry, *, monotonic: Callable[[], float] = time.monotonic):
+    def __init__(self, ctx: AppContext, drivers: DriverRegistry) -> None:
         self._ctx = ctx
         self._drivers = drivers
-        self._monotonic = monotonic
+        self._clock = ctx.clock
         self._backoff = Backoff(
             base_s=ctx.settings.reconcile_backoff_base_s, max_s=ctx.settings.reconcile_backoff_max_s
         )
@@ -336,7 +167,7 @@ class Reconciler:
     async def _reconcile_group(self, fence: Fence, key: GroupKey, snap: Snapshot) -> list[StepResult]:
         target = snap.targets.get(key, 0)
         row = snap.groups.get(key)
-        now = datetime.now(UTC)
+        now = self._clock.now()
         if row is None:
             placed = snap.placed.get(key)
             if target == 0 or placed is None:
@@ -366,8 +197,8 @@ class Reconciler:
             results.extend(await self._scale_down(fence, row, target, drains, snap))
         elif current == 0 and key not in snap.placed:
             results.append(await self._delete(fence, row))
-        elif row.desired_size != target or row.state != "ready":
-            await self._write(fence, lambda s: _set_target(s, row.id, target, "ready", now))
+        elif row.desired_size != target or row.state is not NodeGroupState.READY:
+            await self._write(fence, lambda s: _set_target(s, row.id, target, NodeGroupState.READY, now))
         return results
 
     async def _create(self, fence: Fence, row: GroupRow, target: int) -> tuple[StepResult | None, GroupRow]:
@@ -379,11 +210,11 @@ class Reconciler:
             driver = self._drivers.get_driver(row.provider)
             state = await self._driver_call(lambda: driver.ensure_group(row.spec, row.nodes))
         except Exception as e:
-            return await self._record(fence, row, "create", target, error=e), row
+            return await self._record(fence, row, StepAction.CREATE, target, error=e), row
         term.synced.add(row.id)
         # Recorded when it creates the group or clears an error; a plain adoption is silent.
-        if row.state in ("creating", "error") or state.nodes != row.nodes:
-            result = await self._record(fence, row, "create", target, state=state)
+        if row.state in (NodeGroupState.CREATING, NodeGroupState.ERROR) or state.nodes != row.nodes:
+            result = await self._record(fence, row, StepAction.CREATE, target, state=state)
             return result, _with_nodes(row, state)
         return None, row
 
@@ -393,8 +224,8 @@ class Reconciler:
             driver = self._drivers.get_driver(row.provider)
             state = await self._driver_call(lambda: driver.resize(row.spec, target))
         except Exception as e:
-            return await self._record(fence, row, "scale_up", target, error=e)
-        return await self._record(fence, row, "scale_up", target, state=state)
+            return await self._record(fence, row, StepAction.SCALE_UP, target, error=e)
+        return await self._record(fence, row, StepAction.SCALE_UP, target, state=state)
 
     async def _undrain(self, fence: Fence, row: GroupRow, target: int, nodes: list[str]) -> StepResult:
         term = self._term
@@ -402,7 +233,7 @@ class Reconciler:
         for n in nodes:
             term.drain_watch.pop(n, None)
         detail = f"target rose to {target}; no longer removing {', '.join(sorted(nodes))}"
-        return await self._record(fence, row, "undrain", target, undrain=nodes, detail=detail)
+        return await self._record(fence, row, StepAction.UNDRAIN, target, undrain=nodes, detail=detail)
 
     async def _scale_down(
         self, fence: Fence, row: GroupRow, target: int, drains: dict[str, datetime], snap: Snapshot
@@ -417,18 +248,18 @@ class Reconciler:
             for n in extra:
                 drains.pop(n)
                 term.drain_watch.pop(n, None)
-            results.append(await self._record(fence, row, "undrain", target, undrain=extra,
+            results.append(await self._record(fence, row, StepAction.UNDRAIN, target, undrain=extra,
                                               detail=f"target {target}: keeping {', '.join(sorted(extra))}"))
-        mono = self._monotonic()
+        mono = self._clock.monotonic()
         fresh: dict[str, datetime | None] = {}
         if len(drains) < need:
             victims = choose_victims([n for n in row.nodes if n not in drains], snap.nodes, need - len(drains))
             results.append(await self._record(
-                fence, row, "drain", target, drain=victims, outcome="pending", heartbeats_at_drain=fresh,
+                fence, row, StepAction.DRAIN, target, drain=victims, outcome=StepOutcome.PENDING, heartbeats_at_drain=fresh,
                 detail=f"draining {', '.join(victims)} before removing them",
             ))
             for n in victims:
-                drains[n] = datetime.now(UTC)
+                drains[n] = self._clock.now()
                 term.drain_watch[n] = _DrainWatch(fresh.get(n), mono)
         drained: list[str] = []
         timed_out: list[str] = []
@@ -459,14 +290,14 @@ class Reconciler:
             for n in removed:
                 state = await self._driver_call(_bind(driver.terminate, row.spec, n))
         except Exception as e:
-            results.append(await self._record(fence, row, "scale_down", target, error=e, state=state))
+            results.append(await self._record(fence, row, StepAction.SCALE_DOWN, target, error=e, state=state))
             return results
         for n in removed:
             term.drain_watch.pop(n, None)
         detail = f"removed {', '.join(removed)}"
         if timed_out:
             detail += f" (drain timed out after {timeout:g}s with requests in flight on {', '.join(timed_out)})"
-        results.append(await self._record(fence, row, "scale_down", target, state=state, detail=detail))
+        results.append(await self._record(fence, row, StepAction.SCALE_DOWN, target, state=state, detail=detail))
         return results
 
     async def _delete(self, fence: Fence, row: GroupRow) -> StepResult:
@@ -474,26 +305,26 @@ class Reconciler:
         try:
             driver = self._drivers.get_driver(row.provider)
             await self._driver_call(lambda: driver.delete_group(row.spec))
-        except UnknownDriverError as e:
+        except UnknownName as e:
             # A group never created (no driver for its provider) leaves only its row to delete.
             if row.nodes:
-                return await self._record(fence, row, "delete", 0, error=e)
+                return await self._record(fence, row, StepAction.DELETE, 0, error=e)
         except Exception as e:
-            return await self._record(fence, row, "delete", 0, error=e)
+            return await self._record(fence, row, StepAction.DELETE, 0, error=e)
         if self._term is not None:
             self._term.synced.discard(row.id)
-        return await self._record(fence, row, "delete", 0, delete_group=True, detail="the placement no longer has it")
+        return await self._record(fence, row, StepAction.DELETE, 0, delete_group=True, detail="the placement no longer has it")
 
     async def _record(
         self,
         fence: Fence,
         row: GroupRow,
-        action: str,
+        action: StepAction,
         target: int,
         *,
         state: GroupState | None = None,
         error: BaseException | None = None,
-        outcome: str | None = None,
+        outcome: StepOutcome | None = None,
         detail: str | None = None,
         drain: Sequence[str] = (),
         heartbeats_at_drain: dict[str, datetime | None] | None = None,
@@ -501,8 +332,8 @@ class Reconciler:
         delete_group: bool = False,
     ) -> StepResult:
         """Write the step, the group's new state and an audit entry, fenced, in one transaction."""
-        now = datetime.now(UTC)
-        outcome = "error" if error is not None else (outcome or "ok")
+        now = self._clock.now()
+        outcome = StepOutcome.ERROR if error is not None else (outcome or StepOutcome.OK)
         message = _error_text(error) if error is not None else None
         if error is not None:
             log.warning("reconciler: %s of group %s (%s %s %s) failed: %s",
@@ -533,12 +364,12 @@ class Reconciler:
                 next_attempt_at = now + timedelta(seconds=delay)
                 group.retry_at = next_attempt_at
                 group.last_error = message
-                group.state = "error"
+                group.state = NodeGroupState.ERROR.value
             else:
                 group.failures = 0
                 group.retry_at = None
                 group.last_error = None
-                group.state = _state_after(action, outcome, group.current_size, target)
+                group.state = state_after(action, outcome, group.current_size, target).value
             if drain:
                 marked = _mark_draining(session, group.id, drain, now)
                 if heartbeats_at_drain is not None:
@@ -549,8 +380,8 @@ class Reconciler:
             group.resource_version += 1
             group.updated_at = now
             session.add(ReconcileStep(
-                at=now, node_group_id=group.id, model=group.model, action=action, target=target,
-                outcome=outcome, attempt=attempt, detail=detail[:1000] if detail else None,
+                at=now, node_group_id=group.id, model=group.model, action=action.value, target=target,
+                outcome=outcome.value, attempt=attempt, detail=detail[:1000] if detail else None,
                 error=message, next_attempt_at=next_attempt_at, epoch=fence.epoch,
             ))
             after: dict[str, Any] | None = group_as_dict(group)
@@ -558,37 +389,12 @@ class Reconciler:
                 session.execute(delete(NodeDrain).where(NodeDrain.node_group_id == group.id))
                 session.delete(group)
                 after = None
-            audit.record(session, ACTOR, action=action, resource_type="node_group",
+            audit.record(session, ACTOR, action=action.value, resource_type="node_group",
                          resource_id=f"{group.model}@{group.region}/{group.instance_type}",
                          before=before, after=after, now=now)
             return StepResult(group_id=group.id, action=action, target=target, outcome=outcome, error=message)
 
         return await self._write(fence, write)
-
-
-def choose_victims(candidates: Sequence[str], nodes: Mapping[str, NodeSeen], count: int) -> list[str]:
-    """The nodes to remove first: gone or lost, then not serving, then the least busy, then the newest."""
-    order = {n: i for i, n in enumerate(candidates)}
-
-    def cost(n: str) -> tuple[int, int, int]:
-        seen = nodes.get(n)
-        if seen is None or seen.status == NodeStatus.LOST.value:
-            rank = 0
-        elif seen.status != NodeStatus.READY.value:
-            rank = 1
-        else:
-            rank = 2
-        return (rank, seen.in_flight if seen else 0, -order[n])
-
-    return sorted(candidates, key=cost)[:count]
-
-
-def _state_after(action: str, outcome: str, current: int, target: int) -> str:
-    if outcome == "pending" or action == "drain":
-        return "draining"
-    if action == "delete":
-        return "deleting"
-    return "ready" if current == target else "scaling"
 
 
 def _error_text(error: BaseException) -> str:
@@ -610,19 +416,19 @@ def _insert_group(session: Session, placed: PlacedGroup, target: int, now: datet
     group = NodeGroup(
         id=str(uuid.uuid4()), model=placed.model, provider=placed.provider, region=placed.region,
         instance_type=placed.instance_type, sku=placed.sku, spot=placed.spot, gpus_per_node=0,
-        desired_size=target, current_size=0, nodes=[], state="creating", failures=0, resource_version=1,
+        desired_size=target, current_size=0, nodes=[], state=NodeGroupState.CREATING.value, failures=0, resource_version=1,
         created_at=now, updated_at=now,
     )
     session.add(group)
     session.flush()
-    return _group_row(group)
+    return group_row(group)
 
 
-def _set_target(session: Session, group_id: str, target: int, state: str, now: datetime) -> None:
+def _set_target(session: Session, group_id: str, target: int, state: NodeGroupState, now: datetime) -> None:
     group = session.get(NodeGroup, group_id)
     if group is not None:
         group.desired_size = target
-        group.state = state
+        group.state = state.value
         group.failures = 0
         group.retry_at = None
         group.resource_version += 1
@@ -650,15 +456,6 @@ def _mark_draining(
     return {n: seen.get(n) for n in node_ids}
 
 
-def stale_drains(snap: Snapshot) -> list[str]:
-    """Drain marks to drop: nodes no group holds any more, once their node is gone or lost."""
-    held = {n for g in snap.groups.values() for n in g.nodes}
-    return sorted(
-        node_id for drains in snap.drains.values() for node_id in drains
-        if node_id not in held and (node_id not in snap.nodes or snap.nodes[node_id].status == NodeStatus.LOST.value)
-    )
-
-
 def _bind(fn: Callable[[GroupSpec, str], Awaitable[T]], spec: GroupSpec, node: str) -> Callable[[], Awaitable[T]]:
     return lambda: fn(spec, node)
 
@@ -674,7 +471,7 @@ def default_drivers(
     """The drivers of the enabled providers (`MERIDIAN_PROVIDER_ENABLED`, on-prem alone by
     default); each cloud's SDK is imported only when its provider is enabled."""
     config = ProviderConfig(settings or ProviderSettings(), load_inventory(onprem_inventory))
-    registry = providers or ProviderRegistry()
+    registry = providers or PROVIDERS
     drivers = DriverRegistry()
     for name in config.settings.enabled:
         drivers.register_driver(registry.create(name, config).driver())

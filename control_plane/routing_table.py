@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -37,8 +37,9 @@ def bump_version(session: Session) -> int:
     return current_version(session)
 
 
-def build_routing_table(session: Session, regions: dict[str, RegionInfo]) -> RoutingTable:
-    """Snapshot of what routers need: regions, live nodes, inference keys and deployments."""
+def build_routing_table(session: Session, regions: dict[str, RegionInfo], now: datetime) -> RoutingTable:
+    """Snapshot of what routers need: regions, live nodes, inference keys and deployments,
+    generated at `now`."""
     # Read the version first: under READ COMMITTED the rows read afterwards are at least
     # as new as it, so a snapshot is never labelled newer than its content.
     version = current_version(session)
@@ -52,7 +53,7 @@ def build_routing_table(session: Session, regions: dict[str, RegionInfo]) -> Rou
     tenants = {t.name: t for t in session.scalars(select(Tenant)).all()}
     return RoutingTable(
         version=version,
-        generated_at=datetime.now(UTC),
+        generated_at=now,
         regions=sorted(regions.values(), key=lambda r: r.name),
         nodes=[
             RoutingNode(

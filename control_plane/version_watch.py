@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
+
+from control_plane.pacing import wait_event
+from meridian.clock import SYSTEM_CLOCK, Clock
 
 # Another control-plane process on the same database cannot notify this one, so
 # waiters also re-read the version this often.
@@ -19,10 +21,12 @@ class VersionWatch:
         read_version: Callable[[], int],
         loop: asyncio.AbstractEventLoop,
         recheck_s: float = DEFAULT_RECHECK_S,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._read_version = read_version
         self._loop = loop
         self._recheck_s = recheck_s
+        self._clock = clock
         self._changed = asyncio.Event()
 
     def notify(self) -> None:
@@ -39,14 +43,13 @@ class VersionWatch:
 
     async def wait_for_change(self, since: int, timeout_s: float) -> int:
         """Return the version once it differs from `since`, or the same one after `timeout_s`."""
-        deadline = self._loop.time() + timeout_s
+        deadline = self._clock.monotonic() + timeout_s
         while True:
             # Take the event before reading, so a bump between the read and the wait
             # still wakes us.
             changed = self._changed
             version = await self.current()
-            remaining = deadline - self._loop.time()
+            remaining = deadline - self._clock.monotonic()
             if version != since or remaining <= 0:
                 return version
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(changed.wait(), min(remaining, self._recheck_s))
+            await wait_event(changed, self._clock, min(remaining, self._recheck_s))

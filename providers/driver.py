@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from meridian.registry import Registry, UnknownName
+from meridian.registry import Registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,8 +116,3 @@ class DriverRegistry(Registry[NodeGroupDriver]):
     def providers(self) -> list[str]:
         return self.names()
 
-
-# The name control_plane.reconciler still catches (another branch is rewriting that module);
-# it is UnknownName itself, so catching either is the same. Drop it once the reconciler
-# catches UnknownName.
-UnknownDriverError = UnknownName

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
@@ -115,7 +115,7 @@ def put_capacity(
     If-None-Match: * sets it only if no explicit limit exists."""
     known_region(ctx, region)
     canonical_sku(ctx, sku)
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     rid = _resource_id(region, sku)
     try:
         with ctx.write() as session:
@@ -147,7 +147,7 @@ def delete_capacity(
     if_match: Annotated[str | None, Header()] = None,
 ) -> Response:
     """Remove an explicit limit; the inventory's default (or none) applies again."""
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     with ctx.write() as session:
         row = capacity_store.get(session, region, sku, for_update=True)
         check_if_match(if_match, row.resource_version)

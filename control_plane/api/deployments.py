@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Request, Response
@@ -34,7 +33,7 @@ ModelParam = Annotated[str, Path(min_length=1, max_length=200, pattern=PRINTABLE
 def scale_up(ctx: Ctx, model: ModelParam, body: ScaleUpRequest) -> DeploymentView:
     """Raise the deployment to at least one replica (idempotent); routers call it."""
     with ctx.write() as session:
-        row = deployment_store.request_scale_up(session, model, body, ctx.regions, datetime.now(UTC))
+        row = deployment_store.request_scale_up(session, model, body, ctx.regions, ctx.clock.now())
         return deployment_store.view(row)
 
 
@@ -55,7 +54,7 @@ def put_deployment(
         unknown = sorted(r for r in regions if r not in ctx.regions)
         if unknown:
             raise BadRequest(f"placement.{field} names unknown regions: {', '.join(unknown)}")
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     try:
         with ctx.write() as session:
             existing = deployment_store.find(session, model, for_update=True)
@@ -109,7 +108,7 @@ def get_deployment(ctx: Ctx, model: ModelParam, response: Response) -> Deploymen
 def delete_deployment(
     ctx: Ctx, actor: OperatorActor, model: ModelParam, if_match: Annotated[str | None, Header()] = None
 ) -> Response:
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     with ctx.write() as session:
         row = deployment_store.get(session, model, for_update=True)
         check_if_match(if_match, row.resource_version)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
@@ -37,7 +36,7 @@ def _key_audit(row: ApiKey) -> dict[str, object]:
 @router.post("/api-keys", status_code=201)
 def create_api_key(ctx: Ctx, actor: AdminActor, body: ApiKeyCreate) -> ApiKeyCreated:
     """Create a key bound to its tenant's zone (creating the tenant if new); shown once."""
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     try:
         with ctx.write() as session:
             tenant = tenant_store.find(session, body.tenant)
@@ -99,7 +98,7 @@ def get_api_key(ctx: Ctx, key_id: KeyIdParam) -> ApiKeyView:
 
 @router.delete("/api-keys/{key_id}", status_code=204)
 def revoke_api_key(ctx: Ctx, actor: AdminActor, key_id: KeyIdParam) -> Response:
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     with ctx.write() as session:
         row = keystore.get_key(session, key_id, for_update=True)
         before = _key_audit(row)

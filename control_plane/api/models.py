@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
@@ -144,7 +143,7 @@ def put_model(
 ) -> ModelView:
     """Create or replace a model. If-Match: its ETag (412 if it changed meanwhile);
     If-None-Match: * creates only (412 if it exists)."""
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     try:
         with ctx.write() as session:
             existing = model_store.find(session, name, for_update=True)
@@ -188,7 +187,7 @@ def delete_model(
     ctx: Ctx, actor: OperatorActor, name: ModelNameParam, if_match: Annotated[str | None, Header()] = None
 ) -> Response:
     """Delete a model; 409 while a deployment of it exists."""
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     with ctx.write() as session:
         row = model_store.get(session, name, for_update=True)
         check_if_match(if_match, row.resource_version)

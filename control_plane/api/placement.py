@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Request, Response
@@ -68,7 +67,7 @@ async def preview_plan(ctx: Ctx, actor: OperatorActor, body: PlanRequest | None 
 
     def store() -> PlanView:
         with ctx.write() as session:
-            return plan_view(planner.store_plan(session, state, result, actor, datetime.now(UTC)))
+            return plan_view(planner.store_plan(session, state, result, actor, ctx.clock.now()))
 
     return await asyncio.to_thread(store)
 
@@ -135,6 +134,6 @@ def apply_plan(ctx: Ctx, actor: OperatorActor, plan_id: PlanIdParam) -> PlanView
     """Put a previewed plan in force (409 when another plan was applied since it was solved)."""
     try:
         with ctx.write() as session:
-            return plan_view(planner.apply_plan(session, plan_id, actor, datetime.now(UTC)))
+            return plan_view(planner.apply_plan(session, plan_id, actor, ctx.clock.now()))
     except IntegrityError as e:
         raise Conflict("another plan was applied concurrently; preview a new plan") from e

@@ -30,7 +30,7 @@ async def get_routing_table(
 
     def build() -> RoutingTable:
         with ctx.read() as session:
-            return build_routing_table(session, ctx.regions)
+            return build_routing_table(session, ctx.regions, ctx.clock.now())
 
     table = await asyncio.to_thread(build)
     # The snapshot's own version is the ETag: it may be newer than `version` above.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Path, Request, Response
@@ -59,7 +59,7 @@ def create_audited(session: Session, actor: Actor, body: TenantCreate, now: date
 @router.post("/tenants", status_code=201)
 def create_tenant(ctx: Ctx, actor: AdminActor, body: TenantCreate, response: Response) -> TenantView:
     known_zone(ctx, body.zone)
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     try:
         with ctx.write() as session:
             view = tenant_view(create_audited(session, actor, body, now))
@@ -103,7 +103,7 @@ def patch_tenant(
         if changes["zone"] is None:
             raise BadRequest("zone cannot be null; use 'global' for no residency constraint")
         known_zone(ctx, changes["zone"])
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     with ctx.write() as session:
         row = tenant_store.get(session, name, for_update=True)
         check_if_match(if_match, row.resource_version)
@@ -121,7 +121,7 @@ def delete_tenant(
     ctx: Ctx, actor: AdminActor, name: TenantParam, if_match: Annotated[str | None, Header()] = None
 ) -> Response:
     """Delete the tenant; every key of it is revoked in the same transaction."""
-    now = datetime.now(UTC)
+    now = ctx.clock.now()
     with ctx.write() as session:
         row = tenant_store.get(session, name, for_update=True)
         check_if_match(if_match, row.resource_version)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Response
@@ -20,7 +19,7 @@ NodeIdParam = Annotated[str, Path(pattern=NODE_ID_PATTERN)]
 def weight_sources(ctx: Ctx, digest: Digest, body: WeightSourcesRequest) -> WeightSources:
     """Same-region peers to fetch a model from; the asking node is recorded as fetching it."""
     with ctx.write() as session:
-        return weight_registry.sources(session, digest, body, ctx.regions, datetime.now(UTC))
+        return weight_registry.sources(session, digest, body, ctx.regions, ctx.clock.now())
 
 
 @router.delete("/{digest}/nodes/{node_id}", status_code=204)

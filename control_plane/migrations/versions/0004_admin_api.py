@@ -20,6 +20,9 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    """One piece: a migration is a frozen, ordered list of schema statements applied in one
+    transaction, read top to bottom against the revision it upgrades; split into helpers it
+    would hide that order and invite edits to history."""
     with op.batch_alter_table("deployments") as batch:
         batch.add_column(sa.Column("placement", sa.JSON(), nullable=False, server_default="{}"))
         batch.add_column(sa.Column("autoscaling", sa.JSON(), nullable=False, server_default="{}"))

@@ -22,6 +22,9 @@ _BIG_ID = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
 
 def upgrade() -> None:
+    """One piece: a migration is a frozen, ordered list of schema statements applied in one
+    transaction, read top to bottom against the revision it upgrades; split into helpers it
+    would hide that order and invite edits to history."""
     op.create_table(
         "leadership",
         sa.Column("name", sa.String(64), nullable=False),

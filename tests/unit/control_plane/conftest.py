@@ -1,6 +1,8 @@
 """A real control plane (migrated database, lifespan, reaper) behind an in-process client.
 
-Every test here runs once on SQLite and once on Postgres.
+Every test here runs once on SQLite and once on Postgres. The app runs on the real clock;
+a module (or a test, by parametrizing `clock_kind` with "manual") that waits for a timeout,
+a backoff or a window gets a ManualClock instead and moves time itself (`clock` fixture).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from cp_harness import ADMIN_KEY, CLUSTER_TOKEN, ControlPlane
 from pydantic import SecretStr
 
 from control_plane.app import create_app
+from meridian.clock import SYSTEM_CLOCK, Clock, ManualClock
 from meridian.settings import ControlPlaneSettings
 
 
@@ -47,8 +50,19 @@ def settings(database_url: str, settings_overrides: dict[str, Any]) -> ControlPl
 
 
 @pytest.fixture
-async def cp(settings: ControlPlaneSettings) -> AsyncIterator[ControlPlane]:
-    app = create_app(settings)
+def clock_kind() -> str:
+    """Which clock the app runs on, "system" or "manual": override or parametrize it."""
+    return "system"
+
+
+@pytest.fixture
+def clock(clock_kind: str) -> Clock:
+    return ManualClock() if clock_kind == "manual" else SYSTEM_CLOCK
+
+
+@pytest.fixture
+async def cp(settings: ControlPlaneSettings, clock: Clock) -> AsyncIterator[ControlPlane]:
+    app = create_app(settings, clock=clock)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://cp.test") as http:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
 
 from control_plane.errors import PROBLEM_MEDIA_TYPE
+from meridian.clock import ManualClock
 from meridian.settings import ControlPlaneSettings
 
 CLUSTER_TOKEN = "test-cluster-token"
@@ -67,6 +71,47 @@ class ControlPlane:
         return await self.http.post("/v1/api-keys", json=body, headers=headers or self.admin)
 
 
+# --- driving an app that runs on a ManualClock --------------------------------------------
+
+# The fleet loops off: the reaper is then the one loop of the app's own on its clock.
+LOOPS_OFF: dict[str, Any] = {"reconciler_enabled": False, "autoscaler_enabled": False}
+REAPER = 1
+# A test that runs its control plane on a ManualClock (and the fleet loops off).
+on_manual_clock = pytest.mark.parametrize(
+    ("clock_kind", "settings_overrides"), [("manual", LOOPS_OFF)], ids=["manual-clock"]
+)
+
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Let the event loop and the worker threads (database calls) run until `predicate()` holds.
+
+    Nothing here waits for time to pass: the test moves the ManualClock; the real-time bound
+    only turns a hang into a failure.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.002)
+
+
+async def advance(clock: ManualClock, seconds: float, *, sleepers: int) -> None:
+    """Move `clock` on by `seconds`, then wait until the app's `sleepers` loops sleep on it
+    again, i.e. every loop it woke has finished its pass."""
+    clock.advance(seconds)
+    await until(lambda: clock.sleepers >= sleepers)
+
+
+async def advance_until(
+    clock: ManualClock, predicate: Callable[[], bool], *, step_s: float, sleepers: int, within_s: float
+) -> None:
+    """`advance` by `step_s` until `predicate()` holds, failing after `within_s` of the clock's time."""
+    started = clock.monotonic()
+    while not predicate():
+        assert clock.monotonic() - started < within_s, f"condition not met within {within_s:g}s"
+        await advance(clock, step_s, sleepers=sleepers)
+
+
 # --- control planes as real processes (`serve`, as `meridian control-plane serve` runs it) ---
 
 _SERVE = (
@@ -89,19 +134,27 @@ def spawn_control_plane(port: int, database_url: str, **env: str) -> subprocess.
     )
 
 
+def poll(check: Callable[[], bool], timeout_s: float, message: str, interval_s: float = 0.1) -> None:
+    """Call `check` until it returns True: the state of real processes, which run on real
+    time (`check` may raise to fail at once)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, message
+        time.sleep(interval_s)
+
+
 def wait_until_up(proc: subprocess.Popen[bytes], port: int, timeout_s: float = 20) -> None:
     """Wait for /health to answer 200; fails with the process's output if it exits first."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def up() -> bool:
         if proc.poll() is not None:
             raise AssertionError(proc.stdout.read().decode() if proc.stdout else f"exited {proc.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
         except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "control plane did not come up"
-        time.sleep(0.1)
+            return False
+
+    poll(up, timeout_s, "control plane did not come up")
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:

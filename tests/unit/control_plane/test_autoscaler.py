@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -16,6 +16,7 @@ from control_plane.autoscaler import Autoscaler, Decision, KpaState, Sample, dec
 from control_plane.context import AppContext
 from control_plane.db.models import AuditEntry
 from control_plane.leader import FLEET, Deposed, Fence, claim
+from meridian.clock import ManualClock
 from meridian.contracts import AutoscalingSpec
 
 TICK_S = 2.0
@@ -197,18 +198,11 @@ loops_off = pytest.mark.parametrize(
 MODEL = "tiny-llama"
 
 
-class Clock:
-    """Monotonic and wall clocks the test moves together."""
-
-    def __init__(self) -> None:
-        self.now = 500.0
-        self._wall0 = datetime.now(UTC)
-
-    def __call__(self) -> float:
-        return self.now
-
-    def wall(self) -> datetime:
-        return self._wall0 + timedelta(seconds=self.now - 500.0)
+@pytest.fixture
+def clock_kind() -> str:
+    # The app (the autoscaler and the scale-up route that stamps requests) runs on a
+    # ManualClock the tests move.
+    return "manual"
 
 
 def lead(cp: ControlPlane, holder: str = "test") -> Fence:
@@ -240,11 +234,12 @@ async def setup_deployment(cp: ControlPlane) -> None:
 
 
 @loops_off
-async def test_the_autoscaler_follows_heartbeat_load_and_records_each_decision(cp: ControlPlane) -> None:
+async def test_the_autoscaler_follows_heartbeat_load_and_records_each_decision(
+    cp: ControlPlane, clock: ManualClock
+) -> None:
     await setup_deployment(cp)
     assert (await cp.heartbeat("n1", load={"running": 4, "waiting": 2})).status_code == 200
-    clock = Clock()
-    scaler = Autoscaler(cp.app.state.ctx, monotonic=clock, wall=clock.wall)
+    scaler = Autoscaler(cp.app.state.ctx)
     fence = lead(cp)
 
     await scaler.tick(fence)
@@ -258,7 +253,7 @@ async def test_the_autoscaler_follows_heartbeat_load_and_records_each_decision(c
     # Idle: after a whole stable window without traffic it scales to zero.
     assert (await cp.heartbeat("n1", load={"running": 0, "waiting": 0})).status_code == 200
     for _ in range(4):
-        clock.now += 2
+        clock.advance(2)
         await scaler.tick(fence)
     assert await desired(cp) == 0
     last = (await decisions(cp))[-1]
@@ -273,14 +268,13 @@ async def test_the_autoscaler_follows_heartbeat_load_and_records_each_decision(c
 
 
 @loops_off
-async def test_a_scale_from_zero_request_is_kept_for_a_stable_window(cp: ControlPlane) -> None:
+async def test_a_scale_from_zero_request_is_kept_for_a_stable_window(cp: ControlPlane, clock: ManualClock) -> None:
     await setup_deployment(cp)
-    clock = Clock()
-    scaler = Autoscaler(cp.app.state.ctx, monotonic=clock, wall=clock.wall)
+    scaler = Autoscaler(cp.app.state.ctx)
     fence = lead(cp)
     for _ in range(4):
         await scaler.tick(fence)
-        clock.now += 2
+        clock.advance(2)
     assert await desired(cp) == 0
 
     r = await cp.http.post(f"/v1/deployments/{MODEL}/scale-up", json={"queued_requests": 1}, headers=cp.internal)
@@ -288,11 +282,11 @@ async def test_a_scale_from_zero_request_is_kept_for_a_stable_window(cp: Control
     assert await desired(cp) == 1
     for _ in range(2):  # 4 s of a 6 s window: the replica is kept although no request ran yet
         await scaler.tick(fence)
-        clock.now += 2
+        clock.advance(2)
     assert await desired(cp) == 1
     for _ in range(3):
         await scaler.tick(fence)
-        clock.now += 2
+        clock.advance(2)
     assert await desired(cp) == 0
 
 

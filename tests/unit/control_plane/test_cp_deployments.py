@@ -6,7 +6,9 @@ import asyncio
 from typing import Any
 
 import httpx
-from cp_harness import ControlPlane
+from cp_harness import REAPER, ControlPlane, on_manual_clock, until
+
+from meridian.clock import ManualClock
 
 
 async def _key(cp: ControlPlane, scope: str) -> dict[str, str]:
@@ -133,13 +135,14 @@ async def test_delete_removes_it_from_the_table(cp: ControlPlane) -> None:
     cp.assert_problem(await cp.http.delete("/v1/deployments/m", headers=cp.admin), 404)
 
 
-async def test_a_deployment_change_wakes_long_polls(cp: ControlPlane) -> None:
+@on_manual_clock
+async def test_a_deployment_change_wakes_long_polls(cp: ControlPlane, clock: ManualClock) -> None:
     r = await cp.table()
     etag = r.headers["etag"]
     poll = asyncio.create_task(
         cp.http.get("/v1/routing-table", params={"wait": 4}, headers={**cp.internal, "if-none-match": etag})
     )
-    await asyncio.sleep(0.2)
+    await until(lambda: clock.sleepers >= REAPER + 1)  # the poll waits
     assert not poll.done()
     await _put(cp, "m", min_replicas=0, max_replicas=1)
     answered = await asyncio.wait_for(poll, 2.0)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-from cp_harness import ControlPlane
+from cp_harness import REAPER, ControlPlane, on_manual_clock, until
 
 from control_plane.app import create_app
+from control_plane.version_watch import DEFAULT_RECHECK_S
+from meridian.clock import ManualClock
 from meridian.settings import ControlPlaneSettings
 
 
@@ -119,14 +121,15 @@ async def test_deregistered_node_leaves_the_table(cp: ControlPlane) -> None:
     assert await cp.version() == v + 1
 
 
-async def test_long_poll_returns_when_a_node_registers(cp: ControlPlane) -> None:
+@on_manual_clock
+async def test_long_poll_returns_when_a_node_registers(cp: ControlPlane, clock: ManualClock) -> None:
     etag = (await cp.table()).headers["etag"]
     loop = asyncio.get_running_loop()
     started = loop.time()
     poll = asyncio.create_task(
         cp.http.get("/v1/routing-table", params={"wait": 5}, headers={**cp.internal, "if-none-match": etag})
     )
-    await asyncio.sleep(0.3)
+    await until(lambda: clock.sleepers >= REAPER + 1)  # the poll waits
     assert not poll.done()
     await cp.register("node-a")
     r = await asyncio.wait_for(poll, 3)
@@ -196,10 +199,12 @@ async def test_concurrent_writes_lose_no_version_bump(cp: ControlPlane) -> None:
     assert table["version"] == v + 24
 
 
+@on_manual_clock
 async def test_long_poll_sees_changes_made_by_another_control_plane(
-    cp: ControlPlane, settings: ControlPlaneSettings
+    cp: ControlPlane, settings: ControlPlaneSettings, clock: ManualClock
 ) -> None:
-    """Two control-plane processes on one database: a bump on one wakes polls on the other."""
+    """Two control-plane processes on one database: a bump on one wakes polls on the other
+    (at its next re-check of the version)."""
     other = create_app(settings)
     async with other.router.lifespan_context(other):
         transport = httpx.ASGITransport(app=other)
@@ -212,10 +217,11 @@ async def test_long_poll_sees_changes_made_by_another_control_plane(
                     headers={**cp.internal, "if-none-match": etag},
                 )
             )
-            await asyncio.sleep(0.2)
+            await until(lambda: clock.sleepers >= REAPER + 1)  # the poll waits
             body = {"node_id": "elsewhere", "region": "aws:us-east-1", "url": "http://e:1"}
             r = await http.post("/v1/nodes/register", json=body, headers=cp.internal)
             assert r.status_code == 200
+            clock.advance(DEFAULT_RECHECK_S)
             r = await asyncio.wait_for(poll, 4)
             assert r.status_code == 200
             assert [n["node_id"] for n in r.json()["nodes"]] == ["elsewhere"]

@@ -1,7 +1,8 @@
 """Leader election of the fleet loops: one leader at a time, fast takeover, fenced epochs.
 
 The handover test runs two real control-plane processes on one Postgres database and kills
-the leader with SIGKILL.
+the leader with SIGKILL. The in-process tests run the app on a ManualClock: each check
+interval is passed by moving it, and the helpers wait for the electors' passes to finish.
 """
 
 from __future__ import annotations
@@ -15,27 +16,39 @@ from typing import Any
 
 import httpx
 import pytest
-from cp_harness import ADMIN_KEY, ControlPlane, spawn_control_plane, stop_process, wait_until_up
+from cp_harness import (
+    ADMIN_KEY,
+    ControlPlane,
+    advance,
+    advance_until,
+    poll,
+    spawn_control_plane,
+    stop_process,
+    until,
+    wait_until_up,
+)
 from sqlalchemy import text
 
 from control_plane.context import AppContext
 from control_plane.leader import ADVISORY_LOCK_KEY, Deposed, Fence, LeaderElector, check_fence, make_elector
+from meridian.clock import ManualClock
 from meridian.ports import free_port
 
 TAKEOVER_S = 5.0
+CHECK_S = 0.1
 # Tests that run electors by hand turn the app's own off (it would compete with them).
 own_electors = pytest.mark.parametrize(
     "settings_overrides",
-    [{"reconciler_enabled": False, "autoscaler_enabled": False, "leader_check_interval_s": 0.1}],
+    [{"reconciler_enabled": False, "autoscaler_enabled": False, "leader_check_interval_s": CHECK_S}],
     ids=["own-electors"],
 )
+# With the app's own electors off, its reaper is the one loop of its own on the clock.
+APP_SLEEPERS = 1
 
 
-async def until(predicate: Any, timeout_s: float = 5.0, interval_s: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(interval_s)
+@pytest.fixture
+def clock_kind() -> str:
+    return "manual"
 
 
 @contextlib.asynccontextmanager
@@ -66,10 +79,11 @@ async def test_a_single_control_plane_leads(cp: ControlPlane) -> None:
         body: dict[str, Any] = r.json()
         return body
 
-    deadline = time.monotonic() + 5
-    while not (body := await leader())["is_leader"]:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.05)
+    # The first campaign needs no time to pass: only its database call to finish.
+    elector: LeaderElector = cp.app.state.elector
+    await until(lambda: elector.is_leader)
+    body = await leader()
+    assert body["is_leader"]
     expected = "postgres-advisory-lock" if cp.settings.database_url.startswith("postgres") else "sqlite-lease"
     assert body["backend"] == expected
     assert body["epoch"] == 1
@@ -80,14 +94,18 @@ async def test_a_single_control_plane_leads(cp: ControlPlane) -> None:
 
 
 @own_electors
-async def test_one_of_two_electors_leads_and_the_other_takes_over_when_it_stops(cp: ControlPlane) -> None:
+async def test_one_of_two_electors_leads_and_the_other_takes_over_when_it_stops(
+    cp: ControlPlane, clock: ManualClock
+) -> None:
     ctx: AppContext = cp.app.state.ctx
     electors = [make_elector(ctx, holder="a"), make_elector(ctx, holder="b")]
     stops = [asyncio.Event(), asyncio.Event()]
     tasks = [asyncio.create_task(e.run(stop)) for e, stop in zip(electors, stops, strict=True)]
     try:
         await until(lambda: any(e.is_leader for e in electors))
-        await asyncio.sleep(0.5)  # several checks later: still exactly one
+        await until(lambda: clock.sleepers >= APP_SLEEPERS + 2)
+        for _ in range(5):  # several checks later: still exactly one
+            await advance(clock, CHECK_S, sleepers=APP_SLEEPERS + 2)
         assert [e.is_leader for e in electors].count(True) == 1
         first = next(i for i, e in enumerate(electors) if e.is_leader)
         other = electors[1 - first]
@@ -96,7 +114,9 @@ async def test_one_of_two_electors_leads_and_the_other_takes_over_when_it_stops(
 
         stops[first].set()  # a graceful stop gives leadership up at once
         await asyncio.wait_for(tasks[first], 10)
-        await until(lambda: other.is_leader, TAKEOVER_S)
+        await advance_until(
+            clock, lambda: other.is_leader, step_s=CHECK_S, sleepers=APP_SLEEPERS + 1, within_s=TAKEOVER_S
+        )
         new = other.fence()
         assert new is not None and new.epoch == old.epoch + 1
         assert refused(ctx, old)
@@ -111,8 +131,11 @@ async def test_one_of_two_electors_leads_and_the_other_takes_over_when_it_stops(
 @pytest.mark.postgres
 @pytest.mark.parametrize("database_url", ["postgres"], indirect=True)
 @own_electors
-async def test_a_leader_that_loses_its_connection_is_replaced_and_fenced(cp: ControlPlane) -> None:
+async def test_a_leader_that_loses_its_connection_is_replaced_and_fenced(
+    cp: ControlPlane, clock: ManualClock
+) -> None:
     ctx: AppContext = cp.app.state.ctx
+    both = APP_SLEEPERS + 2
     a = make_elector(ctx, holder="a")
     async with running(a):
         await until(lambda: a.is_leader)
@@ -120,7 +143,9 @@ async def test_a_leader_that_loses_its_connection_is_replaced_and_fenced(cp: Con
         assert old is not None
         b = make_elector(ctx, holder="b")
         async with running(b):
-            await asyncio.sleep(0.3)
+            await until(lambda: clock.sleepers >= both)
+            for _ in range(3):
+                await advance(clock, CHECK_S, sleepers=both)
             assert not b.is_leader
             # The leader's database session dies (a network cut, a server restart of the backend).
             with ctx.engine.connect() as conn:
@@ -132,13 +157,14 @@ async def test_a_leader_that_loses_its_connection_is_replaced_and_fenced(cp: Con
                     {"k": ADVISORY_LOCK_KEY},
                 ).scalars().all()
             assert killed == [True]
-            await until(lambda: b.is_leader, TAKEOVER_S)
-            await until(lambda: not a.is_leader, TAKEOVER_S)
+            await advance_until(clock, lambda: b.is_leader, step_s=CHECK_S, sleepers=both, within_s=TAKEOVER_S)
+            await advance_until(clock, lambda: not a.is_leader, step_s=CHECK_S, sleepers=both, within_s=TAKEOVER_S)
             new = b.fence()
             assert new is not None and new.epoch > old.epoch
             assert refused(ctx, old)
             # The old leader keeps campaigning on a fresh connection but cannot lead now.
-            await asyncio.sleep(0.5)
+            for _ in range(5):
+                await advance(clock, CHECK_S, sleepers=both)
             assert not a.is_leader and b.is_leader
 
 
@@ -175,15 +201,16 @@ def test_two_control_plane_processes_hand_over_leadership(postgres_url: str, pro
         wait_until_up(proc, port, timeout_s=30)
 
     # Exactly one leads, and both agree on who.
-    deadline = time.monotonic() + TAKEOVER_S
-    while True:
-        views = [leader_view(p) for p in ports]
-        leaders = [v for v in views if v and v["is_leader"]]
-        if len(leaders) == 1 and all(v and v["holder"] == leaders[0]["replica"] for v in views):
-            break
+    views: list[dict[str, Any] | None] = []
+    leaders: list[dict[str, Any]] = []
+
+    def one_agreed_leader() -> bool:
+        views[:] = [leader_view(p) for p in ports]
+        leaders[:] = [v for v in views if v and v["is_leader"]]
         assert len(leaders) <= 1, views
-        assert time.monotonic() < deadline, views
-        time.sleep(0.1)
+        return len(leaders) == 1 and all(v and v["holder"] == leaders[0]["replica"] for v in views)
+
+    poll(one_agreed_leader, TAKEOVER_S, "no single agreed leader")
     for _ in range(5):  # and it stays that way
         views = [leader_view(p) for p in ports]
         assert sum(1 for v in views if v and v["is_leader"]) == 1, views
@@ -195,13 +222,17 @@ def test_two_control_plane_processes_hand_over_leadership(postgres_url: str, pro
     killed_at = time.monotonic()
     processes[index].kill()  # SIGKILL: no graceful release
     processes[index].wait(timeout=10)
-    while True:
-        view = leader_view(survivor)
-        if view and view["is_leader"]:
-            break
-        assert time.monotonic() - killed_at < TAKEOVER_S, view
-        time.sleep(0.05)
+    seen: list[dict[str, Any] | None] = [None]
+
+    def survivor_leads() -> bool:
+        seen[0] = leader_view(survivor)
+        return bool(seen[0] and seen[0]["is_leader"])
+
+    poll(survivor_leads, TAKEOVER_S - (time.monotonic() - killed_at), "the survivor did not take over",
+         interval_s=0.05)
     took_over_s = time.monotonic() - killed_at
+    view = seen[0]
+    assert view is not None
     assert view["epoch"] > old["epoch"]
     assert view["holder"] == view["replica"] == f"cp-{1 - index}"
     assert datetime.fromisoformat(view["acquired_at"]) <= datetime.now(UTC)

@@ -3,7 +3,6 @@ plans become node groups, scale-downs drain first, failures back off, deposed le
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -16,16 +15,15 @@ from sqlalchemy import select, update
 from control_plane.context import AppContext
 from control_plane.db.models import AuditEntry, Deployment, NodeGroup, PlacementPlan, ReconcileStep
 from control_plane.leader import FLEET, Deposed, Fence, claim
-from control_plane.reconciler import (
+from control_plane.reconcile_state import (
     PlacedGroup,
-    Reconciler,
-    StepResult,
     apportion,
-    default_drivers,
     parse_assignments,
     spread_replicas,
     target_sizes,
 )
+from control_plane.reconciler import Reconciler, StepResult, default_drivers
+from meridian.clock import ManualClock
 
 MODEL = "tiny-llama"
 REGION = "onprem:lab-1"
@@ -58,14 +56,11 @@ def settings_overrides(tmp_path: Path) -> dict[str, Any]:
     }
 
 
-class Clock:
-    """A monotonic clock the test moves (drain timeouts)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+@pytest.fixture
+def clock_kind() -> str:
+    # The app (and so the reconciler) runs on a ManualClock: drain timeouts and backoffs are
+    # passed by moving it.
+    return "manual"
 
 
 def ctx_of(cp: ControlPlane) -> AppContext:
@@ -79,8 +74,8 @@ def lead(ctx: AppContext, holder: str = "test") -> Fence:
         return Fence(FLEET, claim(session, FLEET, holder, datetime.now(UTC), None))
 
 
-def reconciler(cp: ControlPlane, clock: Clock | None = None) -> Reconciler:
-    return Reconciler(ctx_of(cp), default_drivers(cp.settings.onprem_inventory), monotonic=clock or Clock())
+def reconciler(cp: ControlPlane) -> Reconciler:
+    return Reconciler(ctx_of(cp), default_drivers(cp.settings.onprem_inventory))
 
 
 async def deploy(cp: ControlPlane, *, replicas: int, max_replicas: int = 4) -> None:
@@ -208,12 +203,11 @@ async def test_an_applied_plan_creates_node_groups_and_sizes_them(cp: ControlPla
     assert (await groups(cp))[0]["nodes"] == ["lab-1-l4-box-1", "lab-1-l4-box-2"]
 
 
-async def test_desired_zero_drains_nodes_then_scales_down(cp: ControlPlane) -> None:
+async def test_desired_zero_drains_nodes_then_scales_down(cp: ControlPlane, clock: ManualClock) -> None:
     await deploy(cp, replicas=2)
     plan_id = apply_plan(cp)
     fence = lead(ctx_of(cp))
-    clock = Clock()
-    rec = reconciler(cp, clock)
+    rec = reconciler(cp)
     await rec.tick(fence)
     for node in ("lab-1-l4-box-1", "lab-1-l4-box-2"):
         assert (await cp.register(node, region=REGION, models=[MODEL])).status_code == 200
@@ -242,7 +236,7 @@ async def test_desired_zero_drains_nodes_then_scales_down(cp: ControlPlane) -> N
     assert group["nodes"] == ["lab-1-l4-box-1"]
     # The busy node is removed when the drain timeout passes.
     assert await rec.tick(fence) == []
-    clock.now += DRAIN_TIMEOUT_S
+    clock.advance(DRAIN_TIMEOUT_S)
     assert summary(await rec.tick(fence)) == [("scale_down", 0, "ok")]
     (group,) = await groups(cp)
     assert (group["current_size"], group["nodes"], group["state"]) == (0, [], "ready")
@@ -279,7 +273,7 @@ async def test_a_rising_target_cancels_a_drain(cp: ControlPlane) -> None:
     assert (await groups(cp))[0]["draining"] == []
 
 
-async def test_a_failing_step_is_retried_with_backoff_and_recorded(cp: ControlPlane) -> None:
+async def test_a_failing_step_is_retried_with_backoff_and_recorded(cp: ControlPlane, clock: ManualClock) -> None:
     await deploy(cp, replicas=3)  # the lab has 2 hosts
     apply_plan(cp)
     fence = lead(ctx_of(cp))
@@ -297,7 +291,7 @@ async def test_a_failing_step_is_retried_with_backoff_and_recorded(cp: ControlPl
 
     # Backing off: nothing is tried before next_attempt_at.
     assert await rec.tick(fence) == []
-    await asyncio.sleep(max(0.0, (first_retry - datetime.now(UTC)).total_seconds()) + 0.05)
+    clock.advance((first_retry - clock.now()).total_seconds() + 0.05)
     assert summary(await rec.tick(fence)) == [("scale_up", 3, "error")]
     second = (await steps(cp))[-1]
     assert second["attempt"] == 2
@@ -307,7 +301,7 @@ async def test_a_failing_step_is_retried_with_backoff_and_recorded(cp: ControlPl
 
     # The autoscaler settles for what fits: the next attempt succeeds and clears the failures.
     set_desired(cp, 2)
-    await asyncio.sleep(gap + 0.05)
+    clock.advance(gap + 0.05)
     assert summary(await rec.tick(fence)) == [("scale_up", 2, "ok")]
     (group,) = await groups(cp)
     assert (group["state"], group["failures"], group["current_size"], group["last_error"]) == ("ready", 0, 2, None)

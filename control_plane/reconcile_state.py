@@ -1,0 +1,288 @@
+"""What the reconciler aims at and what it sees, as plain data and pure functions.
+
+- its vocabulary: the steps it takes (`StepAction`), their outcomes (`StepOutcome`) and the
+  states of a node group (`NodeGroupState`); the database stores their strings;
+- the target: the applied placement plan's groups (`parse_assignments`) and the node count
+  each needs for a deployment's desired replicas (`target_sizes`);
+- the snapshot one tick reads (`read_snapshot`) and the choices made on it alone: which nodes
+  to drain first (`choose_victims`), which drain marks are stale (`stale_drains`).
+
+None of it touches a driver or writes; control_plane.reconciler takes the steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from control_plane import planner
+from control_plane.db.models import Deployment, Node, NodeDrain, NodeGroup
+from meridian.contracts import NodeStatus
+from providers.driver import GroupSpec
+
+log = logging.getLogger(__name__)
+
+GroupKey = tuple[str, str, str, bool]  # model, region, instance type, spot
+
+
+class StepAction(StrEnum):
+    """A step the reconciler takes on a node group (reconcile_steps.action, the audit action)."""
+
+    CREATE = "create"
+    SCALE_UP = "scale_up"
+    DRAIN = "drain"
+    SCALE_DOWN = "scale_down"
+    UNDRAIN = "undrain"
+    DELETE = "delete"
+
+
+class StepOutcome(StrEnum):
+    """How a step ended (reconcile_steps.outcome)."""
+
+    OK = "ok"
+    PENDING = "pending"  # started; a later tick finishes it (a drain)
+    ERROR = "error"
+
+
+class NodeGroupState(StrEnum):
+    """Where a node group stands (node_groups.state)."""
+
+    CREATING = "creating"
+    READY = "ready"
+    SCALING = "scaling"
+    DRAINING = "draining"
+    DELETING = "deleting"
+    ERROR = "error"
+
+
+# --- the target: the plan's shape, the autoscaler's count --------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedGroup:
+    """One assignment of the applied plan: `instances` nodes giving `replicas` replicas."""
+
+    model: str
+    region: str
+    instance_type: str
+    sku: str
+    spot: bool
+    instances: int
+    replicas: int
+
+    @property
+    def key(self) -> GroupKey:
+        return (self.model, self.region, self.instance_type, self.spot)
+
+    @property
+    def provider(self) -> str:
+        return self.region.split(":", 1)[0]
+
+    @property
+    def replicas_per_node(self) -> int:
+        return max(1, round(self.replicas / self.instances)) if self.instances else max(1, self.replicas)
+
+
+def parse_assignments(assignments: Iterable[Mapping[str, Any]]) -> list[PlacedGroup]:
+    """The plan's assignments (control_plane.placement.problem.Assignment as JSON) as groups;
+    assignments of one group are summed."""
+    merged: dict[GroupKey, PlacedGroup] = {}
+    for data in assignments:
+        try:
+            a = planner.assignment_of(data)
+        except (KeyError, TypeError):
+            log.warning("applied plan has an assignment without deployment/region/instance_type: %s", data)
+            continue
+        group = PlacedGroup(
+            model=a.deployment, region=a.region, instance_type=a.instance_type, sku=a.sku,
+            spot=a.spot, instances=a.instances, replicas=a.replicas,
+        )
+        if (old := merged.get(group.key)) is not None:
+            group = replace(group, instances=old.instances + a.instances, replicas=old.replicas + a.replicas)
+        merged[group.key] = group
+    return list(merged.values())
+
+
+def apportion(total: int, weights: Sequence[float]) -> list[int]:
+    """Split `total` in proportion to `weights` by largest remainder (ties: earlier first)."""
+    if not weights:
+        return []
+    if total <= 0:
+        return [0] * len(weights)
+    weights = [max(0.0, w) for w in weights]
+    whole = sum(weights)
+    if whole == 0:
+        weights, whole = [1.0] * len(weights), float(len(weights))
+    quotas = [total * w / whole for w in weights]
+    shares = [math.floor(q) for q in quotas]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (-(quotas[i] - shares[i]), i))
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares
+
+
+def spread_replicas(desired: int, groups: Sequence[PlacedGroup]) -> dict[GroupKey, int]:
+    """Replicas per group: `desired` spread in proportion to the plan's replicas, every placed
+    region keeping at least one while `desired` allows it."""
+    if not groups:
+        return {}
+    by_region: dict[str, list[PlacedGroup]] = defaultdict(list)
+    for g in groups:
+        by_region[g.region].append(g)
+    regions = sorted(by_region, key=lambda r: (-sum(g.replicas for g in by_region[r]), r))
+    per_region = apportion(desired, [sum(g.replicas for g in by_region[r]) for r in regions])
+    if desired >= len(regions):
+        # Active-active: a region the plan placed never goes empty while there are enough replicas.
+        for i, share in enumerate(per_region):
+            if share == 0:
+                donor = max(range(len(regions)), key=lambda j: (per_region[j], -j))
+                per_region[donor] -= 1
+                per_region[i] = 1
+    out: dict[GroupKey, int] = {}
+    for region, share in zip(regions, per_region, strict=True):
+        members = sorted(by_region[region], key=lambda g: (-g.replicas, g.instance_type, g.spot))
+        for g, n in zip(members, apportion(share, [g.replicas for g in members]), strict=True):
+            out[g.key] = n
+    return out
+
+
+def target_sizes(desired: int, groups: Sequence[PlacedGroup]) -> dict[GroupKey, int]:
+    """Nodes per group for `desired` replicas of one deployment placed as `groups`."""
+    replicas = spread_replicas(desired, groups)
+    by_key = {g.key: g for g in groups}
+    return {key: math.ceil(n / by_key[key].replicas_per_node) for key, n in replicas.items()}
+
+
+# --- what one tick reads -----------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRow:
+    """A node group as the tick read it (plain data, safe across threads)."""
+
+    id: str
+    model: str
+    provider: str
+    region: str
+    instance_type: str
+    sku: str
+    spot: bool
+    desired_size: int
+    current_size: int
+    nodes: tuple[str, ...]
+    state: NodeGroupState
+    failures: int
+    retry_at: datetime | None
+
+    @property
+    def key(self) -> GroupKey:
+        return (self.model, self.region, self.instance_type, self.spot)
+
+    @property
+    def spec(self) -> GroupSpec:
+        return GroupSpec(
+            group_id=self.id, model=self.model, provider=self.provider, region=self.region,
+            instance_type=self.instance_type, sku=self.sku, spot=self.spot,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSeen:
+    status: str
+    in_flight: int
+    last_heartbeat: datetime
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    placed: dict[GroupKey, PlacedGroup]
+    targets: dict[GroupKey, int]
+    groups: dict[GroupKey, GroupRow]
+    # group id → node id → when the drain was asked for
+    drains: dict[str, dict[str, datetime]]
+    nodes: dict[str, NodeSeen]
+
+
+def group_row(g: NodeGroup) -> GroupRow:
+    """A node group's row as plain data (its state column read as a NodeGroupState)."""
+    return GroupRow(
+        id=g.id, model=g.model, provider=g.provider, region=g.region, instance_type=g.instance_type, sku=g.sku,
+        spot=g.spot, desired_size=g.desired_size, current_size=g.current_size, nodes=tuple(g.nodes or ()),
+        state=NodeGroupState(g.state), failures=g.failures, retry_at=g.retry_at,
+    )
+
+
+def read_snapshot(session: Session) -> Snapshot:
+    """The applied plan, desired counts, node groups, drains and nodes, in one read."""
+    plan = planner.current_plan(session)
+    desired = {d.model: d.desired_replicas for d in session.scalars(select(Deployment))}
+    placed_groups = [g for g in parse_assignments(plan.assignments if plan else []) if g.model in desired]
+    by_model: dict[str, list[PlacedGroup]] = defaultdict(list)
+    for g in placed_groups:
+        by_model[g.model].append(g)
+    targets: dict[GroupKey, int] = {}
+    for model, groups in by_model.items():
+        targets.update(target_sizes(desired[model], groups))
+    rows = {row.key: row for row in map(group_row, session.scalars(select(NodeGroup)))}
+    drains: dict[str, dict[str, datetime]] = defaultdict(dict)
+    for d in session.scalars(select(NodeDrain)):
+        drains[d.node_group_id][d.node_id] = d.requested_at
+    nodes = {
+        n.node_id: NodeSeen(
+            status=n.status,
+            in_flight=int((n.load or {}).get("running", 0)) + int((n.load or {}).get("waiting", 0)),
+            last_heartbeat=n.last_heartbeat,
+        )
+        for n in session.scalars(select(Node))
+    }
+    return Snapshot(
+        placed={g.key: g for g in placed_groups}, targets=targets, groups=rows, drains=dict(drains), nodes=nodes
+    )
+
+
+
+# --- pure choices on a snapshot ---------------------------------------------------------
+
+
+def choose_victims(candidates: Sequence[str], nodes: Mapping[str, NodeSeen], count: int) -> list[str]:
+    """The nodes to remove first: gone or lost, then not serving, then the least busy, then the newest."""
+    order = {n: i for i, n in enumerate(candidates)}
+
+    def cost(n: str) -> tuple[int, int, int]:
+        seen = nodes.get(n)
+        if seen is None or seen.status == NodeStatus.LOST.value:
+            rank = 0
+        elif seen.status != NodeStatus.READY.value:
+            rank = 1
+        else:
+            rank = 2
+        return (rank, seen.in_flight if seen else 0, -order[n])
+
+    return sorted(candidates, key=cost)[:count]
+
+
+def stale_drains(snap: Snapshot) -> list[str]:
+    """Drain marks to drop: nodes no group holds any more, once their node is gone or lost."""
+    held = {n for g in snap.groups.values() for n in g.nodes}
+    return sorted(
+        node_id for drains in snap.drains.values() for node_id in drains
+        if node_id not in held and (node_id not in snap.nodes or snap.nodes[node_id].status == NodeStatus.LOST.value)
+    )
+
+
+def state_after(action: StepAction, outcome: StepOutcome, current: int, target: int) -> NodeGroupState:
+    """A group's state after a step that did not fail."""
+    if outcome is StepOutcome.PENDING or action is StepAction.DRAIN:
+        return NodeGroupState.DRAINING
+    if action is StepAction.DELETE:
+        return NodeGroupState.DELETING
+    return NodeGroupState.READY if current == target else NodeGroupState.SCALING
