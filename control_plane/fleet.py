@@ -12,10 +12,9 @@ from typing import Any
 from control_plane.autoscaler import Autoscaler
 from control_plane.context import AppContext
 from control_plane.leader import Deposed, Fence, LeaderElector, make_elector
-from control_plane.pacing import wait_event
 from control_plane.reconciler import Reconciler, default_drivers
 from meridian.backoff import Backoff
-from meridian.clock import Clock
+from meridian.clock import Clock, event_or_timeout
 from providers.provider import PROVIDERS
 
 log = logging.getLogger(__name__)
@@ -40,7 +39,7 @@ async def run_while_leading(
     failures = 0
     while not stop.is_set():
         delay = interval_s if failures == 0 else backoff.delay(failures)
-        if await wait_event(stop, clock, delay):
+        if await event_or_timeout(clock, stop, delay):
             return
         fence = elector.fence()
         if fence is None:

@@ -39,8 +39,8 @@ from sqlalchemy.pool import NullPool
 from control_plane.context import AppContext
 from control_plane.db.engine import make_engine
 from control_plane.db.models import Leadership
-from control_plane.pacing import wait_event
 from meridian.backoff import Backoff
+from meridian.clock import event_or_timeout
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class LeaderElector:
                     with contextlib.suppress(Exception):
                         await self._call(self._reset)
                 delay = self._interval if failures == 0 else backoff.delay(failures)
-                await wait_event(stop, self._clock, delay)
+                await event_or_timeout(self._clock, stop, delay)
         finally:
             was_leader = self._fence is not None
             fence = self._fence

@@ -12,8 +12,8 @@ from sqlalchemy import delete, select, update
 from control_plane.context import AppContext
 from control_plane.db.clock import db_now
 from control_plane.db.models import Node, WeightReplica
-from control_plane.pacing import wait_event
 from control_plane.routing_table import bump_version
+from meridian.clock import event_or_timeout
 from meridian.contracts import HEARTBEAT_RETRY_MAX_S, NodeStatus
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ async def run_reaper(ctx: AppContext, stop: asyncio.Event) -> None:
         grace_s = settings.node_ttl_s + max(settings.heartbeat_interval_s, HEARTBEAT_RETRY_MAX_S)
     reachable_since: float | None = clock.monotonic()  # None: the last pass failed
     while not stop.is_set():
-        if await wait_event(stop, clock, settings.reaper_interval_s):
+        if await event_or_timeout(clock, stop, settings.reaper_interval_s):
             return
         try:
             if reachable_since is not None and clock.monotonic() - reachable_since >= grace_s:

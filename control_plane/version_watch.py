@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from control_plane.pacing import wait_event
-from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.clock import SYSTEM_CLOCK, Clock, event_or_timeout
 
 # Another control-plane process on the same database cannot notify this one, so
 # waiters also re-read the version this often.
@@ -52,4 +51,4 @@ class VersionWatch:
             remaining = deadline - self._clock.monotonic()
             if version != since or remaining <= 0:
                 return version
-            await wait_event(changed, self._clock, min(remaining, self._recheck_s))
+            await event_or_timeout(self._clock, changed, min(remaining, self._recheck_s))

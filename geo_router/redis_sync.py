@@ -24,9 +24,7 @@ from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from meridian.clock import SYSTEM_CLOCK, Clock
-
-from .waits import event_or_timeout
+from meridian.clock import SYSTEM_CLOCK, Clock, event_or_timeout
 
 # One warning per this many seconds while Redis stays unreachable.
 _WARN_EVERY_S = 30.0

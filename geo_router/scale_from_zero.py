@@ -22,7 +22,7 @@ from urllib.parse import quote
 import httpx
 from starlette.types import Receive
 
-from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.clock import SYSTEM_CLOCK, Clock, event_or_timeout, first_or_timeout
 from meridian.contracts import (
     GLOBAL_ZONE,
     DeploymentEntry,
@@ -40,7 +40,6 @@ from .metrics import RouterMetrics
 from .request import until_disconnected
 from .selection import Candidate, tenant_may_use
 from .table import LoadedTable, TableSource
-from .waits import event_or_timeout, first_or_timeout
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,10 @@ backoff or a one-minute rate window is checked in microseconds and without flaki
 
 `ManualClock.sleep` does not return until the clock has been advanced past its deadline,
 so a loop that backs off with `await clock.sleep(d)` waits for the test to move time.
+
+`asyncio.wait_for` and `asyncio.wait(timeout=...)` time out on the event loop's clock,
+which a test cannot move; `first_or_timeout`, `event_or_timeout` and `wait_at_most` wait
+on a `Clock` instead, so every loop's interval, deadline and backoff is the app's time.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import asyncio
 import heapq
 import itertools
 import time
+from collections.abc import Awaitable
 from datetime import UTC, datetime, timedelta
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -96,6 +101,15 @@ class ManualClock:
         """How many sleeps are waiting for time to move."""
         return sum(1 for _, _, f in self._sleepers if not f.done())
 
+    async def settled(self, sleepers: int = 1, *, turns: int = 1000) -> None:
+        """Let the loop run until at least `sleepers` sleeps wait on this clock. A task that
+        is about to sleep must be asleep before time moves, or it sleeps from the new time."""
+        for _ in range(turns):
+            if self.sleepers >= sleepers:
+                return
+            await asyncio.sleep(0)
+        raise AssertionError(f"{self.sleepers} sleeps wait on the clock, not {sleepers}")
+
     def advance(self, seconds: float) -> None:
         """Move time forward and wake the sleepers whose deadline has come."""
         if seconds < 0:
@@ -116,3 +130,46 @@ class ManualClock:
     def set_wall(self, wall: datetime) -> None:
         """Jump the wall clock alone (a skewed or corrected system clock)."""
         self._wall = wall
+
+
+async def first_or_timeout(clock: Clock, seconds: float, *futures: asyncio.Future[Any]) -> set[asyncio.Future[Any]]:
+    """Until one of `futures` is done or `seconds` of the clock's time pass.
+
+    Returns the futures that are done (empty when the time passed first); none of them is
+    cancelled. Not asyncio.wait_for: on 3.11 it swallows a cancel that comes as the awaited
+    thing finishes. A cancel of the caller propagates out of asyncio.wait, and the timer ends.
+    """
+    timer = asyncio.ensure_future(clock.sleep(seconds))
+    try:
+        done, _ = await asyncio.wait({timer, *futures}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        timer.cancel()
+    done.discard(timer)
+    return done
+
+
+async def event_or_timeout(clock: Clock, event: asyncio.Event, seconds: float) -> bool:
+    """Until `event` is set or `seconds` of the clock's time pass; True when it was set."""
+    if event.is_set():
+        return True  # no wait, and no timer to start
+    woken = asyncio.ensure_future(event.wait())
+    try:
+        await first_or_timeout(clock, seconds, woken)
+    finally:
+        woken.cancel()
+    return event.is_set()
+
+
+async def wait_at_most(clock: Clock, seconds: float, work: Awaitable[object]) -> bool:
+    """Wait for `work` for at most `seconds` of `clock`'s time: True if it finished (its
+    result is dropped, its error raised), False if the time ran out first (it is cancelled)."""
+    task = asyncio.ensure_future(work)
+    try:
+        await first_or_timeout(clock, seconds, task)
+    finally:
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        task.result()
+        return True
+    return False
