@@ -16,7 +16,6 @@ from cdktf import (
     Fn,
     TerraformOutput,
     TerraformResourceLifecycle,
-    TerraformStack,
     TerraformVariable,
     Token,
 )
@@ -54,9 +53,10 @@ from constructs import Construct
 
 from iac import layout
 from iac.aws_weights import node_profile, weights_bucket
-from iac.layout import NODE_PORTS, PlanError, RegionStack
+from iac.layout import NODE_PORTS, PlanError
 from iac.node_boot import NodeBoot, cloud_init
-from meridian.infra_plan import InfraGroup, InfraPlan
+from iac.region_stack import CloudRegionStack
+from meridian.infra_plan import InfraGroup
 from providers.aws import naming as aws_naming
 
 # Deep Learning Base AMIs (NVIDIA driver, CUDA, Docker) published by Amazon; the newest matching one.
@@ -111,15 +111,16 @@ def aws_provider(stack: Construct, location: str, prefix: str, region: str) -> A
     )
 
 
-class AwsRegionStack(TerraformStack):
+class AwsRegionStack(CloudRegionStack):
     """Everything one AWS region of the plan needs for its GPU node groups."""
 
-    def __init__(self, scope: Construct, plan: InfraPlan, rs: RegionStack) -> None:
-        super().__init__(scope, rs.name)
-        self.plan, self.rs = plan, rs
-        self.location = rs.region.location
-        self.prefix = layout.prefix(plan)
-        aws_provider(self, self.location, self.prefix, rs.region.name)
+    ROUTER_CIDRS_DESCRIPTION = (
+        "Addresses outside the VPC that reach nodes (routers, control plane): the node "
+        "port and KV-event ports are open to these and to the VPC, to nothing else."
+    )
+
+    def _provider(self) -> None:
+        aws_provider(self, self.location, self.prefix, self.rs.region.name)
         self.vpc_cidr = TerraformVariable(
             self,
             "vpc_cidr",
@@ -127,17 +128,6 @@ class AwsRegionStack(TerraformStack):
             default="10.0.0.0/16",
             description="The VPC's address range; give each region its own when networks are peered.",
         )
-        self.router_cidrs = TerraformVariable(
-            self,
-            "router_cidrs",
-            type="list(string)",
-            default=[],
-            description="Addresses outside the VPC that reach nodes (routers, control plane): the node "
-            "port and KV-event ports are open to these and to the VPC, to nothing else.",
-        )
-        self._network()
-        if rs.groups:
-            self._nodes()
 
     # --- network ---------------------------------------------------------------------
 
@@ -163,14 +153,7 @@ class AwsRegionStack(TerraformStack):
         )
         self.vpc = vpc
         igw = InternetGateway(self, "igw", vpc_id=vpc.id, region=r, tags={"Name": name})
-        public_rt = RouteTable(
-            self,
-            "public_rt",
-            vpc_id=vpc.id,
-            region=r,
-            tags={"Name": f"{name}-public"},
-            route=[RouteTableRoute(cidr_block="0.0.0.0/0", gateway_id=igw.id)],
-        )
+        public_rt = self._default_route("public_rt", f"{name}-public", gateway_id=igw.id)
         private, public = [], []
         for i, az in enumerate(self._azs()):
             priv = Subnet(
@@ -207,14 +190,7 @@ class AwsRegionStack(TerraformStack):
             tags={"Name": f"{name}-nat"},
             depends_on=[igw],
         )
-        private_rt = RouteTable(
-            self,
-            "private_rt",
-            vpc_id=vpc.id,
-            region=r,
-            tags={"Name": f"{name}-private"},
-            route=[RouteTableRoute(cidr_block="0.0.0.0/0", nat_gateway_id=nat.id)],
-        )
+        private_rt = self._default_route("private_rt", f"{name}-private", nat_gateway_id=nat.id)
         for i, subnet in enumerate(private):
             RouteTableAssociation(
                 self, f"gpu_rta_{i}", subnet_id=subnet.id, route_table_id=private_rt.id, region=r
@@ -222,6 +198,18 @@ class AwsRegionStack(TerraformStack):
         self.gpu_subnets = private
         TerraformOutput(self, "vpc_id", value=vpc.id)
         TerraformOutput(self, "gpu_subnet_ids", value=[s.id for s in private])
+
+    def _default_route(self, tf_id: str, name: str, **gateway: str) -> RouteTable:
+        """A route table of the VPC that sends everything outside it to one gateway (`gateway_id` or
+        `nat_gateway_id`)."""
+        return RouteTable(
+            self,
+            tf_id,
+            vpc_id=self.vpc.id,
+            region=self.location,
+            tags={"Name": name},
+            route=[RouteTableRoute(cidr_block="0.0.0.0/0", **gateway)],
+        )
 
     # --- GPU nodes -------------------------------------------------------------------
 

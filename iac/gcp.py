@@ -13,7 +13,6 @@ from cdktf import (
     Fn,
     TerraformOutput,
     TerraformResourceLifecycle,
-    TerraformStack,
     TerraformVariable,
     Token,
 )
@@ -45,9 +44,10 @@ from cdktf_cdktf_provider_google.storage_bucket_iam_member import StorageBucketI
 from constructs import Construct
 
 from iac import layout
-from iac.layout import NODE_PORT, NODE_PORTS, PlanError, RegionStack
+from iac.layout import NODE_PORT, NODE_PORTS, PlanError
 from iac.node_boot import NodeBoot, startup_script
-from meridian.infra_plan import InfraGroup, InfraPlan
+from iac.region_stack import CloudRegionStack
+from meridian.infra_plan import InfraGroup
 from providers.gcp import naming as gcp_naming
 from providers.gcp.offerings import host_accelerator
 from providers.offerings import CatalogDataError
@@ -137,18 +137,16 @@ def google_provider(
     )
 
 
-class GcpRegionStack(TerraformStack):
+class GcpRegionStack(CloudRegionStack):
     """Everything one GCP region of the plan needs for its GPU node groups."""
 
-    def __init__(self, scope: Construct, plan: InfraPlan, rs: RegionStack) -> None:
-        super().__init__(scope, rs.name)
-        self.plan, self.rs = plan, rs
-        self.location = rs.region.location
-        self.prefix = layout.prefix(plan)
+    ROUTER_CIDRS_DESCRIPTION = "Addresses outside the network that reach nodes (routers, control plane)."
+
+    def _provider(self) -> None:
         self.project = TerraformVariable(
             self, "project", type="string", description="GCP project that holds this region's resources."
         )
-        google_provider(self, self.project, self.location, self.prefix, rs.region.name)
+        google_provider(self, self.project, self.location, self.prefix, self.rs.region.name)
         self.subnet_cidr = TerraformVariable(
             self,
             "subnet_cidr",
@@ -156,16 +154,6 @@ class GcpRegionStack(TerraformStack):
             default="10.0.0.0/20",
             description="The nodes' subnetwork in this region.",
         )
-        self.router_cidrs = TerraformVariable(
-            self,
-            "router_cidrs",
-            type="list(string)",
-            default=[],
-            description="Addresses outside the network that reach nodes (routers, control plane).",
-        )
-        self._network()
-        if rs.groups:
-            self._nodes()
 
     def _network(self) -> None:
         r = self.location
