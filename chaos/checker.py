@@ -44,7 +44,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from chaos.drill import Drill, PassCriteria
+from chaos.drill import Drill, PassCriteria, SteadyState
 from chaos.history import ClientOp, History, HistoryError, Outcome
 from meridian.contracts import GLOBAL_ZONE
 
@@ -184,32 +184,14 @@ def check(
         and (op.outcome is None or (op.outcome is not Outcome.OK and op.first_byte_s is not None and not op.stream_error_event))
     ]
 
-    ordered = sorted(ops.values(), key=lambda o: o.invoke_s)
-    starts = [o.invoke_s for o in ordered]
-
-    def good(op: ClientOp) -> bool:
-        return op.outcome is Outcome.OK or op.key in clean_set
-
-    def between(a: float, b: float) -> list[ClientOp]:
-        return ordered[bisect.bisect_left(starts, a) : bisect.bisect_left(starts, b)]
-
-    def ok_p99(window: Sequence[ClientOp]) -> float | None:
-        lat = [latency_ms(o) for o in window if o.outcome is Outcome.OK]
-        return percentile([x for x in lat if x is not None], 99)
-
-    steady = between(fs - drill.steady_state.window_s, fs)
-    during = between(fs, fe)
-    ends = [math.inf if o.end_s is None else (o.end_s - o.invoke_s) * 1000 for o in during]
-
+    windows = _Windows(ops, clean_set)
     ss = drill.steady_state
-
-    def meets_steady_state(window: Sequence[ClientOp]) -> bool:
-        rate = sum(map(good, window)) / len(window)
-        p99 = ok_p99(window)
-        return rate >= ss.min_success_rate and (ss.max_p99_ms is None or p99 is None or p99 <= ss.max_p99_ms)
-
+    steady = windows.between(fs - ss.window_s, fs)
+    during = windows.between(fs, fe)
+    ends = [math.inf if o.end_s is None else (o.end_s - o.invoke_s) * 1000 for o in during]
     ref = fe if crit.recovery_from == "fault_end" else fs
-    recovery = _recovery(ref, drill.load.duration_s, crit.recovery_window_s, starts, between, meets_steady_state)
+    recovery = _recovery(ref, drill.load.duration_s, crit.recovery_window_s, windows.starts, windows.between,
+                         lambda window: windows.meets(window, ss))
 
     return CheckResult(
         attempts=len(ops),
@@ -227,14 +209,45 @@ def check(
         residency_violations=tuple(_residency(ops, history, region_zones)),
         fault_start_s=fs,
         fault_end_s=fe,
-        steady_state_success_rate=sum(map(good, steady)) / len(steady) if steady else None,
-        steady_state_p99_ms=ok_p99(steady),
+        steady_state_success_rate=sum(map(windows.good, steady)) / len(steady) if steady else None,
+        steady_state_p99_ms=_ok_p99(steady),
         requests_during_fault=len(during),
-        error_rate_during_fault=sum(not good(o) for o in during) / len(during) if during else None,
-        p99_during_fault_ms=ok_p99(during),
+        error_rate_during_fault=sum(not windows.good(o) for o in during) / len(during) if during else None,
+        p99_during_fault_ms=_ok_p99(during),
         max_latency_during_fault_ms=max(ends) if ends else None,
         recovery_s=recovery,
     )
+
+
+class _Windows:
+    """The run's requests ordered by invoke time, and what is judged over a span of them.
+
+    A request is good when it is `ok` or a clean error (`clean`: the correct answer under
+    the fault).
+    """
+
+    def __init__(self, ops: Mapping[str, ClientOp], clean: Collection[str]) -> None:
+        self._ordered = sorted(ops.values(), key=lambda o: o.invoke_s)
+        self.starts = [o.invoke_s for o in self._ordered]
+        self._clean = clean
+
+    def good(self, op: ClientOp) -> bool:
+        return op.outcome is Outcome.OK or op.key in self._clean
+
+    def between(self, a: float, b: float) -> list[ClientOp]:
+        """The requests invoked in [a, b)."""
+        return self._ordered[bisect.bisect_left(self.starts, a) : bisect.bisect_left(self.starts, b)]
+
+    def meets(self, window: Sequence[ClientOp], ss: SteadyState) -> bool:
+        """Whether a non-empty window meets the steady-state hypothesis (good rate and p99)."""
+        rate = sum(map(self.good, window)) / len(window)
+        p99 = _ok_p99(window)
+        return rate >= ss.min_success_rate and (ss.max_p99_ms is None or p99 is None or p99 <= ss.max_p99_ms)
+
+
+def _ok_p99(window: Sequence[ClientOp]) -> float | None:
+    lat = [latency_ms(o) for o in window if o.outcome is Outcome.OK]
+    return percentile([x for x in lat if x is not None], 99)
 
 
 def _is_clean(op: ClientOp, crit: PassCriteria) -> bool:

@@ -8,18 +8,15 @@ import logging
 import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from chaos.drill import Load, Target
+from chaos.faults.netns import Sites
 from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import HistoryWriter
 from chaos.load import LoadTarget
 from chaos.observe import RouterMetrics, busiest
-from chaos.schedule import Timeline
+from chaos.timeline import Timeline
 from localfabric import FabricInfo, LocalFabric, Proc, renice
-
-if TYPE_CHECKING:
-    from chaos.faults.netns import Sites
 
 # Niceness of a process cold-starting during a drill (see DrillEnvironment.restart).
 COLD_START_NICENESS = 15

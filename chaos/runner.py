@@ -38,7 +38,7 @@ from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadTarget, warm_up
 from chaos.schedule import FaultState, RunOutcome, TickCallback, drive, finish
-from localfabric import DEMO_MODEL, DEMO_REGIONS, FabricError, FabricSpec, LocalFabric
+from localfabric import DEMO_MODEL, DEMO_REGIONS, FabricError, FabricInfo, FabricSpec, LocalFabric
 
 log = logging.getLogger(__name__)
 
@@ -125,35 +125,12 @@ class _Run:
         # Undone last first after the fabric stopped (the run's database).
         cleanups: list[Callable[[], None]] = []
         try:
-            if self.drill.topology.redis:
-                redis = urlsplit(self.options.redis_url)
-                self._redis_proxy = FaultProxy("127.0.0.1", 0, redis.hostname or "127.0.0.1", redis.port or 6379,
-                                               seed=self.options.seed)
-                await self._redis_proxy.start()
-                fabric.spec.router_env.update(self._redis_env())
-            if self.drill.topology.postgres:
-                fabric.spec.database_url = await self._postgres_database(cleanups)
-            if self.drill.topology.netns_regions:
-                sites = await asyncio.to_thread(Sites(tuple(self.drill.topology.netns_regions)).open)
-                cleanups.append(sites.close)
-                self._sites = sites
-                # The control plane on the bridge: reached from this host and from the namespaces.
-                fabric.spec.control_plane_host = sites.bridge_address
-                fabric.spec.node_placement = sites.placement
+            await self._services(fabric, cleanups)
             self._use_model_cache(fabric)
             self._step(f"starting the fabric for {self.drill.name}")
             info = await asyncio.to_thread(fabric.start)
             self._fill_model_cache(fabric)
-            admin = AdminApi(info.control_plane_url, info.admin_key)
-            keys = {t: k.secret for t, k in (await admin.create_tenant_keys(self.drill.load.tenants)).items()}
-            target = LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL)
-            await warm_up(target, on_step=self._step)
-            await self._warm_nodes(fabric, info.cluster_token)
-            # Warm-up requests are not the drill's: the journals start empty (their writers
-            # append, so the next line lands at the start of the truncated file).
-            for path in journals.glob("*.jsonl"):
-                os.truncate(path, 0)
-            region_zones = await admin.region_zones()
+            target, region_zones = await self._ready(fabric, info, journals)
             state = FaultState()
             with HistoryWriter(client_log) as writer:
                 env = DrillEnvironment(fabric=fabric, info=info, clock_start=0.0, node_proxies=self._proxies,
@@ -175,20 +152,7 @@ class _Run:
             if state.injector is not None:
                 invariants.update(await state.injector.observe(history))
         finally:
-            self._step("stopping the fabric")
-            await asyncio.to_thread(fabric.stop)
-            services = [p for p in (self._redis_proxy, self._postgres_proxy) if p is not None]
-            for proxy in [*self._proxies.values(), *services]:
-                await proxy.stop()
-            for cleanup in reversed(cleanups):
-                try:
-                    await asyncio.to_thread(cleanup)
-                except Exception:  # one failed cleanup must not keep the others from running
-                    log.exception("cleaning up after %s failed", self.drill.name)
-            if not self.options.keep_fabric_dir:
-                # The checkpoint and weight caches are large; the logs are worth keeping.
-                for sub in ("models", "origin", "weights"):
-                    shutil.rmtree(fabric_dir / sub, ignore_errors=True)
+            await self._stop(fabric, cleanups, fabric_dir)
         assert env is not None
         # A history read after every writer stopped: no journal line is still on its way.
         return finish(self.drill, short=self.options.short, started_at=started_at,
@@ -196,6 +160,54 @@ class _Run:
                       state=state, invariants=invariants, out_dir=self.out)
 
     # -- set-up ------------------------------------------------------------------------
+
+    async def _services(self, fabric: LocalFabric, cleanups: list[Callable[[], None]]) -> None:
+        """What the topology asks for besides the fabric: Redis and Postgres behind fault
+        proxies, regions in network namespaces; their undoing goes into `cleanups`."""
+        if self.drill.topology.redis:
+            redis = urlsplit(self.options.redis_url)
+            self._redis_proxy = FaultProxy("127.0.0.1", 0, redis.hostname or "127.0.0.1", redis.port or 6379,
+                                           seed=self.options.seed)
+            await self._redis_proxy.start()
+            fabric.spec.router_env.update(self._redis_env())
+        if self.drill.topology.postgres:
+            fabric.spec.database_url = await self._postgres_database(cleanups)
+        if self.drill.topology.netns_regions:
+            sites = await asyncio.to_thread(Sites(tuple(self.drill.topology.netns_regions)).open)
+            cleanups.append(sites.close)
+            self._sites = sites
+            # The control plane on the bridge: reached from this host and from the namespaces.
+            fabric.spec.control_plane_host = sites.bridge_address
+            fabric.spec.node_placement = sites.placement
+
+    async def _ready(self, fabric: LocalFabric, info: FabricInfo,
+                     journals: Path) -> tuple[LoadTarget, dict[str, list[str]]]:
+        """Keys for the drill's tenants, routers and nodes warmed up, the journals emptied of
+        the warm-up; the load's target and the control plane's region -> zones."""
+        admin = AdminApi(info.control_plane_url, info.admin_key)
+        keys = {t: k.secret for t, k in (await admin.create_tenant_keys(self.drill.load.tenants)).items()}
+        target = LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL)
+        await warm_up(target, on_step=self._step)
+        await self._warm_nodes(fabric, info.cluster_token)
+        _empty_journals(journals)
+        return target, await admin.region_zones()
+
+    async def _stop(self, fabric: LocalFabric, cleanups: list[Callable[[], None]], fabric_dir: Path) -> None:
+        """Stop the fabric and the proxies, undo the clean-ups last first, drop the large caches."""
+        self._step("stopping the fabric")
+        await asyncio.to_thread(fabric.stop)
+        services = [p for p in (self._redis_proxy, self._postgres_proxy) if p is not None]
+        for proxy in [*self._proxies.values(), *services]:
+            await proxy.stop()
+        for cleanup in reversed(cleanups):
+            try:
+                await asyncio.to_thread(cleanup)
+            except Exception:  # one failed cleanup must not keep the others from running
+                log.exception("cleaning up after %s failed", self.drill.name)
+        if not self.options.keep_fabric_dir:
+            # The checkpoint and weight caches are large; the logs are worth keeping.
+            for sub in ("models", "origin", "weights"):
+                shutil.rmtree(fabric_dir / sub, ignore_errors=True)
 
     def _spec(self, fabric_dir: Path, journals: Path) -> FabricSpec:
         topo = self.drill.topology
@@ -307,3 +319,9 @@ class _Run:
         paths = [client_log, *sorted(journals.glob("*.jsonl"))] if journals.exists() else [client_log]
         return History.read(*[p for p in paths if p.exists()])
 
+
+def _empty_journals(journals: Path) -> None:
+    """Warm-up requests are not the drill's: the journals start empty (their writers append,
+    so the next line lands at the start of the truncated file)."""
+    for path in journals.glob("*.jsonl"):
+        os.truncate(path, 0)

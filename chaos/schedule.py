@@ -18,29 +18,12 @@ from chaos.drill import Drill, Fault
 from chaos.faults.injector import Injector
 from chaos.history import History
 from chaos.load import LoadGenerator, LoadStats
-from chaos.report import FaultEvent, ReportFiles, RunReport, write_report
+from chaos.report import ReportFiles, RunReport, write_report
+from chaos.timeline import Timeline
 
 _MONITOR_INTERVAL_S = 0.25
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class Timeline:
-    """The run's clock and event log; times are seconds from the load's start. Environments
-    (a local fabric's, a deployment's) extend it with what their injectors act on."""
-
-    clock_start: float = 0.0
-    events: list[FaultEvent] = field(default_factory=list)
-
-    def now_s(self) -> float:
-        return time.monotonic() - self.clock_start
-
-    def event(self, action: str, detail: str) -> None:
-        """Record what an injector did, for the report's timeline."""
-        at = round(self.now_s(), 3)
-        self.events.append(FaultEvent(at_s=at, action=action, detail=detail))
-        log.info("%.2fs %s: %s", at, action, detail)
 
 
 class InjectionFailed(RuntimeError):

@@ -9,7 +9,6 @@ iac.layout from providers.aws.naming.
 from __future__ import annotations
 
 import base64
-import json
 import re
 from typing import Any
 
@@ -17,7 +16,6 @@ from cdktf import (
     Fn,
     TerraformOutput,
     TerraformResourceLifecycle,
-    TerraformStack,
     TerraformVariable,
     Token,
 )
@@ -33,11 +31,8 @@ from cdktf_cdktf_provider_aws.autoscaling_group import (
 )
 from cdktf_cdktf_provider_aws.data_aws_ami import DataAwsAmi, DataAwsAmiFilter
 from cdktf_cdktf_provider_aws.data_aws_availability_zones import DataAwsAvailabilityZones
-from cdktf_cdktf_provider_aws.data_aws_caller_identity import DataAwsCallerIdentity
 from cdktf_cdktf_provider_aws.eip import Eip
 from cdktf_cdktf_provider_aws.iam_instance_profile import IamInstanceProfile
-from cdktf_cdktf_provider_aws.iam_role import IamRole
-from cdktf_cdktf_provider_aws.iam_role_policy import IamRolePolicy
 from cdktf_cdktf_provider_aws.internet_gateway import InternetGateway
 from cdktf_cdktf_provider_aws.launch_template import (
     LaunchTemplate,
@@ -51,42 +46,19 @@ from cdktf_cdktf_provider_aws.nat_gateway import NatGateway
 from cdktf_cdktf_provider_aws.provider import AwsProvider, AwsProviderDefaultTags
 from cdktf_cdktf_provider_aws.route_table import RouteTable, RouteTableRoute
 from cdktf_cdktf_provider_aws.route_table_association import RouteTableAssociation
-from cdktf_cdktf_provider_aws.s3_bucket import S3Bucket
-from cdktf_cdktf_provider_aws.s3_bucket_ownership_controls import (
-    S3BucketOwnershipControls,
-    S3BucketOwnershipControlsRule,
-)
-from cdktf_cdktf_provider_aws.s3_bucket_policy import S3BucketPolicy
-from cdktf_cdktf_provider_aws.s3_bucket_public_access_block import S3BucketPublicAccessBlock
-from cdktf_cdktf_provider_aws.s3_bucket_replication_configuration import (
-    S3BucketReplicationConfigurationA,
-    S3BucketReplicationConfigurationRule,
-    S3BucketReplicationConfigurationRuleDeleteMarkerReplication,
-    S3BucketReplicationConfigurationRuleDestination,
-    S3BucketReplicationConfigurationRuleFilter,
-)
-from cdktf_cdktf_provider_aws.s3_bucket_server_side_encryption_configuration import (
-    S3BucketServerSideEncryptionConfigurationA,
-    S3BucketServerSideEncryptionConfigurationRuleA,
-    S3BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultA,
-)
-from cdktf_cdktf_provider_aws.s3_bucket_versioning import (
-    S3BucketVersioningA,
-    S3BucketVersioningVersioningConfiguration,
-)
 from cdktf_cdktf_provider_aws.security_group import SecurityGroup, SecurityGroupEgress, SecurityGroupIngress
 from cdktf_cdktf_provider_aws.subnet import Subnet
 from cdktf_cdktf_provider_aws.vpc import Vpc
 from constructs import Construct
 
 from iac import layout
-from iac.layout import NODE_PORTS, PlanError, RegionStack, Replication
+from iac.aws_weights import node_profile, weights_bucket
+from iac.layout import NODE_PORTS, PlanError
 from iac.node_boot import NodeBoot, cloud_init
-from meridian.infra_plan import InfraGroup, InfraPlan
+from iac.region_stack import CloudRegionStack
+from meridian.infra_plan import InfraGroup
 from providers.aws import naming as aws_naming
 
-# Meridian's AWS regions are all in the commercial partition (providers.aws.regions).
-ARN = "arn:aws"
 # Deep Learning Base AMIs (NVIDIA driver, CUDA, Docker) published by Amazon; the newest matching one.
 DLAMI_NAME = {
     "x86_64": "Deep Learning Base OSS Nvidia Driver GPU AMI (Ubuntu 22.04) *",
@@ -110,19 +82,6 @@ ASG_RUNTIME_OWNED = ("desired_capacity", "max_size", "tag")
 AZ_ID = re.compile(r"^[a-z]{2,5}\d+-az\d+$")
 
 
-def policy_json(statements: list[dict[str, Any]]) -> str:
-    """An IAM policy document (sorted keys, so the same statements always give the same bytes)."""
-    return json.dumps({"Version": "2012-10-17", "Statement": statements}, sort_keys=True)
-
-
-def assume_role_policy(service: str) -> str:
-    return policy_json([{"Effect": "Allow", "Principal": {"Service": service}, "Action": "sts:AssumeRole"}])
-
-
-def bucket_arn(bucket: str) -> str:
-    return f"{ARN}:s3:::{bucket}"
-
-
 def zone_of(az: str) -> dict[str, str]:
     """A subnet's zone argument: plans name AZs ("us-east-1a") or, from the catalog, AZ ids ("use1-az1"),
     which are the same physical zone in every account."""
@@ -133,28 +92,35 @@ def architecture(instance_type: str) -> str:
     return "arm64" if instance_type.split(".", 1)[0] in ARM_FAMILIES else "x86_64"
 
 
-class AwsRegionStack(TerraformStack):
+def aws_provider(stack: Construct, location: str, prefix: str, region: str) -> AwsProvider:
+    """The AWS provider of a stack in one region, which tags everything it makes with the
+    installation and Meridian's region name."""
+    return AwsProvider(
+        stack,
+        "aws",
+        region=location,
+        default_tags=[
+            AwsProviderDefaultTags(
+                tags={
+                    INSTALLATION_TAG: prefix,
+                    REGION_TAG: region,
+                    "managed-by": "meridian-iac",
+                }
+            )
+        ],
+    )
+
+
+class AwsRegionStack(CloudRegionStack):
     """Everything one AWS region of the plan needs for its GPU node groups."""
 
-    def __init__(self, scope: Construct, plan: InfraPlan, rs: RegionStack) -> None:
-        super().__init__(scope, rs.name)
-        self.plan, self.rs = plan, rs
-        self.location = rs.region.location
-        self.prefix = layout.prefix(plan)
-        AwsProvider(
-            self,
-            "aws",
-            region=self.location,
-            default_tags=[
-                AwsProviderDefaultTags(
-                    tags={
-                        INSTALLATION_TAG: self.prefix,
-                        REGION_TAG: rs.region.name,
-                        "managed-by": "meridian-iac",
-                    }
-                )
-            ],
-        )
+    ROUTER_CIDRS_DESCRIPTION = (
+        "Addresses outside the VPC that reach nodes (routers, control plane): the node "
+        "port and KV-event ports are open to these and to the VPC, to nothing else."
+    )
+
+    def _provider(self) -> None:
+        aws_provider(self, self.location, self.prefix, self.rs.region.name)
         self.vpc_cidr = TerraformVariable(
             self,
             "vpc_cidr",
@@ -162,17 +128,6 @@ class AwsRegionStack(TerraformStack):
             default="10.0.0.0/16",
             description="The VPC's address range; give each region its own when networks are peered.",
         )
-        self.router_cidrs = TerraformVariable(
-            self,
-            "router_cidrs",
-            type="list(string)",
-            default=[],
-            description="Addresses outside the VPC that reach nodes (routers, control plane): the node "
-            "port and KV-event ports are open to these and to the VPC, to nothing else.",
-        )
-        self._network()
-        if rs.groups:
-            self._nodes()
 
     # --- network ---------------------------------------------------------------------
 
@@ -198,14 +153,7 @@ class AwsRegionStack(TerraformStack):
         )
         self.vpc = vpc
         igw = InternetGateway(self, "igw", vpc_id=vpc.id, region=r, tags={"Name": name})
-        public_rt = RouteTable(
-            self,
-            "public_rt",
-            vpc_id=vpc.id,
-            region=r,
-            tags={"Name": f"{name}-public"},
-            route=[RouteTableRoute(cidr_block="0.0.0.0/0", gateway_id=igw.id)],
-        )
+        public_rt = self._default_route("public_rt", f"{name}-public", gateway_id=igw.id)
         private, public = [], []
         for i, az in enumerate(self._azs()):
             priv = Subnet(
@@ -242,14 +190,7 @@ class AwsRegionStack(TerraformStack):
             tags={"Name": f"{name}-nat"},
             depends_on=[igw],
         )
-        private_rt = RouteTable(
-            self,
-            "private_rt",
-            vpc_id=vpc.id,
-            region=r,
-            tags={"Name": f"{name}-private"},
-            route=[RouteTableRoute(cidr_block="0.0.0.0/0", nat_gateway_id=nat.id)],
-        )
+        private_rt = self._default_route("private_rt", f"{name}-private", nat_gateway_id=nat.id)
         for i, subnet in enumerate(private):
             RouteTableAssociation(
                 self, f"gpu_rta_{i}", subnet_id=subnet.id, route_table_id=private_rt.id, region=r
@@ -257,6 +198,18 @@ class AwsRegionStack(TerraformStack):
         self.gpu_subnets = private
         TerraformOutput(self, "vpc_id", value=vpc.id)
         TerraformOutput(self, "gpu_subnet_ids", value=[s.id for s in private])
+
+    def _default_route(self, tf_id: str, name: str, **gateway: str) -> RouteTable:
+        """A route table of the VPC that sends everything outside it to one gateway (`gateway_id` or
+        `nat_gateway_id`)."""
+        return RouteTable(
+            self,
+            tf_id,
+            vpc_id=self.vpc.id,
+            region=self.location,
+            tags={"Name": name},
+            route=[RouteTableRoute(cidr_block="0.0.0.0/0", **gateway)],
+        )
 
     # --- GPU nodes -------------------------------------------------------------------
 
@@ -269,9 +222,48 @@ class AwsRegionStack(TerraformStack):
             default=500,
             description="Root volume of a GPU node (holds the weight cache).",
         )
+        sg = self._node_firewall()
+        bucket = weights_bucket(self, self.plan, self.rs.region)
+        profile = node_profile(self, self.plan, self.rs, bucket)
+        user_data = base64.b64encode(cloud_init(NodeBoot.of(self.plan, self.rs.region, "aws")).encode()).decode()
+        amis = {
+            arch: DataAwsAmi(
+                self,
+                f"dlami_{arch}",
+                most_recent=True,
+                owners=["amazon"],
+                region=r,
+                filter=[
+                    DataAwsAmiFilter(name="name", values=[DLAMI_NAME[arch]]),
+                    DataAwsAmiFilter(name="architecture", values=[arch]),
+                    DataAwsAmiFilter(name="state", values=["available"]),
+                ],
+            )
+            for arch in sorted({architecture(g.instance_type) for g in self.rs.groups})
+        }
+        templates = {
+            (instance_type, spot): self._launch_template(
+                instance_type,
+                spot,
+                image_id=amis[architecture(instance_type)].id,
+                user_data=user_data,
+                profile=profile,
+                sg=sg,
+                root_gb=root_gb,
+            )
+            for instance_type, spot in layout.templates(self.rs.groups)
+        }
+        for group in self.rs.groups:
+            self._group(group, templates[(group.instance_type, group.spot)])
+        TerraformOutput(self, "weights_bucket", value=bucket)
+        TerraformOutput(self, "node_instance_profile", value=profile.name)
+
+    def _node_firewall(self) -> SecurityGroup:
+        """The nodes' ports open to the VPC and the routers only; egress anywhere."""
+        r = self.location
         # The VPC's own range plus the routers' (a list only known at apply time).
         sources = Token.as_list(Fn.concat([[self.vpc.cidr_block], self.router_cidrs.list_value]))
-        sg = SecurityGroup(
+        return SecurityGroup(
             self,
             "node_sg",
             name=layout.resource_name(self.plan, "node", r),
@@ -299,255 +291,56 @@ class AwsRegionStack(TerraformStack):
                 )
             ],
         )
-        bucket = self._bucket()
-        profile = self._node_role(bucket)
-        boot = NodeBoot(
-            cloud="aws",
-            region=self.rs.region.name,
-            location=r,
-            control_plane_url=self.plan.control_plane_url,
-            agent_package=self.plan.agent_package,
-            model_uris=tuple(layout.model_uris(self.plan, self.rs.region)),
-            default_uri_prefix=layout.bucket_uri(self.plan, self.rs.region, "models/"),
-            cluster_token_secret=layout.cluster_token_name(self.plan, "aws"),
-        )
-        user_data = base64.b64encode(cloud_init(boot).encode()).decode()
-        amis = {
-            arch: DataAwsAmi(
-                self,
-                f"dlami_{arch}",
-                most_recent=True,
-                owners=["amazon"],
-                region=r,
-                filter=[
-                    DataAwsAmiFilter(name="name", values=[DLAMI_NAME[arch]]),
-                    DataAwsAmiFilter(name="architecture", values=[arch]),
-                    DataAwsAmiFilter(name="state", values=["available"]),
-                ],
-            )
-            for arch in sorted({architecture(g.instance_type) for g in self.rs.groups})
-        }
-        templates = {}
-        for instance_type, spot in layout.templates(self.rs.groups):
-            name = layout.launch_template_name(self.plan, instance_type, spot)
-            templates[(instance_type, spot)] = LaunchTemplate(
-                self,
-                layout.tf_id("lt", name),
-                name=name,
-                region=r,
-                instance_type=instance_type,
-                image_id=amis[architecture(instance_type)].id,
-                user_data=user_data,
-                update_default_version=True,
-                iam_instance_profile=LaunchTemplateIamInstanceProfile(arn=profile.arn),
-                vpc_security_group_ids=[sg.id],
-                # IMDSv2 only; instance tags in the metadata are how a node learns its model.
-                metadata_options=LaunchTemplateMetadataOptions(
-                    http_endpoint="enabled",
-                    http_tokens="required",
-                    http_put_response_hop_limit=1,
-                    instance_metadata_tags="enabled",
-                ),
-                block_device_mappings=[
-                    LaunchTemplateBlockDeviceMappings(
-                        device_name=ROOT_DEVICE,
-                        ebs=LaunchTemplateBlockDeviceMappingsEbs(
-                            volume_size=root_gb.number_value,
-                            volume_type="gp3",
-                            encrypted="true",
-                            delete_on_termination="true",
-                        ),
-                    )
-                ],
-                tag_specifications=[
-                    LaunchTemplateTagSpecifications(
-                        resource_type=kind,
-                        tags={INSTALLATION_TAG: self.prefix, REGION_TAG: self.rs.region.name},
-                    )
-                    for kind in ("instance", "volume")
-                ],
-            )
-        for group in self.rs.groups:
-            self._group(group, templates[(group.instance_type, group.spot)])
-        TerraformOutput(self, "weights_bucket", value=bucket)
-        TerraformOutput(self, "node_instance_profile", value=profile.name)
 
-    def _bucket(self) -> str:
-        """The region's weights bucket: private, versioned (replication needs it), encrypted, TLS only."""
-        r, name = self.location, layout.bucket_name(self.plan, self.rs.region)
-        b = S3Bucket(self, "weights", bucket=name, region=r, force_destroy=False)
-        self.bucket_resource = b
-        S3BucketPublicAccessBlock(
+    def _launch_template(
+        self,
+        instance_type: str,
+        spot: bool,
+        *,
+        image_id: str,
+        user_data: str,
+        profile: IamInstanceProfile,
+        sg: SecurityGroup,
+        root_gb: TerraformVariable,
+    ) -> LaunchTemplate:
+        """The launch template of the groups on one instance type and purchase option."""
+        name = layout.launch_template_name(self.plan, instance_type, spot)
+        return LaunchTemplate(
             self,
-            "weights_public_access",
-            bucket=b.id,
-            region=r,
-            block_public_acls=True,
-            block_public_policy=True,
-            ignore_public_acls=True,
-            restrict_public_buckets=True,
-        )
-        S3BucketOwnershipControls(
-            self,
-            "weights_ownership",
-            bucket=b.id,
-            region=r,
-            rule=S3BucketOwnershipControlsRule(object_ownership="BucketOwnerEnforced"),
-        )
-        self.versioning = S3BucketVersioningA(
-            self,
-            "weights_versioning",
-            bucket=b.id,
-            region=r,
-            versioning_configuration=S3BucketVersioningVersioningConfiguration(status="Enabled"),
-        )
-        S3BucketServerSideEncryptionConfigurationA(
-            self,
-            "weights_sse",
-            bucket=b.id,
-            region=r,
-            rule=[
-                S3BucketServerSideEncryptionConfigurationRuleA(
-                    apply_server_side_encryption_by_default=(
-                        S3BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultA(
-                            sse_algorithm="AES256"
-                        )
-                    )
-                )
-            ],
-        )
-        S3BucketPolicy(
-            self,
-            "weights_tls_only",
-            bucket=b.id,
-            region=r,
-            policy=policy_json(
-                [
-                    {
-                        "Sid": "DenyInsecureTransport",
-                        "Effect": "Deny",
-                        "Principal": "*",
-                        "Action": "s3:*",
-                        "Resource": [bucket_arn(name), f"{bucket_arn(name)}/*"],
-                        "Condition": {"Bool": {"aws:SecureTransport": "false"}},
-                    }
-                ]
+            layout.tf_id("lt", name),
+            name=name,
+            region=self.location,
+            instance_type=instance_type,
+            image_id=image_id,
+            user_data=user_data,
+            update_default_version=True,
+            iam_instance_profile=LaunchTemplateIamInstanceProfile(arn=profile.arn),
+            vpc_security_group_ids=[sg.id],
+            # IMDSv2 only; instance tags in the metadata are how a node learns its model.
+            metadata_options=LaunchTemplateMetadataOptions(
+                http_endpoint="enabled",
+                http_tokens="required",
+                http_put_response_hop_limit=1,
+                instance_metadata_tags="enabled",
             ),
-        )
-        rules = [rep for rep in layout.replications(self.plan) if rep.source.name == self.rs.region.name]
-        if rules:
-            self._replication(b, rules)
-        return name
-
-    def _replication(self, bucket: S3Bucket, rules: list[Replication]) -> None:
-        """Copy each replicated model's prefix to the other buckets of its residency cluster."""
-        r, source = self.location, layout.bucket_name(self.plan, self.rs.region)
-        keys = sorted({rep.key for rep in rules})
-        role = IamRole(
-            self,
-            "replication_role",
-            name=layout.resource_name(self.plan, "replication", r),
-            assume_role_policy=assume_role_policy("s3.amazonaws.com"),
-        )
-        destinations = sorted({(rep.key, layout.bucket_name(self.plan, rep.destination)) for rep in rules})
-        IamRolePolicy(
-            self,
-            "replication_policy",
-            role=role.id,
-            name="replicate-weights",
-            policy=policy_json(
-                [
-                    {
-                        "Effect": "Allow",
-                        "Action": ["s3:GetReplicationConfiguration", "s3:ListBucket"],
-                        "Resource": [bucket_arn(source)],
-                    },
-                    {
-                        "Effect": "Allow",
-                        "Action": [
-                            "s3:GetObjectVersionAcl",
-                            "s3:GetObjectVersionForReplication",
-                            "s3:GetObjectVersionTagging",
-                        ],
-                        "Resource": [f"{bucket_arn(source)}/{k}/*" for k in keys],
-                    },
-                    {
-                        "Effect": "Allow",
-                        "Action": ["s3:ReplicateDelete", "s3:ReplicateObject", "s3:ReplicateTags"],
-                        "Resource": [f"{bucket_arn(dest)}/{k}/*" for k, dest in destinations],
-                    },
-                ]
-            ),
-        )
-        S3BucketReplicationConfigurationA(
-            self,
-            "weights_replication",
-            bucket=bucket.id,
-            role=role.arn,
-            region=r,
-            depends_on=[self.versioning],
-            rule=[
-                S3BucketReplicationConfigurationRule(
-                    id=layout.fit(f"{layout.slug(rep.model)}-to-{rep.destination.location}", 255),
-                    priority=i,
-                    status="Enabled",
-                    filter=S3BucketReplicationConfigurationRuleFilter(prefix=f"{rep.key}/"),
-                    delete_marker_replication=S3BucketReplicationConfigurationRuleDeleteMarkerReplication(
-                        status="Enabled"
-                    ),
-                    destination=S3BucketReplicationConfigurationRuleDestination(
-                        bucket=bucket_arn(layout.bucket_name(self.plan, rep.destination)),
-                        storage_class="STANDARD",
+            block_device_mappings=[
+                LaunchTemplateBlockDeviceMappings(
+                    device_name=ROOT_DEVICE,
+                    ebs=LaunchTemplateBlockDeviceMappingsEbs(
+                        volume_size=root_gb.number_value,
+                        volume_type="gp3",
+                        encrypted="true",
+                        delete_on_termination="true",
                     ),
                 )
-                for i, rep in enumerate(rules)
             ],
-        )
-
-    def _node_role(self, bucket: str) -> IamInstanceProfile:
-        """The nodes' role: read this region's bucket (the prefixes of the models placed here) and the
-        cluster token; nothing else, and no resource wildcards."""
-        r = self.location
-        keys = sorted({layout.weights_key(self.plan.deployment(g.model)) for g in self.rs.groups})
-        account = DataAwsCallerIdentity(self, "current").account_id
-        parameter = layout.cluster_token_name(self.plan, "aws").lstrip("/")
-        role = IamRole(
-            self,
-            "node_role",
-            name=layout.resource_name(self.plan, "node", r),
-            assume_role_policy=assume_role_policy("ec2.amazonaws.com"),
-        )
-        IamRolePolicy(
-            self,
-            "node_policy",
-            role=role.id,
-            name="meridian-node",
-            policy=policy_json(
-                [
-                    {
-                        "Sid": "ListModelPrefixes",
-                        "Effect": "Allow",
-                        "Action": ["s3:ListBucket"],
-                        "Resource": [bucket_arn(bucket)],
-                        "Condition": {"StringLike": {"s3:prefix": [p for k in keys for p in (k, f"{k}/*")]}},
-                    },
-                    {
-                        "Sid": "ReadModelWeights",
-                        "Effect": "Allow",
-                        "Action": ["s3:GetObject"],
-                        "Resource": [f"{bucket_arn(bucket)}/{k}/*" for k in keys],
-                    },
-                    {
-                        "Sid": "ReadClusterToken",
-                        "Effect": "Allow",
-                        "Action": ["ssm:GetParameter"],
-                        "Resource": [f"{ARN}:ssm:{r}:{account}:parameter/{parameter}"],
-                    },
-                ]
-            ),
-        )
-        return IamInstanceProfile(
-            self, "node_profile", name=layout.resource_name(self.plan, "node", r), role=role.name
+            tag_specifications=[
+                LaunchTemplateTagSpecifications(
+                    resource_type=kind,
+                    tags={INSTALLATION_TAG: self.prefix, REGION_TAG: self.rs.region.name},
+                )
+                for kind in ("instance", "volume")
+            ],
         )
 
     def _group(self, group: InfraGroup, template: LaunchTemplate) -> None:

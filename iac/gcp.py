@@ -13,7 +13,6 @@ from cdktf import (
     Fn,
     TerraformOutput,
     TerraformResourceLifecycle,
-    TerraformStack,
     TerraformVariable,
     Token,
 )
@@ -45,9 +44,10 @@ from cdktf_cdktf_provider_google.storage_bucket_iam_member import StorageBucketI
 from constructs import Construct
 
 from iac import layout
-from iac.layout import NODE_PORT, NODE_PORTS, PlanError, RegionStack
+from iac.layout import NODE_PORT, NODE_PORTS, PlanError
 from iac.node_boot import NodeBoot, startup_script
-from meridian.infra_plan import InfraGroup, InfraPlan
+from iac.region_stack import CloudRegionStack
+from meridian.infra_plan import InfraGroup
 from providers.gcp import naming as gcp_naming
 from providers.gcp.offerings import host_accelerator
 from providers.offerings import CatalogDataError
@@ -120,27 +120,33 @@ def disk_type(machine_type: str) -> str:
     return "hyperdisk-balanced" if machine_type.startswith(HYPERDISK_FAMILIES) else "pd-balanced"
 
 
-class GcpRegionStack(TerraformStack):
+def google_provider(
+    stack: Construct, project: TerraformVariable, location: str, prefix: str, region: str
+) -> GoogleProvider:
+    """The Google provider of a stack in one region, which labels everything it makes with the
+    installation and Meridian's region name."""
+    return GoogleProvider(
+        stack,
+        "google",
+        project=project.string_value,
+        region=location,
+        default_labels={
+            INSTALLATION_LABEL: prefix,
+            REGION_LABEL: gcp_naming.label_value(region),
+        },
+    )
+
+
+class GcpRegionStack(CloudRegionStack):
     """Everything one GCP region of the plan needs for its GPU node groups."""
 
-    def __init__(self, scope: Construct, plan: InfraPlan, rs: RegionStack) -> None:
-        super().__init__(scope, rs.name)
-        self.plan, self.rs = plan, rs
-        self.location = rs.region.location
-        self.prefix = layout.prefix(plan)
+    ROUTER_CIDRS_DESCRIPTION = "Addresses outside the network that reach nodes (routers, control plane)."
+
+    def _provider(self) -> None:
         self.project = TerraformVariable(
             self, "project", type="string", description="GCP project that holds this region's resources."
         )
-        GoogleProvider(
-            self,
-            "google",
-            project=self.project.string_value,
-            region=self.location,
-            default_labels={
-                INSTALLATION_LABEL: self.prefix,
-                REGION_LABEL: gcp_naming.label_value(rs.region.name),
-            },
-        )
+        google_provider(self, self.project, self.location, self.prefix, self.rs.region.name)
         self.subnet_cidr = TerraformVariable(
             self,
             "subnet_cidr",
@@ -148,16 +154,6 @@ class GcpRegionStack(TerraformStack):
             default="10.0.0.0/20",
             description="The nodes' subnetwork in this region.",
         )
-        self.router_cidrs = TerraformVariable(
-            self,
-            "router_cidrs",
-            type="list(string)",
-            default=[],
-            description="Addresses outside the network that reach nodes (routers, control plane).",
-        )
-        self._network()
-        if rs.groups:
-            self._nodes()
 
     def _network(self) -> None:
         r = self.location
@@ -246,65 +242,73 @@ class GcpRegionStack(TerraformStack):
             role="roles/secretmanager.secretAccessor",
             member=member,
         )
-        boot = NodeBoot(
-            cloud="gcp",
-            region=self.rs.region.name,
-            location=r,
-            control_plane_url=plan.control_plane_url,
-            agent_package=plan.agent_package,
-            model_uris=tuple(layout.model_uris(plan, self.rs.region)),
-            default_uri_prefix=layout.bucket_uri(plan, self.rs.region, "models/"),
-            cluster_token_secret=token,
-        )
-        script = layout.tf_literal(startup_script(boot))
-        templates = {}
-        for instance_type, spot in layout.templates(self.rs.groups):
-            kinds = {accelerator(g) for g in self.rs.groups if g.instance_type == instance_type}
-            if len(kinds) != 1:
-                raise PlanError(
-                    f"{self.rs.region.name}: groups on {instance_type} disagree on their GPUs: {sorted(kinds)}"
-                )
-            ((kind, count),) = kinds
-            name = layout.instance_template_name(plan, instance_type, spot)
-            templates[(instance_type, spot)] = ComputeRegionInstanceTemplate(
-                self,
-                layout.tf_id("it", name),
-                name=name,
-                region=r,
-                machine_type=machine_type(instance_type),
-                disk=[
-                    ComputeRegionInstanceTemplateDisk(
-                        source_image=image.string_value,
-                        boot=True,
-                        auto_delete=True,
-                        disk_size_gb=boot_gb.number_value,
-                        disk_type=disk_type(machine_type(instance_type)),
-                    )
-                ],
-                guest_accelerator=[ComputeRegionInstanceTemplateGuestAccelerator(type=kind, count=count)],
-                # GPU VMs cannot live-migrate; Spot VMs are deleted on preemption and the MIG recreates them.
-                scheduling=ComputeRegionInstanceTemplateScheduling(
-                    on_host_maintenance="TERMINATE",
-                    automatic_restart=not spot,
-                    preemptible=spot,
-                    provisioning_model="SPOT" if spot else "STANDARD",
-                    instance_termination_action="DELETE" if spot else None,
-                ),
-                network_interface=[ComputeRegionInstanceTemplateNetworkInterface(subnetwork=self.subnet.id)],
-                service_account=ComputeRegionInstanceTemplateServiceAccount(
-                    email=account.email, scopes=NODE_SCOPES
-                ),
-                metadata={
-                    "startup-script": script,
-                    "install-nvidia-driver": "True",
-                    "enable-oslogin": "TRUE",
-                },
-                labels={gcp_naming.LABEL_ROLE: gcp_naming.ROLE_NODE},
+        script = layout.tf_literal(startup_script(NodeBoot.of(plan, self.rs.region, "gcp")))
+        templates = {
+            (instance_type, spot): self._instance_template(
+                instance_type, spot, image=image, boot_gb=boot_gb, account=account, script=script
             )
+            for instance_type, spot in layout.templates(self.rs.groups)
+        }
         for group in self.rs.groups:
             self._group(group, templates[(group.instance_type, group.spot)])
         TerraformOutput(self, "weights_bucket", value=bucket.name)
         TerraformOutput(self, "node_service_account", value=account.email)
+
+    def _instance_template(
+        self,
+        instance_type: str,
+        spot: bool,
+        *,
+        image: TerraformVariable,
+        boot_gb: TerraformVariable,
+        account: ServiceAccount,
+        script: str,
+    ) -> ComputeRegionInstanceTemplate:
+        """The instance template of the groups on one machine type and provisioning model; the groups
+        on a machine type must agree on its GPUs."""
+        r, plan = self.location, self.plan
+        kinds = {accelerator(g) for g in self.rs.groups if g.instance_type == instance_type}
+        if len(kinds) != 1:
+            raise PlanError(
+                f"{self.rs.region.name}: groups on {instance_type} disagree on their GPUs: {sorted(kinds)}"
+            )
+        ((kind, count),) = kinds
+        name = layout.instance_template_name(plan, instance_type, spot)
+        return ComputeRegionInstanceTemplate(
+            self,
+            layout.tf_id("it", name),
+            name=name,
+            region=r,
+            machine_type=machine_type(instance_type),
+            disk=[
+                ComputeRegionInstanceTemplateDisk(
+                    source_image=image.string_value,
+                    boot=True,
+                    auto_delete=True,
+                    disk_size_gb=boot_gb.number_value,
+                    disk_type=disk_type(machine_type(instance_type)),
+                )
+            ],
+            guest_accelerator=[ComputeRegionInstanceTemplateGuestAccelerator(type=kind, count=count)],
+            # GPU VMs cannot live-migrate; Spot VMs are deleted on preemption and the MIG recreates them.
+            scheduling=ComputeRegionInstanceTemplateScheduling(
+                on_host_maintenance="TERMINATE",
+                automatic_restart=not spot,
+                preemptible=spot,
+                provisioning_model="SPOT" if spot else "STANDARD",
+                instance_termination_action="DELETE" if spot else None,
+            ),
+            network_interface=[ComputeRegionInstanceTemplateNetworkInterface(subnetwork=self.subnet.id)],
+            service_account=ComputeRegionInstanceTemplateServiceAccount(
+                email=account.email, scopes=NODE_SCOPES
+            ),
+            metadata={
+                "startup-script": script,
+                "install-nvidia-driver": "True",
+                "enable-oslogin": "TRUE",
+            },
+            labels={gcp_naming.LABEL_ROLE: gcp_naming.ROLE_NODE},
+        )
 
     def _group(self, group: InfraGroup, template: ComputeRegionInstanceTemplate) -> None:
         """The group's regional MIG at the plan's size, spread over the region's zones, model in its

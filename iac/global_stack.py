@@ -15,14 +15,12 @@ from cdktf_cdktf_provider_aws.db_instance import DbInstance
 from cdktf_cdktf_provider_aws.db_subnet_group import DbSubnetGroup
 from cdktf_cdktf_provider_aws.elasticache_replication_group import ElasticacheReplicationGroup
 from cdktf_cdktf_provider_aws.elasticache_subnet_group import ElasticacheSubnetGroup
-from cdktf_cdktf_provider_aws.provider import AwsProvider, AwsProviderDefaultTags
 from cdktf_cdktf_provider_aws.route53_record import Route53Record
 from cdktf_cdktf_provider_aws.security_group import SecurityGroup, SecurityGroupIngress
 from cdktf_cdktf_provider_google.compute_global_address import ComputeGlobalAddress
 from cdktf_cdktf_provider_google.data_google_compute_network import DataGoogleComputeNetwork
 from cdktf_cdktf_provider_google.data_google_dns_managed_zone import DataGoogleDnsManagedZone
 from cdktf_cdktf_provider_google.dns_record_set import DnsRecordSet
-from cdktf_cdktf_provider_google.provider import GoogleProvider
 from cdktf_cdktf_provider_google.redis_instance import RedisInstance
 from cdktf_cdktf_provider_google.service_networking_connection import ServiceNetworkingConnection
 from cdktf_cdktf_provider_google.sql_database import SqlDatabase
@@ -35,8 +33,8 @@ from cdktf_cdktf_provider_google.sql_database_instance import (
 from constructs import Construct
 
 from iac import layout
-from iac.aws import INSTALLATION_TAG, REGION_TAG, TIER_TAG
-from iac.gcp import INSTALLATION_LABEL, REGION_LABEL
+from iac.aws import INSTALLATION_TAG, TIER_TAG, aws_provider
+from iac.gcp import google_provider
 from meridian.infra_plan import InfraPlan
 from providers.gcp import naming as gcp_naming
 
@@ -65,21 +63,8 @@ class GlobalStack(TerraformStack):
     # --- AWS: RDS for PostgreSQL, ElastiCache for Redis, Route 53 ---------------------------
 
     def _aws(self) -> None:
-        r, plan = self.region.location, self.plan
-        AwsProvider(
-            self,
-            "aws",
-            region=r,
-            default_tags=[
-                AwsProviderDefaultTags(
-                    tags={
-                        INSTALLATION_TAG: self.prefix,
-                        REGION_TAG: self.region.name,
-                        "managed-by": "meridian-iac",
-                    }
-                )
-            ],
-        )
+        plan = self.plan
+        aws_provider(self, self.region.location, self.prefix, self.region.name)
         db_class = TerraformVariable(
             self,
             "db_instance_class",
@@ -102,6 +87,30 @@ class GlobalStack(TerraformStack):
             description="Addresses outside the VPC (control planes, routers) that may reach Postgres "
             "and Redis.",
         )
+        vpc, subnets = self._aws_network()
+        sources = Token.as_list(Fn.concat([[vpc.cidr_block], clients.list_value]))
+        db = self._aws_postgres(db_class, vpc, subnets, sources)
+        redis = self._aws_redis(redis_type, vpc, subnets, sources)
+        if self.records:
+            zone = DataAwsRoute53Zone(self, "zone", name=plan.global_.dns_zone, private_zone=False)
+            for kind, values in self.records:
+                Route53Record(
+                    self,
+                    f"endpoint_{kind.lower()}",
+                    zone_id=zone.zone_id,
+                    name=plan.global_.endpoint_domain,
+                    type=kind,
+                    ttl=DNS_TTL_S,
+                    records=values,
+                )
+        TerraformOutput(self, "postgres_endpoint", value=db.endpoint)
+        TerraformOutput(self, "postgres_password_secret", value=db.master_user_secret.get(0).secret_arn)
+        TerraformOutput(self, "redis_endpoint", value=redis.primary_endpoint_address)
+        TerraformOutput(self, "endpoint", value=plan.global_.endpoint_domain)
+
+    def _aws_network(self) -> tuple[DataAwsVpc, DataAwsSubnets]:
+        """The global region's VPC and its private subnets, found by the region stack's name and tags."""
+        r, plan = self.region.location, self.plan
         vpc = DataAwsVpc(
             self,
             "vpc",
@@ -120,22 +129,25 @@ class GlobalStack(TerraformStack):
                 DataAwsSubnetsFilter(name=f"tag:{TIER_TAG}", values=["private"]),
             ],
         )
-        sources = Token.as_list(Fn.concat([[vpc.cidr_block], clients.list_value]))
+        return vpc, subnets
 
-        def firewall(tf_id: str, what: str, port: int) -> SecurityGroup:
-            return SecurityGroup(
-                self,
-                tf_id,
-                name=layout.resource_name(plan, what),
-                vpc_id=vpc.id,
-                region=r,
-                description=f"Meridian {what}: port {port} from the VPC and control planes only",
-                ingress=[
-                    SecurityGroupIngress(from_port=port, to_port=port, protocol="tcp", cidr_blocks=sources)
-                ],
-            )
+    def _aws_firewall(self, tf_id: str, what: str, port: int, vpc: DataAwsVpc, sources: list[str]) -> SecurityGroup:
+        return SecurityGroup(
+            self,
+            tf_id,
+            name=layout.resource_name(self.plan, what),
+            vpc_id=vpc.id,
+            region=self.region.location,
+            description=f"Meridian {what}: port {port} from the VPC and control planes only",
+            ingress=[SecurityGroupIngress(from_port=port, to_port=port, protocol="tcp", cidr_blocks=sources)],
+        )
 
-        db_sg = firewall("postgres_sg", "postgres", POSTGRES_PORT)
+    def _aws_postgres(
+        self, db_class: TerraformVariable, vpc: DataAwsVpc, subnets: DataAwsSubnets, sources: list[str]
+    ) -> DbInstance:
+        """RDS for PostgreSQL: multi-AZ, encrypted, private, its password kept by RDS."""
+        r, plan = self.region.location, self.plan
+        db_sg = self._aws_firewall("postgres_sg", "postgres", POSTGRES_PORT, vpc, sources)
         db_subnets = DbSubnetGroup(
             self,
             "postgres_subnets",
@@ -143,7 +155,7 @@ class GlobalStack(TerraformStack):
             subnet_ids=subnets.ids,
             region=r,
         )
-        db = DbInstance(
+        return DbInstance(
             self,
             "postgres",
             identifier=layout.resource_name(plan, "control-plane", limit=63),
@@ -170,11 +182,17 @@ class GlobalStack(TerraformStack):
             final_snapshot_identifier=layout.resource_name(plan, "control-plane-final"),
             auto_minor_version_upgrade=True,
         )
-        redis_sg = firewall("redis_sg", "redis", REDIS_PORT)
+
+    def _aws_redis(
+        self, redis_type: TerraformVariable, vpc: DataAwsVpc, subnets: DataAwsSubnets, sources: list[str]
+    ) -> ElasticacheReplicationGroup:
+        """ElastiCache for Redis: a primary and a replica in two zones, encrypted at rest and in transit."""
+        r, plan = self.region.location, self.plan
+        redis_sg = self._aws_firewall("redis_sg", "redis", REDIS_PORT, vpc, sources)
         redis_subnets = ElasticacheSubnetGroup(
             self, "redis_subnets", name=layout.resource_name(plan, "redis"), subnet_ids=subnets.ids, region=r
         )
-        redis = ElasticacheReplicationGroup(
+        return ElasticacheReplicationGroup(
             self,
             "redis",
             replication_group_id=layout.resource_name(plan, "router", limit=REDIS_ID_MAX),
@@ -194,22 +212,6 @@ class GlobalStack(TerraformStack):
             transit_encryption_mode="required",
             snapshot_retention_limit=1,
         )
-        if self.records:
-            zone = DataAwsRoute53Zone(self, "zone", name=plan.global_.dns_zone, private_zone=False)
-            for kind, values in self.records:
-                Route53Record(
-                    self,
-                    f"endpoint_{kind.lower()}",
-                    zone_id=zone.zone_id,
-                    name=plan.global_.endpoint_domain,
-                    type=kind,
-                    ttl=DNS_TTL_S,
-                    records=values,
-                )
-        TerraformOutput(self, "postgres_endpoint", value=db.endpoint)
-        TerraformOutput(self, "postgres_password_secret", value=db.master_user_secret.get(0).secret_arn)
-        TerraformOutput(self, "redis_endpoint", value=redis.primary_endpoint_address)
-        TerraformOutput(self, "endpoint", value=plan.global_.endpoint_domain)
 
     # --- GCP: Cloud SQL for PostgreSQL, Memorystore for Redis, Cloud DNS -------------------
 
@@ -221,16 +223,7 @@ class GlobalStack(TerraformStack):
             type="string",
             description="GCP project of the control plane's state (the global region's).",
         )
-        GoogleProvider(
-            self,
-            "google",
-            project=project.string_value,
-            region=r,
-            default_labels={
-                INSTALLATION_LABEL: self.prefix,
-                REGION_LABEL: gcp_naming.label_value(self.region.name),
-            },
-        )
+        google_provider(self, project, r, self.prefix, self.region.name)
         tier = TerraformVariable(
             self,
             "db_tier",
@@ -255,46 +248,8 @@ class GlobalStack(TerraformStack):
         network = DataGoogleComputeNetwork(
             self, "network", name=layout.resource_name(plan, "nodes", r, limit=gcp_naming.NAME_MAX)
         )
-        # Private services access: Cloud SQL and Memorystore get addresses inside the network, none public.
-        peering = ComputeGlobalAddress(
-            self,
-            "private_services_range",
-            name=layout.resource_name(plan, "private-services", limit=gcp_naming.NAME_MAX),
-            purpose="VPC_PEERING",
-            address_type="INTERNAL",
-            prefix_length=16,
-            network=network.id,
-        )
-        connection = ServiceNetworkingConnection(
-            self,
-            "private_services",
-            network=network.id,
-            service="servicenetworking.googleapis.com",
-            reserved_peering_ranges=[peering.name],
-        )
-        db = SqlDatabaseInstance(
-            self,
-            "postgres",
-            name=layout.resource_name(plan, "control-plane", limit=gcp_naming.NAME_MAX),
-            region=r,
-            database_version="POSTGRES_16",
-            deletion_protection=True,
-            depends_on=[connection],
-            # Cloud SQL always encrypts storage (Google-managed keys unless encryption_key_name is set).
-            settings=SqlDatabaseInstanceSettings(
-                tier=tier.string_value,
-                availability_type="REGIONAL",
-                disk_type="PD_SSD",
-                disk_autoresize=True,
-                deletion_protection_enabled=True,
-                ip_configuration=SqlDatabaseInstanceSettingsIpConfiguration(
-                    ipv4_enabled=False, private_network=network.id, ssl_mode="ENCRYPTED_ONLY"
-                ),
-                backup_configuration=SqlDatabaseInstanceSettingsBackupConfiguration(
-                    enabled=True, point_in_time_recovery_enabled=True
-                ),
-            ),
-        )
+        connection = self._gcp_private_services(network)
+        db = self._gcp_postgres(tier, network, connection)
         SqlDatabase(self, "database", name=DATABASE, instance=db.name)
         redis = RedisInstance(
             self,
@@ -326,3 +281,50 @@ class GlobalStack(TerraformStack):
         TerraformOutput(self, "postgres_private_ip", value=db.private_ip_address)
         TerraformOutput(self, "redis_host", value=redis.host)
         TerraformOutput(self, "endpoint", value=plan.global_.endpoint_domain)
+
+    def _gcp_private_services(self, network: DataGoogleComputeNetwork) -> ServiceNetworkingConnection:
+        """Private services access: Cloud SQL and Memorystore get addresses inside the network, none public."""
+        peering = ComputeGlobalAddress(
+            self,
+            "private_services_range",
+            name=layout.resource_name(self.plan, "private-services", limit=gcp_naming.NAME_MAX),
+            purpose="VPC_PEERING",
+            address_type="INTERNAL",
+            prefix_length=16,
+            network=network.id,
+        )
+        return ServiceNetworkingConnection(
+            self,
+            "private_services",
+            network=network.id,
+            service="servicenetworking.googleapis.com",
+            reserved_peering_ranges=[peering.name],
+        )
+
+    def _gcp_postgres(
+        self, tier: TerraformVariable, network: DataGoogleComputeNetwork, connection: ServiceNetworkingConnection
+    ) -> SqlDatabaseInstance:
+        """Cloud SQL for PostgreSQL: regional, private address only, TLS only, point-in-time recovery."""
+        return SqlDatabaseInstance(
+            self,
+            "postgres",
+            name=layout.resource_name(self.plan, "control-plane", limit=gcp_naming.NAME_MAX),
+            region=self.region.location,
+            database_version="POSTGRES_16",
+            deletion_protection=True,
+            depends_on=[connection],
+            # Cloud SQL always encrypts storage (Google-managed keys unless encryption_key_name is set).
+            settings=SqlDatabaseInstanceSettings(
+                tier=tier.string_value,
+                availability_type="REGIONAL",
+                disk_type="PD_SSD",
+                disk_autoresize=True,
+                deletion_protection_enabled=True,
+                ip_configuration=SqlDatabaseInstanceSettingsIpConfiguration(
+                    ipv4_enabled=False, private_network=network.id, ssl_mode="ENCRYPTED_ONLY"
+                ),
+                backup_configuration=SqlDatabaseInstanceSettingsBackupConfiguration(
+                    enabled=True, point_in_time_recovery_enabled=True
+                ),
+            ),
+        )

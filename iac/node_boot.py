@@ -19,7 +19,9 @@ from typing import Literal
 
 import yaml
 
+from iac import layout
 from iac.layout import KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT, NODE_PORT
+from meridian.infra_plan import InfraPlan, InfraRegion
 from providers.aws import naming as aws_naming
 from providers.gcp import naming as gcp_naming
 
@@ -82,6 +84,21 @@ class NodeBoot:
     model_uris: tuple[tuple[str, str], ...]  # (model, weights URI) of the models placed in the region
     default_uri_prefix: str  # "s3://<bucket>/models/": a listed model's URI is elsewhere
     cluster_token_secret: str  # SSM parameter name (AWS) or Secret Manager secret id (GCP)
+
+    @classmethod
+    def of(cls, plan: InfraPlan, region: InfraRegion, cloud: Literal["aws", "gcp"]) -> NodeBoot:
+        """The boot of the plan's nodes in a cloud region: the region's models in its weights
+        bucket, the cloud's cluster-token secret."""
+        return cls(
+            cloud=cloud,
+            region=region.name,
+            location=region.location,
+            control_plane_url=plan.control_plane_url,
+            agent_package=plan.agent_package,
+            model_uris=tuple(layout.model_uris(plan, region)),
+            default_uri_prefix=layout.bucket_uri(plan, region, "models/"),
+            cluster_token_secret=layout.cluster_token_name(plan, cloud),
+        )
 
     def env(self) -> dict[str, str]:
         env = node_env(self.region, self.control_plane_url)

@@ -124,15 +124,9 @@ class OnPremStack(TerraformStack):
             return [_env("MERIDIAN_NODE_MODEL_URI", uri)]
         return [_env("MERIDIAN_NODE_MODEL_DIR", f"{HOST_MODELS_DIR}/{layout.slug(group.model)}")]
 
-    def _daemon_set(self, group: InfraGroup) -> None:
-        name = layout.dns_label(layout.prefix(self.plan), group.model, group.instance_type)
-        labels = {
-            APP_LABEL: APP,
-            NODE_GROUP_LABEL: group_label(group),
-            REGION_LABEL: layout.dns_label(self.rs.region.name),
-        }
-        selector = {APP_LABEL: APP, NODE_GROUP_LABEL: group_label(group)}
-        env = [
+    def _container_env(self, group: InfraGroup) -> list[DaemonSetV1SpecTemplateSpecContainerEnv]:
+        """The node's settings, its identity from the pod (host name and address), its cluster token."""
+        return [
             *(
                 _env(k, v)
                 for k, v in sorted(node_env(self.rs.region.name, self.plan.control_plane_url).items())
@@ -152,14 +146,17 @@ class OnPremStack(TerraformStack):
                 ),
             ),
         ]
+
+    def _container(self, group: InfraGroup) -> DaemonSetV1SpecTemplateSpecContainer:
+        """The node agent, installed into the image at start, on the host's GPUs and ports."""
         package = shlex.quote(self.plan.agent_package)
         install = f"pip install --no-cache-dir --timeout 60 {package} && exec meridian node run"
-        container = DaemonSetV1SpecTemplateSpecContainer(
+        return DaemonSetV1SpecTemplateSpecContainer(
             name="node",
             image=self.image.string_value,
             command=["/bin/sh", "-c"],
             args=[layout.tf_literal(install)],
-            env=env,
+            env=self._container_env(group),
             port=[
                 DaemonSetV1SpecTemplateSpecContainerPort(
                     name=n, container_port=p, host_port=p, protocol="TCP"
@@ -186,6 +183,15 @@ class OnPremStack(TerraformStack):
                 )
             ],
         )
+
+    def _daemon_set(self, group: InfraGroup) -> None:
+        name = layout.dns_label(layout.prefix(self.plan), group.model, group.instance_type)
+        labels = {
+            APP_LABEL: APP,
+            NODE_GROUP_LABEL: group_label(group),
+            REGION_LABEL: layout.dns_label(self.rs.region.name),
+        }
+        selector = {APP_LABEL: APP, NODE_GROUP_LABEL: group_label(group)}
         DaemonSetV1(
             self,
             layout.tf_id("ds", name),
@@ -208,7 +214,7 @@ class OnPremStack(TerraformStack):
                         host_network=True,
                         dns_policy="ClusterFirstWithHostNet",
                         termination_grace_period_seconds=TERMINATION_GRACE_S,
-                        container=[container],
+                        container=[self._container(group)],
                         # Weight cache (and staged checkpoints) survive pod restarts on the host.
                         volume=[
                             DaemonSetV1SpecTemplateSpecVolume(

@@ -10,7 +10,6 @@ from dataclasses import replace
 
 from chaos.drill import Fault, Load
 from chaos.environment import DrillEnvironment, InjectionError
-from chaos.faults.injector import register
 from chaos.history import History
 from chaos.load import LoadGenerator, burst_schedule
 from localfabric import FabricSpec, LocalDeployment
@@ -18,7 +17,6 @@ from localfabric import FabricSpec, LocalDeployment
 _DEFAULT_QUEUE_DEADLINE_S = 30.0
 
 
-@register("scale_from_zero_burst")
 class ScaleFromZeroBurst:
     """`burst_requests` requests for the target model at once, from the drill's tenants."""
 

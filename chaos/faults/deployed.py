@@ -1,7 +1,7 @@
 """Injectors that act on a deployment rather than a local fabric: the operator's commands
 from the deployment file, or an instance terminated through its provider's API.
 
-They see the deployment through a DeployedEnvironment (chaos.deployed): the nodes the
+They see the deployment through a DeployedEnvironment (chaos.deployed_environment): the nodes the
 control plane lists, the routers' metrics, the run's clock and event log.
 """
 
@@ -12,9 +12,9 @@ import logging
 import shlex
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from chaos.admin_writes import AdminWrites
+from chaos.deployed_environment import DeployedEnvironment, DeployedNode
 from chaos.deployment import NODE_FIELDS, CommandAction, FaultAction, TerminateInstanceAction, template_fields
 from chaos.drill import Fault
 from chaos.environment import InjectionError
@@ -26,9 +26,6 @@ from meridian.settings import ProviderSettings
 from providers.driver import FailsInstances
 from providers.errors import ProviderError
 from providers.provider import PROVIDERS, ProviderConfig
-
-if TYPE_CHECKING:
-    from chaos.deployed import DeployedEnvironment, DeployedNode
 
 log = logging.getLogger(__name__)
 

@@ -1,20 +1,35 @@
-"""The Injector protocol and the registry of injectors by fault kind."""
+"""The Injector protocol and the registry of injectors by fault kind.
+
+`INJECTORS` is a `meridian.registry.Registry` of injector factories (in practice classes)
+by fault kind. The built-ins are `"module:Class"` strings, imported the first time their
+kind is looked up, so that this module imports none of the fault modules: they import the
+environment they act on, which the schedule that drives them also imports, and an import
+of them from here would close a cycle. Anything may register an injector for a new kind
+(or replace a built-in) with `INJECTORS.register(kind, factory)` before a run.
+
+An injector class may carry two optional static hooks (`PreparesFabric`): `prepare` adjusts
+the FabricSpec before the fabric starts, and `unavailable` says why this machine cannot
+inject its fault.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from chaos.drill import Fault, FaultKind
+from chaos.drill import Fault
+from chaos.environment import DrillEnvironment
 from chaos.history import History
 from localfabric import FabricSpec
-
-if TYPE_CHECKING:
-    from chaos.environment import DrillEnvironment
+from meridian.registry import Registry, UnknownName
 
 
 class NotRunnable(ValueError):
     """The drill's fault has no injector for this environment (the message says why)."""
+
+
+class NoInjector(UnknownName, NotRunnable):
+    """No injector is registered for the fault's kind (the message lists those that are)."""
 
 
 class Injector(Protocol):
@@ -31,7 +46,7 @@ class Injector(Protocol):
     async def observe(self, history: History) -> Mapping[str, bool]: ...
 
 
-InjectorFactory = Callable[[Fault, "DrillEnvironment"], Injector]
+InjectorFactory = Callable[[Fault, DrillEnvironment], Injector]
 
 
 class PreparesFabric(Protocol):
@@ -45,52 +60,59 @@ class PreparesFabric(Protocol):
     @staticmethod
     def unavailable() -> str | None: ...
 
-_REGISTRY: dict[str, InjectorFactory] = {}
+
+_NODE_LINK = "chaos.faults.network:NodeLinkFault"
+_NODE_CRASH = "chaos.faults.process:NodeCrash"
+
+INJECTORS: Registry[InjectorFactory] = Registry("fault injector", builtins={
+    "clock_skew": "chaos.faults.process:ClockSkew",
+    "control_plane_outage": "chaos.faults.process:ControlPlaneOutage",
+    "corrupt_weight_chunk": "chaos.faults.weights:CorruptWeightChunk",
+    "disk_full_during_fetch": "chaos.faults.weights:DiskFullDuringFetch",
+    "packet_loss": "chaos.faults.packet_loss:PacketLoss",
+    "postgres_restart": "chaos.faults.network:PostgresRestart",
+    "process_crash": _NODE_CRASH,
+    "process_hang": "chaos.faults.process:NodeHang",
+    "provider_outage": _NODE_CRASH,
+    "proxy_bandwidth": _NODE_LINK,
+    "proxy_blackhole": _NODE_LINK,
+    "proxy_latency": _NODE_LINK,
+    "proxy_reset": _NODE_LINK,
+    "proxy_slow_close": _NODE_LINK,
+    "redis_outage": "chaos.faults.network:RedisOutage",
+    "region_outage": _NODE_CRASH,
+    "scale_from_zero_burst": "chaos.faults.burst:ScaleFromZeroBurst",
+    "spot_preemption": "chaos.faults.process:SpotPreemption",
+})
 
 
-def register(*kinds: FaultKind) -> Callable[[InjectorFactory], InjectorFactory]:
-    """Class decorator: the injector for these fault kinds."""
-
-    def add(factory: InjectorFactory) -> InjectorFactory:
-        for kind in kinds:
-            _REGISTRY[kind] = factory
-        return factory
-
-    return add
-
-
-def _load_builtins() -> None:
-    # Importing the modules registers their injectors.
-    from chaos.faults import burst, netns, network, process, weights  # noqa: F401
+def _registered(kind: str) -> InjectorFactory | None:
+    """The injector class of `kind`, whose optional static hooks (PreparesFabric) are read; None without one."""
+    return INJECTORS.get(kind) if kind in INJECTORS else None
 
 
 def unavailable(kind: str) -> str | None:
     """Why this machine cannot inject `kind` (its injector's own check); None when it can."""
-    _load_builtins()
-    check = getattr(_REGISTRY.get(kind), "unavailable", None)
+    check: Callable[[], str | None] | None = getattr(_registered(kind), "unavailable", None)
     return check() if check is not None else None
 
 
 def supported_kinds() -> list[str]:
     """Fault kinds the local runner can inject."""
-    _load_builtins()
-    return sorted(_REGISTRY)
+    return INJECTORS.names()
 
 
 def prepare_fabric(fault: Fault, spec: FabricSpec) -> None:
     """Let the fault's injector adjust the fabric it will run against (before it starts)."""
-    _load_builtins()
-    prepare = getattr(_REGISTRY.get(fault.kind), "prepare", None)
+    prepare: Callable[[Fault, FabricSpec], None] | None = getattr(_registered(fault.kind), "prepare", None)
     if prepare is not None:
         prepare(fault, spec)
 
 
 def create_injector(fault: Fault, env: DrillEnvironment) -> Injector:
-    """The injector for `fault`; NotRunnable when there is none yet."""
-    _load_builtins()
-    factory = _REGISTRY.get(fault.kind)
-    if factory is None:
-        raise NotRunnable(
-            f"no local injector for {fault.kind!r} yet (runnable kinds: {', '.join(sorted(_REGISTRY))})"
-        )
+    """The injector for `fault`; NoInjector (a NotRunnable) when there is none."""
+    try:
+        factory = INJECTORS.get(fault.kind)
+    except UnknownName as exc:
+        raise NoInjector(exc.kind, exc.name, exc.known) from None
     return factory(fault, env)

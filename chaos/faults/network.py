@@ -9,13 +9,11 @@ from chaos.admin_api import AdminApi
 from chaos.admin_writes import AdminWrites
 from chaos.drill import Fault
 from chaos.environment import DrillEnvironment, InjectionError
-from chaos.faults.injector import register
 from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import History
 from localfabric import Proc
 
 
-@register("proxy_latency", "proxy_bandwidth", "proxy_reset", "proxy_blackhole", "proxy_slow_close")
 class NodeLinkFault:
     """A proxy fault on the links to the target's nodes (one node, a region: a partition)."""
 
@@ -45,7 +43,6 @@ class NodeLinkFault:
         return {"region_ejected": ejected, "outlier_ejected": ejected}
 
 
-@register("redis_outage")
 class RedisOutage:
     """Redis unreachable for the routers: every connection reset, new ones refused by reset."""
 
@@ -73,7 +70,6 @@ class RedisOutage:
         return {"kv_routing_degraded_gracefully": self._hits_at_end > self._hits_at_start}
 
 
-@register("postgres_restart")
 class PostgresRestart:
     """The control plane's Postgres goes away for `down_s` (every connection cut, new ones
     reset, as clients see a restart) while an operator keeps writing through the admin API."""

@@ -13,7 +13,6 @@ import httpx
 
 from chaos.drill import Fault
 from chaos.environment import COLD_START_NICENESS, DrillEnvironment, InjectionError
-from chaos.faults.injector import register
 from chaos.history import History, Outcome
 from chaos.observe import answers, metric_samples
 from localfabric import FabricSpec, Proc, renice
@@ -24,7 +23,6 @@ _BUSY_WAIT_S = 5.0
 _BUSY_POLL_S = 0.02
 
 
-@register("process_crash", "region_outage", "provider_outage")
 class NodeCrash:
     """SIGKILL the target's nodes (one, a region's, a provider's); restart them at the end."""
 
@@ -63,7 +61,6 @@ class NodeCrash:
         return {}
 
 
-@register("process_hang")
 class NodeHang:
     """SIGSTOP the target's nodes: they keep their sockets open and answer nothing (a gray
     failure no connect error reveals); SIGCONT at the end."""
@@ -88,7 +85,6 @@ class NodeHang:
         return {"outlier_ejected": await self._env.routers.all_ejected_since(self._ejections_before)}
 
 
-@register("spot_preemption")
 class SpotPreemption:
     """SIGTERM a node as a spot reclaim notice does; it must drain within the deadline.
 
@@ -143,7 +139,6 @@ class SpotPreemption:
         }
 
 
-@register("control_plane_outage")
 class ControlPlaneOutage:
     """SIGKILL the control plane for the fault's window, then start it again on the same
     port and database: routers and nodes must serve on from their last routing table."""
@@ -176,7 +171,6 @@ class ControlPlaneOutage:
 _WATCH_INTERVAL_S = 0.5
 
 
-@register("clock_skew")
 class ClockSkew:
     """Restart one control-plane replica with its wall clock `offset_s` off (libfaketime
     preloaded; monotonic time stays real, as an NTP-skewed host's does), and watch that the

@@ -21,7 +21,6 @@ import httpx
 
 from chaos.drill import Fault
 from chaos.environment import COLD_START_NICENESS, DrillEnvironment, InjectionError
-from chaos.faults.injector import register
 from chaos.history import History, Served
 from localfabric import Proc, renice
 
@@ -147,7 +146,6 @@ def _weights_file(origin: Path) -> tuple[dict[str, object], Path]:
     return entry, origin / str(entry["path"])
 
 
-@register("corrupt_weight_chunk")
 class CorruptWeightChunk:
     """Flip bytes in one chunk of the model's weights at the origin, then start a node with
     an empty cache and no peers to fetch from: it must fetch from the corrupted origin."""
@@ -194,7 +192,6 @@ class CorruptWeightChunk:
                 "cache_consistent": consistent}
 
 
-@register("disk_full_during_fetch")
 class DiskFullDuringFetch:
     """The new node's cache lives on a small tmpfs that a filler file leaves `free_bytes` of;
     healing deletes the filler (space freed) and the node is started again."""

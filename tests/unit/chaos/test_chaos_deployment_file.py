@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from chaos.deployed import DeployedNode, _own_lines, runnable_on
+from chaos.deployed import _own_lines, runnable_on
+from chaos.deployed_environment import DeployedNode
 from chaos.deployment import CommandAction, DeploymentError, load_deployment
 from chaos.drill import load_drills
 from chaos.faults.deployed import _render

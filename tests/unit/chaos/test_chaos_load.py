@@ -62,6 +62,14 @@ class ScriptedRouter:
     """ASGI endpoint answering per the Bearer key; records every request it receives."""
 
     seen: list[Seen] = field(default_factory=list)
+    # Notified on every request received, so a test can wait for the load to reach the
+    # router instead of sleeping for as long as it hopes that takes.
+    arrived: threading.Condition = field(default_factory=threading.Condition)
+
+    def wait_for_requests(self, count: int, timeout_s: float = 5.0) -> bool:
+        """Block until `count` requests have been received (True), or the timeout (False)."""
+        with self.arrived:
+            return self.arrived.wait_for(lambda: len(self.seen) >= count, timeout_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
@@ -74,7 +82,9 @@ class ScriptedRouter:
         body = json.loads(raw)
         script = headers["authorization"].removeprefix("Bearer ")
         port = scope["server"][1]
-        self.seen.append(Seen(headers["x-request-id"], headers["idempotency-key"], port, script, body))
+        with self.arrived:
+            self.seen.append(Seen(headers["x-request-id"], headers["idempotency-key"], port, script, body))
+            self.arrived.notify_all()
         await _SCRIPTS[script](body["stream"], port, receive, send)
 
 
@@ -185,8 +195,18 @@ _SCRIPTS = {
 
 
 class _ThreadServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.startup_done = threading.Event()  # set once startup ended, whether or not it started
+
     def install_signal_handlers(self) -> None:  # not the main thread
         pass
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().startup(sockets)
+        finally:
+            self.startup_done.set()
 
 
 @dataclass
@@ -221,10 +241,7 @@ def _running_router() -> Iterator[Router]:
     server = _ThreadServer(uvicorn.Config(starlette, log_level="critical", lifespan="off", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": socks}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
+    assert server.startup_done.wait(10) and server.started, "uvicorn did not start"
     try:
         yield Router((_url(socks[0]), _url(socks[1])), _url(refused), app)
     finally:
@@ -437,7 +454,8 @@ async def test_stop_ends_sending_and_lets_requests_in_flight_finish(router: Rout
     gen = generator(load, writer, router.urls)
     start = time.monotonic()
     run = asyncio.create_task(gen.run(start))
-    await asyncio.sleep(0.5)
+    # Stop once the router holds six requests, each answered 0.3 s after it arrived.
+    assert await asyncio.to_thread(router.app.wait_for_requests, 6)
     in_flight = gen.stats.in_flight
     gen.stop()
     stopped_s = time.monotonic() - start
@@ -472,7 +490,8 @@ async def test_a_cancelled_run_still_ends_every_request_it_sent(router: Router, 
     load = make_load({"t-slow": "slow"}, arrivals_per_s=40, duration_s=5, streaming_fraction=0)
     gen = generator(load, writer, router.urls)
     run = asyncio.create_task(gen.run(time.monotonic()))
-    await asyncio.sleep(0.3)
+    # Cancel once the router holds a request (it never answers one: the script is slow).
+    assert await asyncio.to_thread(router.app.wait_for_requests, 1)
     run.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(run, 2)

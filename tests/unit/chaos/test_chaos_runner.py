@@ -19,6 +19,7 @@ from chaos.runner import runnable
 from chaos.suite import pick
 from cli.main import app
 from localfabric import FabricInfo, FabricSpec, LocalFabric, Proc
+from meridian.registry import UnknownName
 
 DRILLS = {d.name: d for d in load_drills()}
 
@@ -35,16 +36,29 @@ def test_a_drill_without_an_injector_or_with_an_unsupported_topology_is_not_runn
     data = crash.model_dump(by_alias=True)
     data["topology"]["control_plane_replicas"] = 2
     assert "several control-plane replicas" in (runnable(Drill.model_validate(data)) or "")
-    supported_kinds()  # registers the built-ins before one is taken away
-    monkeypatch.delitem(injector._REGISTRY, "process_crash")
+    _without_injector(monkeypatch, "process_crash")
     assert "no local injector for 'process_crash'" in (runnable(crash) or "")
 
 
 def test_create_injector_names_what_is_missing(tmp_path: Path, monkeypatch):
-    supported_kinds()
-    monkeypatch.delitem(injector._REGISTRY, "process_crash")
+    _without_injector(monkeypatch, "process_crash")
     with pytest.raises(NotRunnable, match="process_crash"):
         create_injector(DRILLS["node-crash"].fault, _env(tmp_path, []))
+    with pytest.raises(UnknownName, match="unknown fault injector 'process_crash'; known: .*process_hang"):
+        create_injector(DRILLS["node-crash"].fault, _env(tmp_path, []))
+
+
+def test_every_built_in_injector_loads_with_its_hooks():
+    for kind in supported_kinds():
+        factory = injector.INJECTORS.get(kind)
+        assert callable(factory), kind
+    assert injector.unavailable("no_such_kind") is None
+
+
+def _without_injector(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """The process-wide registry, for this test only, without `kind`'s injector."""
+    monkeypatch.setattr(injector, "INJECTORS", injector.INJECTORS.copy())
+    injector.INJECTORS.unregister(kind)
 
 
 def _proc(name: str, region: str) -> Proc:
