@@ -17,12 +17,12 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-import httpx
-
 from chaos.drill import Fault
 from chaos.environment import COLD_START_NICENESS, DrillEnvironment, InjectionError
 from chaos.history import History, Served
 from localfabric import Proc, renice
+from meridian.admin_client import AdminAPIError, AsyncAdminClient
+from meridian.contracts import NodeStatus
 
 _MANIFEST = "meridian-manifest.json"
 _WATCH_INTERVAL_S = 0.25
@@ -60,16 +60,15 @@ class _JoiningNode:
     async def _watch_ready(self) -> None:
         """Until the fault is healed: was the node ever READY in the control plane?"""
         info = self.env.info
-        headers = {"authorization": f"Bearer {info.admin_key}"}
-        async with httpx.AsyncClient(timeout=2.0, headers=headers) as http:
+        async with AsyncAdminClient(info.control_plane_url, info.admin_key, timeout_s=2.0) as admin:
             while self._faulty:
                 try:
-                    nodes = (await http.get(f"{info.control_plane_url}/v1/nodes")).json()
-                    if any(n["node_id"] == self.node_id and n["status"] == "ready" for n in nodes):
+                    nodes = await admin.nodes()
+                    if any(n.node_id == self.node_id and n.status == NodeStatus.READY for n in nodes):
                         self.ready_while_faulty = True
                         self.env.event("ready", f"{self.node_id} is READY while the fault is on")
                         return
-                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                except AdminAPIError:
                     pass
                 await asyncio.sleep(_WATCH_INTERVAL_S)
 
