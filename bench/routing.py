@@ -253,116 +253,134 @@ def _redis_url() -> str | None:
         return None
 
 
+# The runs, in the order they are measured: (name, router policy, workload).
+RUNS: tuple[tuple[str, str, Callable[..., object]], ...] = (
+    ("rr", "round-robin", chat_workload),
+    ("aff", "affinity", chat_workload),
+    ("two", "two routers", chat_workload),
+    ("aff_unique", "affinity", unique_workload),
+    ("ll_unique", "least-load", unique_workload),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FigureSpec:
+    """One reported figure: the median of `value` over run `ours` against run `base`."""
+
+    metric: str
+    ours: str
+    base: str
+    value: Callable[[RunResult, int], float]  # a run's figure, given the node count
+    base_name: str
+    goal: str
+    unit: str
+
+
+def _hit_rate(r: RunResult, nodes: int) -> float:
+    return r.hit_rate
+
+
+def _ttft_ms(r: RunResult, nodes: int) -> float:
+    return r.mean_ttft * 1000
+
+
+def _balance(r: RunResult, nodes: int) -> float:
+    return r.max_over_mean(nodes)
+
+
+FIGURES = (
+    FigureSpec("hit_rate_vs_round_robin", "aff", "rr", _hit_rate, "round robin",
+               "ratio >= 3 (prefix-cache hit rate the nodes report)", "ratio"),
+    FigureSpec("mean_ttft_vs_round_robin", "aff", "rr", _ttft_ms, "round robin", "ratio <= 0.5", "ms"),
+    FigureSpec("max_over_mean_load", "aff", "rr", _balance, "round robin",
+               "ours <= 1.3 (requests per node, max / mean)", "ratio"),
+    FigureSpec("mean_ttft_vs_least_load_no_shared_prefix", "aff_unique", "ll_unique", _ttft_ms, "least-load",
+               "ratio <= 1.1 (no worse than least-load)", "ms"),
+    FigureSpec("two_routers_hit_rate_vs_one", "two", "aff", _hit_rate, "one router",
+               "ratio >= 0.9 (two routers sharing Redis, each turn to either at random)", "ratio"),
+)
+
+
+def _fabric_spec(tmp: Path, w: Workload) -> FabricSpec:
+    """One region of `w.nodes` torch-engine nodes on the bench checkpoint, each KV cache
+    sized to `w.cache_tokens_per_node`."""
+    model_dir = make_tiny_checkpoint(tmp / MODEL, seed=0, arch=ARCH)
+    return FabricSpec(
+        work_dir=tmp / "fabric",
+        regions=(REGION,),
+        model_name=MODEL,
+        model_dir=model_dir,
+        nodes_per_region=w.nodes,
+        default_client_location=REGION,
+        node_env={
+            "MERIDIAN_NODE_MAX_MODEL_LEN": "4096",
+            "MERIDIAN_NODE_KV_CACHE_MEMORY_BYTES": str(kv_cache_bytes(ARCH, w.cache_tokens_per_node)),
+        },
+    )
+
+
+def _start_routers(fabric: LocalFabric, redis_url: str | None) -> dict[str, list[str]]:
+    """Router URLs by policy: one router each, and two affinity routers sharing Redis
+    ("two routers") when a Redis answers."""
+    routers = {
+        p: [fabric.start_router({"MERIDIAN_ROUTER_ROUTING_POLICY": p}).url]
+        for p in ("affinity", "round-robin", "least-load")
+    }
+    if redis_url is not None:
+        shared = {
+            "MERIDIAN_ROUTER_ROUTING_POLICY": "affinity",
+            "MERIDIAN_ROUTER_REDIS_URL": redis_url,
+            "MERIDIAN_ROUTER_FLEET_KEY_PREFIX": f"meridian:bench-routing:{os.getpid()}:",
+        }
+        routers["two routers"] = [fabric.start_router(shared).url for _ in range(2)]
+    return routers
+
+
+async def _measure_runs(
+    fabric: LocalFabric,
+    routers: dict[str, list[str]],
+    w: Workload,
+    repeats: int,
+    only: frozenset[str] | None,
+) -> dict[str, list[RunResult]]:
+    """Every selected run whose routers exist, `repeats` times, by run name."""
+    out: dict[str, list[RunResult]] = {}
+    salt = 0
+    for _ in range(repeats):
+        # Every run gets fresh words (a new salt), so none finds another's blocks.
+        for name, policy, runner in RUNS:
+            if policy not in routers or (only is not None and name not in only):
+                continue
+            salt += 1
+            out.setdefault(name, []).append(await measure(fabric, routers[policy], policy, w, salt, runner))
+    return out
+
+
+def _figures(runs: dict[str, list[RunResult]], nodes: int) -> list[Figure]:
+    """The figures whose two runs were both measured, medians over the repeats."""
+
+    def med(name: str, spec: FigureSpec) -> float:
+        return statistics.median(spec.value(r, nodes) for r in runs[name])
+
+    return [
+        Figure(BENCH, spec.metric, med(spec.ours, spec), med(spec.base, spec), spec.base_name, spec.goal, spec.unit)
+        for spec in FIGURES
+        if spec.ours in runs and spec.base in runs
+    ]
+
+
 def run(full: bool = False, repeats: int = 1, only: frozenset[str] | None = None) -> list[Figure]:
+    """Start the fabric and its routers, measure the runs (`only` those named), and
+    return the figures whose pairs were measured."""
     w = FULL if full else QUICK
     redis_url = _redis_url()
     if redis_url is None:
         log("no Redis answers: the two-router run is left out")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_checkpoint(Path(tmp) / MODEL, seed=0, arch=ARCH)
-        spec = FabricSpec(
-            work_dir=Path(tmp) / "fabric",
-            regions=(REGION,),
-            model_name=MODEL,
-            model_dir=model_dir,
-            nodes_per_region=w.nodes,
-            default_client_location=REGION,
-            node_env={
-                "MERIDIAN_NODE_MAX_MODEL_LEN": "4096",
-                "MERIDIAN_NODE_KV_CACHE_MEMORY_BYTES": str(kv_cache_bytes(ARCH, w.cache_tokens_per_node)),
-            },
-        )
-        with local_fabric(spec, on_step=log) as fabric:
-            routers = {
-                p: [fabric.start_router({"MERIDIAN_ROUTER_ROUTING_POLICY": p}).url]
-                for p in ("affinity", "round-robin", "least-load")
-            }
-            if redis_url is not None:
-                shared = {
-                    "MERIDIAN_ROUTER_ROUTING_POLICY": "affinity",
-                    "MERIDIAN_ROUTER_REDIS_URL": redis_url,
-                    "MERIDIAN_ROUTER_FLEET_KEY_PREFIX": f"meridian:bench-routing:{os.getpid()}:",
-                }
-                routers["two routers"] = [fabric.start_router(shared).url for _ in range(2)]
-
-            async def main() -> dict[str, list[RunResult]]:
-                out: dict[str, list[RunResult]] = {}
-                salt = 0
-                for _ in range(repeats):
-                    # Every run gets fresh words (a new salt), so none finds another's blocks.
-                    for name, policy, runner in (
-                        ("rr", "round-robin", chat_workload),
-                        ("aff", "affinity", chat_workload),
-                        ("two", "two routers", chat_workload),
-                        ("aff_unique", "affinity", unique_workload),
-                        ("ll_unique", "least-load", unique_workload),
-                    ):
-                        if policy not in routers or (only is not None and name not in only):
-                            continue
-                        salt += 1
-                        out.setdefault(name, []).append(
-                            await measure(fabric, routers[policy], policy, w, salt, runner)
-                        )
-                return out
-
-            runs = asyncio.run(main())
-
-    def med(name: str, value: Callable[[RunResult], float]) -> float:
-        return statistics.median(value(r) for r in runs[name])
-
-    def hit_rate(r: RunResult) -> float:
-        return r.hit_rate
-
-    def ttft_ms(r: RunResult) -> float:
-        return r.mean_ttft * 1000
-
-    def balance(r: RunResult) -> float:
-        return r.max_over_mean(w.nodes)
-
-    specs = (
-        (
-            "hit_rate_vs_round_robin",
-            "aff",
-            "rr",
-            hit_rate,
-            "round robin",
-            "ratio >= 3 (prefix-cache hit rate the nodes report)",
-            "ratio",
-        ),
-        ("mean_ttft_vs_round_robin", "aff", "rr", ttft_ms, "round robin", "ratio <= 0.5", "ms"),
-        (
-            "max_over_mean_load",
-            "aff",
-            "rr",
-            balance,
-            "round robin",
-            "ours <= 1.3 (requests per node, max / mean)",
-            "ratio",
-        ),
-        (
-            "mean_ttft_vs_least_load_no_shared_prefix",
-            "aff_unique",
-            "ll_unique",
-            ttft_ms,
-            "least-load",
-            "ratio <= 1.1 (no worse than least-load)",
-            "ms",
-        ),
-        (
-            "two_routers_hit_rate_vs_one",
-            "two",
-            "aff",
-            hit_rate,
-            "one router",
-            "ratio >= 0.9 (two routers sharing Redis, each turn to either at random)",
-            "ratio",
-        ),
-    )
-    return [
-        Figure(BENCH, metric, med(ours, fn), med(base, fn), base_name, goal, unit)
-        for metric, ours, base, fn, base_name, goal, unit in specs
-        if ours in runs and base in runs
-    ]
+        with local_fabric(_fabric_spec(Path(tmp), w), on_step=log) as fabric:
+            routers = _start_routers(fabric, redis_url)
+            runs = asyncio.run(_measure_runs(fabric, routers, w, repeats, only))
+    return _figures(runs, w.nodes)
 
 
 def main() -> None:

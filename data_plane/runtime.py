@@ -41,7 +41,9 @@ class NodeRuntime:
         self.load_error: BaseException | None = None
         self._loading: asyncio.Task[None] | None = None
         # With model_uri, the model is pulled into the weight cache before the engine loads.
-        self.weights = NodeWeights(settings, node_id=default_node_id(settings)) if settings.model_uri else None
+        self.weights = (
+            NodeWeights(settings, node_id=default_node_id(settings), clock=clock) if settings.model_uri else None
+        )
         # Seconds from start() to each step: the node's cold-start timeline.
         self.cold_start = ColdStart()
         self._started_at: float | None = None
@@ -107,7 +109,7 @@ class NodeRuntime:
                 if self.agent is not None:
                     self.agent.notify()  # peers may fetch from this node now
             if self.settings.kv_events_endpoint and self.kv_events is None:
-                self.kv_events = await asyncio.to_thread(create_publisher, self.settings)
+                self.kv_events = await asyncio.to_thread(create_publisher, self.settings, clock=self.clock)
                 self.engine.set_kv_event_sink(self.kv_events)
             await self.engine.start()
             self._step(loaded_s=None)

@@ -12,6 +12,10 @@ Wire protocol (see meridian.kv_events for the payload):
 The engine calls ``publish`` from its own thread on every step, so publishing only
 appends to a bounded in-memory queue; a background thread owns the sockets (ZMQ sockets
 must not be shared between threads), encodes, sends and answers replay requests.
+
+Its windows (how often drops are logged, how long close() flushes) are measured on the
+publisher's `Clock` (the node's); only monotonic time is read, which is safe from the
+publisher thread.
 """
 
 from __future__ import annotations
@@ -21,12 +25,12 @@ import contextlib
 import logging
 import os
 import threading
-import time
 from typing import Generic, TypeVar
 
 import msgspec
 import zmq
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.kv_events import END_SEQ, KVEventBatch, encode_batch, seq_from_bytes, seq_to_bytes
 from meridian.settings import NodeSettings
 
@@ -112,9 +116,11 @@ class ZmqEventPublisher:
         max_queue_size: int = 100_000,
         hwm: int = 100_000,
         data_parallel_rank: int | None = 0,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if buffer_steps < 1:
             raise ValueError("buffer_steps must be >= 1")
+        self._clock = clock
         self._requested_endpoint = endpoint
         self._requested_replay_endpoint = replay_endpoint
         self._topic = topic.encode("utf-8")
@@ -210,7 +216,7 @@ class ZmqEventPublisher:
         self._close_pipe()
 
     def _count_drop(self) -> None:
-        now = time.monotonic()
+        now = self._clock.monotonic()
         with self._stats_lock:
             self._dropped += 1
             self._dropped_unlogged += 1
@@ -294,8 +300,8 @@ class ZmqEventPublisher:
                 self._serve_replays(replay, buffer)
             seq = self._send_queued(pub, buffer, seq)
         # Closing: send what was published before close(), within the shutdown deadline.
-        deadline = time.monotonic() + self.SHUTDOWN_TIMEOUT_S
-        while len(self._queue) and time.monotonic() < deadline:
+        deadline = self._clock.monotonic() + self.SHUTDOWN_TIMEOUT_S
+        while len(self._queue) and self._clock.monotonic() < deadline:
             seq = self._send_queued(pub, buffer, seq, deadline)
         unsent = len(self._queue) + self._unsent_at_close
         if unsent:
@@ -304,7 +310,7 @@ class ZmqEventPublisher:
             log.warning("KV event publisher closed with %d batches unsent", unsent)
         # What was sent may still sit in ZMQ's pipes: let it out for what remains of the
         # deadline (a plain linger 0 would discard the tail of the flush), no longer.
-        pub.setsockopt(zmq.LINGER, max(0, int((deadline - time.monotonic()) * 1000)))
+        pub.setsockopt(zmq.LINGER, max(0, int((deadline - self._clock.monotonic()) * 1000)))
 
     def _send_queued(
         self,
@@ -315,7 +321,7 @@ class ZmqEventPublisher:
     ) -> int:
         batches = self._queue.take_all()
         for i, batch in enumerate(batches):
-            if deadline is not None and i % 64 == 0 and time.monotonic() >= deadline:
+            if deadline is not None and i % 64 == 0 and self._clock.monotonic() >= deadline:
                 self._unsent_at_close += len(batches) - i
                 break
             if batch.data_parallel_rank is None and self._dp_rank is not None:
@@ -382,7 +388,7 @@ class NullEventPublisher:
         """Nothing to release."""
 
 
-def create_publisher(settings: NodeSettings) -> ZmqEventPublisher | None:
+def create_publisher(settings: NodeSettings, *, clock: Clock = SYSTEM_CLOCK) -> ZmqEventPublisher | None:
     """The node's KV event publisher, or None when settings.kv_events_endpoint is unset."""
     if not settings.kv_events_endpoint:
         if settings.kv_events_replay_endpoint:
@@ -392,4 +398,5 @@ def create_publisher(settings: NodeSettings) -> ZmqEventPublisher | None:
         settings.kv_events_endpoint,
         replay_endpoint=settings.kv_events_replay_endpoint,
         topic=settings.kv_events_topic,
+        clock=clock,
     )

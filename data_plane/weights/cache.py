@@ -15,6 +15,9 @@ Layout under the cache root:
 
 A file becomes visible only by an atomic rename after its every byte was verified,
 so a crash, a kill or a full disk never leaves a half file where a reader looks.
+
+Time is the cache's `Clock` (meridian.clock; the node's): the lock poll, the journal's
+write interval and a peer's wait for chunks, so tests move it instead of sleeping.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ from collections.abc import AsyncIterator, Iterator, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data_plane.timing import wait_at_most
 from data_plane.weights.errors import CacheFullError, IntegrityError
 from data_plane.weights.manifest import MANIFEST_NAME, Manifest, ManifestFile
+from meridian.clock import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
 
@@ -81,9 +86,10 @@ class FileLock:
     """An exclusive or shared flock on a lock file: held across threads and processes,
     released by the kernel if the holder dies."""
 
-    def __init__(self, path: Path, *, shared: bool = False) -> None:
+    def __init__(self, path: Path, *, shared: bool = False, clock: Clock = SYSTEM_CLOCK) -> None:
         self.path = path
         self._shared = shared
+        self._clock = clock
         self._fd: int | None = None
 
     def try_acquire(self) -> bool:
@@ -100,7 +106,7 @@ class FileLock:
         # Polled, not a blocking flock in a thread: a cancelled waiter must not leave a
         # thread behind that takes the lock later.
         while not self.try_acquire():  # noqa: ASYNC110 - another process holds it: nothing to wait on
-            await asyncio.sleep(_LOCK_POLL_S)
+            await self._clock.sleep(_LOCK_POLL_S)
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
@@ -118,6 +124,7 @@ class PartialBlob:
     journal: Path
     fd: int
     done: set[int] = field(default_factory=set)
+    clock: Clock = SYSTEM_CLOCK
     _journal_saved_at: float = 0.0
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -139,14 +146,20 @@ class PartialBlob:
         self._changed = asyncio.Event()
 
     async def wait_chunks(self, indices: list[int], timeout_s: float) -> bool:
-        """Wait until every chunk in `indices` is verified (peers serve them then)."""
-        async with asyncio.timeout(timeout_s):
-            while not self.done.issuperset(indices):
-                await self._changed.wait()
+        """Wait until every chunk in `indices` is verified (peers serve them then), for at
+        most `timeout_s` of the clock's time; TimeoutError after that."""
+        if self.done.issuperset(indices):
+            return True
+        if not await wait_at_most(self.clock, timeout_s, self._verified(indices)):
+            raise TimeoutError(f"chunks of {self.file.path} not verified within {timeout_s:.1f}s")
         return True
 
+    async def _verified(self, indices: list[int]) -> None:
+        while not self.done.issuperset(indices):
+            await self._changed.wait()
+
     def save_journal(self, *, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if not force and now - self._journal_saved_at < _JOURNAL_INTERVAL_S:
             return
         self._journal_saved_at = now
@@ -179,9 +192,10 @@ class CachedModel:
 class NodeCache:
     """Content-addressed model cache under a disk budget (see the module docstring)."""
 
-    def __init__(self, root: Path, *, budget_bytes: int | None = None) -> None:
+    def __init__(self, root: Path, *, budget_bytes: int | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.root = Path(root)
         self.budget_bytes = budget_bytes
+        self.clock = clock
         for sub in ("blobs", "partial", "models", "refs", "locks"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         # Downloads of this process, by sha256: peers are served from them as chunks land.
@@ -234,7 +248,7 @@ class NodeCache:
         machine (flock); the others wait, then find the blob published."""
         lock = self._blob_locks.setdefault(sha256, asyncio.Lock())
         async with lock:
-            flock = FileLock(self.root / "locks" / f"{sha256}.lock")
+            flock = FileLock(self.root / "locks" / f"{sha256}.lock", clock=self.clock)
             await flock.acquire()
             try:
                 yield
@@ -268,7 +282,7 @@ class NodeCache:
                 with contextlib.suppress(FileNotFoundError):
                     path.unlink()
                 raise
-        partial = PartialBlob(file=file, path=path, journal=journal, fd=fd)
+        partial = PartialBlob(file=file, path=path, journal=journal, fd=fd, clock=self.clock)
         partial.done = {i for i in done if self._chunk_ok(fd, file, i)}
         if done:
             log.info("resuming %s: %d of %d chunks already verified", file.path, len(partial.done), file.chunk_count)
@@ -398,7 +412,8 @@ class NodeCache:
             return
         lock = FileLock(self.root / "locks" / f"model-{digest}.lock", shared=True)
         if not lock.try_acquire():
-            # Only an eviction holds it exclusively, and only for a moment.
+            # Only an eviction holds it exclusively, and only for a moment. A blocking
+            # pause (pin runs in a worker thread), so on real time, not the clock.
             time.sleep(_LOCK_POLL_S)
             if not lock.try_acquire():
                 raise CacheFullError(f"model {digest[:12]}… is being evicted; try again")

@@ -1,6 +1,7 @@
 """Parallel ranged fetch into the node cache: many byte ranges in flight per file and
 across files, each verified against the manifest's chunk digests before it is written,
-retried with backoff and jitter, and taken from the next source when one fails."""
+retried with backoff and jitter (waited out on the node's `Clock`), and taken from the
+next source when one fails."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from data_plane.weights.origins.base import (
     WeightOrigin,
 )
 from meridian.backoff import Backoff
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.settings import WeightSettings
 
 log = logging.getLogger(__name__)
@@ -48,9 +50,10 @@ class RangeFetcher:
     """Downloads manifest files into a NodeCache; one instance per node (its semaphore
     bounds the ranges in flight across every file and model)."""
 
-    def __init__(self, settings: WeightSettings, cache: NodeCache) -> None:
+    def __init__(self, settings: WeightSettings, cache: NodeCache, *, clock: Clock = SYSTEM_CLOCK) -> None:
         self.settings = settings
         self.cache = cache
+        self._clock = clock
         self._slots = asyncio.Semaphore(settings.concurrency)
         self._backoff = Backoff(settings.retry_base_s, settings.retry_max_s, full=True)
         # Ranges that failed verification (corrupt at a source or in transit).
@@ -148,7 +151,7 @@ class RangeFetcher:
                     if progress is not None:
                         progress(end - start)
                     return
-                await asyncio.sleep(self._backoff.delay(attempt))
+                await self._clock.sleep(self._backoff.delay(attempt))
         detail = "; ".join(failures[-4:])
         raise FetchError(f"{file.path} bytes {start}-{end}: no source served verified bytes ({detail})")
 

@@ -14,6 +14,7 @@ from data_plane.weights.cache import NodeCache, ref_path
 from data_plane.weights.peer_server import weights_router
 from data_plane.weights.peers import ControlPlanePeers
 from data_plane.weights.pull import PullProgress, PullReport, WeightPuller
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.settings import NodeSettings
 
 
@@ -44,18 +45,19 @@ def with_model_uri(settings: NodeSettings) -> NodeSettings:
 
 
 class NodeWeights:
-    """The weight cache of one node process and what it pulls, pins and shares."""
+    """The weight cache of one node process and what it pulls, pins and shares, on the
+    node's `clock` (retry backoffs, lock polls, a peer's wait, pull timings)."""
 
-    def __init__(self, settings: NodeSettings, *, node_id: str) -> None:
+    def __init__(self, settings: NodeSettings, *, node_id: str, clock: Clock = SYSTEM_CLOCK) -> None:
         self.settings = settings
         w = settings.weights
-        self.cache = NodeCache(Path(w.cache_dir), budget_bytes=w.cache_budget_bytes)
+        self.cache = NodeCache(Path(w.cache_dir), budget_bytes=w.cache_budget_bytes, clock=clock)
         self._cp: httpx.AsyncClient | None = None
         peers = None
         if settings.control_plane_url and settings.region and w.peer_fetch:
             self._cp = control_plane_client(settings)
             peers = ControlPlanePeers(self._cp, node_id=node_id, region=settings.region)
-        self.puller = WeightPuller(w, self.cache, peers=peers)
+        self.puller = WeightPuller(w, self.cache, peers=peers, clock=clock)
         self.digests: list[str] = []
         self.report: PullReport | None = None
 

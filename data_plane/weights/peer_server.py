@@ -1,12 +1,14 @@
 """The node's side of peer sharing: same-region nodes read its cached blobs and model
-files over HTTP with Range, including chunks of a download still in progress."""
+files over HTTP with Range, including chunks of a download still in progress.
+
+A peer asking for a blob this node is about to download waits for it, for at most
+`wait_s` of the cache's `Clock` (the node's), then hears 503 and tries another source."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import re
-import time
 from pathlib import Path
 
 from fastapi import APIRouter, HTTPException, Request
@@ -96,7 +98,8 @@ def weights_router(cache: NodeCache, *, max_range_bytes: int, wait_s: float) -> 
         if not _SHA256.match(sha256):
             raise HTTPException(404, "no such blob")
         path = cache.blob_path(sha256)
-        deadline = time.monotonic() + wait_s
+        clock = cache.clock
+        deadline = clock.monotonic() + wait_s
         while True:
             try:
                 return await _serve(path, path.stat().st_size, request, max_range_bytes)
@@ -104,13 +107,13 @@ def weights_router(cache: NodeCache, *, max_range_bytes: int, wait_s: float) -> 
                 pass
             partial = cache.download_in_progress(sha256)
             if partial is not None:
-                return await _serve_partial(partial, path, request, max_range_bytes, deadline - time.monotonic())
+                return await _serve_partial(partial, path, request, max_range_bytes, deadline - clock.monotonic())
             if not cache.expecting(sha256):
                 raise HTTPException(404, "this node has no such blob")
-            if time.monotonic() >= deadline:
+            if clock.monotonic() >= deadline:
                 raise HTTPException(503, "this node has not started that download yet; try another source")
             # Its pull is between reading the manifest and opening the download.
-            await asyncio.sleep(_START_POLL_S)
+            await clock.sleep(_START_POLL_S)
 
     @router.api_route("/models/{digest}/{name:path}", methods=["GET", "HEAD"])
     async def model_file(digest: str, name: str, request: Request) -> Response:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,6 +24,7 @@ from data_plane.weights.origins import (
 from data_plane.weights.origins.peer import PeerOrigin
 from data_plane.weights.origins.transport import make_client
 from data_plane.weights.peers import PeerDirectory
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.settings import WeightSettings
 
 log = logging.getLogger(__name__)
@@ -59,15 +59,17 @@ class PullReport:
 
 class WeightPuller:
     """Pulls models into one NodeCache. One per node: its fetcher bounds the ranges in
-    flight across everything it pulls."""
+    flight across everything it pulls. `clock` times the pulls and the fetcher's retries."""
 
     def __init__(
-        self, settings: WeightSettings, cache: NodeCache, *, peers: PeerDirectory | None = None
+        self, settings: WeightSettings, cache: NodeCache, *, peers: PeerDirectory | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.settings = settings
         self.cache = cache
         self.peers = peers
-        self.fetcher = RangeFetcher(settings, cache)
+        self._clock = clock
+        self.fetcher = RangeFetcher(settings, cache, clock=clock)
         self._peer_client: httpx.AsyncClient | None = None
 
     async def aclose(self) -> None:
@@ -90,7 +92,7 @@ class WeightPuller:
 
     async def pull(self, uri: str, *, progress: PullProgress | None = None) -> PullReport:
         """Make the model at `uri` a published model in the cache; the report says from where."""
-        began = time.monotonic()
+        began = self._clock.monotonic()
         origin = open_origin(uri, self.settings)
         try:
             try:
@@ -103,10 +105,10 @@ class WeightPuller:
                 log.warning("origin unreachable (%s); starting from the cached copy of %s", exc, uri)
                 if progress is not None:
                     progress.begin(cached.manifest, cached.size, cached.size)
-                return PullReport(cached, time.monotonic() - began)
+                return PullReport(cached, self._clock.monotonic() - began)
             report = await self._pull_manifest(manifest, origin, progress)
             await asyncio.to_thread(self.cache.write_ref, uri, manifest.digest)
-            report.seconds = time.monotonic() - began
+            report.seconds = self._clock.monotonic() - began
             return report
         finally:
             await origin.aclose()

@@ -218,7 +218,8 @@ class VllmEngine:
         if settings.model_dir is None:
             raise ValueError("the vLLM engine needs settings.model_dir (the model's local directory)")
         self._settings = settings
-        # The node's clock: KV event times, the metrics scrape interval, the drain timeout.
+        # The node's clock: KV event times, the metrics scrape interval, the drain timeout,
+        # and the supervisor's restart backoff, startup timeout and stop grace.
         self._clock = clock
         self.spec = spec or load_spec(settings)
         self._model_dir = Path(settings.model_dir)
@@ -291,6 +292,7 @@ class VllmEngine:
                 backoff_s=s.vllm_restart_backoff_s, backoff_max_s=s.vllm_restart_backoff_max_s,
             ),
             env=self.spec.env if gpu_count > 0 else cpu_env(self.spec),
+            clock=self._clock,
         )
         supervisor.on_exit = self._on_child_exit
         supervisor.on_failed = self._on_failed

@@ -6,6 +6,10 @@ Its stdout and stderr are forwarded line by line to the `data_plane.engine.vllm.
 logger. A child that exits (or stops answering /health) is restarted after an
 exponential backoff with jitter; more than `max_restarts` exits within `window_s` and
 the supervisor gives up and reports failure.
+
+The restart backoff and window, the startup timeout and the stop grace period run on the
+supervisor's `Clock` (the node's), so tests move time instead of sleeping through them.
+The probe cadence stays on the event loop's time: it polls a real process.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import logging
 import os
 import random
 import signal
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +27,9 @@ from enum import StrEnum
 
 import httpx
 
+from data_plane.timing import wait_at_most
 from meridian.backoff import Backoff
+from meridian.clock import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
 child_log = logging.getLogger("data_plane.engine.vllm.child")
@@ -85,8 +90,10 @@ class VllmSupervisor:
         stop_grace_s: float = 30.0,
         policy: RestartPolicy | None = None,
         env: Mapping[str, str] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self.argv = list(argv)
+        self._clock = clock
         self.base_url = base_url.rstrip("/")
         self.served_model_name = served_model_name
         self._startup_timeout_s = startup_timeout_s
@@ -206,7 +213,7 @@ class VllmSupervisor:
                     self.on_exit(generation, proc.returncode)
             if self._stopping.is_set():
                 return
-            now = time.monotonic()
+            now = self._clock.monotonic()
             exits.append(now)
             while exits and exits[0] < now - self.policy.window_s:
                 exits.popleft()
@@ -220,9 +227,7 @@ class VllmSupervisor:
             delay = self.policy.delay(len(exits))
             log.warning("vLLM (generation %d) ended: %s; restarting in %.2fs", generation, detail, delay)
             self.state = ChildState.BACKOFF
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(delay):
-                    await self._stopping.wait()
+            await wait_at_most(self._clock, delay, self._stopping.wait())
             if self._stopping.is_set():
                 return
             self.restarts += 1
@@ -282,7 +287,7 @@ class VllmSupervisor:
 
     async def _wait_ready(self, proc: asyncio.subprocess.Process) -> str:
         """'' once /health answers and /v1/models lists the model; else why not."""
-        deadline = time.monotonic() + self._startup_timeout_s
+        deadline = self._clock.monotonic() + self._startup_timeout_s
         exited = asyncio.create_task(proc.wait())
         try:
             async with self._client() as client:
@@ -293,7 +298,7 @@ class VllmSupervisor:
                         return f"exited with code {proc.returncode} while starting"
                     if await self._probe(client, models=True):
                         return ""
-                    remaining = deadline - time.monotonic()
+                    remaining = deadline - self._clock.monotonic()
                     if remaining <= 0:
                         return f"not ready after {self._startup_timeout_s:.0f}s"
                     stop = asyncio.create_task(self._stopping.wait())
@@ -337,12 +342,9 @@ class VllmSupervisor:
         if proc.returncode is not None:
             return
         _signal_group(proc.pid, signal.SIGTERM)
-        try:
-            async with asyncio.timeout(grace_s):
-                await proc.wait()
+        if await wait_at_most(self._clock, grace_s, proc.wait()):
             return
-        except TimeoutError:
-            log.warning("vLLM (pid %d) still running %.0fs after SIGTERM: killing it", proc.pid, grace_s)
+        log.warning("vLLM (pid %d) still running %.0fs after SIGTERM: killing it", proc.pid, grace_s)
         _signal_group(proc.pid, signal.SIGKILL)
         await proc.wait()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import random
 import re
 from pathlib import Path
 from urllib.parse import quote
@@ -31,6 +30,8 @@ from data_plane.weights.origins.transport import (
     retry_transient,
     transport_errors,
 )
+from meridian.backoff import Backoff
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.settings import WeightSettings
 
 PUBLIC_ENDPOINT = "https://storage.googleapis.com"
@@ -49,14 +50,19 @@ def _gcs_error_detail(response: httpx.Response) -> str:
 
 
 class GcsOrigin:
-    """A GCS bucket and object-name prefix."""
+    """A GCS bucket and object-name prefix; `clock` times the retries of uploads."""
 
-    def __init__(self, uri: OriginURI, settings: WeightSettings, *, credentials: GcpCredentialChain | None = None) -> None:
+    def __init__(
+        self, uri: OriginURI, settings: WeightSettings, *, credentials: GcpCredentialChain | None = None,
+        clock: Clock = SYSTEM_CLOCK,
+    ) -> None:
         if not uri.authority:
             raise OriginError(f"{uri}: expected gs://bucket/prefix")
         self.uri = uri
         self.bucket = uri.authority
         self._settings = settings
+        self._clock = clock
+        self._chunk_backoff = Backoff(settings.retry_base_s, settings.retry_max_s, full=True)
         self._endpoint = settings.gcs_endpoint_url.rstrip("/")
         self._client = make_client(settings)
         self._static_token = settings.gcs_token.get_secret_value() if settings.gcs_token else None
@@ -136,6 +142,7 @@ class GcsOrigin:
         """Store a small object with one media upload (visible only once complete)."""
         await retry_transient(
             self._settings,
+            self._clock,
             lambda: self._send(
                 "POST",
                 self._upload_url(name, "media"),
@@ -161,6 +168,7 @@ class GcsOrigin:
     async def _resumable_upload(self, name: str, source: Path, size: int, progress: Progress | None) -> None:
         started = await retry_transient(
             self._settings,
+            self._clock,
             lambda: self._send(
                 "POST",
                 self._upload_url(name, "resumable"),
@@ -213,8 +221,7 @@ class GcsOrigin:
                 failures += 1
                 if failures >= self._settings.max_attempts:
                     raise
-                ceiling = min(self._settings.retry_max_s, self._settings.retry_base_s * 2 ** (failures - 1))
-                await asyncio.sleep(random.uniform(0, ceiling))
+                await self._clock.sleep(self._chunk_backoff.delay(failures))
                 resync = True
                 continue
             was_resync, resync = resync, False

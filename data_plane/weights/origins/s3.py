@@ -40,6 +40,7 @@ from data_plane.weights.origins.transport import (
     retry_transient,
     transport_errors,
 )
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.settings import WeightSettings
 
 # S3 allows at most this many parts per multipart upload.
@@ -90,17 +91,19 @@ def _child(root: ET.Element, tag: str) -> str | None:
 
 
 class S3Origin:
-    """An S3 bucket and key prefix."""
+    """An S3 bucket and key prefix; `clock` times the retries of uploads."""
 
     def __init__(
         self, uri: OriginURI, settings: WeightSettings,
         credentials: AwsCredentials | AwsCredentialSource | None = None,
+        *, clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if not uri.authority:
             raise OriginError(f"{uri}: expected s3://bucket/prefix")
         self.uri = uri
         self.bucket = uri.authority
         self._settings = settings
+        self._clock = clock
         if credentials is None:
             self._credentials = credentials_from_settings(settings)
         elif isinstance(credentials, AwsCredentials):
@@ -181,6 +184,7 @@ class S3Origin:
         digest = await asyncio.to_thread(sha256_hex, data) if len(data) > 1 << 20 else sha256_hex(data)
         await retry_transient(
             self._settings,
+            self._clock,
             lambda: self._send("PUT", name, content=data, payload_sha256=digest, what="PUT"),
         )
 
@@ -200,7 +204,9 @@ class S3Origin:
         part_bytes = max(self._settings.multipart_part_bytes, -(-size // MAX_PARTS))
         spans = [(off, min(size, off + part_bytes)) for off in range(0, size, part_bytes)]
         created = await retry_transient(
-            self._settings, lambda: self._send("POST", name, query="uploads", what="CreateMultipartUpload")
+            self._settings,
+            self._clock,
+            lambda: self._send("POST", name, query="uploads", what="CreateMultipartUpload"),
         )
         upload_id = _child(_xml(created, "CreateMultipartUpload", self.uri, name), "UploadId")
         if not upload_id:
@@ -214,6 +220,7 @@ class S3Origin:
                 digest = await asyncio.to_thread(sha256_hex, data)
                 response = await retry_transient(
                     self._settings,
+                    self._clock,
                     lambda: self._send(
                         "PUT",
                         name,
@@ -236,6 +243,7 @@ class S3Origin:
             body = _complete_body([t.result() for t in tasks])
             completed = await retry_transient(
                 self._settings,
+                self._clock,
                 lambda: self._send(
                     "POST",
                     name,

@@ -1,10 +1,10 @@
 """What the HTTP-based origins share: one pooled client per origin, one mapping from
 HTTP statuses and transport failures to origin errors, strict checks on ranged
-responses, and retries of transient upload failures."""
+responses, and retries of transient upload failures (their backoff waited out on a
+`Clock`, so a test moves time instead of sleeping)."""
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +21,7 @@ from data_plane.weights.origins.base import (
     OriginURI,
 )
 from meridian.backoff import Backoff
+from meridian.clock import Clock
 from meridian.settings import WeightSettings
 
 T = TypeVar("T")
@@ -151,8 +152,8 @@ def content_range_total(response: httpx.Response) -> int | None:
     return int(m.group(1)) if m else None
 
 
-async def retry_transient(settings: WeightSettings, attempt: Callable[[], Awaitable[T]]) -> T:
-    """Run `attempt`, retrying OriginUnavailable with full-jitter exponential backoff."""
+async def retry_transient(settings: WeightSettings, clock: Clock, attempt: Callable[[], Awaitable[T]]) -> T:
+    """Run `attempt`, retrying OriginUnavailable with full-jitter exponential backoff on `clock`."""
     backoff = Backoff(settings.retry_base_s, settings.retry_max_s, full=True)
     for n in range(1, settings.max_attempts + 1):
         try:
@@ -160,5 +161,5 @@ async def retry_transient(settings: WeightSettings, attempt: Callable[[], Awaita
         except OriginUnavailable:
             if n == settings.max_attempts:
                 raise
-            await asyncio.sleep(backoff.delay(n))
+            await clock.sleep(backoff.delay(n))
     raise AssertionError("unreachable")

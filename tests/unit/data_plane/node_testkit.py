@@ -120,6 +120,20 @@ async def eventually(
         await asyncio.sleep(interval)
 
 
+async def advance_until_done(
+    clock: ManualClock, task: asyncio.Future[Any], step: float, within: float = 30.0
+) -> int:
+    """Let `task` run to its end, moving `clock` on by `step` each time something waits on
+    it (a backoff, a timeout) and only then; how many times the clock was moved."""
+    moves = 0
+    while True:
+        await eventually(lambda: task.done() or clock.sleepers > 0, within=within)
+        if task.done():
+            return moves
+        clock.advance(step)
+        moves += 1
+
+
 async def clock_turns(clock: ManualClock, step: float, turns: int) -> None:
     """Let a loop that waits on `clock` (the node agent) take `turns` more turns: each time
     something waits on the clock, move it on by `step`; return once it waits again."""

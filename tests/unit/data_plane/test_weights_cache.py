@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from node_testkit import advance_until_done
 
 from data_plane.weights.cache import NodeCache
 from data_plane.weights.errors import CacheFullError, FetchError, WeightStoreError
@@ -21,15 +22,17 @@ from data_plane.weights.manifest import MANIFEST_NAME, Manifest, ManifestError, 
 from data_plane.weights.origins import open_origin
 from data_plane.weights.pull import WeightPuller
 from data_plane.weights.push import push_model
+from meridian.clock import ManualClock
 from meridian.settings import WeightSettings
 
 CHUNK = 4096
+RETRY_MAX_S = 0.01
 
 
 def _settings(cache_dir: Path, **kw: object) -> WeightSettings:
     base: dict[str, object] = dict(
         cache_dir=cache_dir, manifest_chunk_bytes=CHUNK, range_bytes=2 * CHUNK, concurrency=4,
-        max_attempts=2, retry_base_s=0.001, retry_max_s=0.01,
+        max_attempts=2, retry_base_s=0.001, retry_max_s=RETRY_MAX_S,
     )
     base.update(kw)
     return WeightSettings(**base)  # type: ignore[arg-type]
@@ -128,8 +131,12 @@ async def test_corrupt_chunk_at_the_origin_fails_clearly_and_publishes_nothing(t
 
     manifest = Manifest.parse((origin / MANIFEST_NAME).read_bytes())
     cache = NodeCache(settings.cache_dir)
+    clock = ManualClock()
+    pulling = asyncio.create_task(WeightPuller(settings, cache, clock=clock).pull(uri))
+    # The bad range is fetched again after a backoff on the puller's clock.
+    assert await advance_until_done(clock, pulling, RETRY_MAX_S) >= 1
     with pytest.raises(FetchError, match=r"f0.bin .*chunk 3 .*does not match its sha256"):
-        await WeightPuller(settings, cache).pull(uri)
+        await pulling
     # No model, and no blob of the bad file (intact files that finished first may stay,
     # verified, for a retry).
     assert cache.models() == []
@@ -151,12 +158,16 @@ async def test_corrupt_chunk_is_fetched_again_from_another_source(tmp_path: Path
     (bad_dir / "f0.bin").write_bytes(bytes(data))
 
     cache = NodeCache(settings.cache_dir)
-    fetcher = RangeFetcher(settings, cache)
+    clock = ManualClock()
+    fetcher = RangeFetcher(settings, cache, clock=clock)
     sources = [Source("bad", open_origin(f"file://{bad_dir}", settings)),
                Source("good", open_origin(good, settings))]
     f0 = next(f for f in manifest.files if f.path == "f0.bin")
     tally: Counter[str] = Counter()
-    path = await fetcher.fetch_file(f0, sources, tally=tally)
+    fetching = asyncio.create_task(fetcher.fetch_file(f0, sources, tally=tally))
+    # Each retry backs off on the fetcher's clock.
+    assert await advance_until_done(clock, fetching, RETRY_MAX_S) >= 1
+    path = await fetching
     assert path.read_bytes() == (src / "f0.bin").read_bytes()
     assert fetcher.corrupt_ranges >= 1
     assert tally["good"] >= CHUNK and tally["bad"] < f0.size

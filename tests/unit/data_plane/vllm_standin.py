@@ -507,7 +507,10 @@ def count_start(state_dir: Path | None, argv: list[str]) -> int:
     state_dir.mkdir(parents=True, exist_ok=True)
     counter = state_dir / "starts"
     n = int(counter.read_text()) + 1 if counter.exists() else 1
-    counter.write_text(str(n))
+    # Renamed into place: a test polling the count never reads a half-written file.
+    tmp = counter.with_name(f".starts-{os.getpid()}")
+    tmp.write_text(str(n))
+    os.replace(tmp, counter)
     (state_dir / f"argv-{n}.json").write_text(json.dumps(argv))
     (state_dir / f"pid-{n}").write_text(str(os.getpid()))
     return n
