@@ -15,8 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from data_plane.timing import wait_at_most
-from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 from meridian.contracts import (
     HEARTBEAT_RETRY_MAX_S,
     ColdStart,

@@ -12,9 +12,8 @@ from data_plane.agent import NodeAgent, default_node_id
 from data_plane.engine.base import Engine
 from data_plane.kv_events import ZmqEventPublisher, create_publisher
 from data_plane.lifecycle import NodeLifecycle
-from data_plane.timing import wait_at_most
 from data_plane.weights.node_weights import NodeWeights
-from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 from meridian.contracts import ColdStart, NodeLoad
 from meridian.settings import NodeSettings
 

@@ -38,10 +38,9 @@ from collections.abc import AsyncIterator, Iterator, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_plane.timing import wait_at_most
 from data_plane.weights.errors import CacheFullError, IntegrityError
 from data_plane.weights.manifest import MANIFEST_NAME, Manifest, ManifestFile
-from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 
 log = logging.getLogger(__name__)
 

@@ -48,8 +48,7 @@ from data_plane.engine.vllm.metrics import StatsTracker, drop_metric_families, p
 from data_plane.engine.vllm.relay import KVEventRelay
 from data_plane.engine.vllm.spec import DeploymentSpec, DeploymentSpecError
 from data_plane.engine.vllm.supervisor import RestartPolicy, VllmSupervisor
-from data_plane.timing import wait_at_most
-from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 from meridian.ports import free_port
 from meridian.settings import NodeSettings
 from meridian.tokenizer import ChatTokenizer

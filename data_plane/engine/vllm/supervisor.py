@@ -27,9 +27,8 @@ from enum import StrEnum
 
 import httpx
 
-from data_plane.timing import wait_at_most
 from meridian.backoff import Backoff
-from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 
 log = logging.getLogger(__name__)
 child_log = logging.getLogger("data_plane.engine.vllm.child")
