@@ -10,32 +10,17 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
+from ratelimit_kit import admitted, tenant
 from redis.asyncio import Redis
 from redis_sharing import RedisProxy
 from router_harness import eventually, reserve_port
 
 from geo_router.errors import RateLimited
 from geo_router.ratelimit import RedisRateLimiter
-from meridian.contracts import TenantEntry
 
 INTERVAL_S = 0.1
 
 MakeLimiter = Callable[..., Awaitable[RedisRateLimiter]]
-
-
-def tenant(rpm: int | None = None, tpm: int | None = None, name: str = "acme") -> TenantEntry:
-    return TenantEntry(key_hash="a" * 64, key_prefix="mrd_a", tenant=name, zone="global",
-                       requests_per_minute=rpm, tokens_per_minute=tpm)
-
-
-def admit_all(limiter: RedisRateLimiter, t: TenantEntry, tokens: int = 0, upto: int = 10_000) -> int:
-    """Requests admitted back to back until the first refusal."""
-    for n in range(upto):
-        try:
-            limiter.admit(t, tokens)
-        except RateLimited:
-            return n
-    return upto
 
 
 @pytest.fixture
@@ -71,7 +56,7 @@ async def test_two_routers_bursting_together_get_one_bucket_not_two(make_limiter
     started = time.monotonic()
     total = 0
     for _ in range(6):  # six sync intervals of both hammering the idle tenant
-        total += admit_all(a, t) + admit_all(b, t)
+        total += admitted(a, t) + admitted(b, t)
         await sync(a, b)
     refill = time.monotonic() - started + 1
     # Overshoot bound (RedisRateLimiter): what the other router admitted within one interval,
@@ -84,14 +69,14 @@ async def test_a_tenant_busy_at_one_router_gets_the_whole_limit_there(make_limit
     a, b = await make_limiter(), await make_limiter()
     await sync(a)
     t = tenant(rpm=60)
-    admitted = [admit_all(a, t)]
+    counts = [admitted(a, t)]
     for _ in range(3):
         await sync(a)
-        admitted.append(admit_all(a, t))
-    assert admitted[0] == 30  # before its first sync: a provisional 1/fleet of a full bucket
-    assert 59 <= sum(admitted) <= 62  # within a few syncs, all of it
+        counts.append(admitted(a, t))
+    assert counts[0] == 30  # before its first sync: a provisional 1/fleet of a full bucket
+    assert 59 <= sum(counts) <= 62  # within a few syncs, all of it
     await sync(b)
-    assert admit_all(b, t) <= 1  # and the other router knows it is spent
+    assert admitted(b, t) <= 1  # and the other router knows it is spent
 
 
 @pytest.mark.redis
@@ -126,7 +111,7 @@ async def test_tokens_settled_at_one_router_count_at_the_other(make_limiter: Mak
     a.settle(t, estimated=400, actual=900)
     b.admit(t, 0)
     await sync(a, b, a, b)
-    assert admit_all(b, t, 100) == 0  # the fleet's 100 left are shared by two routers
+    assert admitted(b, t, 100) == 0  # the fleet's 100 left are shared by two routers
     assert 50 <= int(b.admit(t, 0).headers["x-ratelimit-remaining-tokens"]) <= 110
 
 
@@ -155,10 +140,10 @@ async def test_without_redis_each_router_enforces_the_full_limit_itself(
         limiter = await make_limiter(f"redis://127.0.0.1:{closed.getsockname()[1]}/0")
         assert not limiter.redis_reachable
         t = tenant(rpm=5)
-        assert admit_all(limiter, t) == 5
+        assert admitted(limiter, t) == 5
         for _ in range(3):
             assert not await limiter.sync_once()
-        assert admit_all(limiter, t) == 0
+        assert admitted(limiter, t) == 0
         warnings = [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
         assert len(warnings) == 1  # once per 30 s, not once per failed sync
     finally:
@@ -174,8 +159,8 @@ async def test_losing_redis_falls_back_to_local_limits_without_a_fresh_burst(
         limiter = await make_limiter(proxy.url)
         assert limiter.redis_reachable
         t = tenant(rpm=10)
-        assert admit_all(limiter, t, upto=6) == 6
+        assert admitted(limiter, t, upto=6) == 6
         await proxy.close()
         assert not await limiter.sync_once()
         assert not limiter.redis_reachable
-        assert admit_all(limiter, t) == 4  # the local buckets were charged all along
+        assert admitted(limiter, t) == 4  # the local buckets were charged all along
