@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 from ratelimit_kit import admitted, tenant
 from redis.asyncio import Redis
-from redis_sharing import RedisProxy
-from router_harness import eventually, reserve_port
+from redis_sharing import Mirrors, RedisProxy, refused_redis, unreachable_warnings
+from router_harness import eventually
 
 from geo_router.errors import RateLimited
 from geo_router.ratelimit import RedisRateLimiter
@@ -24,23 +24,19 @@ MakeLimiter = Callable[..., Awaitable[RedisRateLimiter]]
 
 
 @pytest.fixture
-async def make_limiter(redis_url: str, prefix: str) -> AsyncIterator[MakeLimiter]:
+def make_limiter(redis_url: str, prefix: str, mirrors: Mirrors) -> MakeLimiter:
     """RedisRateLimiters (one per simulated router) on this test's prefix; `started` runs the
     background sync, else the test calls sync_once() itself and so decides when routers sync."""
-    made: list[RedisRateLimiter] = []
 
     async def make(url: str = redis_url, *, started: bool = False) -> RedisRateLimiter:
-        limiter = RedisRateLimiter(url, sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix)
-        made.append(limiter)
+        limiter = mirrors.add(RedisRateLimiter(url, sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix))
         if started:
             await limiter.start()
         else:
             await limiter.sync_once()
         return limiter
 
-    yield make
-    for limiter in made:
-        await limiter.stop()
+    return make
 
 
 async def sync(*limiters: RedisRateLimiter) -> None:
@@ -116,38 +112,30 @@ async def test_tokens_settled_at_one_router_count_at_the_other(make_limiter: Mak
 
 
 @pytest.mark.redis
-async def test_every_key_has_a_ttl(make_limiter: MakeLimiter, redis_url: str, prefix: str):
+async def test_every_key_has_a_ttl(make_limiter: MakeLimiter, redis: Redis, prefix: str):
     a = await make_limiter()
     a.admit(tenant(rpm=10, tpm=1000), 5)
     await sync(a)
-    client = Redis.from_url(redis_url, socket_timeout=3, decode_responses=True)
-    try:
-        keys = [k async for k in client.scan_iter(match=prefix + "*")]
-        # Live routers, tenants with demand, the tenant's buckets and its routers with demand.
-        assert len(keys) == 4
-        for key in keys:
-            assert 0 < await client.pttl(key) <= (2 * 60 + 10) * 1000
-    finally:
-        await client.aclose()
+    keys = [k async for k in redis.scan_iter(match=prefix + "*")]
+    # Live routers, tenants with demand, the tenant's buckets and its routers with demand.
+    assert len(keys) == 4
+    for key in keys:
+        assert 0 < await redis.pttl(key) <= (2 * 60 + 10) * 1000
 
 
 async def test_without_redis_each_router_enforces_the_full_limit_itself(
     make_limiter: MakeLimiter, caplog: pytest.LogCaptureFixture
 ):
     caplog.set_level(logging.WARNING, logger="geo_router.ratelimit")
-    closed = reserve_port()  # bound, never listening: connections are refused
-    try:
-        limiter = await make_limiter(f"redis://127.0.0.1:{closed.getsockname()[1]}/0")
+    with refused_redis() as url:
+        limiter = await make_limiter(url)
         assert not limiter.redis_reachable
         t = tenant(rpm=5)
         assert admitted(limiter, t) == 5
         for _ in range(3):
             assert not await limiter.sync_once()
         assert admitted(limiter, t) == 0
-        warnings = [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
-        assert len(warnings) == 1  # once per 30 s, not once per failed sync
-    finally:
-        closed.close()
+        assert unreachable_warnings(caplog) == 1  # once per 30 s, not once per failed sync
 
 
 @pytest.mark.redis
