@@ -22,20 +22,20 @@ import time
 from dataclasses import replace
 
 from bench.common import Figure
-from control_plane.placement.bruteforce import TooLarge, solve_bruteforce
-from control_plane.placement.candidates import build_candidates
-from control_plane.placement.check import violations
-from control_plane.placement.fit import fit_model
-from control_plane.placement.models import LLAMA_2_13B, LLAMA_3_8B, LLAMA_3_70B, MISTRAL_7B
-from control_plane.placement.problem import (
+from control_plane.placement import (
     Deployment,
     PlacementResult,
     Problem,
     ReplicaShape,
     SolveOptions,
+    fit_model,
     shapes_from_fit,
+    solve,
 )
-from control_plane.placement.solver import solve
+from control_plane.placement.bruteforce import TooLarge, solve_bruteforce
+from control_plane.placement.candidates import build_candidates
+from control_plane.placement.check import violations
+from control_plane.placement.models import LLAMA_2_13B, LLAMA_3_8B, LLAMA_3_70B, MISTRAL_7B
 from meridian.contracts import RegionInfo
 from providers.catalog import Catalog, load_catalog
 from providers.offerings import Offering

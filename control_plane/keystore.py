@@ -23,9 +23,8 @@ def _in_routing_table(key: ApiKey) -> bool:
     return Scope.INFERENCE.value in key.scopes
 
 
-def _insert(
+def create_key(
     session: Session,
-    plaintext: str,
     *,
     name: str,
     tenant: str,
@@ -33,7 +32,12 @@ def _insert(
     scopes: Sequence[Scope],
     models: Sequence[str] | None,
     now: datetime,
-) -> ApiKey:
+    plaintext: str | None = None,
+) -> tuple[ApiKey, str]:
+    """Store a key's hash (of `plaintext`, or of a newly generated key when None); returns the
+    row and the plaintext, which is never stored."""
+    if plaintext is None:
+        plaintext = generate_api_key()
     row = ApiKey(
         id=str(uuid.uuid4()),
         name=name,
@@ -50,24 +54,6 @@ def _insert(
     session.flush()
     if _in_routing_table(row):
         bump_version(session)
-    return row
-
-
-def create_key(
-    session: Session,
-    *,
-    name: str,
-    tenant: str,
-    zone: str,
-    scopes: Sequence[Scope],
-    models: Sequence[str] | None,
-    now: datetime,
-) -> tuple[ApiKey, str]:
-    """Store a new key's hash; returns the row and the plaintext, which is never stored."""
-    plaintext = generate_api_key()
-    row = _insert(
-        session, plaintext, name=name, tenant=tenant, zone=zone, scopes=scopes, models=models, now=now
-    )
     return row, plaintext
 
 
@@ -105,9 +91,9 @@ def ensure_bootstrap_key(session: Session, plaintext: str, now: datetime) -> boo
     existing = session.scalars(select(ApiKey).where(ApiKey.key_hash == hash_api_key(plaintext))).one_or_none()
     if existing is not None:
         return False
-    _insert(
+    create_key(
         session,
-        plaintext,
+        plaintext=plaintext,
         name=BOOTSTRAP_KEY_NAME,
         tenant=BOOTSTRAP_TENANT,
         zone="global",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -95,16 +95,5 @@ def delete(session: Session, row: ModelRecord) -> None:
 
 def spec_of(row: ModelRecord) -> ModelSpec:
     """The row as model fit takes it."""
-    return ModelSpec(
-        name=row.name,
-        params_b=row.params_b,
-        layers=row.layers,
-        kv_heads=row.kv_heads,
-        head_dim=row.head_dim,
-        quantization=row.quantization,
-        kv_cache_dtype=row.kv_cache_dtype,
-        max_context=row.max_context,
-        target_concurrent_seqs=row.target_concurrent_seqs,
-        attention_heads=row.attention_heads,
-        hidden_size=row.hidden_size,
-    )
+    # The table has a column for every field of ModelSpec, under the same name.
+    return ModelSpec(**{f.name: getattr(row, f.name) for f in fields(ModelSpec)})

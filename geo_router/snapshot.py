@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from meridian.atomic_file import write_atomic
 from meridian.contracts import RoutingTable
 
 log = logging.getLogger(__name__)
@@ -17,16 +16,7 @@ log = logging.getLogger(__name__)
 def write_snapshot(path: Path, table: RoutingTable) -> None:
     """Persist `table` so that a reader sees either the old file or the new one, never half."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(table.model_dump_json().encode("utf-8"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, table.model_dump_json().encode("utf-8"))
 
 
 def read_snapshot(path: Path) -> RoutingTable | None:

@@ -17,8 +17,6 @@ the runner hands it in), `series` (the timeline's per-bucket series), `json_mode
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,24 +27,13 @@ from chaos.report.markdown import report_markdown, suite_markdown, summary_rows
 from chaos.report.plot import draw_timeline
 from chaos.report.series import NO_REGION, TimelineSeries, timeline_series
 from chaos.timeline import FaultEvent
+from meridian.atomic_file import write_atomic
 
 NO_MATPLOTLIB = "timeline.png not drawn: matplotlib is not installed (pip install 'meridian[chaos]')"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see the old file or the whole new one, never a part."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            # mkstemp makes the file private (0600); a report is for anyone who can read the run's directory.
-            os.fchmod(f.fileno(), 0o644)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+# A report is for anyone who can read the run's directory, not private like mkstemp's 0600.
+REPORT_MODE = 0o644
 
 
 def write_report(report: RunReport, history: History, out_dir: Path) -> ReportFiles:
@@ -62,13 +49,12 @@ def write_report(report: RunReport, history: History, out_dir: Path) -> ReportFi
         png_path = None
     else:
         # The PNG first: the markdown links to it, so it should exist by the time the md does.
-        _write_atomic(out_dir / "timeline.png", png)
+        write_atomic(out_dir / "timeline.png", png, mode=REPORT_MODE)
     model = report_model(report, timeline, not_checked)
     json_path, md_path = out_dir / "report.json", out_dir / "report.md"
-    _write_atomic(json_path, (model.model_dump_json(indent=2) + "\n").encode("utf-8"))
-    _write_atomic(
-        md_path, report_markdown(report, not_checked, None if png_path is None else png_path.name).encode("utf-8")
-    )
+    write_atomic(json_path, (model.model_dump_json(indent=2) + "\n").encode("utf-8"), mode=REPORT_MODE)
+    md = report_markdown(report, not_checked, None if png_path is None else png_path.name)
+    write_atomic(md_path, md.encode("utf-8"), mode=REPORT_MODE)
     return ReportFiles(report_json=json_path, report_md=md_path, timeline_png=png_path)
 
 
@@ -77,7 +63,7 @@ def write_suite_summary(reports: Sequence[RunReport], out_dir: Path) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "summary.md"
-    _write_atomic(path, suite_markdown(reports).encode("utf-8"))
+    write_atomic(path, suite_markdown(reports).encode("utf-8"), mode=REPORT_MODE)
     return path
 
 

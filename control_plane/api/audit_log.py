@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import AwareDatetime, BaseModel, ConfigDict
 from sqlalchemy import select
 
-from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.api.pagination import PageParams, list_page, page_params
 from control_plane.auth import Ctx, require_scopes
 from control_plane.db.models import AuditEntry
 from control_plane.errors import BadRequest
@@ -63,8 +63,6 @@ def list_audit_entries(
         except OverflowError as e:
             # e.g. 0001-01-01T00:00+01:00, which is before year 1 in UTC.
             raise BadRequest("since is out of range") from e
-    with ctx.read() as session:
-        rows, next_cursor = paginate(session, query, [AuditEntry.id], page, descending=True)
-        views = [AuditEntryView.model_validate(r) for r in rows]
-    set_next_link(request, response, next_cursor)
-    return views
+    return list_page(
+        ctx, request, response, page, query, [AuditEntry.id], AuditEntryView.model_validate, descending=True
+    )

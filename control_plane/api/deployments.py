@@ -10,7 +10,7 @@ from sqlalchemy.exc import IntegrityError
 
 from control_plane import audit, deployment_store
 from control_plane.api.etags import check_if_match, check_put_preconditions, set_etag
-from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.api.pagination import PageParams, list_page, page_params
 from control_plane.api.tenants import known_zone
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_cluster_token, require_scopes
@@ -89,11 +89,7 @@ def put_deployment(
 def list_deployments(
     ctx: Ctx, request: Request, response: Response, page: Annotated[PageParams, Depends(page_params)]
 ) -> list[DeploymentView]:
-    with ctx.read() as session:
-        rows, next_cursor = paginate(session, select(Deployment), [Deployment.model], page)
-        views = [deployment_store.view(r) for r in rows]
-    set_next_link(request, response, next_cursor)
-    return views
+    return list_page(ctx, request, response, page, select(Deployment), [Deployment.model], deployment_store.view)
 
 
 @router.get("/deployments/{model:path}", dependencies=fleet_readers)

@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from control_plane import audit, keystore, tenant_store
-from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.api.pagination import PageParams, list_page, page_params
 from control_plane.api.tenants import create_audited, known_zone
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
@@ -83,11 +83,7 @@ def list_api_keys(
         query = query.where(ApiKey.revoked_at.is_(None))
     if tenant is not None:
         query = query.where(ApiKey.tenant == tenant)
-    with ctx.read() as session:
-        rows, next_cursor = paginate(session, query, [ApiKey.created_at, ApiKey.id], page)
-        views = [key_view(r) for r in rows]
-    set_next_link(request, response, next_cursor)
-    return views
+    return list_page(ctx, request, response, page, query, [ApiKey.created_at, ApiKey.id], key_view)
 
 
 @router.get("/api-keys/{key_id}")

@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 
 from control_plane import audit, model_store
 from control_plane.api.etags import check_if_match, check_put_preconditions, set_etag
-from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.api.pagination import PageParams, list_page, page_params
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import ModelRecord
@@ -167,11 +167,7 @@ def put_model(
 def list_models(
     ctx: Ctx, request: Request, response: Response, page: Annotated[PageParams, Depends(page_params)]
 ) -> list[ModelView]:
-    with ctx.read() as session:
-        rows, next_cursor = paginate(session, select(ModelRecord), [ModelRecord.name], page)
-        views = [model_view(r) for r in rows]
-    set_next_link(request, response, next_cursor)
-    return views
+    return list_page(ctx, request, response, page, select(ModelRecord), [ModelRecord.name], model_view)
 
 
 @router.get("/models/{name:path}", dependencies=fleet_readers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
@@ -48,19 +49,8 @@ class OfferingView(BaseModel):
 
     @classmethod
     def of(cls, o: Offering, max_instances: int | None) -> OfferingView:
-        return cls(
-            provider=o.provider,
-            region=o.region,
-            instance_type=o.instance_type,
-            sku=o.sku,
-            gpu_count=o.gpu_count,
-            vcpus=o.vcpus,
-            memory_gib=o.memory_gib,
-            price_per_hour=o.price_per_hour,
-            spot_price_per_hour=o.spot_price_per_hour,
-            availability_zones=list(o.availability_zones),
-            max_instances=max_instances,
-        )
+        # Every field of the offering, under its own name.
+        return cls(**asdict(o), max_instances=max_instances)
 
 
 class SkuView(BaseModel):
@@ -76,15 +66,8 @@ class SkuView(BaseModel):
 
     @classmethod
     def of(cls, sku: GpuSku, providers: list[str]) -> SkuView:
-        return cls(
-            name=sku.name,
-            memory_gib=sku.memory_gib,
-            bf16_tflops=sku.bf16_tflops,
-            hbm_gbps=sku.hbm_gbps,
-            interconnect=sku.interconnect,
-            interconnect_gbps=sku.interconnect_gbps,
-            providers=providers,
-        )
+        # Every field of the SKU, under its own name.
+        return cls(**asdict(sku), providers=providers)
 
 
 def _provider_view(ctx: AppContext, name: str) -> ProviderView:

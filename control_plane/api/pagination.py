@@ -19,12 +19,14 @@ from fastapi import Query, Request, Response
 from sqlalchemy import Select, and_, or_
 from sqlalchemy.orm import InstrumentedAttribute, Session
 
+from control_plane.context import AppContext
 from control_plane.errors import BadRequest
 
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 
 T = TypeVar("T")
+V = TypeVar("V")
 _BAD_CURSOR = "invalid cursor; use the one from the previous page's Link header"
 
 
@@ -105,6 +107,26 @@ def paginate(
     rows = rows[: page.limit]
     last = rows[-1]
     return rows, _encode([getattr(last, c.key) for c in order])
+
+
+def list_page(
+    ctx: AppContext,
+    request: Request,
+    response: Response,
+    page: PageParams,
+    query: Select[tuple[T]],
+    order: Sequence[InstrumentedAttribute[Any]],
+    view: Callable[[T], V],
+    *,
+    descending: bool = False,
+) -> list[V]:
+    """A listing endpoint's whole answer: one page of `query` (see `paginate`) read in one
+    session, each row turned into its view, and the next page's Link header set."""
+    with ctx.read() as session:
+        rows, next_cursor = paginate(session, query, order, page, descending=descending)
+        views = [view(r) for r in rows]
+    set_next_link(request, response, next_cursor)
+    return views
 
 
 def paginate_items(

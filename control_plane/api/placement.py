@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
 from control_plane import planner
-from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.api.pagination import PageParams, list_page, page_params
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import Deployment, PlacementPlan
@@ -77,13 +77,10 @@ def list_plans(
     ctx: Ctx, request: Request, response: Response, page: Annotated[PageParams, Depends(page_params)]
 ) -> list[PlanView]:
     """Plans, newest first."""
-    with ctx.read() as session:
-        rows, next_cursor = paginate(
-            session, select(PlacementPlan), [PlacementPlan.created_at, PlacementPlan.id], page, descending=True
-        )
-        views = [plan_view(r) for r in rows]
-    set_next_link(request, response, next_cursor)
-    return views
+    return list_page(
+        ctx, request, response, page, select(PlacementPlan), [PlacementPlan.created_at, PlacementPlan.id], plan_view,
+        descending=True,
+    )
 
 
 @router.get("/current", dependencies=readers)

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 from sqlalchemy import select
 
 from control_plane import leader
-from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.api.pagination import PageParams, list_page, page_params, paginate, set_next_link
 from control_plane.auth import Ctx, require_scopes
 from control_plane.db.models import AutoscalerDecision, NodeDrain, NodeGroup, ReconcileStep
 from control_plane.scopes import FLEET_READERS
@@ -151,18 +151,15 @@ def list_reconcile_steps(
         query = query.where(ReconcileStep.model == model)
     if node_group_id is not None:
         query = query.where(ReconcileStep.node_group_id == node_group_id)
-    with ctx.read() as session:
-        rows, next_cursor = paginate(session, query, [ReconcileStep.id], page, descending=True)
-        views = [
-            ReconcileStepView(
-                id=s.id, at=s.at, node_group_id=s.node_group_id, model=s.model, action=s.action, target=s.target,
-                outcome=s.outcome, attempt=s.attempt, detail=s.detail, error=s.error,
-                next_attempt_at=s.next_attempt_at, epoch=s.epoch,
-            )
-            for s in rows
-        ]
-    set_next_link(request, response, next_cursor)
-    return views
+    return list_page(ctx, request, response, page, query, [ReconcileStep.id], _step_view, descending=True)
+
+
+def _step_view(s: ReconcileStep) -> ReconcileStepView:
+    return ReconcileStepView(
+        id=s.id, at=s.at, node_group_id=s.node_group_id, model=s.model, action=s.action, target=s.target,
+        outcome=s.outcome, attempt=s.attempt, detail=s.detail, error=s.error,
+        next_attempt_at=s.next_attempt_at, epoch=s.epoch,
+    )
 
 
 @router.get("/autoscaler/decisions")
@@ -173,14 +170,11 @@ def list_autoscaler_decisions(
     query = select(AutoscalerDecision)
     if model is not None:
         query = query.where(AutoscalerDecision.model == model)
-    with ctx.read() as session:
-        rows, next_cursor = paginate(session, query, [AutoscalerDecision.id], page, descending=True)
-        views = [
-            AutoscalerDecisionView(
-                id=d.id, model=d.model, at=d.at, mode=d.mode, current=d.current, desired=d.desired,
-                reason=d.reason, inputs=dict(d.inputs or {}), epoch=d.epoch,
-            )
-            for d in rows
-        ]
-    set_next_link(request, response, next_cursor)
-    return views
+    return list_page(ctx, request, response, page, query, [AutoscalerDecision.id], _decision_view, descending=True)
+
+
+def _decision_view(d: AutoscalerDecision) -> AutoscalerDecisionView:
+    return AutoscalerDecisionView(
+        id=d.id, model=d.model, at=d.at, mode=d.mode, current=d.current, desired=d.desired,
+        reason=d.reason, inputs=dict(d.inputs or {}), epoch=d.epoch,
+    )

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from control_plane import audit, tenant_store
 from control_plane.api.etags import check_if_match, set_etag
-from control_plane.api.pagination import PageParams, page_params, paginate, set_next_link
+from control_plane.api.pagination import PageParams, list_page, page_params
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import Tenant
@@ -74,11 +74,7 @@ def create_tenant(ctx: Ctx, actor: AdminActor, body: TenantCreate, response: Res
 def list_tenants(
     ctx: Ctx, request: Request, response: Response, page: Annotated[PageParams, Depends(page_params)]
 ) -> list[TenantView]:
-    with ctx.read() as session:
-        rows, next_cursor = paginate(session, select(Tenant), [Tenant.name], page)
-        views = [tenant_view(r) for r in rows]
-    set_next_link(request, response, next_cursor)
-    return views
+    return list_page(ctx, request, response, page, select(Tenant), [Tenant.name], tenant_view)
 
 
 @router.get("/tenants/{name}", dependencies=readers)

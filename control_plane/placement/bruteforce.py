@@ -18,7 +18,14 @@ from dataclasses import dataclass
 
 from control_plane.placement.check import demand_coverable, effective_min_providers
 from control_plane.placement.diff import churn_counts
-from control_plane.placement.problem import Assignment, Deployment, PlacementResult, Problem, in_zone, rtt_ms
+from control_plane.placement.problem import (
+    Assignment,
+    Deployment,
+    PlacementResult,
+    Problem,
+    rtt_ms,
+    usable_offerings,
+)
 from providers.offerings import Offering
 
 
@@ -48,19 +55,9 @@ def _choices(problem: Problem, d: Deployment) -> list[_Choice]:
     held: dict[tuple[str, str, str, str, bool], int] = defaultdict(int)
     for a in problem.current:
         held[a.key] += a.instances
-    clients = d.client_regions
-    skus = set(d.usable_skus())
     out = []
-    for off in problem.offerings:
-        region = problem.regions.get(off.region)
-        shape = d.shapes.get(off.sku)
-        if region is None or shape is None or off.sku not in skus or off.gpu_count < shape.tp:
-            continue
-        if not in_zone(region, d.zone):
-            continue
-        near = [c for c in clients if rtt_ms(problem.regions[c], region) <= d.rtt_objective_ms]
-        if clients and not near:
-            continue
+    for usable in usable_offerings(problem, d):
+        off, shape, near = usable.offering, usable.shape, usable.near
         replicas = off.gpu_count // shape.tp
         tokens = replicas * shape.tokens_per_s
         for spot, price in ((False, off.price_per_hour), (True, off.spot_price_per_hour)):

@@ -10,7 +10,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import combinations
 
-from control_plane.placement.problem import Assignment, Deployment, Problem, in_zone, rtt_ms
+from control_plane.placement.problem import Assignment, Deployment, Problem, in_zone, rtt_ms, usable_offerings
 from providers.offerings import Offering
 
 _TOL = 1e-6
@@ -50,22 +50,13 @@ def effective_min_providers(problem: Problem, d: Deployment) -> int:
     """The deployment's provider spread requirement (explicit, or 2 capped by the providers available)."""
     if d.min_providers is not None:
         return d.min_providers
-    skus = set(d.usable_skus())
-    clients = d.client_regions
     providers = set()
-    for off in problem.offerings:
-        region = problem.regions.get(off.region)
-        shape = d.shapes.get(off.sku)
-        if region is None or shape is None or off.sku not in skus or off.gpu_count < shape.tp:
-            continue
-        if not in_zone(region, d.zone):
-            continue
-        if clients and not any(rtt_ms(problem.regions[c], region) <= d.rtt_objective_ms for c in clients):
-            continue
+    for usable in usable_offerings(problem, d):
+        off = usable.offering
         priced = off.price_per_hour is not None or (d.spot_allowed and off.spot_price_per_hour is not None)
         quota = problem.capacity.get((off.region, off.sku))
         if priced and (quota is None or quota >= off.gpu_count):
-            providers.add(region.provider)
+            providers.add(usable.region.provider)
     return min(2, max(1, len(providers)))
 
 

@@ -6,7 +6,7 @@ Units: demand and replica throughput in generated tokens per second; capacity in
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from control_plane.placement.fit import ModelFit
@@ -180,3 +180,32 @@ def rtt_ms(a: RegionInfo, b: RegionInfo) -> float:
 def in_zone(region: RegionInfo, zone: str) -> bool:
     """Whether a deployment of `zone` may have a replica in `region` (residency)."""
     return zone == GLOBAL_ZONE or zone in region.zones
+
+
+@dataclass(frozen=True, slots=True)
+class UsableOffering:
+    """An offering a deployment may use, with its region, the replica shape on its SKU and the
+    deployment's client regions within the RTT objective of it."""
+
+    offering: Offering
+    region: RegionInfo
+    shape: ReplicaShape
+    near: list[str]
+
+
+def usable_offerings(problem: Problem, d: Deployment) -> Iterator[UsableOffering]:
+    """The offerings in a known region of `d`'s zone, of a SKU `d` allows and fits with at least
+    TP GPUs, and (when `d` names client regions) within the RTT objective of at least one of them."""
+    skus = set(d.usable_skus())
+    clients = d.client_regions
+    for off in problem.offerings:
+        region = problem.regions.get(off.region)
+        shape = d.shapes.get(off.sku)
+        if region is None or shape is None or off.sku not in skus or off.gpu_count < shape.tp:
+            continue
+        if not in_zone(region, d.zone):
+            continue
+        near = [c for c in clients if rtt_ms(problem.regions[c], region) <= d.rtt_objective_ms]
+        if clients and not near:
+            continue
+        yield UsableOffering(off, region, shape, near)

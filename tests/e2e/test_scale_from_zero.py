@@ -5,8 +5,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from e2e_fabric import e2e_spec, running
 
-from localfabric import FabricSpec, LocalDeployment, LocalFabric
+from localfabric import LocalDeployment, LocalFabric
 from meridian.contracts import HEADER_REGION, HEADER_SCALE_WAIT_MS
 
 pytestmark = pytest.mark.e2e
@@ -17,21 +18,13 @@ MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
 
 @pytest.fixture(scope="module")
 def cold_fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFabric]:
-    spec = FabricSpec(
-        work_dir=tmp_path_factory.mktemp("cold-fabric"),
+    spec = e2e_spec(
+        tmp_path_factory.mktemp("cold-fabric"),
         regions=(),  # no node at all until a request asks for one
         deployments=(LocalDeployment(COLD_MODEL, zone="global", min_replicas=0, max_replicas=1),),
         scaler_interval_s=0.2,
-        heartbeat_interval_s=0.5,
-        node_ttl_s=6.0,
-        drain_timeout_s=5.0,
     )
-    f = LocalFabric(spec)
-    f.start()
-    try:
-        yield f
-    finally:
-        f.stop()
+    yield from running(spec)
 
 
 def test_a_request_scales_a_deployment_up_from_zero(cold_fabric: LocalFabric):

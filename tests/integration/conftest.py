@@ -1,4 +1,5 @@
-"""Fixtures shared by the integration tests: Redis key prefixes, AWS credentials for moto."""
+"""Fixtures shared by the integration tests: Redis key prefixes, a Redis client, the router
+mirrors a test made, AWS credentials for moto."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 from aws_moto import KEYS
 from redis.asyncio import Redis
+from redis_sharing import Mirrors
 
 
 @pytest.fixture
@@ -23,6 +25,22 @@ async def prefix(redis_url: str) -> AsyncIterator[str]:
             await client.delete(*keys)
     finally:
         await client.aclose()
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    """A client of the test Redis, for a test to look at (or plant) what routers share."""
+    client = Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def mirrors() -> AsyncIterator[Mirrors]:
+    """The routers' Redis mirrors this test makes, stopped when it ends."""
+    made = Mirrors()
+    yield made
+    await made.stop_all()
 
 
 @pytest.fixture

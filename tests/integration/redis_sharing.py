@@ -1,23 +1,51 @@
 """Helpers for the tests of router state shared through Redis: the sync interval they run
-at, "seen by the other router within about one interval", failed syncs driven on a
-ManualClock, and a TCP proxy in front of Redis that a test opens and cuts."""
+at, the routers' mirrors a test made (stopped when it ends), "seen by the other router
+within about one interval", failed syncs driven on a ManualClock, a Redis that refuses
+every connection, and a TCP proxy in front of Redis that a test opens and cuts."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from types import TracebackType
+from typing import TypeVar
 
 import httpx
+import pytest
 from router_harness import eventually, reserve_port
 
+from geo_router.redis_sync import RedisMirror
 from meridian.clock import ManualClock
+
+M = TypeVar("M", bound=RedisMirror)
 
 INTERVAL_S = 0.2
 # "Within about one interval": A's push and B's pull each wait up to one, plus slack for a
 # busy 2-core machine.
 SEEN_WITHIN_S = 2 * INTERVAL_S + 0.3
+
+
+class Mirrors:
+    """The RedisMirrors (one per simulated router) a test made; its fixture stops them all."""
+
+    def __init__(self) -> None:
+        self._made: list[RedisMirror] = []
+
+    def add(self, mirror: M) -> M:
+        """`mirror`, to be stopped when the test ends (its caller starts or syncs it)."""
+        self._made.append(mirror)
+        return mirror
+
+    async def start(self, mirror: M) -> M:
+        """`mirror` started: it has synced once (when Redis answers) and keeps in sync."""
+        await mirror.start()
+        return self.add(mirror)
+
+    async def stop_all(self) -> None:
+        for mirror in self._made:
+            await mirror.stop()
 
 
 async def seen_within(condition: Callable[[], bool], limit_s: float = SEEN_WITHIN_S) -> float:
@@ -38,6 +66,22 @@ async def failed_syncs(clock: ManualClock, count: int) -> None:
         clock.advance(delay)
         delay *= 2
     await eventually(lambda: clock.sleepers == 1)
+
+
+@contextmanager
+def refused_redis() -> Iterator[str]:
+    """The URL of a Redis that refuses every connection (its port bound, never listening)
+    while the block runs."""
+    closed = reserve_port()
+    try:
+        yield f"redis://127.0.0.1:{closed.getsockname()[1]}/0"
+    finally:
+        closed.close()
+
+
+def unreachable_warnings(caplog: pytest.LogCaptureFixture) -> int:
+    """How many times a mirror warned that Redis is unreachable."""
+    return len([r for r in caplog.records if "Redis unreachable" in r.getMessage()])
 
 
 class RedisProxy:

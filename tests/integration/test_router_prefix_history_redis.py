@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from redis_sharing import INTERVAL_S, failed_syncs, seen_within
-from router_harness import eventually, reserve_port
+from redis_sharing import INTERVAL_S, Mirrors, failed_syncs, refused_redis, seen_within, unreachable_warnings
+from router_harness import eventually
 
 from geo_router.prefix_history import RedisPrefixHistory
 from meridian.clock import ManualClock
@@ -24,29 +24,16 @@ MakeHistory = Callable[..., Awaitable[RedisPrefixHistory]]
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
-async def make_history(redis_url: str, prefix: str) -> AsyncIterator[MakeHistory]:
+def make_history(redis_url: str, prefix: str, mirrors: Mirrors) -> MakeHistory:
     """Starts RedisPrefixHistories (one per simulated router) on this test's prefix."""
-    started: list[RedisPrefixHistory] = []
 
     async def make(url: str = redis_url, **kw: Any) -> RedisPrefixHistory:
         values: dict[str, Any] = {"ttl_s": 30.0, "max_keys": 10_000, "sync_interval_s": INTERVAL_S,
                                   "timeout_s": 0.5, "key_prefix": prefix}
         values.update(kw)
-        history = RedisPrefixHistory(url, **values)
-        await history.start()
-        started.append(history)
-        return history
+        return await mirrors.start(RedisPrefixHistory(url, **values))
 
-    yield make
-    for history in started:
-        await history.stop()
+    return make
 
 
 async def test_a_prefix_routed_by_one_router_is_matched_at_another(make_history: MakeHistory):
@@ -111,18 +98,14 @@ async def test_the_stream_stays_bounded_and_repeats_are_not_republished(
 async def test_without_redis_a_router_keeps_its_own_history(
     make_history: MakeHistory, caplog: pytest.LogCaptureFixture
 ):
-    closed = reserve_port()  # bound, never listening: connections are refused
-    try:
+    with refused_redis() as url:
         caplog.set_level(logging.WARNING, logger="geo_router.prefix_history")
         clock = ManualClock()
-        history = await make_history(url=f"redis://127.0.0.1:{closed.getsockname()[1]}/0", clock=clock)
+        history = await make_history(url=url, clock=clock)
         assert not history.redis_reachable
         history.record("n1", [1, 2, 3])
         await failed_syncs(clock, 4)
         assert history.match([1, 2, 3], NODES) == {"n1": 3, "n2": 0, "n3": 0}
         history.forget_node("n1")
         assert history.match([1, 2, 3], NODES)["n1"] == 0
-        warnings = [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
-        assert len(warnings) == 1  # rate limited, not one per sync
-    finally:
-        closed.close()
+        assert unreachable_warnings(caplog) == 1  # rate limited, not one per sync

@@ -7,55 +7,36 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
+from ratelimit_kit import admitted, tenant
 from redis.asyncio import Redis
-from redis_sharing import RedisProxy
-from router_harness import eventually, reserve_port
+from redis_sharing import Mirrors, RedisProxy, refused_redis, unreachable_warnings
+from router_harness import eventually
 
 from geo_router.errors import RateLimited
 from geo_router.ratelimit import RedisRateLimiter
-from meridian.contracts import TenantEntry
 
 INTERVAL_S = 0.1
 
 MakeLimiter = Callable[..., Awaitable[RedisRateLimiter]]
 
 
-def tenant(rpm: int | None = None, tpm: int | None = None, name: str = "acme") -> TenantEntry:
-    return TenantEntry(key_hash="a" * 64, key_prefix="mrd_a", tenant=name, zone="global",
-                       requests_per_minute=rpm, tokens_per_minute=tpm)
-
-
-def admit_all(limiter: RedisRateLimiter, t: TenantEntry, tokens: int = 0, upto: int = 10_000) -> int:
-    """Requests admitted back to back until the first refusal."""
-    for n in range(upto):
-        try:
-            limiter.admit(t, tokens)
-        except RateLimited:
-            return n
-    return upto
-
-
 @pytest.fixture
-async def make_limiter(redis_url: str, prefix: str) -> AsyncIterator[MakeLimiter]:
+def make_limiter(redis_url: str, prefix: str, mirrors: Mirrors) -> MakeLimiter:
     """RedisRateLimiters (one per simulated router) on this test's prefix; `started` runs the
     background sync, else the test calls sync_once() itself and so decides when routers sync."""
-    made: list[RedisRateLimiter] = []
 
     async def make(url: str = redis_url, *, started: bool = False) -> RedisRateLimiter:
-        limiter = RedisRateLimiter(url, sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix)
-        made.append(limiter)
+        limiter = mirrors.add(RedisRateLimiter(url, sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix))
         if started:
             await limiter.start()
         else:
             await limiter.sync_once()
         return limiter
 
-    yield make
-    for limiter in made:
-        await limiter.stop()
+    return make
 
 
 async def sync(*limiters: RedisRateLimiter) -> None:
@@ -71,7 +52,7 @@ async def test_two_routers_bursting_together_get_one_bucket_not_two(make_limiter
     started = time.monotonic()
     total = 0
     for _ in range(6):  # six sync intervals of both hammering the idle tenant
-        total += admit_all(a, t) + admit_all(b, t)
+        total += admitted(a, t) + admitted(b, t)
         await sync(a, b)
     refill = time.monotonic() - started + 1
     # Overshoot bound (RedisRateLimiter): what the other router admitted within one interval,
@@ -84,14 +65,14 @@ async def test_a_tenant_busy_at_one_router_gets_the_whole_limit_there(make_limit
     a, b = await make_limiter(), await make_limiter()
     await sync(a)
     t = tenant(rpm=60)
-    admitted = [admit_all(a, t)]
+    counts = [admitted(a, t)]
     for _ in range(3):
         await sync(a)
-        admitted.append(admit_all(a, t))
-    assert admitted[0] == 30  # before its first sync: a provisional 1/fleet of a full bucket
-    assert 59 <= sum(admitted) <= 62  # within a few syncs, all of it
+        counts.append(admitted(a, t))
+    assert counts[0] == 30  # before its first sync: a provisional 1/fleet of a full bucket
+    assert 59 <= sum(counts) <= 62  # within a few syncs, all of it
     await sync(b)
-    assert admit_all(b, t) <= 1  # and the other router knows it is spent
+    assert admitted(b, t) <= 1  # and the other router knows it is spent
 
 
 @pytest.mark.redis
@@ -126,43 +107,35 @@ async def test_tokens_settled_at_one_router_count_at_the_other(make_limiter: Mak
     a.settle(t, estimated=400, actual=900)
     b.admit(t, 0)
     await sync(a, b, a, b)
-    assert admit_all(b, t, 100) == 0  # the fleet's 100 left are shared by two routers
+    assert admitted(b, t, 100) == 0  # the fleet's 100 left are shared by two routers
     assert 50 <= int(b.admit(t, 0).headers["x-ratelimit-remaining-tokens"]) <= 110
 
 
 @pytest.mark.redis
-async def test_every_key_has_a_ttl(make_limiter: MakeLimiter, redis_url: str, prefix: str):
+async def test_every_key_has_a_ttl(make_limiter: MakeLimiter, redis: Redis, prefix: str):
     a = await make_limiter()
     a.admit(tenant(rpm=10, tpm=1000), 5)
     await sync(a)
-    client = Redis.from_url(redis_url, socket_timeout=3, decode_responses=True)
-    try:
-        keys = [k async for k in client.scan_iter(match=prefix + "*")]
-        # Live routers, tenants with demand, the tenant's buckets and its routers with demand.
-        assert len(keys) == 4
-        for key in keys:
-            assert 0 < await client.pttl(key) <= (2 * 60 + 10) * 1000
-    finally:
-        await client.aclose()
+    keys = [k async for k in redis.scan_iter(match=prefix + "*")]
+    # Live routers, tenants with demand, the tenant's buckets and its routers with demand.
+    assert len(keys) == 4
+    for key in keys:
+        assert 0 < await redis.pttl(key) <= (2 * 60 + 10) * 1000
 
 
 async def test_without_redis_each_router_enforces_the_full_limit_itself(
     make_limiter: MakeLimiter, caplog: pytest.LogCaptureFixture
 ):
     caplog.set_level(logging.WARNING, logger="geo_router.ratelimit")
-    closed = reserve_port()  # bound, never listening: connections are refused
-    try:
-        limiter = await make_limiter(f"redis://127.0.0.1:{closed.getsockname()[1]}/0")
+    with refused_redis() as url:
+        limiter = await make_limiter(url)
         assert not limiter.redis_reachable
         t = tenant(rpm=5)
-        assert admit_all(limiter, t) == 5
+        assert admitted(limiter, t) == 5
         for _ in range(3):
             assert not await limiter.sync_once()
-        assert admit_all(limiter, t) == 0
-        warnings = [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
-        assert len(warnings) == 1  # once per 30 s, not once per failed sync
-    finally:
-        closed.close()
+        assert admitted(limiter, t) == 0
+        assert unreachable_warnings(caplog) == 1  # once per 30 s, not once per failed sync
 
 
 @pytest.mark.redis
@@ -174,8 +147,8 @@ async def test_losing_redis_falls_back_to_local_limits_without_a_fresh_burst(
         limiter = await make_limiter(proxy.url)
         assert limiter.redis_reachable
         t = tenant(rpm=10)
-        assert admit_all(limiter, t, upto=6) == 6
+        assert admitted(limiter, t, upto=6) == 6
         await proxy.close()
         assert not await limiter.sync_once()
         assert not limiter.redis_reachable
-        assert admit_all(limiter, t) == 4  # the local buckets were charged all along
+        assert admitted(limiter, t) == 4  # the local buckets were charged all along

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -14,7 +14,15 @@ import pytest
 from redis.asyncio import Redis
 
 # The router tests' stand-in nodes and uvicorn runner are shared, not copied.
-from redis_sharing import INTERVAL_S, RedisProxy, failed_syncs, seen_within
+from redis_sharing import (
+    INTERVAL_S,
+    Mirrors,
+    RedisProxy,
+    failed_syncs,
+    refused_redis,
+    seen_within,
+    unreachable_warnings,
+)
 from router_harness import (
     GLOBAL_KEY,
     MODEL,
@@ -24,7 +32,6 @@ from router_harness import (
     make_table,
     node,
     node_app,
-    reserve_port,
     router_settings,
 )
 
@@ -43,27 +50,15 @@ MakeFleet = Callable[..., Awaitable[RedisFleetState]]
 
 
 @pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url, socket_timeout=3, socket_connect_timeout=3, decode_responses=True)
-    yield client
-    await client.aclose()
-
-
-@pytest.fixture
-async def make_fleet(redis_url: str, prefix: str) -> AsyncIterator[MakeFleet]:
+def make_fleet(redis_url: str, prefix: str, mirrors: Mirrors) -> MakeFleet:
     """Starts RedisFleetStates (one per simulated router) on this test's prefix."""
-    started: list[RedisFleetState] = []
 
     async def make(url: str = redis_url, base_s: float = 5.0, **kwargs: Any) -> RedisFleetState:
-        fleet = RedisFleetState(url, ejection_base_s=base_s, ejection_max_s=60.0,
-                                sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix, **kwargs)
-        await fleet.start()
-        started.append(fleet)
-        return fleet
+        return await mirrors.start(RedisFleetState(url, ejection_base_s=base_s, ejection_max_s=60.0,
+                                                   sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix,
+                                                   **kwargs))
 
-    yield make
-    for fleet in started:
-        await fleet.stop()
+    return make
 
 
 async def test_a_node_ejected_by_one_router_is_skipped_by_another(make_fleet: MakeFleet):
@@ -176,11 +171,10 @@ async def test_an_ejection_written_by_an_older_router_is_understood(
 async def test_without_redis_each_router_still_ejects_on_its_own(
     make_fleet: MakeFleet, caplog: pytest.LogCaptureFixture
 ):
-    closed = reserve_port()  # bound, never listening: connections are refused
-    try:
+    with refused_redis() as url:
         caplog.set_level(logging.WARNING, logger="geo_router.redis_fleet")
         clock = ManualClock()
-        fleet = await make_fleet(url=f"redis://127.0.0.1:{closed.getsockname()[1]}/0", clock=clock)
+        fleet = await make_fleet(url=url, clock=clock)
         assert not fleet.redis_reachable
         assert fleet.record_failure("node-x") == 5.0
         assert fleet.is_ejected("node-x") and not fleet.is_ejected("node-y")
@@ -190,10 +184,7 @@ async def test_without_redis_each_router_still_ejects_on_its_own(
         assert fleet.is_ejected("node-x")
         fleet.record_success("node-x")
         assert not fleet.is_ejected("node-x")
-        warnings = [r for r in caplog.records if "Redis unreachable" in r.getMessage()]
-        assert len(warnings) == 1  # rate limited, not one per sync
-    finally:
-        closed.close()
+        assert unreachable_warnings(caplog) == 1  # rate limited, not one per sync
 
 
 async def test_a_router_shares_its_ejections_once_redis_is_back(

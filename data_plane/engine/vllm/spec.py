@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # vLLM's QuantizationMethods that serve pre-quantized or on-the-fly quantized checkpoints
 # on NVIDIA GPUs (vllm/model_executor/layers/quantization/__init__.py).
@@ -36,6 +36,12 @@ LOAD_FORMATS: tuple[str, ...] = (
     "auto", "pt", "safetensors", "npcache", "dummy", "tensorizer", "sharded_state", "gguf",
     "bitsandbytes", "mistral", "runai_streamer", "runai_streamer_sharded", "fastsafetensors",
 )
+# The spec's fields that take one of the names above.
+_KNOWN_VALUES: dict[str, tuple[str, ...]] = {
+    "quantization": QUANTIZATION_METHODS,
+    "kv_cache_dtype": KV_CACHE_DTYPES,
+    "load_format": LOAD_FORMATS,
+}
 ModelDType = Literal["auto", "half", "float16", "bfloat16", "float", "float32"]
 # vllm/config/lora.py MaxLoRARanks and vllm/config/cache.py BlockSize.
 MaxLoraRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
@@ -151,27 +157,13 @@ class DeploymentSpec(_Spec):
     # Environment variables for the vLLM process (VLLM_*, NCCL_*...).
     env: dict[str, str] = Field(default_factory=dict)
 
-    @field_validator("quantization")
+    @field_validator("quantization", "kv_cache_dtype", "load_format")
     @classmethod
-    def _known_quantization(cls, value: str | None) -> str | None:
-        if value is not None and value not in QUANTIZATION_METHODS:
-            raise ValueError(
-                f"unknown quantization {value!r}; vLLM knows: {', '.join(QUANTIZATION_METHODS)}"
-            )
-        return value
-
-    @field_validator("kv_cache_dtype")
-    @classmethod
-    def _known_kv_cache_dtype(cls, value: str) -> str:
-        if value not in KV_CACHE_DTYPES:
-            raise ValueError(f"unknown kv_cache_dtype {value!r}; vLLM knows: {', '.join(KV_CACHE_DTYPES)}")
-        return value
-
-    @field_validator("load_format")
-    @classmethod
-    def _known_load_format(cls, value: str) -> str:
-        if value not in LOAD_FORMATS:
-            raise ValueError(f"unknown load_format {value!r}; vLLM knows: {', '.join(LOAD_FORMATS)}")
+    def _known_to_vllm(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A value vLLM accepts for the field (a None quantization: the checkpoint's own)."""
+        known = _KNOWN_VALUES[info.field_name]
+        if value is not None and value not in known:
+            raise ValueError(f"unknown {info.field_name} {value!r}; vLLM knows: {', '.join(known)}")
         return value
 
     @field_validator("extra_args")

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import uvicorn
+from router_harness import reserve_port, url_of
 from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -221,29 +222,18 @@ class Router:
         return {s.request_id: s for s in self.app.seen}
 
 
-def _socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-def _url(sock: socket.socket) -> str:
-    return f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
 @pytest.fixture(scope="module")
 def _running_router() -> Iterator[Router]:
     app = ScriptedRouter()
     starlette = Starlette(routes=[Route("/v1/chat/completions", app, methods=["POST"])])
-    socks = [_socket(), _socket()]
-    refused = _socket()  # bound, never listening: connecting is refused
+    socks = [reserve_port(), reserve_port()]
+    refused = reserve_port()  # bound, never listening: connecting is refused
     server = _ThreadServer(uvicorn.Config(starlette, log_level="critical", lifespan="off", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, kwargs={"sockets": socks}, daemon=True)
     thread.start()
     assert server.startup_done.wait(10) and server.started, "uvicorn did not start"
     try:
-        yield Router((_url(socks[0]), _url(socks[1])), _url(refused), app)
+        yield Router((url_of(socks[0]), url_of(socks[1])), url_of(refused), app)
     finally:
         server.should_exit = True
         thread.join(5)

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-import chaos.report as report_mod
 from chaos.checker import CheckResult, check, latency_ms, percentile
 from chaos.drill import DRILLS_DIR, Drill, load_drill
 from chaos.history import ClientOp, History, Outcome, Routed, Served
@@ -357,7 +356,7 @@ def test_writes_are_atomic_and_leave_no_temporary_files(
         real_replace(src, dst)
 
     # A failure between writing the new report and renaming it must leave the old one whole.
-    monkeypatch.setattr(report_mod.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     failing, _ = make_report(drill, broken())
     with pytest.raises(OSError, match="disk went away"):
         write_report(failing, broken(), tmp_path)

@@ -43,6 +43,13 @@ class ControlPlane:
         assert "Traceback" not in response.text
         return body
 
+    async def admin_list(self, path: str, **params: str) -> list[dict[str, Any]]:
+        """One page of an admin listing, as the API orders it (the listing must answer 200)."""
+        r = await self.http.get(path, params=params, headers=self.admin)
+        assert r.status_code == 200, r.text
+        body: list[dict[str, Any]] = r.json()
+        return body
+
     async def register(self, node_id: str, region: str = "aws:us-east-1", **fields: Any) -> httpx.Response:
         body = {
             "node_id": node_id,

@@ -218,10 +218,7 @@ async def desired(cp: ControlPlane) -> int:
 
 
 async def decisions(cp: ControlPlane) -> list[dict[str, Any]]:
-    r = await cp.http.get("/v1/autoscaler/decisions", params={"model": MODEL}, headers=cp.admin)
-    assert r.status_code == 200, r.text
-    body: list[dict[str, Any]] = list(reversed(r.json()))  # oldest first
-    return body
+    return list(reversed(await cp.admin_list("/v1/autoscaler/decisions", model=MODEL)))  # oldest first
 
 
 async def setup_deployment(cp: ControlPlane) -> None:

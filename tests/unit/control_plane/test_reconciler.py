@@ -117,17 +117,11 @@ def summary(results: list[StepResult]) -> list[tuple[str, int, str]]:
 
 
 async def groups(cp: ControlPlane) -> list[dict[str, Any]]:
-    r = await cp.http.get("/v1/node-groups", params={"model": MODEL}, headers=cp.admin)
-    assert r.status_code == 200, r.text
-    body: list[dict[str, Any]] = r.json()
-    return body
+    return await cp.admin_list("/v1/node-groups", model=MODEL)
 
 
 async def steps(cp: ControlPlane) -> list[dict[str, Any]]:
-    r = await cp.http.get("/v1/reconciler/steps", params={"model": MODEL}, headers=cp.admin)
-    assert r.status_code == 200, r.text
-    body: list[dict[str, Any]] = list(reversed(r.json()))  # oldest first
-    return body
+    return list(reversed(await cp.admin_list("/v1/reconciler/steps", model=MODEL)))  # oldest first
 
 
 async def node_status(cp: ControlPlane) -> dict[str, str]:

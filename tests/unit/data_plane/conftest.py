@@ -1,4 +1,5 @@
-"""Fixtures: one tiny checkpoint per session (seed 0) and a node app built on it."""
+"""Fixtures: one tiny checkpoint per session (seed 0), its model config (`base`, what LoRA
+adapters are made for) and a node app built on it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from fastapi import FastAPI
 from node_testkit import MODEL_NAME, make_settings
 
 from data_plane.engine.torch_engine import TorchEngine
+from data_plane.model.llama import LlamaConfig
+from data_plane.model.loader import read_config
 from data_plane.model.make_tiny import make_tiny_checkpoint
 from data_plane.server.app import create_app
 from meridian.settings import NodeSettings
@@ -19,6 +22,11 @@ from meridian.settings import NodeSettings
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / MODEL_NAME, seed=0)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_checkpoint: Path) -> LlamaConfig:
+    return LlamaConfig.from_hf(read_config(tiny_checkpoint))
 
 
 @pytest.fixture

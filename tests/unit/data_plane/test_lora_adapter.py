@@ -25,16 +25,10 @@ from data_plane.lora import (
 )
 from data_plane.lora.make_tiny import make_tiny_lora
 from data_plane.model.llama import LlamaConfig
-from data_plane.model.loader import read_config
 
 Tensors = dict[str, torch.Tensor]
 Config = dict[str, Any]
 PREFIX = "base_model.model.model.layers"
-
-
-@pytest.fixture(scope="module")
-def base(tiny_checkpoint: Path) -> LlamaConfig:
-    return LlamaConfig.from_hf(read_config(tiny_checkpoint))
 
 
 @pytest.fixture(scope="module")

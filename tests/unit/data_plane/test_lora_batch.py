@@ -15,12 +15,7 @@ from data_plane.lora import LORA_MODULES, NO_LORA, LoraAdapter, LoraBatch, LoraM
 from data_plane.lora.adapter import module_shapes
 from data_plane.lora.make_tiny import make_tiny_lora
 from data_plane.model.llama import LlamaConfig, LlamaForCausalLM
-from data_plane.model.loader import load_model, read_config
-
-
-@pytest.fixture(scope="module")
-def base(tiny_checkpoint: Path) -> LlamaConfig:
-    return LlamaConfig.from_hf(read_config(tiny_checkpoint))
+from data_plane.model.loader import load_model
 
 
 @pytest.fixture(scope="module")

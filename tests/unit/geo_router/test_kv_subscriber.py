@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -92,6 +92,30 @@ class Node:
                            kv_events_replay=self.replay_endpoint)
 
 
+class Nodes:
+    """The nodes a test started; their publishers are closed when it ends."""
+
+    def __init__(self) -> None:
+        self._made: list[Node] = []
+
+    def start(self, node_id: str, *, replay: bool = True) -> Node:
+        return self._start(Node(node_id) if replay else Node(node_id, replay_port=None))
+
+    async def restart(self, node: Node) -> Node:
+        """`node`'s publisher stopped and a new one on the same ports: a stream counting from 0."""
+        await node.close()
+        return self._start(Node(node.node_id, port=node.port, replay_port=node.replay_port))
+
+    def _start(self, node: Node) -> Node:
+        self._made.append(node.start())
+        return node
+
+    def close_all(self) -> None:
+        for node in self._made:
+            if node.publisher is not None:
+                node.publisher.close()
+
+
 class LossyLink:
     """Forwards a publisher's stream to the router, dropping the batches it is told to, as
     a congested network (or a full ZMQ pipe) would. Replays still reach the publisher."""
@@ -129,6 +153,9 @@ class LossyLink:
         self._ctx.term()
 
 
+Links = Callable[[Node], LossyLink]
+
+
 @dataclass
 class Router:
     """The router side: a table source, the index and the subscriber following the table."""
@@ -161,12 +188,24 @@ async def router() -> AsyncIterator[Router]:
 
 
 @pytest.fixture
-def nodes() -> Iterator[list[Node]]:
-    made: list[Node] = []
+def nodes() -> Iterator[Nodes]:
+    made = Nodes()
     yield made
-    for node in made:
-        if node.publisher is not None:
-            node.publisher.close()
+    made.close_all()
+
+
+@pytest.fixture
+async def links() -> AsyncIterator[Links]:
+    """Lossy links in front of nodes' publishers, closed when the test ends."""
+    made: list[LossyLink] = []
+
+    def link(node: Node) -> LossyLink:
+        made.append(LossyLink(node.endpoint))
+        return made[-1]
+
+    yield link
+    for each in made:
+        await each.close()
 
 
 async def until_live(router: Router, node_id: str, publish: object) -> None:
@@ -188,10 +227,9 @@ async def until_live(router: Router, node_id: str, publish: object) -> None:
 
 
 async def test_events_reach_the_index_including_those_sent_before_subscribing(
-    router: Router, nodes: list[Node]
+    router: Router, nodes: Nodes
 ) -> None:
-    node = Node("us-1").start()
-    nodes.append(node)
+    node = nodes.start("us-1")
     # Published before the router subscribes: recovered from the replay buffer on connect.
     node.publish(stored(ALICE))
     await node.sent(1)
@@ -207,58 +245,49 @@ async def test_events_reach_the_index_including_those_sent_before_subscribing(
     assert (stats.lost_batches, stats.decode_errors) == (0, 0)
 
 
-async def test_a_gap_is_filled_from_the_replay_socket(router: Router, nodes: list[Node]) -> None:
-    node = Node("us-1").start()
-    nodes.append(node)
-    link = LossyLink(node.endpoint)
-    try:
-        router.set_nodes(node.routing_node(endpoint=link.endpoint))
-        await until_live(router, "us-1", node.publish)
+async def test_a_gap_is_filled_from_the_replay_socket(router: Router, nodes: Nodes, links: Links) -> None:
+    node = nodes.start("us-1")
+    link = links(node)
+    router.set_nodes(node.routing_node(endpoint=link.endpoint))
+    await until_live(router, "us-1", node.publish)
 
-        link.to_drop = 2
-        node.publish(stored(ALICE))
-        node.publish(removed(ALICE[5:]))  # lost on the way: must still be applied
-        node.publish(stored(BOB[4:]))
-        await eventually(lambda: router.held("us-1", BOB) == 7)
-        assert len(link.dropped) == 2
-        assert router.held("us-1", ALICE) == 5
-        stats = router.subscriber.stats
-        assert stats.gaps == 1 and stats.replayed_batches >= 2
-        assert stats.lost_batches == 0
-    finally:
-        await link.close()
+    link.to_drop = 2
+    node.publish(stored(ALICE))
+    node.publish(removed(ALICE[5:]))  # lost on the way: must still be applied
+    node.publish(stored(BOB[4:]))
+    await eventually(lambda: router.held("us-1", BOB) == 7)
+    assert len(link.dropped) == 2
+    assert router.held("us-1", ALICE) == 5
+    stats = router.subscriber.stats
+    assert stats.gaps == 1 and stats.replayed_batches >= 2
+    assert stats.lost_batches == 0
 
 
-async def test_without_replay_a_gap_clears_the_node(router: Router, nodes: list[Node]) -> None:
-    node = Node("us-1", replay_port=None).start()
-    other = Node("eu-1", replay_port=None).start()
-    nodes += [node, other]
-    link = LossyLink(node.endpoint)
-    try:
-        router.set_nodes(node.routing_node(endpoint=link.endpoint), other.routing_node())
-        await until_live(router, "us-1", node.publish)
-        await until_live(router, "eu-1", other.publish)
-        node.publish(stored(ALICE))
-        other.publish(stored(ALICE))
-        await eventually(lambda: router.held("us-1", ALICE) == 7 and router.held("eu-1", ALICE) == 7)
+async def test_without_replay_a_gap_clears_the_node(router: Router, nodes: Nodes, links: Links) -> None:
+    node = nodes.start("us-1", replay=False)
+    other = nodes.start("eu-1", replay=False)
+    link = links(node)
+    router.set_nodes(node.routing_node(endpoint=link.endpoint), other.routing_node())
+    await until_live(router, "us-1", node.publish)
+    await until_live(router, "eu-1", other.publish)
+    node.publish(stored(ALICE))
+    other.publish(stored(ALICE))
+    await eventually(lambda: router.held("us-1", ALICE) == 7 and router.held("eu-1", ALICE) == 7)
 
-        link.to_drop = 1
-        node.publish(removed(ALICE[3:]))  # lost: the router can no longer trust us-1's entries
-        node.publish(stored(BOB))
-        await eventually(lambda: router.held("us-1", BOB) == 7)
-        # Nothing of what came before the gap survives, not even the blocks it did not remove...
-        assert router.index.node_blocks("us-1") == len(BOB)
-        assert router.held("us-1", ALICE) == 4  # (these four are BOB's too)
-        # ...and the other node is untouched.
-        assert router.held("eu-1", ALICE) == 7
-        assert router.subscriber.stats.lost_batches == 1
-    finally:
-        await link.close()
+    link.to_drop = 1
+    node.publish(removed(ALICE[3:]))  # lost: the router can no longer trust us-1's entries
+    node.publish(stored(BOB))
+    await eventually(lambda: router.held("us-1", BOB) == 7)
+    # Nothing of what came before the gap survives, not even the blocks it did not remove...
+    assert router.index.node_blocks("us-1") == len(BOB)
+    assert router.held("us-1", ALICE) == 4  # (these four are BOB's too)
+    # ...and the other node is untouched.
+    assert router.held("eu-1", ALICE) == 7
+    assert router.subscriber.stats.lost_batches == 1
 
 
-async def test_table_changes_connect_disconnect_and_forget_nodes(router: Router, nodes: list[Node]) -> None:
-    a, b = Node("us-1").start(), Node("eu-1").start()
-    nodes += [a, b]
+async def test_table_changes_connect_disconnect_and_forget_nodes(router: Router, nodes: Nodes) -> None:
+    a, b = nodes.start("us-1"), nodes.start("eu-1")
     router.set_nodes(a.routing_node(), b.routing_node())
     await until_live(router, "us-1", a.publish)
     await until_live(router, "eu-1", b.publish)
@@ -277,8 +306,7 @@ async def test_table_changes_connect_disconnect_and_forget_nodes(router: Router,
 
     # us-1 moves to another publisher (a new endpoint): its old entries are not carried over.
     await a.close()
-    moved = Node("us-1").start()
-    nodes.append(moved)
+    moved = nodes.start("us-1")
     moved.publish(stored(BOB[:2]))
     await moved.sent(1)
     router.set_nodes(moved.routing_node())
@@ -292,9 +320,8 @@ async def test_table_changes_connect_disconnect_and_forget_nodes(router: Router,
     assert router.subscriber.subscribed_nodes() == frozenset()
 
 
-async def test_a_restarted_publisher_resets_the_node(router: Router, nodes: list[Node]) -> None:
-    node = Node("us-1").start()
-    nodes.append(node)
+async def test_a_restarted_publisher_resets_the_node(router: Router, nodes: Nodes) -> None:
+    node = nodes.start("us-1")
     router.set_nodes(node.routing_node())
     await until_live(router, "us-1", node.publish)
     for i in range(5):  # its sequence runs ahead of the next process's
@@ -302,9 +329,7 @@ async def test_a_restarted_publisher_resets_the_node(router: Router, nodes: list
     await eventually(lambda: router.held("us-1", ALICE) == 7)
 
     # The node restarts on the same ports: a new publisher counting from 0, an empty cache.
-    await node.close()
-    restarted = Node("us-1", port=node.port, replay_port=node.replay_port).start()
-    nodes.append(restarted)
+    restarted = await nodes.restart(node)
     # It gets further than the old process did before the router hears from it, so its
     # sequence does not go back: only the dropped connection says this is a new stream.
     for _ in range(100):
@@ -321,30 +346,24 @@ async def test_a_restarted_publisher_resets_the_node(router: Router, nodes: list
 
 
 async def test_a_sequence_that_starts_over_behind_a_proxy_resets_the_node(
-    router: Router, nodes: list[Node]
+    router: Router, nodes: Nodes, links: Links
 ) -> None:
     # Behind a forwarder the router's connection never drops: only the sequence tells.
-    node = Node("us-1").start()
-    nodes.append(node)
-    link = LossyLink(node.endpoint)
-    try:
-        router.set_nodes(node.routing_node(endpoint=link.endpoint))
-        await until_live(router, "us-1", node.publish)
-        for i in range(5):
-            node.publish(stored(ALICE[: i + 3]))
-        await eventually(lambda: router.held("us-1", ALICE) == 7)
-        resets = router.subscriber.stats.resets
+    node = nodes.start("us-1")
+    link = links(node)
+    router.set_nodes(node.routing_node(endpoint=link.endpoint))
+    await until_live(router, "us-1", node.publish)
+    for i in range(5):
+        node.publish(stored(ALICE[: i + 3]))
+    await eventually(lambda: router.held("us-1", ALICE) == 7)
+    resets = router.subscriber.stats.resets
 
-        await node.close()
-        restarted = Node("us-1", port=node.port, replay_port=node.replay_port).start()
-        nodes.append(restarted)
-        await until_live(router, "us-1", restarted.publish)
-        restarted.publish(stored(BOB[:2]))
-        await eventually(lambda: router.held("us-1", BOB) == 2)
-        assert router.held("us-1", ALICE) == 2
-        assert router.subscriber.stats.resets == resets + 1
-    finally:
-        await link.close()
+    restarted = await nodes.restart(node)
+    await until_live(router, "us-1", restarted.publish)
+    restarted.publish(stored(BOB[:2]))
+    await eventually(lambda: router.held("us-1", BOB) == 2)
+    assert router.held("us-1", ALICE) == 2
+    assert router.subscriber.stats.resets == resets + 1
 
 
 async def test_malformed_messages_are_ignored_and_counted(router: Router) -> None:

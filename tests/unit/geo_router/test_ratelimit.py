@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from ratelimit_kit import admitted, tenant
 from router_harness import router_settings
 
 from geo_router.errors import RateLimited, error_response
@@ -18,11 +19,6 @@ from meridian.clock import ManualClock
 from meridian.contracts import TenantEntry
 
 
-def tenant(rpm: int | None = None, tpm: int | None = None, *, name: str = "acme", key: str = "a") -> TenantEntry:
-    return TenantEntry(key_hash=key * 64, key_prefix="mrd_" + key, tenant=name, zone="global",
-                       requests_per_minute=rpm, tokens_per_minute=tpm)
-
-
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock()
@@ -31,16 +27,6 @@ def clock() -> ManualClock:
 @pytest.fixture
 def limiter(clock: ManualClock) -> InProcessRateLimiter:
     return InProcessRateLimiter(clock=clock)
-
-
-def admitted(limiter: InProcessRateLimiter, t: TenantEntry, tokens: int = 0, *, upto: int = 10_000) -> int:
-    """How many requests of `tokens` each are admitted back to back, right now."""
-    for n in range(upto):
-        try:
-            limiter.admit(t, tokens)
-        except RateLimited:
-            return n
-    return upto
 
 
 def refusal(limiter: InProcessRateLimiter, t: TenantEntry, tokens: int = 0) -> RateLimited:

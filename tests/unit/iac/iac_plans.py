@@ -208,6 +208,19 @@ PLAN: dict[str, Any] = {
 }
 
 
+# The plan's region stacks, sorted: one per region with groups, none for the inventory-only site
+# (onprem:berlin-1, an on-prem site without Kubernetes).
+REGION_STACKS = [
+    "aws-eu-central-1",
+    "aws-eu-west-1",
+    "aws-us-east-1",
+    "aws-us-west-2",
+    "gcp-europe-west4",
+    "gcp-us-central1",
+    "onprem-tokyo-1",
+]
+
+
 def plan_dict() -> dict[str, Any]:
     """A fresh copy of the three-cloud plan, to modify."""
     return copy.deepcopy(PLAN)

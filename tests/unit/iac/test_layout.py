@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from iac_plans import EU_MODEL, GLOBAL_MODEL, US_MODEL, plan_dict
+from iac_plans import EU_MODEL, GLOBAL_MODEL, REGION_STACKS, US_MODEL, plan_dict
 
 from iac import layout
 from iac.layout import PlanError
@@ -14,15 +14,7 @@ from providers.gcp import naming as gcp_naming
 
 def test_stacks_skip_inventory_only_sites(plan):
     names = [rs.name for rs in layout.region_stacks(plan)]
-    assert names == [
-        "aws-eu-central-1",
-        "aws-eu-west-1",
-        "aws-us-east-1",
-        "aws-us-west-2",
-        "gcp-europe-west4",
-        "gcp-us-central1",
-        "onprem-tokyo-1",
-    ]
+    assert names == REGION_STACKS
 
 
 def test_the_global_region_gets_a_stack_even_without_groups():

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-from iac_plans import EU_MODEL, GLOBAL_MODEL, US_MODEL, plan_dict
+from iac_plans import EU_MODEL, GLOBAL_MODEL, REGION_STACKS, US_MODEL, plan_dict
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -31,16 +31,7 @@ runner = CliRunner()
 Stacks = dict[str, dict[str, Any]]
 
 EXAMPLE_PLAN = Path(__file__).resolve().parents[3] / "examples" / "plans" / "three-clouds.json"
-STACK_NAMES = [
-    "aws-eu-central-1",
-    "aws-eu-west-1",
-    "aws-us-east-1",
-    "aws-us-west-2",
-    "gcp-europe-west4",
-    "gcp-us-central1",
-    "global",
-    "onprem-tokyo-1",
-]
+STACK_NAMES = sorted([*REGION_STACKS, "global"])
 
 
 @pytest.fixture(scope="module")
