@@ -33,13 +33,9 @@ from control_plane.placement.problem import (
 )
 from control_plane.placement.problem import Deployment as PlacementDeployment
 from control_plane.placement.solver import solve
+from meridian.admin_api import PlanStatus
 from meridian.contracts import PlacementSpec, RegionInfo
 from providers.catalog import Catalog
-
-PREVIEW = "preview"
-APPLIED = "applied"
-SUPERSEDED = "superseded"
-INFEASIBLE = "infeasible"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +50,7 @@ class PlanningState:
 
 def current_plan(session: Session) -> PlacementPlan | None:
     """The applied plan: the placement in force."""
-    return session.scalars(select(PlacementPlan).where(PlacementPlan.status == APPLIED)).one_or_none()
+    return session.scalars(select(PlacementPlan).where(PlacementPlan.status == PlanStatus.APPLIED)).one_or_none()
 
 
 def assignment_as_dict(a: Assignment) -> dict[str, Any]:
@@ -139,7 +135,7 @@ def store_plan(
     new = list(result.assignments)
     plan = PlacementPlan(
         id=str(uuid.uuid4()),
-        status=PREVIEW if result.feasible else INFEASIBLE,
+        status=PlanStatus.PREVIEW if result.feasible else PlanStatus.INFEASIBLE,
         base_plan_id=state.base_plan_id,
         cost_per_hour=result.total_cost_per_hour if result.feasible else None,
         assignments=[assignment_as_dict(a) for a in new],
@@ -178,11 +174,11 @@ def get_plan(session: Session, plan_id: str, *, for_update: bool = False) -> Pla
 def apply_plan(session: Session, plan_id: str, actor: Actor, now: datetime) -> PlacementPlan:
     """Make a previewed plan the placement in force; Conflict when it is stale or not a preview."""
     plan = get_plan(session, plan_id, for_update=True)
-    if plan.status != PREVIEW:
+    if plan.status != PlanStatus.PREVIEW:
         raise Conflict(f"plan {plan_id} is {plan.status}; only a preview can be applied")
     # Lock the applied row too, so two concurrent applies serialise and the second sees it changed.
     current = session.scalars(
-        select(PlacementPlan).where(PlacementPlan.status == APPLIED).with_for_update()
+        select(PlacementPlan).where(PlacementPlan.status == PlanStatus.APPLIED).with_for_update()
     ).one_or_none()
     current_id = current.id if current else None
     if plan.base_plan_id != current_id:
@@ -191,9 +187,9 @@ def apply_plan(session: Session, plan_id: str, actor: Actor, now: datetime) -> P
             f"{current_id or 'none'} is in force now; preview a new plan"
         )
     if current is not None:
-        current.status = SUPERSEDED
+        current.status = PlanStatus.SUPERSEDED
         session.flush()
-    plan.status = APPLIED
+    plan.status = PlanStatus.APPLIED
     plan.applied_at = now
     plan.applied_by = actor.name
     session.flush()
