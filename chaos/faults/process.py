@@ -16,6 +16,8 @@ from chaos.environment import COLD_START_NICENESS, DrillEnvironment, InjectionEr
 from chaos.history import History, Outcome
 from chaos.observe import answers, metric_samples
 from localfabric import FabricSpec, Proc, renice
+from meridian.admin_client import AdminAPIError, AsyncAdminClient
+from meridian.contracts import NodeStatus
 
 # A single node is killed while it is working on a request, so that failover of requests in
 # flight is exercised; if it stays idle this long it is killed anyway (and the event says so).
@@ -216,7 +218,8 @@ class ClockSkew:
         """Until observe(): who claims leadership, and which live nodes the control plane expired."""
         info = self._env.info
         headers = {"authorization": f"Bearer {info.admin_key}"}
-        async with httpx.AsyncClient(timeout=2.0, headers=headers) as http:
+        async with (httpx.AsyncClient(timeout=2.0, headers=headers) as http,
+                    AsyncAdminClient(info.control_plane_url, info.admin_key, timeout_s=2.0) as admin):
             while self._watching:
                 leaders = []
                 for url in info.control_plane_urls:
@@ -230,14 +233,14 @@ class ClockSkew:
                     self._two_leaders.append(f"{self._env.now_s():.1f}s: {', '.join(leaders)}")
                     self._env.event("two leaders", ", ".join(leaders))
                 try:
-                    nodes = (await http.get(f"{info.control_plane_url}/v1/nodes")).json()
-                except (httpx.HTTPError, ValueError):
+                    nodes = await admin.nodes()
+                except (AdminAPIError, ValueError):
                     nodes = []
                 alive = {p.node_id for p in self._env.live_nodes()}
                 for n in nodes:
-                    if n.get("node_id") in alive and n.get("status") == "lost" and n["node_id"] not in self._flapped:
-                        self._flapped.add(n["node_id"])
-                        self._env.event("flap", f"live node {n['node_id']} marked lost")
+                    if n.node_id in alive and n.status == NodeStatus.LOST and n.node_id not in self._flapped:
+                        self._flapped.add(n.node_id)
+                        self._env.event("flap", f"live node {n.node_id} marked lost")
                 await asyncio.sleep(_WATCH_INTERVAL_S)
 
     async def observe(self, history: History) -> Mapping[str, bool]:
