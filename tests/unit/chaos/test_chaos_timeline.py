@@ -10,6 +10,7 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 
 from chaos.checker import check
@@ -19,8 +20,6 @@ from chaos.report import NO_NODE, NO_REGION, FaultEvent, ReportModel, RunReport,
 from chaos.report.plot import TimelineFigure, draw_timeline, timeline_figure
 from chaos.report.plot_events import stagger
 from chaos.report.traffic import SHIFT_MIN_BEFORE, Failover, TrafficShift, traffic_shifts
-
-matplotlib = pytest.importorskip("matplotlib")  # the `chaos` extra; CI installs it
 
 US, EU = "aws:us-east-1", "gcp:europe-west4"
 N1, N2, N_EU = "node-aws-us-east-1-1", "node-aws-us-east-1-2", "node-gcp-europe-west4"
