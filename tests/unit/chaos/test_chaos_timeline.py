@@ -212,3 +212,12 @@ def test_report_json_has_the_node_series_and_still_reads_without_them(drill: Dri
     for name in ("nodes", "node_regions", "node_requests_per_s", "errors", "failovers", "traffic_shifts"):
         del timeline[name]
     assert ReportModel.model_validate(data).timeline.nodes == []
+
+
+def test_a_run_aborted_before_any_request_still_draws(drill: Drill) -> None:
+    events = (FaultEvent(0.5, "abort", "fabric did not start: " + "x" * 300),)
+    drawn = timeline_figure(run_report(drill, History(), events), timeline_series(History()))
+    assert [t.get_text() for t in drawn.nodes[0].texts] == ["no requests"]
+    assert drawn.errors.get_ylim()[1] >= 1
+    png = draw_timeline(run_report(drill, History(), events), timeline_series(History()))
+    assert png is not None and png.startswith(PNG_MAGIC)
