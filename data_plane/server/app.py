@@ -41,6 +41,7 @@ def create_app(
     runtime = NodeRuntime(settings, engine, clock=clock)
     metrics = _node_metrics(settings, engine)
     metrics.track_cold_start(lambda: runtime.cold_start)
+    runtime.request_totals = metrics.request_totals
     journal = RequestJournal(settings.request_journal_path)
     service = CompletionService(runtime, metrics, journal)
 
