@@ -46,15 +46,21 @@ def _ring(arcs: list[list[tuple[float, float]]], indexes: list[int]) -> list[tup
 
 
 def _path(ring: list[tuple[float, float]]) -> str:
-    out: list[str] = []
+    """The ring as SVG path data; a ring that crosses the antimeridian (Fiji, Chukotka) is cut
+    there into pieces, instead of drawing a line across the whole map."""
+    pieces: list[list[str]] = [[]]
     last = None
+    previous_lon = None
     for lon, lat in ring:
+        if previous_lon is not None and abs(lon - previous_lon) > 180:
+            pieces.append([])
+        previous_lon = lon
         lat = max(SOUTH, min(NORTH, lat))
         point = (round((lon + 180) * SCALE, 1), round((NORTH - lat) * SCALE, 1))
         if point != last:
-            out.append(f"{point[0]:g} {point[1]:g}")
+            pieces[-1].append(f"{point[0]:g} {point[1]:g}")
             last = point
-    return "M" + "L".join(out) + "Z" if len(out) > 2 else ""
+    return "".join("M" + "L".join(p) + "Z" for p in pieces if len(p) > 2)
 
 
 def land_path(topo: dict[str, Any]) -> str:

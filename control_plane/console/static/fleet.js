@@ -111,7 +111,10 @@ export function renderMap(svg, legend, overview, groups) {
     const hl = healthOf(nodes, overview);
     markers.push(s("g", { class: "region", "data-region": r.name, "data-health": hl.health, "data-ready": hl.ready },
       s("circle", { class: `health health-${hl.health}`, cx: x, cy: y, r: 8, stroke: colour }),
-      s("text", { x: x + 12, y: y + 4 }, `${r.name}  ${hl.ready}/${hl.total} ready`),
+      // Labels of regions near the right edge go to the left of their marker.
+      x > WIDTH * 0.8
+        ? s("text", { x: x - 12, y: y + 4, "text-anchor": "end" }, `${r.name}  ${hl.ready}/${hl.total} ready`)
+        : s("text", { x: x + 12, y: y + 4 }, `${r.name}  ${hl.ready}/${hl.total} ready`),
       s("title", {}, `${r.name} · zones ${r.zones.join(", ")} · ${hl.ready} of ${hl.total} nodes ready`)));
   }
   replace(svg, s("path", { class: "land", d: LAND }), ...sites, ...markers);
