@@ -190,7 +190,7 @@ export function renderNodes(tbody, overview, rates) {
       h("td", {}, bar, `${kv}%`),
       h("td", { class: "num" }, fmtRate(r && r.rate)),
       h("td", { class: "num" }, fmtMs(r && r.dCount > 0 ? r.dSum / r.dCount : null)),
-      h("td", { title: coldStartText(n.cold_start) },
+      h("td", { class: "coldstart-cell", title: coldStartText(n.cold_start) },
         n.cold_start ? coldStartBar(n.cold_start, scale) : null, coldStartText(n.cold_start)),
       h("td", { class: "num" }, fmtAge(st.age)));
   });

@@ -91,7 +91,7 @@ export async function renderDecisions(tbody, key) {
   const decisions = await get(key, "/v1/autoscaler/decisions?limit=12");
   replace(tbody, decisions.length ? decisions.map((d) => h("tr", { "data-decision": d.id },
     h("td", {}, fmtTime(d.at)), h("td", {}, d.model), h("td", {}, d.mode),
-    h("td", { class: "num" }, `${d.current} → ${d.desired}`), h("td", {}, d.reason)))
+    h("td", { class: "num" }, `${d.current} → ${d.desired}`), h("td", { class: "wrap" }, d.reason)))
     : h("tr", {}, h("td", { colspan: 5, class: "muted" }, "No decision recorded yet.")));
 }
 
