@@ -119,7 +119,7 @@ export function renderMap(svg, legend, overview, groups) {
   }
   replace(svg, s("path", { class: "land", d: LAND }), ...sites, ...markers);
   const zoneItems = [...zones.keys()].sort().map((z) => h("span", { "data-zone": z },
-    h("span", { class: "swatch", style: null, "data-colour": zoneColour(z) }), `${z} (${zones.get(z)} regions)`));
+    h("span", { class: "swatch", "data-colour": zoneColour(z) }), `${z} (${zones.get(z)} regions)`));
   const healthItems = [["ok", "all nodes ready"], ["degraded", "some ready"], ["down", "none ready"]].map(
     ([k, label]) => h("span", {}, h("span", { class: `swatch legend-${k}` }), label));
   replace(legend, h("span", { class: "muted" }, "Ring: residency zone"), ...zoneItems, h("span", { class: "sep" }),
