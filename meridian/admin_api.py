@@ -252,7 +252,7 @@ class ConsoleViewer(BaseModel):
 class ConsoleOverview(BaseModel):
     """One poll of the web console: the fleet as this control plane sees it now.
 
-    Ages are measured against generated_at (the control plane's clock), never the browser's.
+    Ages are measured against generated_at (the clock heartbeats are stamped with), never the browser's.
     Request rates come from successive polls: each node's load carries cumulative counts.
     """
 

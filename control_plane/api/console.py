@@ -19,6 +19,7 @@ from sqlalchemy import select
 
 from control_plane import drill_reports, node_registry
 from control_plane.auth import Ctx, Principal, require_scopes
+from control_plane.db.clock import db_now
 from control_plane.db.models import Node
 from control_plane.errors import NotFound
 from control_plane.routing_table import current_version
@@ -40,8 +41,11 @@ def overview(ctx: Ctx, viewer: Reader) -> ConsoleOverview:
         rows = session.scalars(select(Node).order_by(Node.region, Node.node_id).limit(MAX_NODES)).all()
         nodes = [node_registry.view(session, n) for n in rows]
         version = current_version(session)
+        # The clock heartbeats are stamped with, so the page's heartbeat ages are right on
+        # every replica (control_plane.db.clock).
+        now = db_now(session)
     return ConsoleOverview(
-        generated_at=ctx.clock.now(),
+        generated_at=now,
         viewer=ConsoleViewer(name=viewer.name, tenant=viewer.tenant, scopes=sorted(viewer.scopes)),
         routing_version=version,
         heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
