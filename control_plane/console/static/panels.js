@@ -126,7 +126,9 @@ function timelineChart(report) {
   (report.events || []).forEach((e, i) => {
     const ex = x(e.at_s);
     parts.push(s("line", { class: "event", x1: ex, y1: top, x2: ex, y2: bottom }),
-      s("text", { x: ex + 3, y: top + 10 + (i % 4) * 11 }, e.action));
+      // Staggered so that events close in time stay legible; near the right edge, leftwards.
+      s("text", { x: ex > width - 80 ? ex - 3 : ex + 3, y: top + 10 + (i % 4) * 11,
+        "text-anchor": ex > width - 80 ? "end" : "start" }, e.action));
   });
   parts.push(s("text", { x: left, y: height - 4 }, `${t0.toFixed(0)} s`), s("text", { x: width - 40, y: height - 4 }, `${t1.toFixed(0)} s`));
   const legend = h("div", { class: "legend" }, series.map(([name], i) => h("span", {},
