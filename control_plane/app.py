@@ -18,6 +18,7 @@ from control_plane import keystore
 from control_plane.api import (
     audit_log,
     capacity,
+    console,
     deployments,
     health,
     keys,
@@ -33,6 +34,7 @@ from control_plane.api import (
     weights,
 )
 from control_plane.body_limit import BodyLimitMiddleware
+from control_plane.console import router as console_shell
 from control_plane.context import AppContext
 from control_plane.db import migrate
 from control_plane.db.engine import make_engine, make_sessionmakers
@@ -127,9 +129,10 @@ def create_app(settings: ControlPlaneSettings, *, clock: Clock = SYSTEM_CLOCK) -
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     for module in (
         health, nodes, residency, routing, keys, tenants, deployments, models, capacity, offerings, placement,
-        weights, audit_log, scaling, metrics,
+        weights, audit_log, scaling, metrics, console,
     ):
         app.include_router(module.router)
+    app.include_router(console_shell)
     return app
 
 

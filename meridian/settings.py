@@ -64,6 +64,9 @@ class ControlPlaneSettings(ListenerSettings):
     max_long_poll_s: float = Field(30.0, gt=0)
     max_request_bytes: int = Field(1_000_000, gt=0)
     onprem_inventory: Path | None = None
+    # Chaos drill reports the web console lists (`meridian chaos run --out DIR` writes
+    # DIR/<drill>/report.json and timeline.png); None: the console shows none.
+    drill_reports_dir: Path | None = None
     # --- fleet loops: leader election, reconciler, autoscaler ---------------------------
     # One control plane leads the reconciler and autoscaler: on Postgres the holder of an
     # advisory lock (checked this often); on SQLite (one control plane only) a lease row.

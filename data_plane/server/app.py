@@ -44,6 +44,7 @@ def create_app(
     runtime = NodeRuntime(settings, engine, clock=clock)
     metrics = _node_metrics(settings, engine)
     metrics.track_cold_start(lambda: runtime.cold_start)
+    runtime.request_totals = metrics.request_totals
     journal = RequestJournal(settings.request_journal_path)
     tracing = Tracing.create("meridian-node", settings.otlp_endpoint, settings.otlp_zone_endpoints,
                              attributes={"meridian.node": settings.node_id, "meridian.region": settings.region})

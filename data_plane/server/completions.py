@@ -350,7 +350,7 @@ class CompletionService:
         self._journal_end(ex, completed=False)
         self._metrics.request_finished(reason)
         if reason != "abort":
-            self._metrics.e2e_latency.observe(time.perf_counter() - ex.arrival)
+            self._metrics.request_completed(time.perf_counter() - ex.arrival)
         self._runtime.lifecycle.request_finished()
         await outputs.aclose()
 
