@@ -53,7 +53,7 @@ def sku_offerings_table(catalog: Catalog, sku: str) -> Table:
         table.add_column(col, justify="left" if col in text_columns else "right")
     for o in catalog.for_sku(canonical.name):
         table.add_row(
-            o.provider, o.instance_type, str(o.gpu_count), o.region,
+            o.provider, o.instance_type, o.region, str(o.gpu_count),
             f"{o.vcpus:g}" if o.vcpus else "-", f"{o.memory_gib:g} GiB" if o.memory_gib else "-",
             _money(o.price_per_hour), _money(o.spot_price_per_hour), _money(per_gpu_hour(o)),
         )
