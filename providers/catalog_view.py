@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from meridian.cli_format import folding_table
 from providers.catalog import Catalog, per_gpu_hour
 
 PRICE_NOTE = (
@@ -22,13 +23,9 @@ def gpus_table(catalog: Catalog, providers: tuple[str, ...] | None = None) -> Ta
     provider (those given, or every provider of the catalog)."""
     if providers is None:
         providers = catalog.providers
-    table = Table(title="GPU SKUs", header_style="bold", caption=PRICE_NOTE)
-    table.add_column("SKU")
-    table.add_column("Memory", justify="right")
-    table.add_column("bf16 TFLOP/s", justify="right")
-    table.add_column("GPUs per instance")
-    for provider in providers:
-        table.add_column(f"{provider} $/GPU-h", justify="right")
+    prices = tuple(f"{p} $/GPU-h" for p in providers)
+    table = folding_table("SKU", "Memory", "bf16 TFLOP/s", "GPUs per instance", *prices,
+                          right=("Memory", "bf16 TFLOP/s", *prices), title="GPU SKUs", caption=PRICE_NOTE)
     offered = {o.sku for o in catalog.offerings}
     for sku in catalog.skus.values():
         if sku.name not in offered:
@@ -46,11 +43,10 @@ def gpus_table(catalog: Catalog, providers: tuple[str, ...] | None = None) -> Ta
 def sku_offerings_table(catalog: Catalog, sku: str) -> Table:
     """Every offering of one SKU, cheapest on-demand $/GPU-hour first (unpriced last)."""
     canonical = catalog.skus[sku]
-    table = Table(title=f"{canonical.name} ({canonical.memory_gib:g} GiB, {canonical.interconnect})",
-                  header_style="bold", caption=PRICE_NOTE)
-    text_columns = ("Provider", "Instance type", "Region")
-    for col in (*text_columns, "GPUs", "vCPUs", "Memory", "$/h", "Spot $/h", "$/GPU-h"):
-        table.add_column(col, justify="left" if col in text_columns else "right")
+    numbers = ("GPUs", "vCPUs", "Memory", "$/h", "Spot $/h", "$/GPU-h")
+    table = folding_table("Provider", "Instance type", "Region", *numbers, right=numbers,
+                          title=f"{canonical.name} ({canonical.memory_gib:g} GiB, {canonical.interconnect})",
+                          caption=PRICE_NOTE)
     for o in catalog.for_sku(canonical.name):
         table.add_row(
             o.provider, o.instance_type, o.region, str(o.gpu_count),
