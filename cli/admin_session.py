@@ -17,15 +17,16 @@ import os
 import stat
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
+__all__ = ["OutputFormat", "OutputOpt", "emit"]
+
 import typer
-from pydantic import BaseModel, TypeAdapter
-from rich.console import Console, RenderableType
+from rich.console import Console
 
 from meridian.admin_client import AdminAPIError, AdminClient
+from meridian.cli_format import OutputFormat, OutputOpt, emit
 from meridian.cli_settings import settings_or_exit
 from meridian.settings import CLISettings
 
@@ -36,15 +37,8 @@ err_console = Console(stderr=True)
 DEMO_STATE_FILES = (Path(".meridian/demo/fabric.json"), Path(".meridian/demo-vllm/fabric.json"))
 
 
-class OutputFormat(StrEnum):
-    TABLE = "table"
-    JSON = "json"
-    YAML = "yaml"
-
-
 ControlPlaneOpt = Annotated[str | None, typer.Option("--control-plane", help="[MERIDIAN_CONTROL_PLANE_URL]")]
 ApiKeyOpt = Annotated[str | None, typer.Option("--api-key", help="[MERIDIAN_API_KEY]")]
-OutputOpt = Annotated[OutputFormat, typer.Option("--output", "-o", help="table, json or yaml")]
 
 
 def fail(message: str, code: int = 1, details: Sequence[str] = ()) -> NoReturn:
@@ -104,22 +98,3 @@ def admin_client(control_plane: str | None, api_key: str | None) -> AdminClient:
     if not key:
         fail("an API key is needed: --api-key or MERIDIAN_API_KEY (or run `meridian demo` here)", 2)
     return AdminClient(url, key, s.timeout_s)
-
-
-def dumpable(value: Any) -> Any:
-    """Models (or lists and dicts of them) as plain JSON data."""
-    if isinstance(value, BaseModel):
-        return value.model_dump(mode="json")
-    return TypeAdapter(Any).dump_python(value, mode="json")
-
-
-def emit(output: OutputFormat, data: Any, table: RenderableType | None = None) -> None:
-    """Print `table`, or `data` (API models) as JSON or YAML on stdout and nothing else."""
-    if output == OutputFormat.TABLE:
-        console.print(table if table is not None else json.dumps(dumpable(data), indent=2))
-    elif output == OutputFormat.JSON:
-        print(json.dumps(dumpable(data), indent=2))
-    else:
-        import yaml
-
-        print(yaml.safe_dump(dumpable(data), sort_keys=False, allow_unicode=True), end="")

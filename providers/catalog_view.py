@@ -3,6 +3,9 @@ of SkyPilot's `sky show-gpus`."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+from typing import Any
+
 from rich.table import Table
 
 from meridian.cli_format import folding_table
@@ -16,6 +19,22 @@ PRICE_NOTE = (
 
 def _money(value: float | None) -> str:
     return "-" if value is None else f"${value:,.3f}"
+
+
+def gpus_rows(catalog: Catalog, providers: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """`gpus_table`'s rows as data (`-o json`): each offered SKU and its cheapest $/GPU-hour per provider."""
+    providers = catalog.providers if providers is None else providers
+    offered = {o.sku for o in catalog.offerings}
+    return [
+        {**asdict(sku), "gpu_counts": catalog.gpu_counts(sku.name),
+         "per_gpu_hour": {p: catalog.cheapest_per_gpu_hour(p, sku.name) for p in providers}}
+        for sku in catalog.skus.values() if sku.name in offered
+    ]
+
+
+def sku_offerings_rows(catalog: Catalog, sku: str) -> list[dict[str, Any]]:
+    """`sku_offerings_table`'s rows as data (`-o json`): every offering of one SKU, cheapest first."""
+    return [{**asdict(o), "per_gpu_hour": per_gpu_hour(o)} for o in catalog.for_sku(catalog.skus[sku].name)]
 
 
 def gpus_table(catalog: Catalog, providers: tuple[str, ...] | None = None) -> Table:
