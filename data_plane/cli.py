@@ -54,11 +54,11 @@ def _check_model_dir(model_dir: Path) -> None:
     """Exit 2 with one red line unless `model_dir` is a checkpoint: before anything starts."""
     if not model_dir.is_dir():
         problem = "does not exist" if not model_dir.exists() else "is not a directory"
-        err_console.print(f"[red]--model-dir {model_dir} {problem}[/red]", highlight=False)
+        err_console.print(f"[red]--model-dir {model_dir} {problem}[/red]", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     if not (model_dir / "config.json").is_file():
         err_console.print(f"[red]--model-dir {model_dir} has no config.json: not a model checkpoint[/red]",
-                          highlight=False)
+                          highlight=False, soft_wrap=True)
         raise typer.Exit(2)
 
 
