@@ -40,7 +40,9 @@ def node_run(
     settings = settings_or_exit(NodeSettings, model_dir=model_dir, model_uri=model_uri, model_name=model_name,
                                 region=region, node_id=node_id, host=host, port=port,
                                 advertise_url=advertise_url, control_plane_url=control_plane_url, engine=engine)
-    if settings.model_uri is None:
+    if settings.model_uri is not None:
+        _check_model_uri(settings.model_uri)
+    else:
         if settings.model_dir is None:
             err_console.print("[red]a node needs --model-dir or --model-uri[/red]")
             raise typer.Exit(2)
@@ -48,6 +50,18 @@ def node_run(
     from data_plane.node import serve
 
     serve(settings)
+
+
+def _check_model_uri(uri: str) -> None:
+    """Exit 2 with one red line unless some weight origin reads `uri`'s scheme."""
+    from data_plane.weights.origins import ORIGINS
+
+    scheme, sep, _ = uri.partition("://")
+    if not sep or scheme.lower() not in ORIGINS.names():
+        schemes = ", ".join(f"{s}://" for s in ORIGINS.names())
+        err_console.print(f"[red]--model-uri {uri!r}: the URI must start with one of {schemes}[/red]",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
 
 
 def _check_model_dir(model_dir: Path) -> None:

@@ -130,3 +130,13 @@ def test_a_wrong_key_is_one_red_line(control_plane, args):
 def test_admin_key_is_used_as_given(admin_env):
     r = cli({**admin_env, "MERIDIAN_API_KEY": ""}, "tenants", "list", "--api-key", ADMIN_KEY, "-o", "json")
     assert r.exit_code == 0, r.output
+
+
+def test_plan_as_json_is_the_plan_alone(admin_env):
+    r = cli(admin_env, "plan", "--time-limit", "5", "-o", "json")
+    assert r.exit_code in (0, 1), r.output
+    plan = json.loads(r.stdout)
+    assert plan["id"] and plan["status"] in ("preview", "infeasible") and "diff" in plan
+    r = cli(admin_env, "plan", "--time-limit", "0")
+    assert_clean_failure(r, 2)
+    assert "  time_limit_s: Input should be greater than 0" in r.stderr

@@ -92,3 +92,8 @@ def test_a_checked_push_lands_and_the_cache_lists_it_in_human_sizes(checkpoint, 
     size = sum(p.stat().st_size for p in checkpoint.iterdir() if p.is_file())
     assert "…" not in r.stdout and "tiny-llama" in r.stdout and "eu" in r.stdout
     assert re.search(r"\d+\.\d (KiB|MiB) used", r.stdout) and str(size) not in r.stdout
+
+
+def test_node_run_refuses_a_uri_no_origin_reads():
+    line = one_red_line(runner.invoke(app, ["node", "run", "--model-uri", "ftp://host/m"], env=NODE_ENV))
+    assert line.startswith("--model-uri 'ftp://host/m': the URI must start with one of") and "s3://" in line
