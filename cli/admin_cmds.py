@@ -31,7 +31,7 @@ tenants_app = typer.Typer(no_args_is_help=True, help="Tenants: residency zone, a
 deployments_app = typer.Typer(no_args_is_help=True, help="Deployments (create them with `meridian deploy`).")
 
 TenantZoneOpt = Annotated[str | None, typer.Option("--zone", help="Residency zone (eu, us, …) or global")]
-ModelsOpt = Annotated[list[str] | None, typer.Option("--model", help="Allowed model (repeat; default: all)")]
+ModelsOpt = Annotated[list[str] | None, typer.Option("--model", help="Allowed model (repeat)")]
 RpmOpt = Annotated[int | None, typer.Option("--requests-per-minute", help="Request rate limit")]
 TpmOpt = Annotated[int | None, typer.Option("--tokens-per-minute", help="Token rate limit")]
 CacheGroupOpt = Annotated[str | None, typer.Option("--cache-group", help="Share prefix-cache entries with this group")]
