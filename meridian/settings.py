@@ -122,6 +122,10 @@ class RouterSettings(ListenerSettings):
     # /metrics names nodes and tenants, so it answers only a bearer of this token or of the
     # cluster token (a Prometheus scrape config's `authorization: {credentials: ...}`).
     metrics_token: SecretStr | None = None
+    # With a port, /metrics moves to a second listener on metrics_host:metrics_port (keep it
+    # internal; it asks for metrics_token only when one is set) and the public port has none.
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
     # Header an edge proxy you trust sets to the client's location ("lat,lon" or a
     # region name such as "aws:us-east-1"). Strip it at the edge from client requests.
     client_location_header: str = "x-meridian-client-location"
