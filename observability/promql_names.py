@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping, Set
+from typing import Any
 
 # Words that are never metric names where they appear bare.
 KEYWORDS = frozenset({
@@ -118,3 +119,32 @@ def unknown_names(
             for name in sorted(metric_names(query) - exported - recorded):
                 unknown.setdefault(name, []).append(where)
     return unknown
+
+
+def dashboard_queries(model: Mapping[str, Any], source: str) -> dict[str, list[str]]:
+    """The queries of a Grafana dashboard's panels and query variables, by
+    "<source>: <panel title>" (or "<source>: $<variable>")."""
+    queries: dict[str, list[str]] = {}
+    for panel in model.get("panels", []):
+        exprs = [t["expr"] for t in panel.get("targets", []) if t.get("expr")]
+        if exprs:
+            queries.setdefault(f"{source}: {panel['title']}", []).extend(exprs)
+    for variable in model.get("templating", {}).get("list", []):
+        if variable.get("type") == "query":
+            query = variable["query"]
+            queries[f"{source}: ${variable['name']}"] = [query["query"] if isinstance(query, dict) else query]
+    return queries
+
+
+def rule_queries(rules: Mapping[str, Any], source: str) -> tuple[dict[str, list[str]], set[str]]:
+    """The expressions of a Prometheus rules file, by "<source>: <alert or record name>", and
+    the names its recording rules define."""
+    queries: dict[str, list[str]] = {}
+    recorded: set[str] = set()
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            name = rule.get("alert") or rule["record"]
+            queries.setdefault(f"{source}: {name}", []).append(rule["expr"])
+            if "record" in rule:
+                recorded.add(rule["record"])
+    return queries, recorded

@@ -1,18 +1,14 @@
 """The shipped Prometheus rules are valid (`promtool check rules`) and do what their unit
 tests say (`promtool test rules`): each alert fires on the series it is about and stays
-quiet on healthy ones. promtool is Debian's `prometheus` package; without it the test
-skips, except where services are required (CI, MERIDIAN_REQUIRE_SERVICES=1): it fails there.
+quiet on healthy ones. promtool: see conftest.py.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 
 RULES_DIR = Path(__file__).parents[3] / "observability" / "prometheus"
@@ -20,39 +16,28 @@ RULES = RULES_DIR / "alerts.yml"
 RULE_TESTS = RULES_DIR / "alerts_test.yml"
 
 
-def _promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        message = "promtool is not installed (apt-get install prometheus)"
-        if os.environ.get("MERIDIAN_REQUIRE_SERVICES") == "1":
-            pytest.fail(f"{message} (MERIDIAN_REQUIRE_SERVICES=1)", pytrace=False)
-        pytest.skip(message)
-    return path
+def _run(*args: str, cwd: Path = RULES_DIR) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=120)
 
 
-def _promtool_run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([_promtool(), *args], cwd=RULES_DIR, capture_output=True, text=True, timeout=120)
-
-
-def test_promtool_check_rules_accepts_the_rules() -> None:
-    result = _promtool_run("check", "rules", RULES.name)
+def test_promtool_check_rules_accepts_the_rules(promtool: str) -> None:
+    result = _run(promtool, "check", "rules", RULES.name)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
 
-def test_promtool_unit_tests_of_the_rules_pass() -> None:
-    result = _promtool_run("test", "rules", RULE_TESTS.name)
+def test_promtool_unit_tests_of_the_rules_pass(promtool: str) -> None:
+    result = _run(promtool, "test", "rules", RULE_TESTS.name)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_promtool_test_rules_fails_when_an_alert_does_not_fire(tmp_path: Path) -> None:
+def test_promtool_test_rules_fails_when_an_alert_does_not_fire(promtool: str, tmp_path: Path) -> None:
     # The unit tests can fail: with the staleness threshold raised out of reach, the case
     # that expects the alert fails.
     (tmp_path / RULES.name).write_text(RULES.read_text().replace(
         "(meridian_router_routing_table_age_seconds) > 120", "(meridian_router_routing_table_age_seconds) > 1200"))
     (tmp_path / RULE_TESTS.name).write_text(RULE_TESTS.read_text())
-    result = subprocess.run([_promtool(), "test", "rules", RULE_TESTS.name], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    result = _run(promtool, "test", "rules", RULE_TESTS.name, cwd=tmp_path)
     assert result.returncode != 0
     assert "MeridianRoutingTableStale" in result.stdout + result.stderr
 
