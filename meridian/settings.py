@@ -45,6 +45,9 @@ class ControlPlaneSettings(ListenerSettings):
     port: int = Field(8081, ge=0, le=65535)
     database_url: str = "sqlite:///./meridian-state.db"
     cluster_token: SecretStr = _CLUSTER_TOKEN
+    # GET /metrics answers a bearer of this token, of the cluster token, or of an API key
+    # with the admin, operator or read-only scope (a Prometheus scrape config's credentials).
+    metrics_token: SecretStr | None = None
     # Hash of this key is ensured at start-up as an admin-scoped key, so a fresh
     # deployment can create its first tenants. Unset in steady state.
     bootstrap_admin_key: SecretStr | None = None
