@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Mapping, Set
+from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 # Words that are never metric names where they appear bare.
 KEYWORDS = frozenset({
@@ -148,3 +151,26 @@ def rule_queries(rules: Mapping[str, Any], source: str) -> tuple[dict[str, list[
             if "record" in rule:
                 recorded.add(rule["record"])
     return queries, recorded
+
+
+# The series names each metric type gives its family (prometheus_client's exposition).
+_SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+             "summary": ("_sum", "_count", "_created"), "info": ("_info",)}
+VLLM_METRICS = Path(__file__).parent / "vllm_metrics.txt"
+
+
+def exported_names(text: str) -> set[str]:
+    """Every series name a /metrics page (Prometheus text format) can carry: its samples',
+    and for families without samples yet, the names their type gives them."""
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        names.add(family.name)
+        names.update(family.name + suffix for suffix in _SUFFIXES.get(family.type, ()))
+        names.update(sample.name for sample in family.samples)
+    return names
+
+
+def vllm_relayed_names() -> set[str]:
+    """vLLM's names the dashboards read that only a vLLM node (relaying vLLM's page) exports."""
+    lines = VLLM_METRICS.read_text().splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}

@@ -20,8 +20,7 @@ import httpx
 import pytest
 import yaml
 from e2e_fabric import e2e_spec, running
-from prometheus_client.parser import text_string_to_metric_families
-from promql_names import dashboard_queries, rule_queries, unknown_names
+from promql_names import dashboard_queries, exported_names, rule_queries, unknown_names, vllm_relayed_names
 
 from localfabric import DEMO_MODEL, LocalFabric
 
@@ -29,25 +28,12 @@ pytestmark = pytest.mark.e2e
 
 OBSERVABILITY = Path(__file__).parents[2] / "observability"
 REGION = "aws:us-east-1"
-SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-            "summary": ("_sum", "_count", "_created"), "info": ("_info",)}
 
 
 @pytest.fixture(scope="module")
 def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFabric]:
     yield from running(e2e_spec(tmp_path_factory.mktemp("fabric"), regions=(REGION,),
                                 default_client_location=REGION))
-
-
-def exported_names(text: str) -> set[str]:
-    """Every series name a /metrics page can carry: its samples', and for families without
-    samples yet, the names their type gives them."""
-    names: set[str] = set()
-    for family in text_string_to_metric_families(text):
-        names.add(family.name)
-        names.update(family.name + suffix for suffix in SUFFIXES.get(family.type, ()))
-        names.update(sample.name for sample in family.samples)
-    return names
 
 
 def _scrape(url: str, token: str | None = None) -> str:
@@ -67,11 +53,6 @@ def referenced() -> tuple[dict[str, list[str]], set[str]]:
     return queries | rules, recorded
 
 
-def vllm_names() -> set[str]:
-    lines = (OBSERVABILITY / "vllm_metrics.txt").read_text().splitlines()
-    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
-
-
 def test_dashboards_and_rules_read_only_exported_metrics(fabric: LocalFabric) -> None:
     info = fabric.info
     assert info is not None
@@ -88,7 +69,7 @@ def test_dashboards_and_rules_read_only_exported_metrics(fabric: LocalFabric) ->
             "meridian_router_request_duration_seconds_bucket"} <= router
     assert {"vllm:time_to_first_token_seconds_bucket", "vllm:request_success_total"} <= node
     assert {"meridian_cp_leader", "meridian_cp_nodes", "meridian_cp_routing_table_version"} <= control_plane
-    exported = router | node | control_plane | vllm_names()
+    exported = router | node | control_plane | vllm_relayed_names()
 
     queries, recorded = referenced()
     assert len(queries) >= 80
@@ -99,4 +80,4 @@ def test_dashboards_and_rules_read_only_exported_metrics(fabric: LocalFabric) ->
     assert unknown_names(queries | fake, exported, recorded) == {
         "meridian_router_no_such_metric_total": ["fabric.json: Fake panel"]}
     # vLLM's relayed names are not taken for the torch node's own.
-    assert not vllm_names() & node
+    assert not vllm_relayed_names() & node
