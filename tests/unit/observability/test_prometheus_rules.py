@@ -26,6 +26,15 @@ def test_promtool_check_rules_accepts_the_rules(promtool: str) -> None:
     assert "SUCCESS" in result.stdout
 
 
+def test_the_example_prometheus_config_is_valid(promtool: str) -> None:
+    result = _run(promtool, "check", "config", "--syntax-only", "prometheus.yml")
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load((RULES_DIR / "prometheus.yml").read_text())
+    assert config["rule_files"] == [RULES.name]
+    assert {job["job_name"] for job in config["scrape_configs"]} == {
+        "meridian-router", "meridian-control-plane", "meridian-node"}
+
+
 def test_promtool_unit_tests_of_the_rules_pass(promtool: str) -> None:
     result = _run(promtool, "test", "rules", RULE_TESTS.name)
     assert result.returncode == 0, result.stdout + result.stderr
