@@ -70,8 +70,12 @@ def quantiles(metric: str, by: str, selector: str = "", qs: tuple[float, ...] = 
     )
 
 
-def ratio(bad: str, total: str) -> str:
-    return f"sum(rate({bad}[{RATE}])) / sum(rate({total}[{RATE}]))"
+def ratio(bad: str, total: str, by: str = "", window: str = RATE, fn: str = "rate") -> str:
+    """bad / total per `by` (everything when empty), 0 rather than no data where nothing
+    was bad (a selector that matches nothing gives an empty vector, not 0)."""
+    agg = f"sum by ({by})" if by else "sum"
+    bad_s, total_s = f"{agg} ({fn}({bad}[{window}]))", f"{agg} ({fn}({total}[{window}]))"
+    return f"({bad_s} or {total_s} * 0) / {total_s}"
 
 
 REQUESTS = "meridian_router_requests_total"
@@ -86,7 +90,7 @@ FABRIC = Dashboard(
     items=(
         Row("Traffic"),
         Panel("Availability (time range)", (q(
-            f'1 - sum(increase({ERRORS_5XX}[$__range])) / sum(increase({REQUESTS}[$__range]))'),),
+            "1 - " + ratio(ERRORS_5XX, REQUESTS, window="$__range", fn="increase")),),
             unit="percentunit", kind="stat", width=4, height=8,
             description="Share of inference requests not answered with a 5xx (SLO: 99.9%)."),
         Panel("Request rate by region", (q(f"sum by (region) (rate({REQUESTS}[{RATE}]))", "{{region}}"),),
@@ -95,8 +99,7 @@ FABRIC = Dashboard(
               unit="reqps", width=10),
         Panel("Error ratio (5xx)", (
             q(ratio(ERRORS_5XX, REQUESTS), "fabric"),
-            q(f'sum by (region) (rate({ERRORS_5XX}[{RATE}])) / sum by (region) (rate({REQUESTS}[{RATE}]))',
-              "{{region}}"),
+            q(ratio(ERRORS_5XX, REQUESTS, by="region"), "{{region}}"),
         ), unit="percentunit", min=0, width=12),
         Panel("Upstream failures by reason", (q(
             f"sum by (region, reason) (rate(meridian_router_upstream_failures_total[{RATE}]))",
@@ -174,9 +177,9 @@ REGION = Dashboard(
         Row("Traffic"),
         Panel("Request rate per node", (q(f"sum by (node) (rate(meridian_router_requests_total{{{_R}}}[{RATE}]))",
                                           "{{node}}"),), unit="reqps", width=8),
-        Panel("Error ratio per node (5xx)", (q(
-            f'sum by (node) (rate(meridian_router_requests_total{{{_R}, status=~"5.."}}[{RATE}])) '
-            f"/ sum by (node) (rate(meridian_router_requests_total{{{_R}}}[{RATE}]))", "{{node}}"),),
+        Panel("Error ratio per node (5xx)", (q(ratio(
+            f'meridian_router_requests_total{{{_R}, status=~"5.."}}', f"meridian_router_requests_total{{{_R}}}",
+            by="node"), "{{node}}"),),
             unit="percentunit", min=0, width=8),
         Panel("Failovers out of and into the region", (
             q(f'sum by (to_region) (rate(meridian_router_failovers_total{{from_region="$region"}}[{RATE}]))',
@@ -274,9 +277,9 @@ TENANT = Dashboard(
         Panel("Rate-limited (time range)", (
             q(f"sum(increase(meridian_router_rate_limited_total{{{_T}}}[$__range]))", "429"),),
             kind="stat", width=6),
-        Panel("Error ratio (time range)", (q(
-            f'sum(increase(meridian_router_tenant_requests_total{{{_T}, status=~"5.."}}[$__range])) '
-            f"/ sum(increase(meridian_router_tenant_requests_total{{{_T}}}[$__range]))"),),
+        Panel("Error ratio (time range)", (q(ratio(
+            f'meridian_router_tenant_requests_total{{{_T}, status=~"5.."}}', f"meridian_router_tenant_requests_total{{{_T}}}",
+            window="$__range", fn="increase")),),
             unit="percentunit", kind="stat", width=6),
         Panel("Requests by model", (q(
             f"sum by (model) (rate(meridian_router_tenant_requests_total{{{_T}}}[{RATE}]))", "{{model}}"),),
