@@ -36,6 +36,7 @@ from meridian.geo import Point
 from meridian.http_server import limited_config, openai_error_body
 from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
 from meridian.settings import RouterSettings
+from meridian.tracing import Tracing
 
 from .accounting import account, count_request, model_label
 from .admin_listener import create_metrics_app, metrics_page, run_with_admin_listener, scraper_tokens
@@ -83,6 +84,7 @@ from .selection import (
 )
 from .table import LoadedTable, RoutingTableClient, TableSource
 from .tokens import estimate_tokens
+from .tracing import begin as begin_trace
 from .upstream import make_upstream_client
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ class RouterState:
     locator: ClientLocator
     rtt: RttEstimator
     response_ids: ResponseIds
+    tracing: Tracing
 
     def table(self) -> LoadedTable:
         loaded = self.table_source.current()
@@ -225,6 +228,7 @@ def _build_state(
         locator=ClientLocator(settings),
         rtt=RttEstimator.from_settings(settings),
         response_ids=ResponseIds(settings.cluster_token.get_secret_value()),
+        tracing=Tracing.create("meridian-router", settings.otlp_endpoint, settings.otlp_zone_endpoints),
     )
     fleet_state.add_ejection_listener(lambda e: _count_ejection(state, e))
     fleet_state.add_ejection_listener(state.forwarder.on_ejection)
@@ -251,6 +255,8 @@ def _lifespan(
                 await part.start()
                 stack.push_async_callback(part.stop)
             stack.callback(state.locator.close)
+            # Last out: exports the spans of the requests that ended while stopping.
+            stack.push_async_callback(asyncio.to_thread, state.tracing.shutdown)
             await source.start()
             stack.push_async_callback(source.stop)
             stack.push_async_callback(state.scale_from_zero.aclose)
@@ -381,6 +387,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
     loaded: LoadedTable | None = None
     tenant: TenantEntry | None = None
     inference: InferenceRequest | None = None
+    trace = begin_trace(state.tracing, request, route, request_id)
     try:
         loaded = state.table()
         tenant = _tenant(loaded, request)
@@ -388,6 +395,8 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         received_at = time.perf_counter()
         # Prefix caches are per tenant (or sharing group): no tenant can probe another's.
         inference = salted(parse_inference_request(body), tenant)
+        if trace is not None:
+            trace.tenant(tenant, inference.model)
         stored: StoredResponse | None = None
         if route == "/v1/responses":
             inference, stored = follow_up(state.response_ids, inference, tenant)
@@ -411,6 +420,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
                 exhausted=exhausted_error(tenant, inference.model),
                 queued_s=queued_s,
                 rewrite=state.response_ids.rewriter(tenant) if route == "/v1/responses" else None,
+                trace=trace,
             )
         except asyncio.CancelledError:
             if not watch.fired:
@@ -423,11 +433,19 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         response.headers.update(admission.headers)
         account(state.metrics, state.rate_limiter.settle, admission, model_label(loaded, inference.model),
                 inference.payload, response)
+        if trace is not None:
+            trace.finish(response)
         return response
     except RouterError as exc:
         state.metrics.requests.labels("", "", str(exc.status)).inc()
         if tenant is not None:
             count_request(state.metrics, tenant, model_label(loaded, inference and inference.model), exc.status)
+        if trace is not None:
+            trace.fail(exc.status, str(exc))
+        raise
+    except BaseException:
+        if trace is not None:
+            trace.fail(499, "the request ended without an answer")
         raise
 
 

@@ -129,6 +129,11 @@ class RouterSettings(ListenerSettings):
     # internal; it asks for metrics_token only when one is set) and the public port has none.
     metrics_port: int | None = Field(None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
+    # OpenTelemetry traces (meridian.tracing), off unless set: the OTLP/HTTP collector
+    # (e.g. http://collector:4318), and per residency zone a collector of its own for the
+    # spans of that zone's tenants (a JSON object such as {"eu": "https://otel.eu:4318"}).
+    otlp_endpoint: str | None = None
+    otlp_zone_endpoints: dict[str, str] = Field(default_factory=dict)
     # Header an edge proxy you trust sets to the client's location ("lat,lon" or a
     # region name such as "aws:us-east-1"). Strip it at the edge from client requests.
     client_location_header: str = "x-meridian-client-location"
@@ -374,6 +379,11 @@ class NodeSettings(ListenerSettings):
     kv_events_replay_advertise: str | None = None
     drain_timeout_s: float = Field(30.0, ge=0)
     control_plane_timeout_s: float = Field(5.0, gt=0)
+    # OpenTelemetry traces, as the router's: the default collector, and one per residency
+    # zone for the spans of requests the router marked with that zone (vLLM's own spans go
+    # to otlp_endpoint, through --otlp-traces-endpoint).
+    otlp_endpoint: str | None = None
+    otlp_zone_endpoints: dict[str, str] = Field(default_factory=dict)
     # With a path, every request the node stops working on is journalled there as a JSON
     # line keyed by its x-request-id (meridian.request_journal; chaos drills read it).
     request_journal_path: Path | None = None
