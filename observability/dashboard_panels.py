@@ -162,7 +162,7 @@ REGION = Dashboard(
     uid="meridian-region", title="Meridian / Region",
     description="One region: its nodes, their load and KV-cache usage, traffic and time to first token.",
     tags=("region",),
-    variables=(Variable("region", "Region", 'label_values(meridian_router_requests_total{region!=""}, region)'),),
+    variables=(Variable("region", "Region", "label_values(meridian_cp_nodes, region)"),),
     items=(
         Row("Nodes"),
         Panel("Nodes by status", (q(f"max by (status) (meridian_cp_nodes{{{_R}}})", "{{status}}"),), width=8),
