@@ -14,7 +14,8 @@ Then a real Prometheus (Debian's) scrapes the fabric as observability/prometheus
 does, node targets labelled from the control plane's node list, and every dashboard query
 runs on it with the variables set from their own queries: the panels about traffic,
 latency, load, routing tables, the control plane and the tenant show data, and every rule
-evaluates without error.
+evaluates without error. No alert fires on the healthy fabric; when its node is killed,
+the node-ejection and fast availability-burn alerts do.
 """
 
 from __future__ import annotations
@@ -146,41 +147,77 @@ def _panels_with_data(url: str, model: dict[str, Any], values: dict[str, str]) -
     return showing
 
 
-def test_the_dashboards_show_the_fabric_prometheus_scrapes(fabric: LocalFabric, tmp_path: Path) -> None:
+def _chat(info: FabricInfo) -> httpx.Response:
+    return httpx.post(f"{info.router_url}/v1/chat/completions", timeout=60,
+                      headers={"authorization": f"Bearer {info.keys['global']}"},
+                      json={"model": DEMO_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+
+
+@pytest.fixture(scope="module")
+def scraped(fabric: LocalFabric, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Prometheus scraping the fabric, once it has seen requests go through; its URL."""
     info = fabric.info
     assert info is not None
     jobs = [ScrapeJob("meridian-router", [_host_port(info.router_url)], {}, info.cluster_token),
             ScrapeJob("meridian-control-plane", [_host_port(info.control_plane_url)], {}, info.cluster_token),
             *_node_targets(info)]
-    with prometheus(jobs, tmp_path / "prometheus") as url:
+    with prometheus(jobs, tmp_path_factory.mktemp("prometheus")) as url:
         wait_until_scraped(url)
         # Requests spread over scrapes until the rates see them (and a few more after).
         deadline, seen = time.monotonic() + 60, 0
         while seen < 3:
-            r = httpx.post(f"{info.router_url}/v1/chat/completions", timeout=60,
-                           headers={"authorization": f"Bearer {info.keys['global']}"},
-                           json={"model": DEMO_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+            r = _chat(info)
             assert r.status_code == 200, r.text
             time.sleep(1.2)
             if query(url, "sum(rate(meridian_router_requests_total[20s])) > 0"):
                 seen += 1
             assert time.monotonic() < deadline, "Prometheus never saw the requests"
+        yield url
 
-        dashboards = {p.stem: json.loads(p.read_text()) for p in (OBSERVABILITY / "grafana").glob("*.json")}
-        values: dict[str, str] = {}
-        for model in dashboards.values():
-            for variable in model["templating"]["list"]:
-                if variable["type"] == "query":
-                    listed = _variable_values(url, variable["definition"])
-                    assert len(listed) == 1, f"${variable['name']}: {listed}"
-                    values[variable["name"]] = listed.pop()
-        assert values["region"] == REGION and values["tenant"] == "demo-global"
-        assert values["node"] == info.nodes[REGION].node_id
 
-        for name, model in sorted(dashboards.items()):
-            missing = SHOWING[name] - _panels_with_data(url, model, values)
-            assert missing == set(), f"{name}.json panels without data: {sorted(missing)}"
+def test_the_dashboards_show_the_fabric_prometheus_scrapes(fabric: LocalFabric, scraped: str) -> None:
+    info, url = fabric.info, scraped
+    assert info is not None
+    dashboards = {p.stem: json.loads(p.read_text()) for p in (OBSERVABILITY / "grafana").glob("*.json")}
+    values: dict[str, str] = {}
+    for model in dashboards.values():
+        for variable in model["templating"]["list"]:
+            if variable["type"] == "query":
+                listed = _variable_values(url, variable["definition"])
+                assert len(listed) == 1, f"${variable['name']}: {listed}"
+                values[variable["name"]] = listed.pop()
+    assert values["region"] == REGION and values["tenant"] == "demo-global"
+    assert values["node"] == info.nodes[REGION].node_id
 
-        rules = httpx.get(f"{url}/api/v1/rules", timeout=10).json()["data"]["groups"]
-        evaluated = [rule for group in rules for rule in group["rules"]]
-        assert len(evaluated) == 25 and all(rule["health"] == "ok" for rule in evaluated), evaluated
+    for name, model in sorted(dashboards.items()):
+        missing = SHOWING[name] - _panels_with_data(url, model, values)
+        assert missing == set(), f"{name}.json panels without data: {sorted(missing)}"
+
+    rules = httpx.get(f"{url}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    evaluated = [rule for group in rules for rule in group["rules"]]
+    assert len(evaluated) == 25 and all(rule["health"] == "ok" for rule in evaluated), evaluated
+
+
+def _firing(url: str) -> set[tuple[str, str | None]]:
+    """(alert name, node label) of the alerts firing now."""
+    alerts = httpx.get(f"{url}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
+    return {(a["labels"]["alertname"], a["labels"].get("node")) for a in alerts if a["state"] == "firing"}
+
+
+def test_a_killed_node_fires_the_ejection_and_availability_alerts(fabric: LocalFabric, scraped: str) -> None:
+    # Last in the module: the fabric is left without its node.
+    info = fabric.info
+    assert info is not None
+    assert _firing(scraped) == set(), "alerts firing on a healthy fabric"
+    fabric.kill_node(REGION)
+    node_id = info.nodes[REGION].node_id
+    deadline, failed = time.monotonic() + 60, 0
+    while True:
+        if _chat(info).status_code >= 500:
+            failed += 1
+        firing = _firing(scraped)
+        if {("MeridianNodeEjected", node_id), ("MeridianAvailabilityBudgetBurnFast", None)} <= firing:
+            break
+        assert time.monotonic() < deadline, f"alerts firing after {failed} failed requests: {sorted(firing)}"
+        time.sleep(1)
+    assert failed >= 1
