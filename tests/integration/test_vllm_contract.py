@@ -9,6 +9,7 @@ the KV event relay) and then spoken to over HTTP as the adapter and the pass-thr
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -19,6 +20,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
+from promql_names import dashboard_queries, exported_names, metric_names, vllm_relayed_names
 from vllm_fabric import make_vllm_checkpoint, require_vllm, write_spec
 
 from data_plane.engine.base import GenerationRequest, SamplingParams
@@ -31,7 +33,13 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)
 MODEL = "tiny-llama"
 ADAPTER = "sql"
 STANDIN = Path(__file__).parents[1] / "unit" / "data_plane" / "vllm_standin.py"
+OBSERVABILITY = Path(__file__).parents[2] / "observability"
 PROMPT = list(range(100, 400))  # 300 tokens: whole blocks at 16 (stand-in) and 128 (vLLM's CPU build)
+
+
+def dashboard_vllm_queries() -> list[str]:
+    return [expr for path in sorted((OBSERVABILITY / "grafana").glob("*.json"))
+            for exprs in dashboard_queries(json.loads(path.read_text()), path.name).values() for expr in exprs]
 
 
 class Sink:
@@ -134,6 +142,15 @@ async def test_metrics_carry_the_families_the_fabric_reads(server: Server) -> No
                    "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:prefix_cache_queries",
                    "vllm:prefix_cache_hits", "vllm:request_success"):
         assert family in names, f"{family} missing"
+
+
+async def test_metrics_carry_every_vllm_name_the_dashboards_read(server: Server) -> None:
+    # A vLLM node exports its engine's gauges itself and relays the rest of vLLM's page, so
+    # every vllm:* name on the dashboards (observability/grafana) must be on vLLM's page.
+    read = {name for expr in dashboard_vllm_queries() for name in metric_names(expr) if name.startswith("vllm:")}
+    assert vllm_relayed_names() <= read
+    exported = exported_names((await server.http.get("/metrics")).text)
+    assert read - exported == set()
 
 
 async def test_kv_events_carry_each_blocks_tokens_and_size(server: Server) -> None:

@@ -313,6 +313,16 @@ class StandIn:
                   "# TYPE vllm:request_success_total counter"]
         lines += [f'vllm:request_success_total{{{labels},finished_reason="{r}"}} {float(n)}'
                   for r, n in self.finished.items()]
+        lines += ["# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+                  "# TYPE vllm:num_preemptions_total counter", f"vllm:num_preemptions_total{{{labels}}} 0.0"]
+        # vLLM's request histograms (the stand-in times nothing: every count is 0), which a
+        # vLLM node relays and the dashboards read.
+        for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency",
+                     "request_queue_time", "request_prefill_time", "request_decode_time"):
+            family = f"vllm:{name}_seconds"
+            lines += [f"# HELP {family} {name}.", f"# TYPE {family} histogram",
+                      f'{family}_bucket{{{labels},le="+Inf"}} 0.0', f"{family}_count{{{labels}}} 0.0",
+                      f"{family}_sum{{{labels}}} 0.0"]
         # A family only vLLM exports: the node must relay it.
         lines += ["# HELP vllm:engine_sleep_state Engine sleep state.",
                   "# TYPE vllm:engine_sleep_state gauge",
