@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from chaos.cli import app as chaos_app
+from cli import config_cmd
 from cli.status_view import status_table
 from control_plane.cli import app as control_plane_app
 from data_plane.cli import model_app, node_app
@@ -33,11 +34,22 @@ app.add_typer(model_app, name="model")
 app.add_typer(keys_app, name="keys")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(chaos_app, name="chaos")
+app.add_typer(config_cmd.app, name="config")
 # cdktf stays inside iac/ (imported by its commands only, so other commands start fast).
 app.add_typer(iac_app, name="iac", help="Terraform stacks from an infrastructure plan (cdktf synth, diff).")
 
 console = Console()
 err_console = Console(stderr=True)
+
+
+@app.callback()
+def main(
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="YAML config file, one section per component [MERIDIAN_CONFIG]. "
+                         "Precedence: flags > environment > this file > defaults.")] = None,
+) -> None:
+    """Run each component, manage the fabric, and start a local demo."""
+    config_cmd.use(config)
 
 
 # --- operating the fabric ---------------------------------------------------------------
