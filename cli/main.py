@@ -43,7 +43,7 @@ err_console = Console(stderr=True)
 
 
 @app.callback()
-def main(
+def global_options(
     config: Annotated[Path | None, typer.Option(
         "--config", help="YAML config file, one section per component [MERIDIAN_CONFIG]. "
                          "Precedence: flags > environment > this file > defaults.")] = None,
