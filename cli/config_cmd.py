@@ -15,7 +15,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from meridian import config_file
-from meridian.settings import config_file_path, use_config_file
+from meridian.cli_settings import settings_or_exit
+from meridian.settings import LogSettings, config_file_path, use_config_file
 
 app = typer.Typer(no_args_is_help=True, help="The YAML config file (one section per component).")
 console = Console()
@@ -24,16 +25,17 @@ err_console = Console(stderr=True)
 
 def use(path: Path | None) -> None:
     """Check the config file in force (`path`, else MERIDIAN_CONFIG's) and make every
-    settings class read it; exit 2 with its problems when it is not valid."""
+    settings class read it; exit 2 with its problems when it is not valid. The log
+    settings are checked here too, before any component starts logging."""
     use_config_file(path)
     chosen = config_file_path()
-    if chosen is None:
-        return
-    try:
-        config_file.load(chosen)
-    except config_file.ConfigFileError as e:
-        _print_problems(e)
-        raise typer.Exit(2) from None
+    if chosen is not None:
+        try:
+            config_file.load(chosen)
+        except config_file.ConfigFileError as e:
+            _print_problems(e)
+            raise typer.Exit(2) from None
+    settings_or_exit(LogSettings)
 
 
 def _print_problems(e: config_file.ConfigFileError) -> None:

@@ -42,6 +42,7 @@ from control_plane.routing_table import current_version
 from control_plane.version_watch import VersionWatch
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.http_server import limited_config, problem_body
+from meridian.logs import configure_logging
 from meridian.settings import ControlPlaneSettings
 from providers.catalog import load_catalog
 from providers.onprem.inventory import load_inventory
@@ -151,6 +152,7 @@ class _Server(uvicorn.Server):
 
 def serve(settings: ControlPlaneSettings) -> None:
     """Run the control plane under uvicorn until SIGTERM/SIGINT (blocking)."""
+    configure_logging()
     config = limited_config(
         create_app(settings),
         settings,

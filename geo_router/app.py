@@ -37,10 +37,12 @@ from meridian.contracts import (
 )
 from meridian.geo import Point
 from meridian.http_server import limited_config, openai_error_body
+from meridian.logs import configure_logging
 from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
 from meridian.security import bearer_token, constant_time_equals
 from meridian.settings import RouterSettings
 
+from .access_log import AccessRecord
 from .affinity import Affinity
 from .auth import authenticate
 from .errors import (
@@ -380,13 +382,16 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
     # An idempotency key names the request end to end (journals, nodes, logs).
     request_id = request_id_for(headers.get(HEADER_IDEMPOTENCY_KEY) or headers.get(HEADER_REQUEST_ID))
     request.state.request_id = request_id
+    access = AccessRecord(request_id, route, state.settings.access_log)
     try:
         loaded = state.table()
         tenant = _tenant(loaded, request)
+        access.tenant = tenant.tenant
         body = await read_body(request, state.settings.max_request_bytes)
         received_at = time.perf_counter()
         # Prefix caches are per tenant (or sharing group): no tenant can probe another's.
         inference = salted(parse_inference_request(body), tenant)
+        access.model = inference.model
         stored: StoredResponse | None = None
         if route == "/v1/responses":
             inference, stored = follow_up(state.response_ids, inference, tenant)
@@ -421,9 +426,11 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
             response.headers[HEADER_SCALE_WAIT_MS] = f"{queued_s * 1000:.0f}"
         response.headers.update(admission.headers)
         _settle_tokens(state, admission, inference.payload, response)
+        access.routed(response)
         return response
     except RouterError as exc:
         state.metrics.requests.labels("", "", str(exc.status)).inc()
+        access.failed(exc.status)
         raise
 
 
@@ -551,6 +558,7 @@ def _settle_tokens(state: RouterState, admission: Admission, payload: Mapping[st
 
 def serve(settings: RouterSettings) -> None:
     """Run the router under uvicorn until SIGTERM/SIGINT."""
+    configure_logging()
     config = limited_config(
         create_app(settings),
         settings,
@@ -562,8 +570,8 @@ def serve(settings: RouterSettings) -> None:
         # The fast C implementations (uvicorn[standard]); named so that a missing one fails
         # at start-up instead of silently costing every request (the protocol is httptools').
         loop="uvloop",
-        # A log line per request costs more than routing it; requests are counted and timed
-        # in /metrics instead.
+        # uvicorn's access line knows none of the request's routing: the router writes its
+        # own (geo_router.access_log, MERIDIAN_ROUTER_ACCESS_LOG).
         access_log=False,
         server_header=False,
         # The router reads X-Forwarded-For itself, trusting only settings.trusted_proxies

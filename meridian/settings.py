@@ -223,6 +223,8 @@ class RouterSettings(ListenerSettings):
     # Longest silence allowed between two chunks of a streamed answer.
     read_timeout_s: float = Field(60.0, gt=0)
     max_attempts: int = Field(3, ge=1, le=10)
+    # One INFO line per routed request under the logger `meridian.access` (geo_router.access_log).
+    access_log: bool = True
     # With a path, every attempt sent to a node is journalled there as a JSON line keyed by
     # the request's idempotency key (meridian.request_journal; chaos drills read it).
     request_journal_path: Path | None = None
