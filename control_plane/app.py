@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -148,6 +149,19 @@ class _Server(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Release the routing-table long-polls first: uvicorn waits for open requests, and
+        # one held to its timeout would be cancelled (an ERROR and a traceback) instead.
+        release_long_polls(self.config.app)
+        await super().shutdown(sockets)
+
+
+def release_long_polls(app: FastAPI) -> None:
+    """Answer every open long-poll of `app` now (shutdown)."""
+    ctx = getattr(app.state, "ctx", None)
+    if ctx is not None:
+        ctx.watch.close()
 
 
 def serve(settings: ControlPlaneSettings) -> None:

@@ -34,6 +34,8 @@ PROBE_PATHS = ("/metrics", "/health*", "/ready*")
 
 # Attributes every LogRecord has: anything else on a record came from `extra=`.
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
+# uvicorn repeats its message with terminal colours as an extra field.
+_STANDARD.add("color_message")
 
 
 def _timestamp(record: logging.LogRecord) -> str:
