@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,6 +57,14 @@ def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
         assert proc.returncode == 0
         assert "all processes stopped" in rest.decode()
         assert not [name for name, pid in pids.items() if _alive(pid)]
+        # A clean stop: no process logged an error or a traceback (the control plane used to
+        # cancel a router's routing-table long-poll with both on every stop).
+        logs = {log.name: log.read_text(errors="replace") for log in (work / "logs").glob("*.log")}
+        assert len(logs) == 5
+        assert not {name: text[-2000:] for name, text in logs.items() if "ERROR" in text or "Traceback" in text}
+        # One format across the processes: `ts LEVEL logger: message`.
+        assert all(re.match(r"\d{4}-\d\d-\d\dT[\d:.]+Z (DEBUG|INFO|WARNING) [\w.]+: ", line)
+                   for text in logs.values() for line in text.splitlines() if line.startswith("20"))
     finally:
         if proc.poll() is None:
             proc.kill()
