@@ -139,5 +139,7 @@ def configure_logging(settings: LogSettings | None = None) -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+    # Python's warnings too, in the same format instead of bare lines on stderr.
+    logging.captureWarnings(True)
     # Health probes and metric scrapes of a vLLM child run every second: not news.
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -33,7 +32,7 @@ def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "demo", "--work-dir", str(work), "--port", str(free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "COLUMNS": "200"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "COLUMNS": "200", "MERIDIAN_LOG_FORMAT": "json"},
         start_new_session=True,
     )
     out: list[str] = []
@@ -62,9 +61,12 @@ def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
         logs = {log.name: log.read_text(errors="replace") for log in (work / "logs").glob("*.log")}
         assert len(logs) == 5
         assert not {name: text[-2000:] for name, text in logs.items() if "ERROR" in text or "Traceback" in text}
-        # One format across the processes: `ts LEVEL logger: message`.
-        assert all(re.match(r"\d{4}-\d\d-\d\dT[\d:.]+Z (DEBUG|INFO|WARNING) [\w.]+: ", line)
-                   for text in logs.values() for line in text.splitlines() if line.startswith("20"))
+        # One format across the processes, the launcher's (MERIDIAN_LOG_FORMAT=json here):
+        # every line of every log is a JSON object with the same fields.
+        records = [json.loads(line) for text in logs.values() for line in text.splitlines()]
+        assert records and all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
+        assert {r["logger"] for r in records} >= {"uvicorn.error", "control_plane.leader", "data_plane.runtime",
+                                                 "geo_router.table"}
     finally:
         if proc.poll() is None:
             proc.kill()
