@@ -65,7 +65,8 @@ class TextFormatter(logging.Formatter):
 
 def _text(value: Any) -> str:
     text = "" if value is None else str(value)
-    return json.dumps(text) if (not text or " " in text or '"' in text or "=" in text) else text
+    # Quoted when it would not read back as one token.
+    return json.dumps(text) if (not text or any(c in text for c in ' "=\n\t')) else text
 
 
 class JsonFormatter(logging.Formatter):
@@ -139,6 +140,7 @@ def configure_logging(settings: LogSettings | None = None) -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+        logger.setLevel(logging.NOTSET)
     # Python's warnings too, in the same format instead of bare lines on stderr.
     logging.captureWarnings(True)
     # Health probes and metric scrapes of a vLLM child run every second: not news.
