@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any, TextIO
 
 from meridian.settings import LogFormat, LogSettings
+
+_NEEDS_QUOTES = re.compile(r'[\s"=]')
 
 # Paths whose access lines are dropped: exact, or a prefix when it ends with "*".
 PROBE_PATHS = ("/metrics", "/health*", "/ready*")
@@ -64,9 +67,11 @@ class TextFormatter(logging.Formatter):
 
 
 def _text(value: Any) -> str:
+    if isinstance(value, int | float):  # bool too: the common fields, cheaply
+        return str(value)
     text = "" if value is None else str(value)
     # Quoted when it would not read back as one token.
-    return json.dumps(text) if (not text or any(c in text for c in ' "=\n\t')) else text
+    return json.dumps(text) if (not text or _NEEDS_QUOTES.search(text)) else text
 
 
 class JsonFormatter(logging.Formatter):
