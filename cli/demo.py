@@ -23,13 +23,18 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+DRILL_REPORTS = Path(".meridian/chaos")
+
+
 def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str = "torch") -> None:
     """Start the fabric, print how to use it, and stop everything on Ctrl-C or SIGTERM."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
     configure_logging()  # the launcher's own warnings, in the children's format
     # Three vLLM processes start in a minute or two on a small CPU host.
+    # The console lists the drill reports `meridian chaos run` writes (to .meridian/chaos by default).
     spec = FabricSpec(work_dir=work_dir, router_port=router_port, control_plane_port=8081, engine=engine,
-                      start_timeout_s=600.0 if engine == "vllm" else 180.0)
+                      start_timeout_s=600.0 if engine == "vllm" else 180.0,
+                      control_plane_env={"MERIDIAN_CP_DRILL_REPORTS_DIR": str(DRILL_REPORTS.resolve())})
     progress = console.status("starting the fabric…")
     fabric = LocalFabric(spec, on_step=progress.update)
     try:
@@ -45,6 +50,7 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
             f"[bold]model[/bold]     {DEMO_MODEL}\n"
             f"[bold]keys[/bold]      global, eu, us, apac in {work_dir / 'fabric.json'} (mode 0600)\n"
             f"[bold]admin[/bold]     control plane {info.control_plane_url}\n"
+            f"[bold]console[/bold]   {info.control_plane_url}/console (sign in with the admin key below)\n"
             f"[bold]logs[/bold]      {work_dir / 'logs'}",
             title="Meridian demo is up", border_style="green"))
         # Plain prints, not wrapped in a panel, so they copy and paste as one command.

@@ -19,9 +19,11 @@ from control_plane import keystore
 from control_plane.api import (
     audit_log,
     capacity,
+    console,
     deployments,
     health,
     keys,
+    metrics,
     models,
     nodes,
     offerings,
@@ -33,11 +35,13 @@ from control_plane.api import (
     weights,
 )
 from control_plane.body_limit import BodyLimitMiddleware
+from control_plane.console import router as console_shell
 from control_plane.context import AppContext
 from control_plane.db import migrate
 from control_plane.db.engine import make_engine, make_sessionmakers
 from control_plane.errors import register_error_handlers
 from control_plane.fleet import fleet_loops
+from control_plane.metrics import ControlPlaneMetrics
 from control_plane.reaper import run_reaper
 from control_plane.routing_table import current_version
 from control_plane.version_watch import VersionWatch
@@ -103,7 +107,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
         reaper = asyncio.create_task(run_reaper(ctx, stop), name="meridian-reaper")
         try:
-            async with fleet_loops(ctx) as elector:
+            async with fleet_loops(ctx, app.state.metrics) as elector:
                 app.state.elector = elector
                 yield
         finally:
@@ -121,13 +125,16 @@ def create_app(settings: ControlPlaneSettings, *, clock: Clock = SYSTEM_CLOCK) -
     app = FastAPI(title="Meridian control plane", version="0.1.0", lifespan=_lifespan)
     app.state.settings = settings
     app.state.clock = clock
+    app.state.metrics = ControlPlaneMetrics()
+    app.state.elector = None
     register_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     for module in (
         health, nodes, residency, routing, keys, tenants, deployments, models, capacity, offerings, placement,
-        weights, audit_log, scaling,
+        weights, audit_log, scaling, metrics, console,
     ):
         app.include_router(module.router)
+    app.include_router(console_shell)
     return app
 
 

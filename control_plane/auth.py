@@ -15,7 +15,7 @@ from control_plane.audit import Actor
 from control_plane.context import AppContext
 from control_plane.errors import Forbidden, Unauthorized
 from control_plane.keystore import find_active_key
-from control_plane.scopes import Scope
+from control_plane.scopes import FLEET_READERS, Scope
 from meridian.security import constant_time_equals
 
 _KNOWN_SCOPES = frozenset(s.value for s in Scope)
@@ -61,6 +61,18 @@ async def require_cluster_token(ctx: Ctx, credentials: Annotated[Credentials, De
     expected = ctx.settings.cluster_token.get_secret_value()
     if token is None or not constant_time_equals(token, expected):
         raise Unauthorized("a valid cluster token is required")
+
+
+def require_scraper(ctx: Ctx, credentials: Annotated[Credentials, Depends(_API_KEY)]) -> None:
+    """GET /metrics: a bearer of the metrics token, the cluster token, or an API key that may
+    read the fleet (admin, operator, read-only); 401/403 otherwise."""
+    token = _token(credentials)
+    if token is None:
+        raise Unauthorized("/metrics needs the metrics token, the cluster token or a read-only API key")
+    for secret in (ctx.settings.metrics_token, ctx.settings.cluster_token):
+        if secret is not None and constant_time_equals(token, secret.get_secret_value()):
+            return
+    require_scopes(FLEET_READERS)(ctx, credentials)
 
 
 def require_scopes(allowed: Iterable[Scope]) -> Callable[..., Principal]:

@@ -12,6 +12,7 @@ from typing import Any
 from control_plane.autoscaler import Autoscaler
 from control_plane.context import AppContext
 from control_plane.leader import Deposed, Fence, LeaderElector, make_elector
+from control_plane.metrics import ControlPlaneMetrics
 from control_plane.reconciler import Reconciler, default_drivers
 from meridian.backoff import Backoff
 from meridian.clock import Clock, event_or_timeout
@@ -55,9 +56,11 @@ async def run_while_leading(
 
 
 @asynccontextmanager
-async def fleet_loops(ctx: AppContext) -> AsyncIterator[LeaderElector | None]:
+async def fleet_loops(ctx: AppContext, metrics: ControlPlaneMetrics | None = None) -> AsyncIterator[LeaderElector | None]:
     """Run the elector and the enabled loops for the duration of the block; yields the elector
-    (None when both the reconciler and the autoscaler are disabled)."""
+    (None when both the reconciler and the autoscaler are disabled). With `metrics`, the
+    loops' passes are counted in it."""
+    metrics = metrics or ControlPlaneMetrics()
     settings = ctx.settings
     if not (settings.reconciler_enabled or settings.autoscaler_enabled):
         yield None
@@ -69,12 +72,14 @@ async def fleet_loops(ctx: AppContext) -> AsyncIterator[LeaderElector | None]:
         # The process-wide registry, so that a provider registered in this process has its driver.
         drivers = await asyncio.to_thread(default_drivers, settings.onprem_inventory, providers=PROVIDERS)
         loop = run_while_leading(
-            "reconciler", settings.reconcile_interval_s, elector, Reconciler(ctx, drivers).tick, stop, ctx.clock
+            "reconciler", settings.reconcile_interval_s, elector,
+            metrics.observe_reconciler(Reconciler(ctx, drivers).tick), stop, ctx.clock,
         )
         tasks.append(asyncio.create_task(loop, name="meridian-reconciler"))
     if settings.autoscaler_enabled:
         loop = run_while_leading(
-            "autoscaler", settings.autoscale_interval_s, elector, Autoscaler(ctx).tick, stop, ctx.clock
+            "autoscaler", settings.autoscale_interval_s, elector,
+            metrics.observe_autoscaler(Autoscaler(ctx).tick), stop, ctx.clock,
         )
         tasks.append(asyncio.create_task(loop, name="meridian-autoscaler"))
     try:

@@ -37,6 +37,9 @@ class NodeRuntime:
         self.engine = engine
         self.lifecycle = NodeLifecycle()
         self.on_fatal: Callable[[BaseException], None] | None = None
+        # Requests completed and their summed latency, reported with the load (the server's
+        # metrics set it; None: not measured here).
+        self.request_totals: Callable[[], tuple[int, float] | None] = lambda: None
         self.load_error: BaseException | None = None
         self._loading: asyncio.Task[None] | None = None
         # With model_uri, the model is pulled into the weight cache before the engine loads.
@@ -64,9 +67,12 @@ class NodeRuntime:
 
     def load(self) -> NodeLoad:
         s = self.engine.stats()
+        totals = self.request_totals()
         return NodeLoad(
             running=s.running, waiting=s.waiting, kv_cache_usage=min(1.0, max(0.0, s.kv_cache_usage)),
             lora_adapters=list(s.loaded_loras),
+            requests_completed=totals[0] if totals else None,
+            latency_s_sum=totals[1] if totals else None,
         )
 
     async def start(self) -> None:

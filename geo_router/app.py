@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlencode
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import (
@@ -39,14 +36,15 @@ from meridian.geo import Point
 from meridian.http_server import limited_config, openai_error_body
 from meridian.logs import configure_logging
 from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
-from meridian.security import bearer_token, constant_time_equals
 from meridian.settings import RouterSettings
+from meridian.tracing import Tracing
 
 from .access_log import AccessRecord
+from .accounting import account, count_request, model_label
+from .admin_listener import create_metrics_app, metrics_page, run_with_admin_listener, scraper_tokens
 from .affinity import Affinity
 from .auth import authenticate
 from .errors import (
-    InvalidApiKey,
     ModelNotFound,
     NoHealthyReplica,
     NoReplicaInZone,
@@ -66,7 +64,7 @@ from .policies import AffinityPolicy, RoutingPolicy, create_policy
 from .prefix import PrefixKeyBuilder
 from .prefix_history import InProcessPrefixHistory, PrefixHistory, RedisPrefixHistory
 from .probe import NodeProber
-from .proxy import UpstreamForwarder, when_stream_ends
+from .proxy import UpstreamForwarder
 from .ratelimit import Admission, RateLimiter, create_rate_limiter
 from .redis_fleet import RedisFleetState
 from .request import (
@@ -86,9 +84,9 @@ from .selection import (
     models_for,
     select_candidates,
 )
-from .sse import StreamTally
 from .table import LoadedTable, RoutingTableClient, TableSource
-from .tokens import estimate_prompt_tokens, estimate_tokens, usage_tokens
+from .tokens import estimate_tokens
+from .tracing import begin as begin_trace
 from .upstream import make_upstream_client
 
 log = logging.getLogger(__name__)
@@ -120,6 +118,7 @@ class RouterState:
     locator: ClientLocator
     rtt: RttEstimator
     response_ids: ResponseIds
+    tracing: Tracing
 
     def table(self) -> LoadedTable:
         loaded = self.table_source.current()
@@ -189,7 +188,13 @@ def _build_state(
         loaded = source.current()
         return float(loaded.version) if loaded is not None else -1.0
 
-    metrics = RouterMetrics(table_version)
+    def table_age() -> float:
+        refreshed = source.refreshed_at()
+        if source.current() is None:
+            return -1.0
+        return 0.0 if refreshed is None else max(0.0, clock.monotonic() - refreshed)
+
+    metrics = RouterMetrics(table_version, table_age)
     prober = NodeProber(settings, fleet_state, clock=clock)
     kv_index = KVIndex(settings.kv_index_max_blocks_per_node)
     prefixes = PrefixKeyBuilder(settings)
@@ -225,12 +230,13 @@ def _build_state(
         locator=ClientLocator(settings),
         rtt=RttEstimator.from_settings(settings),
         response_ids=ResponseIds(settings.cluster_token.get_secret_value()),
+        tracing=Tracing.create("meridian-router", settings.otlp_endpoint, settings.otlp_zone_endpoints),
     )
     fleet_state.add_ejection_listener(lambda e: _count_ejection(state, e))
     fleet_state.add_ejection_listener(state.forwarder.on_ejection)
     if isinstance(state.policy, AffinityPolicy):
         policy = state.policy
-        metrics.imbalance_fallbacks.set_function(lambda: policy.imbalance_fallbacks)
+        metrics.count_fallbacks_of(lambda: policy.imbalance_fallbacks)
     source.add_listener(lambda loaded: _on_table(state, loaded))
     return state, shared_fleet
 
@@ -251,6 +257,8 @@ def _lifespan(
                 await part.start()
                 stack.push_async_callback(part.stop)
             stack.callback(state.locator.close)
+            # Last out: exports the spans of the requests that ended while stopping.
+            stack.push_async_callback(asyncio.to_thread, state.tracing.shutdown)
             await source.start()
             stack.push_async_callback(source.stop)
             stack.push_async_callback(state.scale_from_zero.aclose)
@@ -274,7 +282,7 @@ def _lifespan(
 
 def _add_other_routes(app: FastAPI, state: RouterState) -> None:
     """Stored responses, the model list, health and metrics."""
-    settings, source, metrics = state.settings, state.table_source, state.metrics
+    settings, source = state.settings, state.table_source
 
     @app.get("/v1/responses/{response_id}")
     async def get_response(request: Request, response_id: str) -> Response:
@@ -308,17 +316,13 @@ def _add_other_routes(app: FastAPI, state: RouterState) -> None:
             return JSONResponse({"status": "no_routing_table"}, status_code=503)
         return JSONResponse({"status": "ok", "routing_version": loaded.version})
 
-    scrapers = [t.get_secret_value() for t in (settings.metrics_token, settings.cluster_token) if t is not None]
+    if settings.metrics_port is not None:
+        return  # /metrics is served on the admin listener only (geo_router.admin_listener)
+    scrapers = scraper_tokens(settings.metrics_token, settings.cluster_token)
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
-        # The endpoint is public; its metrics name nodes and tenants.
-        token = bearer_token(request.headers.get("authorization"))
-        if token is None or not any(constant_time_equals(token, t) for t in scrapers):
-            raise InvalidApiKey("/metrics needs the router's metrics token or the cluster token.")
-        metrics.set_reported_cache(state.prober.loads())
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+        return metrics_page(request, state.metrics, state.prober, scrapers)
 
 
 def _add_model_route(app: FastAPI, state: RouterState, route: str) -> None:
@@ -382,6 +386,10 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
     # An idempotency key names the request end to end (journals, nodes, logs).
     request_id = request_id_for(headers.get(HEADER_IDEMPOTENCY_KEY) or headers.get(HEADER_REQUEST_ID))
     request.state.request_id = request_id
+    loaded: LoadedTable | None = None
+    tenant: TenantEntry | None = None
+    inference: InferenceRequest | None = None
+    trace = begin_trace(state.tracing, request, route, request_id)
     access = AccessRecord(request_id, route, state.settings.access_log)
     try:
         loaded = state.table()
@@ -392,6 +400,8 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         # Prefix caches are per tenant (or sharing group): no tenant can probe another's.
         inference = salted(parse_inference_request(body), tenant)
         access.model = inference.model
+        if trace is not None:
+            trace.tenant(tenant, inference.model)
         stored: StoredResponse | None = None
         if route == "/v1/responses":
             inference, stored = follow_up(state.response_ids, inference, tenant)
@@ -415,6 +425,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
                 exhausted=exhausted_error(tenant, inference.model),
                 queued_s=queued_s,
                 rewrite=state.response_ids.rewriter(tenant) if route == "/v1/responses" else None,
+                trace=trace,
             )
         except asyncio.CancelledError:
             if not watch.fired:
@@ -425,12 +436,23 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         if queued_s:
             response.headers[HEADER_SCALE_WAIT_MS] = f"{queued_s * 1000:.0f}"
         response.headers.update(admission.headers)
-        _settle_tokens(state, admission, inference.payload, response)
+        account(state.metrics, state.rate_limiter.settle, admission, model_label(loaded, inference.model),
+                inference.payload, response)
+        if trace is not None:
+            trace.finish(response)
         access.routed(response)
         return response
     except RouterError as exc:
         state.metrics.requests.labels("", "", str(exc.status)).inc()
+        if tenant is not None:
+            count_request(state.metrics, tenant, model_label(loaded, inference and inference.model), exc.status)
+        if trace is not None:
+            trace.fail(exc.status, str(exc))
         access.failed(exc.status)
+        raise
+    except BaseException:
+        if trace is not None:
+            trace.fail(499, "the request ended without an answer")
         raise
 
 
@@ -529,33 +551,6 @@ async def _stored_response(state: RouterState, request: Request, response_id: st
     )
 
 
-def _settle_tokens(state: RouterState, admission: Admission, payload: Mapping[str, Any], response: Response) -> None:
-    """Correct the up-front token charge with what the answer used: the usage a whole answer
-    reports, or once a stream ends, its usage chunk (else its prompt estimate plus one token
-    per streamed chunk, as nodes stream a token at a time)."""
-    if admission.tenant.tokens_per_minute is None:
-        return
-    settle = state.rate_limiter.settle
-
-    def settle_stream(tally: StreamTally) -> None:
-        used = usage_tokens({"usage": tally.usage}) if tally.usage is not None else None
-        if used is None:
-            used = estimate_prompt_tokens(payload) + tally.events
-        settle(admission.tenant, admission.tokens, used)
-
-    if when_stream_ends(response, settle_stream) or not isinstance(response.body, bytes | bytearray):
-        return
-    if response.status_code >= 300:
-        settle(admission.tenant, admission.tokens, 0)
-        return
-    try:
-        used = usage_tokens(json.loads(response.body))
-    except (ValueError, AttributeError):
-        return
-    if used is not None:
-        settle(admission.tenant, admission.tokens, used)
-
-
 def serve(settings: RouterSettings) -> None:
     """Run the router under uvicorn until SIGTERM/SIGINT."""
     configure_logging()
@@ -582,4 +577,9 @@ def serve(settings: RouterSettings) -> None:
         # other way round, a request sent as the router closes gets a 502.
         timeout_keep_alive=75,
     )
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    if settings.metrics_port is None:
+        server.run()
+        return
+    state: RouterState = config.app.state.router
+    run_with_admin_listener(server, create_metrics_app(settings, state.metrics, state.prober), settings)

@@ -1,10 +1,21 @@
-"""The router's Prometheus metrics, in a registry owned by one app."""
+"""The router's Prometheus metrics, in a registry owned by one app.
+
+Every metric here may name tenants or nodes, so the page is served only to a scraper: on
+the admin listener when `metrics_port` is set, else on the public port to a bearer of the
+metrics or cluster token (geo_router.admin_listener).
+
+`meridian_router_imbalance_fallbacks_total` and `meridian_router_routing_table_age_seconds`
+are read at scrape time from their owners (the affinity policy's running total, the table
+source's last refresh on the app's clock), so the request path pays nothing for them.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from .node_load import NodeLoad
 
@@ -12,10 +23,28 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
-class RouterMetrics:
-    """Counters and histograms of one router app."""
+class _RunningTotal(Collector):
+    """A counter whose total is kept by its owner (read at scrape time, never reset)."""
 
-    def __init__(self, table_version: Callable[[], float]) -> None:
+    def __init__(self, name: str, doc: str) -> None:
+        self._name, self._doc = name, doc
+        self.read: Callable[[], float] = lambda: 0.0
+
+    def describe(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._doc)
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(self._name, self._doc, value=self.read())
+
+
+class RouterMetrics:
+    """Counters and histograms of one router app.
+
+    `table_age` answers the seconds since the routing table was last confirmed current
+    (-1 while there is none).
+    """
+
+    def __init__(self, table_version: Callable[[], float], table_age: Callable[[], float] = lambda: -1.0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = self._counter(
             "meridian_router_requests", ("region", "node", "status"),
@@ -48,10 +77,19 @@ class RouterMetrics:
         self.reported_cache_queries = self._gauge(
             "meridian_router_node_reported_cache_query_tokens", ("node",),
             "Prompt tokens each node looked up in its prefix cache (vllm:prefix_cache_queries, from probes).")
-        # A running total kept by the policy itself, read at scrape time.
-        self.imbalance_fallbacks = self._gauge(
-            "meridian_router_imbalance_fallbacks_total", (),
+        # A running total kept by the policy itself, read at scrape time (`count_fallbacks_of`).
+        self._fallbacks = _RunningTotal(
+            "meridian_router_imbalance_fallbacks",
             "Requests the affinity policy sent least-load first because affinity would create a hot spot.")
+        self.registry.register(self._fallbacks)
+        self.tenant_requests = self._counter(
+            "meridian_router_tenant_requests", ("tenant", "model", "zone", "status"),
+            "Inference requests of authenticated tenants, by model ('' when not one the table "
+            "serves), residency zone and HTTP status.")
+        self.tenant_tokens = self._counter(
+            "meridian_router_tenant_tokens", ("tenant", "model", "zone", "kind"),
+            "Tokens of the tenants' answered requests, kind prompt or completion: the answers' usage, "
+            "else (a stream without a usage chunk) the prompt estimate and one token per event.")
         self.rate_limited = self._counter(
             "meridian_router_rate_limited", ("tenant", "limit"),
             "Requests refused with 429 by tenant rate limits, by limit (requests or tokens).")
@@ -77,6 +115,15 @@ class RouterMetrics:
             "meridian_router_routing_table_version", (),
             "Version of the routing table in use (-1 before one is loaded).")
         version.set_function(table_version)
+        age = self._gauge(
+            "meridian_router_routing_table_age_seconds", (),
+            "Seconds since the routing table was last confirmed current by the control plane (or "
+            "loaded from the snapshot); -1 before one is loaded, 0 for a static table.")
+        age.set_function(table_age)
+
+    def count_fallbacks_of(self, read: Callable[[], float]) -> None:
+        """Export `read()` (a running total, e.g. the affinity policy's) as the fallbacks counter."""
+        self._fallbacks.read = read
 
     def _counter(self, name: str, labels: Sequence[str], doc: str) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)

@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import anyio
 from fastapi.responses import Response, StreamingResponse
@@ -55,6 +55,17 @@ log = logging.getLogger(__name__)
 
 # rewrite(node_id, bytes) -> bytes: a change made to an answer on its way to the client.
 Rewrite = Callable[[str, bytes], bytes]
+
+
+class AttemptTrace(Protocol):
+    """A traced request (geo_router.tracing): the header lines that continue its trace at
+    the node, and what each attempt tried."""
+
+    headers: str
+
+    def attempt(self, attempt: int, node: str, region: str) -> None: ...
+
+
 # Upstream headers worth keeping; hop-by-hop and length/encoding headers are the router's.
 _PASSTHROUGH_HEADERS = {b"content-type": "content-type", b"retry-after": "retry-after",
                         b"cache-control": "cache-control"}
@@ -292,6 +303,7 @@ class UpstreamForwarder:
         *,
         method: str = "POST",
         rewrite: Rewrite | None = None,
+        trace: AttemptTrace | None = None,
     ) -> Response:
         """Answer `request` from the first candidate that works; `exhausted` when none does.
 
@@ -306,7 +318,7 @@ class UpstreamForwarder:
         streaming = False
         try:
             response = await self._forward(
-                route, request, candidates, request_id, received_at, exhausted, queued_s, method, rewrite
+                route, request, candidates, request_id, received_at, exhausted, queued_s, method, rewrite, trace
             )
             streaming = isinstance(response, _UpstreamStreamingResponse)
             return response
@@ -325,6 +337,7 @@ class UpstreamForwarder:
         queued_s: float,
         method: str,
         rewrite: Rewrite | None,
+        trace: AttemptTrace | None = None,
     ) -> Response:
         s = self._settings
         budget = self._retry_budget
@@ -354,10 +367,12 @@ class UpstreamForwarder:
             }
             self._fleet.begin(node)
             self._journal.routed(request_id, node, candidate.region.name, attempt)
+            if trace is not None:
+                trace.attempt(attempt, node, candidate.region.name)
             try:
                 response = await self._attempt(
                     route, request, candidate, request_id, deadline, received_at, reply_headers,
-                    method, rewrite,
+                    method, rewrite, trace.headers if trace is not None else "",
                 )
             except _NodeFailed as exc:
                 self._fleet.end(node)
@@ -436,13 +451,14 @@ class UpstreamForwarder:
         reply_headers: dict[str, str],
         method: str = "POST",
         rewrite: Rewrite | None = None,
+        trace_headers: str = "",
     ) -> Response:
         """One try on one node: a Response to commit to, or _NodeFailed."""
         try:
             origin = self._client.origin(candidate.node.url)
         except ValueError as exc:
             raise _NodeFailed(FailureReason.PROTOCOL, str(exc)) from None
-        head = self._request_head(method, origin, route, request, request_id)
+        head = self._request_head(method, origin, route, request, request_id, trace_headers)
         await self._take_slot()
         conn: UpstreamConnection | None = None
         committed = False
@@ -500,9 +516,11 @@ class UpstreamForwarder:
         return _UpstreamStreamingResponse(stream, status, headers)
 
     def _request_head(
-        self, method: str, origin: Origin, route: str, request: InferenceRequest, request_id: str
+        self, method: str, origin: Origin, route: str, request: InferenceRequest, request_id: str,
+        trace_headers: str = "",
     ) -> bytes:
-        """The HTTP/1.1 request line and headers sent to the node."""
+        """The HTTP/1.1 request line and headers sent to the node (`trace_headers`: whole
+        `name: value\r\n` lines of the request's trace context, from the propagators)."""
         return (
             f"{method} {origin.base_path}{route} HTTP/1.1\r\n"
             f"host: {origin.authority}\r\n"
@@ -514,6 +532,7 @@ class UpstreamForwarder:
             f"{HEADER_REQUEST_ID}: {request_id}\r\n"
             # Nodes serve routers only; the tenant's own key never leaves the router.
             f"authorization: {self._node_auth}\r\n"
+            f"{trace_headers}"
             f"content-length: {len(request.body)}\r\n\r\n"
         ).encode("latin-1")
 

@@ -39,6 +39,9 @@ class LoadedTable:
     tenants: Mapping[str, TenantEntry]  # by key hash
     deployments: Mapping[str, DeploymentEntry]  # by model
     node_regions: Mapping[str, str]  # node id -> region name
+    # Every model a node serves or a deployment names: the model label of per-tenant
+    # metrics is one of these (a client's made-up name would grow the series without bound).
+    models: frozenset[str]
 
     @classmethod
     def build(cls, table: RoutingTable) -> LoadedTable:
@@ -48,6 +51,7 @@ class LoadedTable:
             tenants={t.key_hash: t for t in table.tenants},
             deployments={d.model: d for d in table.deployments},
             node_regions={n.node_id: n.region for n in table.nodes},
+            models=frozenset(m for n in table.nodes for m in n.models) | {d.model for d in table.deployments},
         )
 
     @property
@@ -77,6 +81,11 @@ class TableSource(Protocol):
         """Call `listener` (on the event loop, must not block) with each table installed."""
         ...
 
+    def refreshed_at(self) -> float | None:
+        """When (monotonic, on the app's clock) the table was last confirmed current; None for
+        a table that cannot go stale (a static one) or before any."""
+        ...
+
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
@@ -94,6 +103,9 @@ class StaticTableSource:
 
     def add_listener(self, listener: TableListener) -> None:
         self._listeners.append(listener)
+
+    def refreshed_at(self) -> float | None:
+        return None  # a fixed table is as current as it will ever be
 
     def set(self, table: RoutingTable) -> None:
         """Replace the table, as a new control-plane version would."""
@@ -134,12 +146,17 @@ class RoutingTableClient:
         )
         self._updated = asyncio.Event()
         self._listeners: list[TableListener] = []
+        self._refreshed_at: float | None = None
 
     def current(self) -> LoadedTable | None:
         return self._loaded
 
     def add_listener(self, listener: TableListener) -> None:
         self._listeners.append(listener)
+
+    def refreshed_at(self) -> float | None:
+        # A long-poll answered 304 confirms the table as much as a new one does.
+        return self._refreshed_at
 
     async def start(self) -> None:
         """Fetch the table once (or fall back to the snapshot), then keep it fresh."""
@@ -209,6 +226,7 @@ class RoutingTableClient:
             ROUTING_TABLE_PATH, headers=headers, params=params, timeout=self._timeout(wait_s)
         )
         if resp.status_code == 304:
+            self._refreshed_at = self._clock.monotonic()
             return False
         if resp.status_code != 200:
             raise RuntimeError(f"control plane answered {resp.status_code}: {resp.text[:200]}")
@@ -217,6 +235,7 @@ class RoutingTableClient:
         except ValidationError as exc:
             raise RuntimeError(f"control plane sent an invalid routing table: {exc}") from exc
         self._install(table)
+        self._refreshed_at = self._clock.monotonic()
         if self._settings.snapshot_path is not None:
             try:
                 await asyncio.to_thread(write_snapshot, self._settings.snapshot_path, table)
@@ -235,6 +254,7 @@ class RoutingTableClient:
             return
         log.info("serving routing table version %d from snapshot %s", table.version, path)
         self._install(table)
+        self._refreshed_at = self._clock.monotonic()
 
     def _install(self, table: RoutingTable) -> None:
         previous = self._loaded.version if self._loaded else None

@@ -61,6 +61,20 @@ def usage_tokens(answer: Mapping[str, Any]) -> int | None:
     return None
 
 
+def usage_split(answer: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(prompt, completion) tokens an answer's usage reports, in the same shapes as
+    `usage_tokens`; None if it reports neither (a total alone counts as prompt)."""
+    usage = answer.get("usage")
+    if not isinstance(usage, Mapping):
+        return None
+    for prompt_key, completion_key in (("prompt_tokens", "completion_tokens"), ("input_tokens", "output_tokens")):
+        prompt, completion = _int_field(usage, prompt_key), _int_field(usage, completion_key)
+        if prompt is not None or completion is not None:
+            return prompt or 0, completion or 0
+    total = _int_field(usage, "total_tokens")
+    return (total, 0) if total is not None else None
+
+
 def _int_field(payload: Mapping[str, Any], name: str) -> int | None:
     value = payload.get(name)
     # bool is an int to Python, not to JSON.

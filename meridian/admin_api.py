@@ -25,7 +25,9 @@ from meridian.contracts import (
     AutoscalingSpec,
     CacheGroupName,
     ModelName,
+    NodeView,
     PlacementSpec,
+    RegionInfo,
     ZoneName,
 )
 
@@ -234,3 +236,43 @@ class PlanView(BaseModel):
     created_by: str
     applied_at: datetime | None
     applied_by: str | None
+
+
+# --- web console -----------------------------------------------------------------------
+
+
+class ConsoleViewer(BaseModel):
+    """The key the console was opened with: the console offers only what its scopes allow."""
+
+    name: str
+    tenant: str
+    scopes: list[Scope]
+
+
+class ConsoleOverview(BaseModel):
+    """One poll of the web console: the fleet as this control plane sees it now.
+
+    Ages are measured against generated_at (the clock heartbeats are stamped with), never the browser's.
+    Request rates come from successive polls: each node's load carries cumulative counts.
+    """
+
+    generated_at: datetime
+    viewer: ConsoleViewer
+    routing_version: int
+    heartbeat_interval_s: float
+    node_ttl_s: float
+    regions: list[RegionInfo]
+    nodes: list[NodeView]
+
+
+class DrillReportSummary(BaseModel):
+    """A chaos drill report found in the control plane's drill reports directory."""
+
+    name: str = Field(description="The report's directory; its report.json and timeline.png are under it")
+    drill: str
+    started_at: str | None = None
+    duration_s: float | None = None
+    passed: bool | None = None
+    fault: str | None = None
+    recovery_s: float | None = None
+    timeline_png: bool = False

@@ -105,6 +105,13 @@ class NodeLoad(_Wire):
     kv_cache_usage: float = Field(0.0, ge=0.0, le=1.0)
     # LoRA adapters resident on the node now: a request for one of them starts without a load.
     lora_adapters: list[ModelName] = Field(default_factory=list, max_length=256)
+    # Cumulative since the node started: requests it finished and the sum of their end-to-end
+    # latencies (vllm:e2e_request_latency_seconds' count and sum). Successive heartbeats give
+    # a request rate and a mean latency (the web console draws them per region); None from a
+    # node that does not measure them, and left out of the JSON then, so that control planes
+    # that predate the fields still accept the heartbeat.
+    requests_completed: int | None = Field(None, ge=0, exclude_if=_is_none)
+    latency_s_sum: float | None = Field(None, ge=0, allow_inf_nan=False, exclude_if=_is_none)
 
 
 class NodeRegistration(_Wire):

@@ -129,6 +129,9 @@ class ControlPlaneSettings(ListenerSettings):
     port: int = Field(8081, ge=0, le=65535)
     database_url: str = "sqlite:///./meridian-state.db"
     cluster_token: SecretStr = _CLUSTER_TOKEN
+    # GET /metrics answers a bearer of this token, of the cluster token, or of an API key
+    # with the admin, operator or read-only scope (a Prometheus scrape config's credentials).
+    metrics_token: SecretStr | None = None
     # Hash of this key is ensured at start-up as an admin-scoped key, so a fresh
     # deployment can create its first tenants. Unset in steady state.
     bootstrap_admin_key: SecretStr | None = None
@@ -145,6 +148,9 @@ class ControlPlaneSettings(ListenerSettings):
     max_long_poll_s: float = Field(30.0, gt=0)
     max_request_bytes: int = Field(1_000_000, gt=0)
     onprem_inventory: Path | None = None
+    # Chaos drill reports the web console lists (`meridian chaos run --out DIR` writes
+    # DIR/<drill>/report.json and timeline.png); None: the console shows none.
+    drill_reports_dir: Path | None = None
     # --- fleet loops: leader election, reconciler, autoscaler ---------------------------
     # One control plane leads the reconciler and autoscaler: on Postgres the holder of an
     # advisory lock (checked this often); on SQLite (one control plane only) a lease row.
@@ -208,6 +214,15 @@ class RouterSettings(ListenerSettings):
     # /metrics names nodes and tenants, so it answers only a bearer of this token or of the
     # cluster token (a Prometheus scrape config's `authorization: {credentials: ...}`).
     metrics_token: SecretStr | None = None
+    # With a port, /metrics moves to a second listener on metrics_host:metrics_port (keep it
+    # internal; it asks for metrics_token only when one is set) and the public port has none.
+    metrics_port: int | None = Field(None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
+    # OpenTelemetry traces (meridian.tracing), off unless set: the OTLP/HTTP collector
+    # (e.g. http://collector:4318), and per residency zone a collector of its own for the
+    # spans of that zone's tenants (a JSON object such as {"eu": "https://otel.eu:4318"}).
+    otlp_endpoint: str | None = None
+    otlp_zone_endpoints: dict[str, str] = Field(default_factory=dict)
     # Header an edge proxy you trust sets to the client's location ("lat,lon" or a
     # region name such as "aws:us-east-1"). Strip it at the edge from client requests.
     client_location_header: str = "x-meridian-client-location"
@@ -457,6 +472,11 @@ class NodeSettings(ListenerSettings):
     kv_events_replay_advertise: str | None = None
     drain_timeout_s: float = Field(30.0, ge=0)
     control_plane_timeout_s: float = Field(5.0, gt=0)
+    # OpenTelemetry traces, as the router's: the default collector, and one per residency
+    # zone for the spans of requests the router marked with that zone (vLLM's own spans go
+    # to otlp_endpoint, through --otlp-traces-endpoint).
+    otlp_endpoint: str | None = None
+    otlp_zone_endpoints: dict[str, str] = Field(default_factory=dict)
     # With a path, every request the node stops working on is journalled there as a JSON
     # line keyed by its x-request-id (meridian.request_journal; chaos drills read it).
     request_journal_path: Path | None = None

@@ -11,8 +11,9 @@ in report.md and report.json, and both are still written.
 
 This module writes the files; what goes into them is in its parts: `inputs` (the run as
 the runner hands it in), `series` (the timeline's per-bucket series), `json_model`
-(report.json), `markdown` (report.md, summary.md and the CLI's criterion rows) and `plot`
-(timeline.png).
+(report.json), `markdown` (report.md, summary.md and the CLI's criterion rows), `traffic`
+(failovers and traffic shifts between nodes) and `plot` (timeline.png, with `plot_events`
+and `plot_nodes`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from chaos.report.inputs import ReportFiles, RunReport
 from chaos.report.json_model import ReportModel, report_model
 from chaos.report.markdown import report_markdown, suite_markdown, summary_rows
 from chaos.report.plot import draw_timeline
-from chaos.report.series import NO_REGION, TimelineSeries, timeline_series
+from chaos.report.series import NO_NODE, NO_REGION, TimelineSeries, timeline_series
 from chaos.timeline import FaultEvent
 from meridian.atomic_file import write_atomic
 
@@ -70,6 +71,7 @@ def write_suite_summary(reports: Sequence[RunReport], out_dir: Path) -> Path:
 __all__ = [
     "FaultEvent",
     "NO_MATPLOTLIB",
+    "NO_NODE",
     "NO_REGION",
     "ReportFiles",
     "ReportModel",

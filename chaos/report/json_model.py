@@ -105,13 +105,39 @@ class VerdictModel(_Model):
     criteria: list[CriterionModel]
 
 
+class FailoverModel(_Model):
+    """`count` requests invoked in the bucket at `at_s` that a router retried on `to_node`."""
+
+    at_s: float
+    from_node: str
+    to_node: str
+    count: int
+
+
+class TrafficShiftModel(_Model):
+    """From the bucket at `at_s`, `from_node` served nothing and its sibling `to_node` more."""
+
+    at_s: float
+    from_node: str
+    to_node: str
+
+
 class TimelineModel(_Model):
+    """The per-bucket series. The fields after `p99_ms` came later: they have defaults, so
+    a report.json written before them still reads."""
+
     bucket_s: float
     starts_s: list[float]
     regions: list[str]
     requests_per_s: dict[str, list[float]]
     errors_per_s: dict[str, list[float]]
     p99_ms: list[float | None]
+    nodes: list[str] = []
+    node_regions: dict[str, str] = {}
+    node_requests_per_s: dict[str, list[float]] = {}
+    errors: list[int] = []
+    failovers: list[FailoverModel] = []
+    traffic_shifts: list[TrafficShiftModel] = []
 
 
 class ReportModel(_Model):
@@ -256,4 +282,16 @@ def _timeline(timeline: TimelineSeries) -> TimelineModel:
         requests_per_s={k: [round(x, 3) for x in v] for k, v in timeline.requests_per_s.items()},
         errors_per_s={k: [round(x, 3) for x in v] for k, v in timeline.errors_per_s.items()},
         p99_ms=[_r(x, 1) for x in timeline.p99_ms],
+        nodes=list(timeline.nodes),
+        node_regions=dict(sorted(timeline.node_regions.items())),
+        node_requests_per_s={k: [round(x, 3) for x in v] for k, v in sorted(timeline.node_requests_per_s.items())},
+        errors=list(timeline.errors),
+        failovers=[
+            FailoverModel(at_s=_s(f.at_s), from_node=f.from_node, to_node=f.to_node, count=f.count)
+            for f in timeline.failovers
+        ],
+        traffic_shifts=[
+            TrafficShiftModel(at_s=_s(t.at_s), from_node=t.from_node, to_node=t.to_node)
+            for t in timeline.traffic_shifts
+        ],
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,11 +19,13 @@ from data_plane.server.completions import CompletionService
 from data_plane.server.errors import ModelNotFoundError, install_error_handlers
 from data_plane.server.metrics import NodeMetrics
 from data_plane.server.passthrough import GET_ROUTES, POST_ROUTES, Passthrough
+from data_plane.server.tracing import NodeTracingMiddleware
 from data_plane.weights.node_weights import with_model_uri
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import ModelCard, ModelList
 from meridian.request_journal import RequestJournal
 from meridian.settings import NodeSettings
+from meridian.tracing import Tracing
 
 
 def create_app(
@@ -41,8 +44,11 @@ def create_app(
     runtime = NodeRuntime(settings, engine, clock=clock)
     metrics = _node_metrics(settings, engine)
     metrics.track_cold_start(lambda: runtime.cold_start)
+    runtime.request_totals = metrics.request_totals
     journal = RequestJournal(settings.request_journal_path)
-    service = CompletionService(runtime, metrics, journal)
+    tracing = Tracing.create("meridian-node", settings.otlp_endpoint, settings.otlp_zone_endpoints,
+                             attributes={"meridian.node": settings.node_id, "meridian.region": settings.region})
+    service = CompletionService(runtime, metrics, journal, tracing)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -52,12 +58,18 @@ def create_app(
         finally:
             await runtime.shutdown()
             journal.close()
+            await asyncio.to_thread(tracing.shutdown)
 
     app = FastAPI(
         title="Meridian node", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
     app.state.runtime = runtime
     app.state.metrics = metrics
+    app.state.tracing = tracing
+    if tracing.enabled:
+        models = engine.models()
+        app.add_middleware(NodeTracingMiddleware, tracing=tracing, node_id=settings.node_id,
+                           region=settings.region, model=models[0] if models else "")
     install_error_handlers(app)
     # Generation is for routers only; /health and /metrics stay open for probes and scrapers.
     internal = [Depends(internal_auth(settings))]

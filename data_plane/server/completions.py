@@ -25,6 +25,7 @@ from data_plane.engine.base import (
     SamplingParams,
     TokenLogprob,
 )
+from data_plane.engine.tracing import traced
 from data_plane.runtime import NodeRuntime
 from data_plane.server.body import parse_body
 from data_plane.server.client_watch import unless_disconnected
@@ -54,6 +55,7 @@ from data_plane.server.protocol import (
 )
 from meridian.contracts import HEADER_REQUEST_ID, ModelCard, ModelList, openai_error
 from meridian.request_journal import RequestJournal
+from meridian.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +143,10 @@ class _Exchange:
 class CompletionService:
     """The two generation endpoints of a node."""
 
-    def __init__(self, runtime: NodeRuntime, metrics: NodeMetrics, journal: RequestJournal | None = None) -> None:
+    def __init__(self, runtime: NodeRuntime, metrics: NodeMetrics, journal: RequestJournal | None = None,
+                 tracing: Tracing | None = None) -> None:
         self._runtime = runtime
+        self._tracing = tracing or Tracing.off()
         self._journal = journal or RequestJournal(None)
         self._settings = runtime.settings
         self._engine = runtime.engine
@@ -276,8 +280,10 @@ class CompletionService:
             raise UnavailableError(f"this node is {lifecycle.phase}; retry on another node",
                                    code=code)
         lifecycle.request_started()
-        outputs = self._engine.generate(GenerationRequest(
-            ex.id, prompt_ids, sampling, lora_name=lora, cache_salt=params.cache_salt))
+        generation = GenerationRequest(ex.id, prompt_ids, sampling, lora_name=lora, cache_salt=params.cache_salt)
+        outputs = self._engine.generate(generation)
+        if self._tracing.enabled:
+            outputs = traced(outputs, self._tracing.tracer("meridian.engine"), generation, self._settings.engine)
         try:
             # Wait for the first token before answering, so that an overloaded or
             # failing engine still gets a proper status the router can fail over on.
@@ -344,7 +350,7 @@ class CompletionService:
         self._journal_end(ex, completed=False)
         self._metrics.request_finished(reason)
         if reason != "abort":
-            self._metrics.e2e_latency.observe(time.perf_counter() - ex.arrival)
+            self._metrics.request_completed(time.perf_counter() - ex.arrival)
         self._runtime.lifecycle.request_finished()
         await outputs.aclose()
 

@@ -157,6 +157,10 @@ class NodeMetrics:
             ["model_name", "finished_reason"], registry=registry,
         )
         self.registry.register(_EngineCollector(model_name, stats, cache_config))
+        # The e2e histogram's count and sum, kept here too for the heartbeats (NodeLoad).
+        self._measures_requests = request_metrics
+        self._completed = 0
+        self._latency_s_sum = 0.0
 
     def track_cold_start(self, timeline: Callable[[], ColdStart]) -> None:
         """Export the node's cold-start timeline (seconds from agent start to each step)."""
@@ -164,6 +168,17 @@ class NodeMetrics:
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()
+
+    def request_completed(self, latency_s: float) -> None:
+        """A request answered in full after `latency_s` from its arrival."""
+        self.e2e_latency.observe(latency_s)
+        self._completed += 1
+        self._latency_s_sum += latency_s
+
+    def request_totals(self) -> tuple[int, float] | None:
+        """(requests completed, sum of their latencies in seconds) since start; None when
+        the engine measures its requests itself (vLLM) and this registry does not."""
+        return (self._completed, self._latency_s_sum) if self._measures_requests else None
 
     def family_names(self) -> set[str]:
         """Names of the metric families this registry exports."""

@@ -27,6 +27,7 @@ import anyio
 import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from opentelemetry import context as otel_context
 from starlette.types import Receive, Scope, Send
 
 from data_plane.engine.base import PassthroughEngine
@@ -39,6 +40,7 @@ from data_plane.server.errors import (
 )
 from meridian.contracts import GENERATION_ROUTES, HEADER_REQUEST_ID, MODEL_ROUTES
 from meridian.request_journal import RequestJournal
+from meridian.tracing import inject
 
 # Routes passed through; those in GENERATION_ROUTES are journalled and refused while draining.
 POST_ROUTES = (*MODEL_ROUTES, "/v1/responses/{response_id}/cancel")
@@ -149,6 +151,9 @@ class Passthrough:
         for name in ("content-type", "accept", HEADER_REQUEST_ID):
             if (value := request.headers.get(name)) is not None:
                 headers[name] = value
+        # The node's span (data_plane.server.tracing) as the parent of vLLM's own spans;
+        # nothing when the node does not trace.
+        headers.update(inject(otel_context.get_current()))
         return client.build_request(request.method, path, content=body, headers=headers,
                                     params=request.query_params)
 

@@ -8,7 +8,10 @@ Flag names follow vLLM's EngineArgs / FrontendArgs (`vllm serve --help`):
 (KVEventsConfig JSON), --enable-lora, --max-loras, --max-lora-rank, --max-cpu-loras,
 --lora-modules (one flag, then name=path items), --speculative-config
 (SpeculativeConfig JSON), --enable-prompt-tokens-details (cached token counts in usage)
-and --disable-uvicorn-access-log (our probes would flood the log).
+and --disable-uvicorn-access-log (our probes would flood the log); --otlp-traces-endpoint
+(vLLM's own OpenTelemetry spans, children of the node's span through the `traceparent` the
+node passes on) with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf (vLLM's default is
+gRPC; the fabric's collectors speak OTLP/HTTP).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from data_plane.engine.vllm.spec import (
     load_deployment_spec,
 )
 from meridian.settings import NodeSettings
+from meridian.tracing import traces_url
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +151,13 @@ def cpu_env(spec: DeploymentSpec) -> dict[str, str]:
     return {**env, **spec.env}
 
 
+def tracing_env(otlp_endpoint: str | None) -> dict[str, str]:
+    """Environment of vLLM's exporter when the node traces: OTLP over HTTP, named vllm."""
+    if otlp_endpoint is None:
+        return {}
+    return {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm"}
+
+
 def _check_heads(model_dir: Path, tp: int) -> None:
     # vLLM shards attention heads over the tensor-parallel ranks and refuses (after
     # minutes of start-up) a size that does not divide them: say so now.
@@ -173,6 +184,7 @@ def build_serve_argv(
     lora_paths: Mapping[str, Path] | None = None,
     draft_model_dir: Path | None = None,
     executable: str | Sequence[str] = "vllm",
+    otlp_endpoint: str | None = None,
 ) -> list[str]:
     """The full argv that starts vLLM for `spec` on this node (`gpu_count` 0: vLLM's CPU
     build, which sizes its KV cache from cpu_env instead of gpu_memory_utilization).
@@ -208,6 +220,8 @@ def build_serve_argv(
     if spec.enforce_eager:
         argv.append("--enforce-eager")
     argv += ["--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+    if otlp_endpoint is not None:
+        argv += ["--otlp-traces-endpoint", traces_url(otlp_endpoint)]
     # vLLM emits KV events from its prefix cache; without one there is nothing to publish.
     if kv_events is not None and spec.enable_prefix_caching:
         argv += ["--kv-events-config", _json(kv_events_config(kv_events))]

@@ -43,6 +43,7 @@ from data_plane.engine.vllm.command import (
     detect_gpu_count,
     load_spec,
     node_lora_paths,
+    tracing_env,
 )
 from data_plane.engine.vllm.metrics import StatsTracker, drop_metric_families, parse_vllm_metrics
 from data_plane.engine.vllm.relay import KVEventRelay
@@ -266,7 +267,7 @@ class VllmEngine:
             build_serve_argv,
             self.spec, model_dir=self._model_dir, gpu_count=gpu_count, port=port,
             kv_events=endpoints, lora_paths=self._lora_paths,
-            draft_model_dir=s.vllm_draft_model_dir, executable=s.vllm_executable,
+            draft_model_dir=s.vllm_draft_model_dir, executable=s.vllm_executable, otlp_endpoint=s.otlp_endpoint,
         )
         self._tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, self._model_dir)
         self.base_url = f"http://{LOOPBACK}:{port}"
@@ -290,7 +291,7 @@ class VllmEngine:
                 max_restarts=s.vllm_max_restarts, window_s=s.vllm_restart_window_s,
                 backoff_s=s.vllm_restart_backoff_s, backoff_max_s=s.vllm_restart_backoff_max_s,
             ),
-            env=self.spec.env if gpu_count > 0 else cpu_env(self.spec),
+            env={**tracing_env(s.otlp_endpoint), **(self.spec.env if gpu_count > 0 else cpu_env(self.spec))},
             clock=self._clock,
         )
         supervisor.on_exit = self._on_child_exit

@@ -68,7 +68,12 @@ async def test_registers_starting_then_heartbeats_ready_with_load(
             **CHAT_REQUEST, "max_tokens": 400, "ignore_eos": True, "temperature": 0}))
         await eventually(lambda: any(h.load.running == 1 for h in cp.heartbeats()))
         assert (await busy).status_code == 200
-        await eventually(lambda: cp.heartbeats()[-1].load == NodeLoad())
+        # Idle again, with the finished request counted (and its latency summed) in the load.
+        idle = NodeLoad()
+        await eventually(lambda: cp.heartbeats()[-1].load.model_copy(
+            update={"requests_completed": None, "latency_s_sum": None}) == idle)
+        last = cp.heartbeats()[-1].load
+        assert last.requests_completed == 1 and last.latency_s_sum is not None and last.latency_s_sum > 0
         await client.aclose()
 
 

@@ -404,3 +404,19 @@ async def test_the_torch_engine_refuses_a_parameter_it_would_drop_naming_it(
         plain = {k: v for k, v in body.items() if k != field}
         resp = await client.post("/v1/chat/completions", json={**plain, **neutral})
         assert resp.status_code == 200, resp.text
+
+
+async def test_heartbeat_load_counts_completed_requests_and_their_latency(
+    client: httpx.AsyncClient, node_app: FastAPI
+) -> None:
+    runtime = node_app.state.runtime
+    before = runtime.load()
+    assert (before.requests_completed, before.latency_s_sum) == (0, 0.0)
+    for _ in range(2):
+        resp = await client.post("/v1/chat/completions", json={**CHAT, **GREEDY, "max_tokens": 3})
+        assert resp.status_code == 200
+    after = runtime.load()
+    # What the console turns into a request rate and a mean latency per region.
+    assert after.requests_completed == 2
+    assert after.latency_s_sum is not None and after.latency_s_sum > 0
+    assert '"requests_completed":2' in after.model_dump_json()

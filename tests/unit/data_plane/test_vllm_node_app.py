@@ -102,3 +102,33 @@ async def test_pass_through_keeps_bodies_as_sent_and_names_models_as_vllm_does(
         assert cancel.status_code == 404 and cancel.json() == {"detail": "Not Found"}
         card = await client.get("/v1/models/tiny-llama")
         assert card.status_code == 200 and card.json()["id"] == "tiny-llama"
+
+
+async def test_a_tracing_vllm_node_feeds_vllm_its_span_and_the_collector(
+    tiny_checkpoint: Path, standin_state: Path
+) -> None:
+    """vLLM is started with --otlp-traces-endpoint (OTLP/HTTP) and each passed-through request
+    carries the node span's traceparent, so vLLM's own spans join the router's trace."""
+    import json
+    import secrets
+
+    from otlp_collector import OtlpCollector
+
+    trace_id, router_span = secrets.token_hex(16), secrets.token_hex(8)
+    with OtlpCollector() as collector:
+        app = create_app(settings(tiny_checkpoint, otlp_endpoint=collector.url))
+        async with asgi_client(app) as client:
+            resp = await client.post(
+                "/v1/completions", json={"model": "tiny-llama", "prompt": list(range(100, 140)), "max_tokens": 3},
+                headers={"traceparent": f"00-{trace_id}-{router_span}-01", "baggage": "meridian.zone=eu"})
+            assert resp.status_code == 200, resp.text
+            assert app.state.tracing.flush()
+        collector.wait_for(lambda: bool(collector.trace(trace_id)))
+    (node,) = collector.trace(trace_id)
+    assert node.name == "node POST /v1/completions" and node.parent_span_id == router_span
+    assert node.attributes["meridian.zone"] == "eu"
+    argv = json.loads((standin_state / "argv-1.json").read_text())
+    assert argv[argv.index("--otlp-traces-endpoint") + 1] == f"{collector.url}/v1/traces"
+    (seen,) = [json.loads(line) for line in (standin_state / "requests.jsonl").read_text().splitlines()]
+    assert seen["traceparent"] == f"00-{trace_id}-{node.span_id}-01"
+    assert seen["otlp_protocol"] == "http/protobuf"

@@ -148,6 +148,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     s.add_argument("--max-cpu-loras", type=int)
     s.add_argument("--lora-modules", nargs="+", default=[])
     s.add_argument("--speculative-config", type=json.loads)
+    s.add_argument("--otlp-traces-endpoint")
     return parser.parse_args(argv)
 
 
@@ -374,7 +375,8 @@ class StandIn:
         rid = headers.get("x-request-id", f"r{self.completions}")
         if self.state_dir is not None:
             with (self.state_dir / "requests.jsonl").open("a") as f:
-                f.write(json.dumps({"request_id": rid, "body": req}) + "\n")
+                f.write(json.dumps({"request_id": rid, "body": req, "traceparent": headers.get("traceparent"),
+                                    "otlp_protocol": os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")}) + "\n")
         self.completions += 1
         crash = self.crash_after and self.completions == self.crash_after
         cached = self.cache_prompt(prompt, lora)

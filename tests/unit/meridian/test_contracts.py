@@ -3,7 +3,15 @@ from datetime import UTC, datetime
 import pytest
 from pydantic import ValidationError
 
-from meridian.contracts import NodeRegistration, RoutingTable, TenantEntry, openai_error
+from meridian.contracts import (
+    NodeHeartbeat,
+    NodeLoad,
+    NodeRegistration,
+    NodeStatus,
+    RoutingTable,
+    TenantEntry,
+    openai_error,
+)
 
 
 def test_registration_validates_region_and_url():
@@ -38,3 +46,16 @@ def test_openai_error_shape():
     body = openai_error("nope", code="model_not_found", param="model")
     assert body == {"error": {"message": "nope", "type": "invalid_request_error",
                               "param": "model", "code": "model_not_found"}}
+
+
+def test_heartbeat_request_counters_are_optional_on_the_wire():
+    """A node that measures no requests sends the load an older control plane (which forbids
+    unknown fields) accepts; one that does sends counts that never go negative."""
+    old_shape = {"running": 1, "waiting": 0, "kv_cache_usage": 0.5, "lora_adapters": []}
+    assert NodeLoad(running=1, kv_cache_usage=0.5).model_dump(mode="json") == old_shape
+    beat = NodeHeartbeat(status=NodeStatus.READY, load=NodeLoad(requests_completed=7, latency_s_sum=1.25))
+    assert NodeHeartbeat.model_validate_json(beat.model_dump_json()) == beat
+    assert NodeLoad.model_validate(old_shape).requests_completed is None
+    for bad in ({"requests_completed": -1}, {"latency_s_sum": -0.5}, {"latency_s_sum": float("nan")}):
+        with pytest.raises(ValidationError):
+            NodeLoad(**bad)

@@ -1,0 +1,78 @@
+"""What each answered request cost its tenant: the rate limiter's settlement and the
+per-tenant request and token counters, from one read of the answer's usage.
+
+A whole answer's body is parsed once here for both; a stream is accounted when it ends
+(its usage chunk if the client asked for one, else the prompt estimate plus one token per
+streamed event, as nodes stream a token at a time). The model label is the request's model
+only when the routing table serves or deploys it ("" otherwise), so that a client's
+made-up model names cannot grow the metric's series without bound.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from fastapi.responses import Response
+
+from meridian.contracts import TenantEntry
+
+from .metrics import RouterMetrics
+from .proxy import when_stream_ends
+from .ratelimit import Admission
+from .sse import StreamTally
+from .table import LoadedTable
+from .tokens import estimate_prompt_tokens, usage_split
+
+# settle(tenant, charged, used): the rate limiter's correction of an up-front charge.
+Settle = Callable[[TenantEntry, int, int], None]
+
+
+def model_label(loaded: LoadedTable | None, model: str | None) -> str:
+    """`model` when the table knows it, else ""."""
+    return model if loaded is not None and model is not None and model in loaded.models else ""
+
+
+def count_request(metrics: RouterMetrics, tenant: TenantEntry, model: str, status: int) -> None:
+    metrics.tenant_requests.labels(tenant.tenant, model, tenant.zone, str(status)).inc()
+
+
+def account(
+    metrics: RouterMetrics,
+    settle: Settle,
+    admission: Admission,
+    model: str,
+    payload: Mapping[str, Any],
+    response: Response,
+) -> None:
+    """Count the request and, once its usage is known, its tokens; settle the rate limiter's
+    token charge when the tenant has a token limit."""
+    tenant = admission.tenant
+    count_request(metrics, tenant, model, response.status_code)
+    limited = tenant.tokens_per_minute is not None
+
+    def settled(prompt: int, completion: int) -> None:
+        if prompt:
+            metrics.tenant_tokens.labels(tenant.tenant, model, tenant.zone, "prompt").inc(prompt)
+        if completion:
+            metrics.tenant_tokens.labels(tenant.tenant, model, tenant.zone, "completion").inc(completion)
+        if limited:
+            settle(tenant, admission.tokens, prompt + completion)
+
+    def stream_ended(tally: StreamTally) -> None:
+        split = usage_split({"usage": tally.usage}) if tally.usage is not None else None
+        settled(*(split or (estimate_prompt_tokens(payload), tally.events)))
+
+    if when_stream_ends(response, stream_ended) or not isinstance(response.body, bytes | bytearray):
+        return
+    if response.status_code >= 300:
+        if limited:
+            settle(tenant, admission.tokens, 0)
+        return
+    try:
+        split = usage_split(json.loads(response.body))
+    except (ValueError, AttributeError):
+        return
+    if split is not None:
+        settled(*split)
