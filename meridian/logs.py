@@ -82,6 +82,9 @@ class JsonFormatter(logging.Formatter):
                                "msg": record.getMessage()}
         for key, value in extra_fields(record).items():
             out.setdefault(key, value)
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
+            # uvicorn's access line as fields too: client, method, path, HTTP version, status.
+            out.update(zip(("client", "method", "path", "http_version", "status"), record.args, strict=True))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         if record.stack_info:

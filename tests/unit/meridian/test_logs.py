@@ -102,4 +102,5 @@ async def test_a_scrape_is_not_logged_an_inference_request_is(capsys: pytest.Cap
     access = [json.loads(line) for line in lines(capsys.readouterr().err)]
     access = [a for a in access if a["logger"] == "uvicorn.access"]
     assert len(access) == 1 and "POST /v1/chat/completions" in access[0]["msg"]
+    assert (access[0]["method"], access[0]["path"], access[0]["status"]) == ("POST", "/v1/chat/completions", 200)
 
