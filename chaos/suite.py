@@ -19,6 +19,7 @@ from chaos.load import LoadStats
 from chaos.report import summary_rows, write_suite_summary
 from chaos.runner import RunOptions, run_drill, runnable
 from chaos.schedule import RunOutcome, TickCallback
+from meridian.cli_format import folding_table
 
 StepCallback = Callable[[str], None]
 
@@ -116,9 +117,7 @@ def verdict_table(outcome: RunOutcome) -> Table:
     title = f"{report.drill.name} ({'short' if report.short else 'full'}): {verdict}"
     if report.aborted:
         title += f" — aborted: {report.aborted}"
-    table = Table(title=title)
-    for column in ("criterion", "measured", "bound", "result"):
-        table.add_column(column)
+    table = folding_table("criterion", "measured", "bound", "result", title=title)
     for name, measured, bound, result in summary_rows(report):
         style = "green" if result == "PASS" else "red"
         table.add_row(name, measured, bound, f"[{style}]{result}[/{style}]")

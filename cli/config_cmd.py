@@ -8,15 +8,17 @@ component that starts with a setting silently ignored.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
-from meridian import config_file
 from meridian.cli_settings import settings_or_exit
 from meridian.settings import LogSettings, config_file_path, use_config_file
+
+if TYPE_CHECKING:
+    from meridian.config_file import ConfigFileError
 
 app = typer.Typer(no_args_is_help=True, help="The YAML config file (one section per component).")
 console = Console()
@@ -30,6 +32,8 @@ def use(path: Path | None) -> None:
     use_config_file(path)
     chosen = config_file_path()
     if chosen is not None:
+        from meridian import config_file  # YAML: only when a file is given
+
         try:
             config_file.load(chosen)
         except config_file.ConfigFileError as e:
@@ -38,7 +42,7 @@ def use(path: Path | None) -> None:
     settings_or_exit(LogSettings)
 
 
-def _print_problems(e: config_file.ConfigFileError) -> None:
+def _print_problems(e: ConfigFileError) -> None:
     err_console.print(f"[red]invalid config file {escape(str(e.path))}:[/red]")
     for problem in e.problems:
         err_console.print(f"  {escape(problem)}")
@@ -47,6 +51,8 @@ def _print_problems(e: config_file.ConfigFileError) -> None:
 @app.command("check")
 def check(path: Annotated[Path, typer.Argument(help="The config file (YAML)")]) -> None:
     """Check every section of a config file: unknown sections or keys, wrong types (exit 1)."""
+    from meridian import config_file
+
     try:
         sections = config_file.load(path)
     except config_file.ConfigFileError as e:
@@ -59,4 +65,6 @@ def check(path: Annotated[Path, typer.Argument(help="The config file (YAML)")]) 
 @app.command("example")
 def example() -> None:
     """Print a commented config file with every setting at its default."""
+    from meridian import config_file
+
     print(config_file.example(), end="")

@@ -8,97 +8,87 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from chaos.cli import app as chaos_app
 from cli import config_cmd
+from cli.admin_cmds import deployments_app, keys_app, models_list, tenants_app
+from cli.admin_session import (
+    ApiKeyOpt,
+    ControlPlaneOpt,
+    OutputFormat,
+    OutputOpt,
+    admin_client,
+    api_errors,
+    console,
+    emit,
+    err_console,
+    fail,
+)
+from cli.deploy import deploy
+from cli.model_push import model_push
 from cli.status_view import status_table
 from control_plane.cli import app as control_plane_app
 from data_plane.cli import model_app, node_app
 from geo_router.cli import app as router_app
 from iac.cli import app as iac_app
-from meridian.admin_api import ApiKeyCreate, PlanRequest, PlanStatus
-from meridian.admin_client import AdminAPIError, AdminClient, request_body
-from meridian.cli_settings import settings_or_exit
-from meridian.settings import CLISettings
+from meridian.admin_api import PlanRequest, PlanStatus
+from meridian.admin_client import request_body
 from providers.cli import app as catalog_app
 
 # The CLI composes the planes' own sub-apps (each imports its heavy modules inside its
-# commands) with the commands that cut across them: status, keys, plan, demo.
+# commands) with the commands that cut across them: status, keys, tenants, models, deploy, plan, demo.
 app = typer.Typer(no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
-keys_app = typer.Typer(no_args_is_help=True, help="Tenants' API keys (admin scope).")
 app.add_typer(control_plane_app, name="control-plane")
 app.add_typer(router_app, name="router")
 app.add_typer(node_app, name="node")
 app.add_typer(model_app, name="model")
 app.add_typer(keys_app, name="keys")
+app.add_typer(tenants_app, name="tenants")
+app.add_typer(deployments_app, name="deployments")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(chaos_app, name="chaos")
 app.add_typer(config_cmd.app, name="config")
 # cdktf stays inside iac/ (imported by its commands only, so other commands start fast).
 app.add_typer(iac_app, name="iac", help="Terraform stacks from an infrastructure plan (cdktf synth, diff).")
+# `model push` checks the zone against every provider's regions, which the data plane cannot see.
+model_app.command("push")(model_push)
 
-console = Console()
-err_console = Console(stderr=True)
+
+def _version(value: bool) -> None:
+    if value:
+        import platform
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            ours = version("meridian")
+        except PackageNotFoundError:
+            ours = "unknown (not installed)"
+        print(f"meridian {ours} (Python {platform.python_version()})")
+        raise typer.Exit()
 
 
 @app.callback()
-def global_options(
+def _root(
+    _: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                    help="Print the version and exit")] = False,
     config: Annotated[Path | None, typer.Option(
         "--config", help="YAML config file, one section per component [MERIDIAN_CONFIG]. "
                          "Precedence: flags > environment > this file > defaults.")] = None,
 ) -> None:
-    """Run each component, manage the fabric, and start a local demo."""
+    """`meridian`: run each component, manage the fabric, and start a local demo."""
     config_cmd.use(config)
 
 
 # --- operating the fabric ---------------------------------------------------------------
 
-ControlPlaneOpt = Annotated[str | None, typer.Option("--control-plane", help="[MERIDIAN_CONTROL_PLANE_URL]")]
-ApiKeyOpt = Annotated[str | None, typer.Option("--api-key", help="[MERIDIAN_API_KEY]")]
-
-
-def _admin(control_plane: str | None, api_key: str | None) -> AdminClient:
-    s = settings_or_exit(CLISettings, control_plane_url=control_plane)
-    key = api_key or (s.api_key.get_secret_value() if s.api_key else None)
-    if not key:
-        err_console.print("[red]an API key is needed: --api-key or MERIDIAN_API_KEY[/red]")
-        raise typer.Exit(2)
-    return AdminClient(s.control_plane_url, key, s.timeout_s)
-
 
 @app.command("status")
-def status(control_plane: ControlPlaneOpt = None, api_key: ApiKeyOpt = None) -> None:
+def status(output: OutputOpt = OutputFormat.TABLE, control_plane: ControlPlaneOpt = None,
+           api_key: ApiKeyOpt = None) -> None:
     """Show regions, nodes, health and models as a table."""
-    try:
-        with _admin(control_plane, api_key) as admin:
-            console.print(status_table(admin.regions(), admin.nodes()))
-    except AdminAPIError as e:
-        err_console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1) from None
-
-
-@keys_app.command("create")
-def keys_create(
-    tenant: Annotated[str, typer.Option(help="Tenant the key belongs to")],
-    zone: Annotated[str, typer.Option(help="Residency zone (eu, us, …) or global")] = "global",
-    scope: Annotated[list[str] | None, typer.Option(help="admin, operator, read-only, inference")] = None,
-    model: Annotated[list[str] | None, typer.Option(help="Allowed models (default: all)")] = None,
-    name: Annotated[str | None, typer.Option(help="Label for the key")] = None,
-    control_plane: ControlPlaneOpt = None,
-    api_key: ApiKeyOpt = None,
-) -> None:
-    """Create an API key; the key is printed once and never stored."""
-    try:
-        with _admin(control_plane, api_key) as admin:
-            k = admin.create_key(request_body(ApiKeyCreate, name=name or tenant, tenant=tenant, zone=zone,
-                                              scopes=scope or ["inference"], models=model or None))
-    except AdminAPIError as e:
-        err_console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1) from None
-    console.print(f"key id {k.id} for tenant {k.tenant} (zone {k.zone}, scopes {', '.join(k.scopes)})")
-    console.print("[bold]store it now; it is not shown again:[/bold]")
-    print(k.key)
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        regions, nodes = admin.regions(), admin.nodes()
+    emit(output, {"regions": regions, "nodes": nodes}, status_table(regions, nodes))
 
 
 @app.command("plan")
@@ -106,33 +96,39 @@ def plan(
     apply: Annotated[bool, typer.Option("--apply", help="Apply the plan after showing it")] = False,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask before applying")] = False,
     time_limit: Annotated[float, typer.Option(help="Solver time limit, seconds")] = 10.0,
+    output: OutputOpt = OutputFormat.TABLE,
     control_plane: ControlPlaneOpt = None,
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Preview a placement of every deployment as a diff against the one in force (operator)."""
     from cli.plan_view import plan_diff_table, plan_summary
 
-    try:
-        with _admin(control_plane, api_key) as admin:
-            with console.status("solving placement…"):
-                p = admin.preview_plan(request_body(PlanRequest, time_limit_s=time_limit))
-            if p.status == PlanStatus.INFEASIBLE:
-                err_console.print("[red]no placement meets every constraint:[/red]")
-                for line in (p.explanation or "").splitlines():
-                    err_console.print(f"  {line}")
-                raise typer.Exit(1)
+    table = output == OutputFormat.TABLE
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        body = request_body(PlanRequest, time_limit_s=time_limit)
+        with err_console.status("solving placement…"):
+            p = admin.preview_plan(body)
+        if p.status == PlanStatus.INFEASIBLE:
+            if not table:
+                emit(output, p)
+            fail("no placement meets every constraint:", 1, (p.explanation or "").splitlines())
+        if table:
             console.print(plan_diff_table(p))
             console.print(plan_summary(p))
-            if not apply:
+        else:
+            emit(output, p)
+        if not apply:
+            if table:
                 console.print(f"apply it with: meridian plan --apply (or POST /v1/placement/plans/{p.id}/apply)")
-                return
-            if not yes and not typer.confirm("apply this plan?"):
-                raise typer.Exit(1)
-            applied = admin.apply_plan(p.id)
-            console.print(f"[green]plan {applied.id} applied[/green]")
-    except AdminAPIError as e:
-        err_console.print(f"[red]{e}[/red]")
-        raise typer.Exit(1) from None
+            return
+        if not yes and not typer.confirm("apply this plan?", err=True):
+            raise typer.Exit(1)
+        applied = admin.apply_plan(p.id)
+        err_console.print(f"[green]plan {applied.id} applied[/green]")
+
+
+app.command("models")(models_list)
+app.command("deploy")(deploy)
 
 
 @app.command("demo")

@@ -5,15 +5,16 @@ from __future__ import annotations
 from rich.table import Table
 
 from meridian.admin_api import PlanView
+from meridian.cli_format import folding_table
 
 _KIND_STYLE = {"added": "green", "removed": "red", "changed": "yellow"}
 
 
 def plan_diff_table(plan: PlanView) -> Table:
     """One row per deployment × region × instance type whose count changes."""
-    table = Table(title=f"Placement plan {plan.id} ({plan.status})", title_justify="left")
-    for column in ("", "Deployment", "Region", "Instance type", "SKU", "Instances", "Replicas", "$/h"):
-        table.add_column(column, justify="right" if column in ("Instances", "Replicas", "$/h") else "left")
+    table = folding_table("", "Deployment", "Region", "Instance type", "SKU", "Instances", "Replicas", "$/h",
+                          right=("Instances", "Replicas", "$/h"), title=f"Placement plan {plan.id} ({plan.status})",
+                          title_justify="left")
     diff = plan.diff or {}
     for kind in ("added", "changed", "removed"):
         style = _KIND_STYLE[kind]

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 from rich.table import Table
 
+from meridian.cli_format import folding_table
 from meridian.contracts import ColdStart, NodeStatus, NodeView, RegionInfo
 
 _STATUS_STYLE = {
@@ -20,10 +21,8 @@ def status_table(regions: list[RegionInfo], nodes: list[NodeView], now: datetime
     """One row per node, plus one row per region that has no node but was asked about."""
     now = now or datetime.now(UTC)
     by_region = {r.name: r for r in regions}
-    table = Table(title="Meridian fabric", header_style="bold")
-    numeric = ("Running", "Waiting", "KV", "Heartbeat")
-    for col in ("Region", "Zones", "Node", "Health", "Models", "Running", "Waiting", "KV", "Cold start", "Heartbeat"):
-        table.add_column(col, justify="right" if col in numeric else "left")
+    table = folding_table("Region", "Zones", "Node", "Health", "Models", "Running", "Waiting", "KV", "Cold start",
+                          "Heartbeat", right=("Running", "Waiting", "KV", "Heartbeat"), title="Meridian fabric")
     for n in sorted(nodes, key=lambda n: (n.region, n.node_id)):
         region = by_region.get(n.region)
         zones = ",".join(region.zones) if region else "?"

@@ -1,7 +1,8 @@
 """`meridian node` and `meridian model`: the data plane's commands, mounted by the CLI (cli/main.py).
 
 Each command imports what it runs (the node, the checkpoint writers, the weight machinery in
-data_plane.weights.commands) when it runs: a CLI start must not load torch.
+data_plane.weights.commands) when it runs: a CLI start must not load torch. `model push`,
+which checks its zone against the providers' regions, is the CLI's (cli/model_push.py).
 """
 
 from __future__ import annotations
@@ -36,11 +37,43 @@ def node_run(
     engine: Annotated[str | None, typer.Option(help="torch or vllm [MERIDIAN_NODE_ENGINE]")] = None,
 ) -> None:
     """Run a data-plane node: load the model, serve it, register with the control plane."""
+    settings = settings_or_exit(NodeSettings, model_dir=model_dir, model_uri=model_uri, model_name=model_name,
+                                region=region, node_id=node_id, host=host, port=port,
+                                advertise_url=advertise_url, control_plane_url=control_plane_url, engine=engine)
+    if settings.model_uri is not None:
+        _check_model_uri(settings.model_uri)
+    else:
+        if settings.model_dir is None:
+            err_console.print("[red]a node needs --model-dir or --model-uri[/red]")
+            raise typer.Exit(2)
+        _check_model_dir(settings.model_dir)
     from data_plane.node import serve
 
-    serve(settings_or_exit(NodeSettings, model_dir=model_dir, model_uri=model_uri, model_name=model_name,
-                           region=region, node_id=node_id, host=host, port=port, advertise_url=advertise_url,
-                           control_plane_url=control_plane_url, engine=engine))
+    serve(settings)
+
+
+def _check_model_uri(uri: str) -> None:
+    """Exit 2 with one red line unless some weight origin reads `uri`'s scheme."""
+    from data_plane.weights.origins import ORIGINS
+
+    scheme, sep, _ = uri.partition("://")
+    if not sep or scheme.lower() not in ORIGINS.names():
+        schemes = ", ".join(f"{s}://" for s in ORIGINS.names())
+        err_console.print(f"[red]--model-uri {uri!r}: the URI must start with one of {schemes}[/red]",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+
+
+def _check_model_dir(model_dir: Path) -> None:
+    """Exit 2 with one red line unless `model_dir` is a checkpoint: before anything starts."""
+    if not model_dir.is_dir():
+        problem = "does not exist" if not model_dir.exists() else "is not a directory"
+        err_console.print(f"[red]--model-dir {model_dir} {problem}[/red]", highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    if not (model_dir / "config.json").is_file():
+        err_console.print(f"[red]--model-dir {model_dir} has no config.json: not a model checkpoint[/red]",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
 
 
 @model_app.command("make-tiny")
@@ -87,19 +120,6 @@ def model_make_tiny_lora(
         err_console.print(f"[red]{e}[/red]")
         raise typer.Exit(1) from None
     console.print(f"wrote tiny LoRA adapter for {base_dir} to [bold]{out_dir}[/bold] (seed {seed}, rank {rank})")
-
-
-@model_app.command("push")
-def model_push(
-    model_dir: Annotated[Path, typer.Argument(help="Model directory (config, safetensors, tokenizer)")],
-    uri: Annotated[str, typer.Argument(help="s3://bucket/prefix, gs://bucket/prefix or file:///dir")],
-    name: Annotated[str | None, typer.Option(help="Model name in the manifest (default: the directory's)")] = None,
-    zone: Annotated[str, typer.Option(help="Residency zone the weights may live in (eu, us, …) or global")] = "global",
-) -> None:
-    """Upload a model's files and its manifest (sizes, sha256, per-chunk digests)."""
-    from data_plane.weights import commands
-
-    commands.push(model_dir, uri, settings_or_exit(WeightSettings), console, name=name, zone=zone)
 
 
 @model_app.command("pull")

@@ -10,7 +10,7 @@ would refuse it), an answer that does not parse, or a control plane that cannot 
 `AdminClient` (sync: the CLI, the local fabric's threads) and `AsyncAdminClient` (the chaos
 drills, in an event loop) make the same calls: each call is described once, as an `_Call`
 (method, path, body, how to read the answer), and each client only sends it. A client has
-the calls its users make (listing and revoking keys only the drills do, so only the async one).
+the calls its users make (tenants and models only the CLI manages, so only the sync one).
 """
 
 from __future__ import annotations
@@ -30,8 +30,13 @@ from meridian.admin_api import (
     ApiKeyCreated,
     ApiKeyView,
     DeploymentUpsert,
+    ModelUpsert,
+    ModelView,
     PlanRequest,
     PlanView,
+    TenantCreate,
+    TenantPatch,
+    TenantView,
 )
 from meridian.contracts import DeploymentView, NodeView, RegionInfo
 
@@ -66,6 +71,17 @@ class AdminAPIError(Exception):
     @property
     def unreachable(self) -> bool:
         return self.status == 0
+
+    def field_errors(self) -> list[str]:
+        """One "where: what" line per field error of a 422 (the body's "body" prefix dropped)."""
+        lines = []
+        for err in self.errors or []:
+            loc = [str(p) for p in err.get("loc", []) if isinstance(p, str | int)] if isinstance(err, dict) else []
+            if loc[:1] == ["body"]:
+                loc = loc[1:]
+            msg = err.get("msg", "invalid") if isinstance(err, dict) else str(err)
+            lines.append(f"{'.'.join(loc) or '(request)'}: {msg}")
+        return lines
 
     @classmethod
     def of_response(cls, r: httpx.Response) -> AdminAPIError:
@@ -158,6 +174,27 @@ def _list_keys(tenant: str | None, include_revoked: bool) -> _Call[list[ApiKeyVi
 
 def _revoke_key(key_id: str) -> _Call[None]:
     return _Call("DELETE", f"/v1/api-keys/{quote(key_id, safe='')}", _nothing)
+
+
+def _tenants() -> _Call[list[TenantView]]:
+    return _paged("/v1/tenants", _list_of(TenantView))
+
+
+def _create_tenant(body: TenantCreate) -> _Call[TenantView]:
+    return _Call("POST", "/v1/tenants", TenantView.model_validate, body=body)
+
+
+def _patch_tenant(name: str, body: TenantPatch) -> _Call[TenantView]:
+    return _Call("PATCH", f"/v1/tenants/{quote(name, safe='')}", TenantView.model_validate, body=body)
+
+
+def _models() -> _Call[list[ModelView]]:
+    return _paged("/v1/models", _list_of(ModelView))
+
+
+def _put_model(name: str, body: ModelUpsert) -> _Call[ModelView]:
+    # Model names may hold '/', which the route takes as part of the name.
+    return _Call("PUT", f"/v1/models/{quote(name, safe='/')}", ModelView.model_validate, body=body)
 
 
 def _deployments() -> _Call[list[DeploymentView]]:
@@ -258,6 +295,28 @@ class AdminClient:
     def create_key(self, body: ApiKeyCreate) -> ApiKeyCreated:
         """A new key; the answer is the only time its secret is shown."""
         return self._run(_create_key(body))
+
+    def list_keys(self, tenant: str | None = None, include_revoked: bool = False) -> list[ApiKeyView]:
+        return self._run(_list_keys(tenant, include_revoked))
+
+    def revoke_key(self, key_id: str) -> None:
+        self._run(_revoke_key(key_id))
+
+    def tenants(self) -> list[TenantView]:
+        return self._run(_tenants())
+
+    def create_tenant(self, body: TenantCreate) -> TenantView:
+        return self._run(_create_tenant(body))
+
+    def update_tenant(self, name: str, body: TenantPatch) -> TenantView:
+        """Change the fields `body` sets; the others stay as they are."""
+        return self._run(_patch_tenant(name, body))
+
+    def models(self) -> list[ModelView]:
+        return self._run(_models())
+
+    def put_model(self, name: str, body: ModelUpsert) -> ModelView:
+        return self._run(_put_model(name, body))
 
     def deployments(self) -> list[DeploymentView]:
         return self._run(_deployments())

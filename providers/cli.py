@@ -12,6 +12,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from meridian.cli_format import OutputFormat, OutputOpt, emit
+
 app = typer.Typer(no_args_is_help=True, help="The GPU SKU catalog: SKUs and providers' offerings.")
 
 console = Console()
@@ -28,11 +30,12 @@ def catalog_gpus(
     onprem_inventory: Annotated[
         Path | None, typer.Option(envvar="MERIDIAN_CP_ONPREM_INVENTORY", help="On-prem inventory YAML")
     ] = None,
+    output: OutputOpt = OutputFormat.TABLE,
 ) -> None:
     """Show GPU SKUs with the cheapest $/GPU-hour per provider, or one SKU's offerings."""
     from meridian.registry import UnknownName
     from providers.catalog import load_catalog
-    from providers.catalog_view import gpus_table, sku_offerings_table
+    from providers.catalog_view import gpus_rows, gpus_table, sku_offerings_rows, sku_offerings_table
     from providers.onprem.inventory import InventoryError
     from providers.provider import PROVIDERS
     from providers.regions import region_catalog
@@ -53,9 +56,13 @@ def catalog_gpus(
     catalog = catalog.where(provider=provider, region=region)
     if not catalog.offerings or (canonical and not catalog.for_sku(canonical)):
         where = (f" provider {provider}" if provider else "") + (f" region {region}" if region else "")
-        console.print(f"no offerings of {canonical or 'GPUs'} match{where}")
+        if output != OutputFormat.TABLE:
+            emit(output, [])
+        (err_console if output != OutputFormat.TABLE else console).print(
+            f"no offerings of {canonical or 'GPUs'} match{where}")
         return
     if canonical is not None:
-        console.print(sku_offerings_table(catalog, canonical))
+        emit(output, sku_offerings_rows(catalog, canonical), sku_offerings_table(catalog, canonical), console)
     else:
-        console.print(gpus_table(catalog, (provider,) if provider else catalog.providers))
+        providers = (provider,) if provider else catalog.providers
+        emit(output, gpus_rows(catalog, providers), gpus_table(catalog, providers), console)

@@ -24,6 +24,7 @@ from data_plane.weights.cache import NodeCache
 from data_plane.weights.manifest import Manifest
 from data_plane.weights.pull import PullReport, WeightPuller
 from data_plane.weights.push import push_model
+from meridian.cli_format import folding_table, human_bytes
 from meridian.settings import WeightSettings
 
 
@@ -65,7 +66,7 @@ def pull(uri: str, settings: WeightSettings, console: Console) -> PullReport:
     m = report.model
     console.print(
         f"{m.manifest.name} ({m.digest[:12]}) cached at [bold]{m.path}[/bold]: "
-        f"{report.fetched_bytes} bytes fetched from {report.source} in {report.seconds:.2f}s"
+        f"{human_bytes(report.fetched_bytes)} fetched from {report.source} in {report.seconds:.2f}s"
     )
     return report
 
@@ -91,7 +92,7 @@ def push(model_dir: Path, uri: str, settings: WeightSettings, console: Console, 
 
     manifest = asyncio.run(run())
     console.print(
-        f"pushed {manifest.name} ({len(manifest.files)} files, {manifest.total_bytes} bytes, zone "
+        f"pushed {manifest.name} ({len(manifest.files)} files, {human_bytes(manifest.total_bytes)}, zone "
         f"{manifest.zone}) to [bold]{uri}[/bold]; manifest {manifest.digest[:12]}"
     )
     return manifest
@@ -100,13 +101,12 @@ def push(model_dir: Path, uri: str, settings: WeightSettings, console: Console, 
 def cache_table(settings: WeightSettings) -> Table:
     """The models in the local cache, least recently used first."""
     cache = NodeCache(settings.cache_dir, budget_bytes=settings.cache_budget_bytes)
-    table = Table(title=f"weight cache {settings.cache_dir}")
-    for col in ("model", "digest", "zone", "files", "bytes", "last used", "in use"):
-        table.add_column(col, justify="right" if col in ("files", "bytes") else "left")
+    table = folding_table("model", "digest", "zone", "files", "size", "last used", "in use",
+                          right=("files", "size"), title=f"weight cache {settings.cache_dir}")
     for m in cache.models():
         used = datetime.fromtimestamp(m.last_used, UTC).strftime("%Y-%m-%d %H:%M:%S") if m.last_used else "-"
         table.add_row(m.manifest.name, m.digest[:12], m.manifest.zone, str(len(m.manifest.files)),
-                      str(m.size), used, "yes" if m.pinned else "")
+                      human_bytes(m.size), used, "yes" if m.pinned else "")
     budget = settings.cache_budget_bytes
-    table.caption = f"{cache.usage_bytes()} bytes used" + (f" of {budget}" if budget else "")
+    table.caption = f"{human_bytes(cache.usage_bytes())} used" + (f" of {human_bytes(budget)}" if budget else "")
     return table

@@ -13,8 +13,9 @@ from providers.regions import region_catalog
 runner = CliRunner()
 
 
-def test_status_needs_an_api_key(monkeypatch):
+def test_status_needs_an_api_key(monkeypatch, tmp_path):
     monkeypatch.delenv("MERIDIAN_API_KEY", raising=False)
+    monkeypatch.chdir(tmp_path)  # no demo's fabric.json here
     r = runner.invoke(app, ["status"])
     assert r.exit_code == 2
     assert "API key" in r.output
@@ -109,3 +110,17 @@ def test_demo_on_vllm_says_how_to_install_it_when_it_is_missing(monkeypatch, tmp
     r = runner.invoke(app, ["demo", "--engine", "vllm", "--work-dir", str(tmp_path)])
     assert r.exit_code == 2 and "make vllm" in r.output
     assert not any(tmp_path.iterdir()), "nothing was started"
+
+
+def test_the_cli_starts_without_the_servers_engines_or_databases():
+    """Parsing a command must not import torch, FastAPI, SQLAlchemy, uvicorn or the cloud SDKs:
+    every command imports what it runs when it runs."""
+    import subprocess
+    import sys
+
+    heavy = ("torch", "fastapi", "sqlalchemy", "uvicorn", "starlette", "numpy", "safetensors", "boto3",
+             "botocore", "google", "cdktf", "yaml", "highspy", "transformers")
+    code = ("import sys; import cli.main; "
+            f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

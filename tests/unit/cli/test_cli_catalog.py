@@ -73,3 +73,22 @@ def test_bad_input_gives_clear_errors(tmp_path):
 def test_sku_not_offered_says_so():
     r = run("P100", "--provider", "aws")
     assert r.exit_code == 0 and "no offerings of P100-16GB" in r.output
+
+
+def test_gpus_as_json_and_yaml_are_the_rows_alone():
+    import json
+
+    import yaml
+
+    r = run("-o", "json")
+    assert r.exit_code == 0, r.output
+    skus = {row["name"]: row for row in json.loads(r.stdout)}
+    assert skus["H100-80GB-SXM"]["gpu_counts"] == [1, 2, 4, 8]
+    assert skus["H100-80GB-SXM"]["per_gpu_hour"]["onprem"] == 1.75
+    r = run("a100 80gb", "-o", "yaml")
+    assert r.exit_code == 0, r.output
+    offerings = yaml.safe_load(r.stdout)
+    dgx = next(o for o in offerings if o["instance_type"] == "dgx-a100-640")
+    assert (dgx["region"], dgx["gpu_count"], dgx["per_gpu_hour"]) == ("onprem:fra-dc1", 8, 1.0)
+    r = run("P100", "--provider", "aws", "-o", "json")
+    assert r.exit_code == 0 and json.loads(r.stdout) == [] and "no offerings" in r.stderr

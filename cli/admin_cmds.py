@@ -1,0 +1,169 @@
+"""`meridian keys`, `tenants`, `models` and `deployments`: the admin API's resources from a shell.
+
+Each command is one or two admin calls (meridian.admin_client) and a table, or with `-o json|yaml`
+the API's models as they came. Request bodies are the kernel's models, built with
+`request_body`, so a bad flag is refused here in the words the control plane would use.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from cli.admin_session import (
+    ApiKeyOpt,
+    ControlPlaneOpt,
+    OutputFormat,
+    OutputOpt,
+    admin_client,
+    api_errors,
+    console,
+    emit,
+    fail,
+)
+from cli.admin_views import deployments_table, keys_table, models_table, tenants_table
+from meridian.admin_api import ApiKeyCreate, TenantCreate, TenantPatch
+from meridian.admin_client import request_body
+
+keys_app = typer.Typer(no_args_is_help=True, help="Tenants' API keys (admin scope).")
+tenants_app = typer.Typer(no_args_is_help=True, help="Tenants: residency zone, allowed models, rate limits.")
+deployments_app = typer.Typer(no_args_is_help=True, help="Deployments (create them with `meridian deploy`).")
+
+TenantZoneOpt = Annotated[str | None, typer.Option("--zone", help="Residency zone (eu, us, …) or global")]
+ModelsOpt = Annotated[list[str] | None, typer.Option("--model", help="Allowed model (repeat)")]
+RpmOpt = Annotated[int | None, typer.Option("--requests-per-minute", help="Request rate limit")]
+TpmOpt = Annotated[int | None, typer.Option("--tokens-per-minute", help="Token rate limit")]
+CacheGroupOpt = Annotated[str | None, typer.Option("--cache-group", help="Share prefix-cache entries with this group")]
+
+
+@keys_app.command("create")
+def keys_create(
+    tenant: Annotated[str, typer.Option(help="Tenant the key belongs to")],
+    zone: Annotated[str | None, typer.Option(help="Residency zone (eu, us, …) or global (default: the tenant's)")]
+    = None,
+    scope: Annotated[list[str] | None, typer.Option(help="admin, operator, read-only, inference")] = None,
+    model: Annotated[list[str] | None, typer.Option(help="Allowed models (default: all)")] = None,
+    name: Annotated[str | None, typer.Option(help="Label for the key")] = None,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Create an API key; the key is printed once and never stored."""
+    with api_errors():
+        body = request_body(ApiKeyCreate, name=name or tenant, tenant=tenant, zone=zone,
+                            scopes=scope or ["inference"], models=model or None)
+        with admin_client(control_plane, api_key) as admin:
+            k = admin.create_key(body)
+    console.print(f"key id {k.id} for tenant {k.tenant} (zone {k.zone}, scopes {', '.join(k.scopes)})",
+                  highlight=False)
+    console.print("[bold]store it now; it is not shown again:[/bold]")
+    print(k.key)
+
+
+@keys_app.command("list")
+def keys_list(
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant's keys")] = None,
+    include_revoked: Annotated[bool, typer.Option("--include-revoked", help="List revoked keys too")] = False,
+    output: OutputOpt = OutputFormat.TABLE,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """List API keys (never the keys themselves: their ids and prefixes)."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        keys = admin.list_keys(tenant, include_revoked)
+    emit(output, keys, keys_table(keys))
+
+
+@keys_app.command("revoke")
+def keys_revoke(
+    key_id: Annotated[str, typer.Argument(help="The key's id (from `meridian keys list`)")],
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Revoke an API key: routers refuse it from their next routing table on."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        admin.revoke_key(key_id)
+    console.print(f"key {key_id} revoked", highlight=False)
+
+
+@tenants_app.command("list")
+def tenants_list(output: OutputOpt = OutputFormat.TABLE, control_plane: ControlPlaneOpt = None,
+                 api_key: ApiKeyOpt = None) -> None:
+    """List tenants with their zone, allowed models and rate limits."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        tenants = admin.tenants()
+    emit(output, tenants, tenants_table(tenants))
+
+
+@tenants_app.command("create")
+def tenants_create(
+    name: Annotated[str, typer.Argument(help="Tenant name")],
+    zone: TenantZoneOpt = None,
+    model: ModelsOpt = None,
+    requests_per_minute: RpmOpt = None,
+    tokens_per_minute: TpmOpt = None,
+    cache_group: CacheGroupOpt = None,
+    output: OutputOpt = OutputFormat.TABLE,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Create a tenant (admin)."""
+    fields = _given(zone=zone, models=model, requests_per_minute=requests_per_minute,
+                    tokens_per_minute=tokens_per_minute, cache_group=cache_group)
+    with api_errors():
+        body = request_body(TenantCreate, name=name, **fields)
+        with admin_client(control_plane, api_key) as admin:
+            tenant = admin.create_tenant(body)
+    emit(output, tenant, tenants_table([tenant]))
+
+
+@tenants_app.command("update")
+def tenants_update(
+    name: Annotated[str, typer.Argument(help="Tenant name")],
+    zone: TenantZoneOpt = None,
+    model: ModelsOpt = None,
+    all_models: Annotated[bool, typer.Option("--all-models", help="Allow every model again")] = False,
+    requests_per_minute: RpmOpt = None,
+    tokens_per_minute: TpmOpt = None,
+    cache_group: CacheGroupOpt = None,
+    output: OutputOpt = OutputFormat.TABLE,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Change a tenant's fields; those not given stay as they are (admin)."""
+    fields = _given(zone=zone, models=model, requests_per_minute=requests_per_minute,
+                    tokens_per_minute=tokens_per_minute, cache_group=cache_group)
+    if all_models:
+        if model:
+            fail("--model and --all-models contradict each other", 2)
+        fields["models"] = None
+    if not fields:
+        fail("nothing to change: give --zone, --model, --all-models, --requests-per-minute, "
+             "--tokens-per-minute or --cache-group", 2)
+    with api_errors():
+        body = request_body(TenantPatch, **fields)
+        with admin_client(control_plane, api_key) as admin:
+            tenant = admin.update_tenant(name, body)
+    emit(output, tenant, tenants_table([tenant]))
+
+
+def models_list(output: OutputOpt = OutputFormat.TABLE, control_plane: ControlPlaneOpt = None,
+                api_key: ApiKeyOpt = None) -> None:
+    """List the registered models and their shapes."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        models = admin.models()
+    emit(output, models, models_table(models))
+
+
+@deployments_app.command("list")
+def deployments_list(output: OutputOpt = OutputFormat.TABLE, control_plane: ControlPlaneOpt = None,
+                     api_key: ApiKeyOpt = None) -> None:
+    """List deployments: zone, replica bounds, desired replicas, placement."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        deployments = admin.deployments()
+    emit(output, deployments, deployments_table(deployments))
+
+
+def _given(**fields: Any) -> dict[str, Any]:
+    """The options that were given (None and empty lists: not given)."""
+    return {k: v for k, v in fields.items() if v is not None and v != []}

@@ -1,0 +1,142 @@
+"""The admin commands against a real control plane: keys, tenants, models, deployments, status,
+their `-o json|yaml`, and their errors (one red line, field errors one per line, no traceback)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from cp_harness import ADMIN_KEY
+from typer.testing import CliRunner
+
+from cli.main import app
+from meridian.admin_api import ApiKeyView, TenantView
+from meridian.ports import free_port
+
+runner = CliRunner()
+
+
+def cli(env: dict[str, str], *args: str):
+    return runner.invoke(app, list(args), env=env)
+
+
+def assert_clean_failure(r, code: int) -> None:
+    assert r.exit_code == code, r.output
+    assert r.stdout == "" and "Traceback" not in r.output
+
+
+def test_version_names_the_package_and_python():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0
+    assert r.stdout.startswith("meridian 0.1.0 (Python 3.")
+
+
+def test_tenants_are_created_listed_and_updated(admin_env):
+    r = cli(admin_env, "tenants", "create", "acme", "--zone", "eu", "--requests-per-minute", "600")
+    assert r.exit_code == 0, r.output
+    assert "acme" in r.stdout and "600" in r.stdout
+    r = cli(admin_env, "tenants", "update", "acme", "--model", "tiny-llama", "--tokens-per-minute", "9000",
+            "-o", "json")
+    assert r.exit_code == 0, r.output
+    updated = TenantView.model_validate_json(r.stdout)
+    assert (updated.zone, updated.models, updated.requests_per_minute, updated.tokens_per_minute) == (
+        "eu", ["tiny-llama"], 600, 9000)
+    r = cli(admin_env, "tenants", "list", "-o", "json")
+    assert r.exit_code == 0, r.output
+    listed = {t["name"]: t for t in json.loads(r.stdout)}
+    assert listed["acme"]["resource_version"] == updated.resource_version
+    r = cli(admin_env, "tenants", "update", "acme", "--all-models", "-o", "yaml")
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(r.stdout)["models"] is None
+    r = cli(admin_env, "tenants", "list")
+    line = next(line for line in r.stdout.splitlines() if "acme" in line)
+    assert "eu" in line and "all" in line and "9,000" in line
+
+
+def test_a_422_prints_each_field_error_on_its_own_line(admin_env):
+    r = cli(admin_env, "tenants", "create", "bad-zone", "--zone", "EU")
+    assert_clean_failure(r, 2)
+    assert "422 Unprocessable Entity" in r.stderr
+    assert "\n  zone: String should match pattern" in r.stderr
+    r = cli(admin_env, "tenants", "update", "nobody-here", "--requests-per-minute", "0", "--zone", "EU")
+    assert_clean_failure(r, 2)
+    assert "  zone: " in r.stderr and "  requests_per_minute: Input should be greater than or equal to 1" in r.stderr
+
+
+def test_the_control_planes_own_refusals_are_one_line(admin_env):
+    r = cli(admin_env, "tenants", "create", "martians", "--zone", "mars")
+    assert_clean_failure(r, 1)
+    assert "400 Bad Request: unknown zone 'mars'" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = cli(admin_env, "tenants", "update", "nobody-here", "--zone", "eu")
+    assert_clean_failure(r, 1)
+    assert r.stderr.startswith("404 Not Found")
+    r = cli(admin_env, "tenants", "update", "acme")
+    assert_clean_failure(r, 2)
+    assert "nothing to change" in r.stderr
+
+
+def test_keys_are_listed_without_secrets_and_revoked(admin_env):
+    r = cli(admin_env, "keys", "create", "--tenant", "keyed", "--zone", "us", "--name", "ci")
+    assert r.exit_code == 0, r.output
+    secret = r.stdout.strip().splitlines()[-1]
+    r = cli(admin_env, "keys", "list", "--tenant", "keyed", "-o", "json")
+    assert r.exit_code == 0, r.output
+    keys = [ApiKeyView.model_validate(k) for k in json.loads(r.stdout)]
+    assert [(k.name, k.zone) for k in keys] == [("ci", "us")] and secret not in r.stdout
+    r = cli(admin_env, "keys", "list", "--tenant", "keyed")
+    assert keys[0].id in r.stdout and keys[0].key_prefix in r.stdout and secret not in r.stdout
+    r = cli(admin_env, "keys", "revoke", keys[0].id)
+    assert r.exit_code == 0 and "revoked" in r.stdout
+    assert json.loads(cli(admin_env, "keys", "list", "--tenant", "keyed", "-o", "json").stdout) == []
+    revoked = json.loads(cli(admin_env, "keys", "list", "--tenant", "keyed", "--include-revoked", "-o", "json").stdout)
+    assert [k["id"] for k in revoked] == [keys[0].id] and revoked[0]["revoked_at"]
+    r = cli(admin_env, "keys", "revoke", "no-such-key")
+    assert_clean_failure(r, 1)
+    assert r.stderr.startswith("404 Not Found")
+
+
+def test_a_bad_flag_is_refused_before_anything_is_sent():
+    # No control plane listens there: the refusal must come from the CLI's own check.
+    env = {"MERIDIAN_CONTROL_PLANE_URL": f"http://127.0.0.1:{free_port()}", "MERIDIAN_API_KEY": "k"}
+    r = cli(env, "keys", "create", "--tenant", "x", "--scope", "root")
+    assert_clean_failure(r, 2)
+    assert "  scopes.0: Input should be 'admin', 'operator', 'read-only' or 'inference'" in r.stderr
+
+
+def test_status_and_models_as_json_are_the_apis_models_and_nothing_else(admin_env):
+    r = cli(admin_env, "status", "-o", "json")
+    assert r.exit_code == 0, r.output
+    status = json.loads(r.stdout)
+    assert status["nodes"] == [] and {"name", "zones", "provider"} <= set(status["regions"][0])
+    r = cli(admin_env, "models", "-o", "json")
+    assert r.exit_code == 0 and isinstance(json.loads(r.stdout), list)
+    r = cli(admin_env, "deployments", "list", "-o", "yaml")
+    assert r.exit_code == 0 and isinstance(yaml.safe_load(r.stdout), list)
+
+
+def test_an_unknown_output_format_is_refused(admin_env):
+    r = cli(admin_env, "tenants", "list", "-o", "xml")
+    assert r.exit_code == 2 and "xml" in r.output
+
+
+@pytest.mark.parametrize("args", [["status"], ["keys", "list"], ["tenants", "list"], ["models"]])
+def test_a_wrong_key_is_one_red_line(control_plane, args):
+    r = cli({"MERIDIAN_CONTROL_PLANE_URL": control_plane, "MERIDIAN_API_KEY": "mrd_wrong"}, *args)
+    assert_clean_failure(r, 1)
+    assert r.stderr.startswith("401 Unauthorized") and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_admin_key_is_used_as_given(admin_env):
+    r = cli({**admin_env, "MERIDIAN_API_KEY": ""}, "tenants", "list", "--api-key", ADMIN_KEY, "-o", "json")
+    assert r.exit_code == 0, r.output
+
+
+def test_plan_as_json_is_the_plan_alone(admin_env):
+    r = cli(admin_env, "plan", "--time-limit", "5", "-o", "json")
+    assert r.exit_code in (0, 1), r.output
+    plan = json.loads(r.stdout)
+    assert plan["id"] and plan["status"] in ("preview", "infeasible") and "diff" in plan
+    r = cli(admin_env, "plan", "--time-limit", "0")
+    assert_clean_failure(r, 2)
+    assert "  time_limit_s: Input should be greater than 0" in r.stderr
