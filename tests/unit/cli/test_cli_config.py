@@ -86,3 +86,42 @@ def test_config_example_prints_a_file_that_checks(tmp_path: Path) -> None:
     path = tmp_path / "example.yaml"
     path.write_text(r.output)
     assert runner.invoke(app, ["config", "check", str(path)]).exit_code == 0
+
+
+def test_a_server_started_with_a_config_file_logs_in_its_format(tmp_path: Path) -> None:
+    """The control plane started as an operator would: its port, database and log format
+    from the file, one JSON object per line from its first line to its last."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    port = free_port()
+    path = write(tmp_path, {
+        "control_plane": {"port": port, "database_url": f"sqlite:///{tmp_path / 'cp.db'}",
+                          "cluster_token": "cluster-secret-token-abcdefghijklmnop"},
+        "log": {"format": "json"},
+    })
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "--config", str(path), "control-plane", "serve"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    head: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            head.append(line)
+            if "Application startup complete" in line:
+                break
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    records = [json.loads(line) for line in [*head, *rest.splitlines()] if line.strip()]
+    assert proc.returncode == 0 and records
+    assert records[-1]["logger"] == "uvicorn.error" and "Finished server process" in records[-1]["msg"]
