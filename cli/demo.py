@@ -16,6 +16,7 @@ from cli.status_view import status_table
 from localfabric import DEMO_MODEL, FabricSpec, LocalFabric
 from meridian.admin_client import AdminClient
 from meridian.contracts import HEADER_REGION
+from meridian.logs import configure_logging
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -28,6 +29,7 @@ DRILL_REPORTS = Path(".meridian/chaos")
 def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str = "torch") -> None:
     """Start the fabric, print how to use it, and stop everything on Ctrl-C or SIGTERM."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    configure_logging()  # the launcher's own warnings, in the children's format
     # Three vLLM processes start in a minute or two on a small CPU host.
     # The console lists the drill reports `meridian chaos run` writes (to .meridian/chaos by default).
     spec = FabricSpec(work_dir=work_dir, router_port=router_port, control_plane_port=8081, engine=engine,

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from chaos.cli import app as chaos_app
+from cli import config_cmd
 from cli.admin_cmds import deployments_app, keys_app, models_list, tenants_app
 from cli.admin_session import (
     ApiKeyOpt,
@@ -46,6 +47,7 @@ app.add_typer(tenants_app, name="tenants")
 app.add_typer(deployments_app, name="deployments")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(chaos_app, name="chaos")
+app.add_typer(config_cmd.app, name="config")
 # cdktf stays inside iac/ (imported by its commands only, so other commands start fast).
 app.add_typer(iac_app, name="iac", help="Terraform stacks from an infrastructure plan (cdktf synth, diff).")
 # `model push` checks the zone against every provider's regions, which the data plane cannot see.
@@ -69,8 +71,12 @@ def _version(value: bool) -> None:
 def _root(
     _: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                     help="Print the version and exit")] = False,
+    config: Annotated[Path | None, typer.Option(
+        "--config", help="YAML config file, one section per component [MERIDIAN_CONFIG]. "
+                         "Precedence: flags > environment > this file > defaults.")] = None,
 ) -> None:
     """`meridian`: run each component, manage the fabric, and start a local demo."""
+    config_cmd.use(config)
 
 
 # --- operating the fabric ---------------------------------------------------------------

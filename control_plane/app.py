@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -46,6 +47,7 @@ from control_plane.routing_table import current_version
 from control_plane.version_watch import VersionWatch
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.http_server import limited_config, problem_body
+from meridian.logs import configure_logging
 from meridian.settings import ControlPlaneSettings
 from providers.catalog import load_catalog
 from providers.onprem.inventory import load_inventory
@@ -155,9 +157,23 @@ class _Server(uvicorn.Server):
             for sig, handler in original.items():
                 signal.signal(sig, handler)
 
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # Release the routing-table long-polls first: uvicorn waits for open requests, and
+        # one held to its timeout would be cancelled (an ERROR and a traceback) instead.
+        release_long_polls(self.config.app)
+        await super().shutdown(sockets)
+
+
+def release_long_polls(app: FastAPI) -> None:
+    """Answer every open long-poll of `app` now (shutdown)."""
+    ctx = getattr(app.state, "ctx", None)
+    if ctx is not None:
+        ctx.watch.close()
+
 
 def serve(settings: ControlPlaneSettings) -> None:
     """Run the control plane under uvicorn until SIGTERM/SIGINT (blocking)."""
+    configure_logging()
     config = limited_config(
         create_app(settings),
         settings,

@@ -1,4 +1,7 @@
-"""Wakes routing-table long-polls when the routing version moves."""
+"""Wakes routing-table long-polls when the routing version moves, and releases them all
+when the control plane shuts down (`close`): uvicorn waits for open requests before it
+stops, and a long-poll held to its timeout (30 s) outlasted the graceful shutdown, which
+then cancelled it with an ERROR and a traceback on every stop."""
 
 from __future__ import annotations
 
@@ -27,6 +30,12 @@ class VersionWatch:
         self._recheck_s = recheck_s
         self._clock = clock
         self._changed = asyncio.Event()
+        self._closing = False
+
+    def close(self) -> None:
+        """Shutting down: every long-poll answers now (its current version), and new ones at once."""
+        self._closing = True
+        self._changed.set()
 
     def notify(self) -> None:
         """Tell waiters the version may have changed; safe to call from any thread."""
@@ -49,6 +58,6 @@ class VersionWatch:
             changed = self._changed
             version = await self.current()
             remaining = deadline - self._clock.monotonic()
-            if version != since or remaining <= 0:
+            if version != since or remaining <= 0 or self._closing:
                 return version
             await event_or_timeout(self._clock, changed, min(remaining, self._recheck_s))

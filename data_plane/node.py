@@ -13,6 +13,7 @@ import uvicorn
 from data_plane.runtime import NodeRuntime
 from data_plane.server.app import create_app
 from meridian.http_server import limited_config, openai_error_body
+from meridian.logs import configure_logging
 from meridian.settings import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -82,21 +83,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _configure_logging() -> None:
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(
-            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-        )
-    # Health probes and metric scrapes of a vLLM child run every second: not news.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
 def serve(settings: NodeSettings) -> None:
     """Load the checkpoint, serve it until SIGTERM/SIGINT, drain, and return."""
     if settings.model_dir is None and settings.model_uri is None:
         raise ValueError("a node needs model_dir or model_uri")
-    _configure_logging()
+    configure_logging()
     sock = bind_socket(settings.host, settings.port)
     settings = settings.model_copy(update={"port": sock.getsockname()[1]})
     app = create_app(settings)
@@ -105,7 +96,6 @@ def serve(settings: NodeSettings) -> None:
         settings,
         openai_error_body,
         lifespan="on",
-        log_config=None,
         timeout_graceful_shutdown=int(SHUTDOWN_GRACE_S),
     )
     server = DrainingServer(config, app.state.runtime)

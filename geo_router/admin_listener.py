@@ -85,7 +85,7 @@ class _AdminServer(uvicorn.Server):
 def admin_config(settings: RouterSettings, app: FastAPI) -> uvicorn.Config:
     assert settings.metrics_port is not None
     return limited_config(app, settings, openai_error_body, host=settings.metrics_host, port=settings.metrics_port,
-                          lifespan="off", access_log=False, server_header=False, log_level="warning",
+                          lifespan="off", access_log=False, server_header=False,
                           timeout_graceful_shutdown=2)
 
 

@@ -34,10 +34,12 @@ from meridian.contracts import (
 )
 from meridian.geo import Point
 from meridian.http_server import limited_config, openai_error_body
+from meridian.logs import configure_logging
 from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
 from meridian.settings import RouterSettings
 from meridian.tracing import Tracing
 
+from .access_log import AccessRecord
 from .accounting import account, count_request, model_label
 from .admin_listener import create_metrics_app, metrics_page, run_with_admin_listener, scraper_tokens
 from .affinity import Affinity
@@ -388,13 +390,16 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
     tenant: TenantEntry | None = None
     inference: InferenceRequest | None = None
     trace = begin_trace(state.tracing, request, route, request_id)
+    access = AccessRecord(request_id, route, state.settings.access_log)
     try:
         loaded = state.table()
         tenant = _tenant(loaded, request)
+        access.tenant = tenant.tenant
         body = await read_body(request, state.settings.max_request_bytes)
         received_at = time.perf_counter()
         # Prefix caches are per tenant (or sharing group): no tenant can probe another's.
         inference = salted(parse_inference_request(body), tenant)
+        access.model = inference.model
         if trace is not None:
             trace.tenant(tenant, inference.model)
         stored: StoredResponse | None = None
@@ -435,6 +440,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
                 inference.payload, response)
         if trace is not None:
             trace.finish(response)
+        access.routed(response)
         return response
     except RouterError as exc:
         state.metrics.requests.labels("", "", str(exc.status)).inc()
@@ -442,6 +448,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
             count_request(state.metrics, tenant, model_label(loaded, inference and inference.model), exc.status)
         if trace is not None:
             trace.fail(exc.status, str(exc))
+        access.failed(exc.status)
         raise
     except BaseException:
         if trace is not None:
@@ -546,6 +553,7 @@ async def _stored_response(state: RouterState, request: Request, response_id: st
 
 def serve(settings: RouterSettings) -> None:
     """Run the router under uvicorn until SIGTERM/SIGINT."""
+    configure_logging()
     config = limited_config(
         create_app(settings),
         settings,
@@ -557,8 +565,8 @@ def serve(settings: RouterSettings) -> None:
         # The fast C implementations (uvicorn[standard]); named so that a missing one fails
         # at start-up instead of silently costing every request (the protocol is httptools').
         loop="uvloop",
-        # A log line per request costs more than routing it; requests are counted and timed
-        # in /metrics instead.
+        # uvicorn's access line knows none of the request's routing: the router writes its
+        # own (geo_router.access_log, MERIDIAN_ROUTER_ACCESS_LOG).
         access_log=False,
         server_header=False,
         # The router reads X-Forwarded-For itself, trusting only settings.trusted_proxies

@@ -40,6 +40,7 @@ from meridian.admin_api import ApiKeyCreate, DeploymentUpsert, Scope
 from meridian.admin_client import AdminAPIError, AdminClient
 from meridian.contracts import GLOBAL_ZONE, DeploymentView, NodeStatus, RegionInfo
 from meridian.security import generate_api_key
+from meridian.settings import LogSettings
 
 from .procs import die_with_parent, port_or_free, renice
 from .spec import FabricInfo, FabricSpec, Proc
@@ -513,6 +514,9 @@ class LocalFabric:
     def _base_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
         env["MERIDIAN_CLUSTER_TOKEN"] = self._cluster_token
+        # Every child logs in the launcher's format and level (its environment or config file).
+        log = LogSettings()
+        env["MERIDIAN_LOG_FORMAT"], env["MERIDIAN_LOG_LEVEL"] = log.format.value, log.level
         env["PYTHONUNBUFFERED"] = "1"
         return env
 

@@ -283,5 +283,6 @@ def limited_protocol(limits: ListenerLimits, error_body: ErrorBody = openai_erro
 def limited_config(app: Any, settings: ListenerSettings, error_body: ErrorBody = openai_error_body,
                    **kwargs: Any) -> Config:
     """uvicorn's Config for `app` served over the httptools protocol with the listener
-    limits of `settings`."""
+    limits of `settings`. Logging is meridian.logs' (configure_logging), not uvicorn's."""
+    kwargs.setdefault("log_config", None)
     return Config(app, http=limited_protocol(ListenerLimits.of(settings), error_body), **kwargs)

@@ -4,15 +4,29 @@ Each process reads its own class: `MERIDIAN_CP_*` for the control plane,
 `MERIDIAN_ROUTER_*` for the geo router, `MERIDIAN_NODE_*` for a data-plane node,
 `MERIDIAN_PROVIDER_*` for how the control plane reaches the clouds.
 `MERIDIAN_CLUSTER_TOKEN` is shared: nodes and routers present it to the control plane.
-CLI flags override the environment.
+`MERIDIAN_LOG_*` is every process's log format and level (meridian.logs).
+
+A YAML config file (`meridian --config FILE`, or `MERIDIAN_CONFIG=FILE`) holds the same
+settings, one section per class (`control_plane:`, `router:`, `node:`, `weights:`,
+`provider:`, `cli:`, `log:`) whose keys are the field names. Precedence, highest first:
+CLI flags > environment variables > the config file > the defaults here. The file's
+sections and keys are checked by meridian.config_file before any process starts.
 """
 
 from __future__ import annotations
 
+import os
+from enum import StrEnum
 from pathlib import Path
+from typing import ClassVar
 
 from pydantic import AliasChoices, Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from meridian.contracts import ProviderName
 
@@ -22,7 +36,76 @@ _CLUSTER_TOKEN = Field(
 )
 
 
-class ListenerSettings(BaseSettings):
+# Environment variable naming the config file when no --config flag was given.
+CONFIG_ENV = "MERIDIAN_CONFIG"
+_config_path: Path | None = None
+
+
+def use_config_file(path: Path | None) -> None:
+    """Make every settings class built from now on read `path` (None: only MERIDIAN_CONFIG)."""
+    global _config_path
+    _config_path = path
+
+
+def config_file_path() -> Path | None:
+    """The config file in force: the one given to use_config_file, else MERIDIAN_CONFIG's."""
+    if _config_path is not None:
+        return _config_path
+    named = os.environ.get(CONFIG_ENV)
+    return Path(named) if named else None
+
+
+class FileSettings(BaseSettings):
+    """Settings that also read their section of the config file, below the environment."""
+
+    # Top-level key of this class's section in the config file ("" for none).
+    config_section: ClassVar[str] = ""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Earlier sources win: flags (init), then the environment, then the file.
+        sources = (init_settings, env_settings, dotenv_settings, file_secret_settings)
+        path = config_file_path()
+        if not cls.config_section or path is None or not _has_section(path, cls.config_section):
+            return sources
+        return (*sources, YamlConfigSettingsSource(settings_cls, yaml_file=path,
+                                                   yaml_config_section=cls.config_section))
+
+
+def _has_section(path: Path, section: str) -> bool:
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False  # meridian.config_file reports it; here the file is simply not read
+    return isinstance(data, dict) and isinstance(data.get(section), dict)
+
+
+class LogFormat(StrEnum):
+    TEXT = "text"
+    JSON = "json"
+
+
+class LogSettings(FileSettings):
+    """Every process's logs (`MERIDIAN_LOG_*`, section `log:`): one line per record, as text
+    or as one JSON object (ts, level, logger, msg and the record's extra fields)."""
+
+    model_config = SettingsConfigDict(env_prefix="MERIDIAN_LOG_", extra="ignore")
+    config_section: ClassVar[str] = "log"
+
+    format: LogFormat = LogFormat.TEXT
+    level: str = Field("INFO", pattern=r"(?i)^(DEBUG|INFO|WARNING|ERROR|CRITICAL)$")
+
+
+class ListenerSettings(FileSettings):
     """Limits of a process's HTTP listener (meridian.http_server), under its own prefix:
     `MERIDIAN_ROUTER_MAX_HEADER_BYTES`, `MERIDIAN_NODE_HEADER_TIMEOUT_S`, `MERIDIAN_CP_…`."""
 
@@ -40,6 +123,7 @@ class ControlPlaneSettings(ListenerSettings):
     """Settings of `meridian control-plane serve`."""
 
     model_config = SettingsConfigDict(env_prefix="MERIDIAN_CP_", extra="ignore")
+    config_section: ClassVar[str] = "control_plane"
 
     host: str = "127.0.0.1"
     port: int = Field(8081, ge=0, le=65535)
@@ -90,10 +174,11 @@ class ControlPlaneSettings(ListenerSettings):
     autoscale_hold_record_s: float = Field(60.0, gt=0)
 
 
-class ProviderSettings(BaseSettings):
+class ProviderSettings(FileSettings):
     """How the control plane reaches each provider's API (its node-group drivers and quotas)."""
 
     model_config = SettingsConfigDict(env_prefix="MERIDIAN_PROVIDER_", extra="ignore")
+    config_section: ClassVar[str] = "provider"
 
     # Providers whose drivers the reconciler uses; the on-prem one needs no credentials. Any
     # registered provider (providers.provider.PROVIDERS), checked where the drivers are built.
@@ -120,6 +205,7 @@ class RouterSettings(ListenerSettings):
     """Settings of `meridian router serve`."""
 
     model_config = SettingsConfigDict(env_prefix="MERIDIAN_ROUTER_", extra="ignore")
+    config_section: ClassVar[str] = "router"
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
@@ -152,6 +238,8 @@ class RouterSettings(ListenerSettings):
     # Longest silence allowed between two chunks of a streamed answer.
     read_timeout_s: float = Field(60.0, gt=0)
     max_attempts: int = Field(3, ge=1, le=10)
+    # One INFO line per routed request under the logger `meridian.access` (geo_router.access_log).
+    access_log: bool = True
     # With a path, every attempt sent to a node is journalled there as a JSON line keyed by
     # the request's idempotency key (meridian.request_journal; chaos drills read it).
     request_journal_path: Path | None = None
@@ -276,11 +364,12 @@ class RouterSettings(ListenerSettings):
     scale_up_timeout_s: float = Field(5.0, gt=0)
 
 
-class WeightSettings(BaseSettings):
+class WeightSettings(FileSettings):
     """The weight store and node cache, shared by nodes and `meridian model push/pull`
     (`MERIDIAN_WEIGHTS_*`). Cloud credentials come from the clouds' usual variables."""
 
     model_config = SettingsConfigDict(env_prefix="MERIDIAN_WEIGHTS_", extra="ignore")
+    config_section: ClassVar[str] = "weights"
 
     # Content-addressed node cache; models are published here by atomic rename.
     cache_dir: Path = Path(".meridian/weights")
@@ -331,6 +420,7 @@ class NodeSettings(ListenerSettings):
     """Settings of `meridian node run`."""
 
     model_config = SettingsConfigDict(env_prefix="MERIDIAN_NODE_", extra="ignore")
+    config_section: ClassVar[str] = "node"
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -426,10 +516,11 @@ class NodeSettings(ListenerSettings):
     vllm_stop_grace_s: float = Field(30.0, ge=0)
 
 
-class CLISettings(BaseSettings):
+class CLISettings(FileSettings):
     """Settings of the operator CLI (`meridian status`, `meridian keys …`)."""
 
     model_config = SettingsConfigDict(env_prefix="MERIDIAN_", extra="ignore")
+    config_section: ClassVar[str] = "cli"
 
     control_plane_url: str = "http://127.0.0.1:8081"
     api_key: SecretStr | None = None

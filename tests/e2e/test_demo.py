@@ -32,7 +32,7 @@ def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "demo", "--work-dir", str(work), "--port", str(free_port())],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "COLUMNS": "200"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "COLUMNS": "200", "MERIDIAN_LOG_FORMAT": "json"},
         start_new_session=True,
     )
     out: list[str] = []
@@ -56,6 +56,17 @@ def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
         assert proc.returncode == 0
         assert "all processes stopped" in rest.decode()
         assert not [name for name, pid in pids.items() if _alive(pid)]
+        # A clean stop: no process logged an error or a traceback (the control plane used to
+        # cancel a router's routing-table long-poll with both on every stop).
+        logs = {log.name: log.read_text(errors="replace") for log in (work / "logs").glob("*.log")}
+        assert len(logs) == 5
+        assert not {name: text[-2000:] for name, text in logs.items() if "ERROR" in text or "Traceback" in text}
+        # One format across the processes, the launcher's (MERIDIAN_LOG_FORMAT=json here):
+        # every line of every log is a JSON object with the same fields.
+        records = [json.loads(line) for text in logs.values() for line in text.splitlines()]
+        assert records and all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
+        assert {r["logger"] for r in records} >= {"uvicorn.error", "control_plane.leader", "data_plane.runtime",
+                                                 "geo_router.table"}
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,105 @@
+"""One log line per routed request at the router: logger `meridian.access`, level INFO.
+
+Each inference request the router answers is one record, written when its answer is
+complete (a stream: when it ends, however it ends), with the fields an operator looks a
+request up by: `request_id`, `route`, `tenant`, `model`, `region` and `node` (the replica
+that answered; empty when none did), `status`, `latency_ms` (from the request's arrival to
+the answer's end), `stream`, and `prompt_tokens` / `completion_tokens` where the answer
+reported them (a stream reports them only when the client asked for its usage chunk).
+With `MERIDIAN_LOG_FORMAT=json` they are the JSON object's fields (meridian.logs).
+
+It replaces uvicorn's access line for these routes (off at the router: it has none of
+these fields); `MERIDIAN_ROUTER_ACCESS_LOG=false` turns it off, and a level above INFO on
+`meridian.access` costs nothing but one check. Probes and scrapes are never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import Response
+
+from meridian.contracts import HEADER_NODE, HEADER_REGION
+
+from .proxy import when_stream_ends
+from .sse import StreamTally
+
+log = logging.getLogger("meridian.access")
+
+_DECODER = json.JSONDecoder()
+# Usage fields by API: OpenAI's, then the responses and Anthropic messages APIs'.
+_USAGE_KEYS = (("prompt_tokens", "completion_tokens"), ("input_tokens", "output_tokens"))
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    """One request's line, filled in as the request goes (tenant and model once known)."""
+
+    request_id: str
+    route: str
+    enabled: bool = True
+    tenant: str = ""
+    model: str = ""
+    started: float = field(default_factory=time.perf_counter)
+
+    def routed(self, response: Response) -> None:
+        """A replica answered: log now, or when the stream ends."""
+        if not (self.enabled and log.isEnabledFor(logging.INFO)):
+            return
+        if when_stream_ends(response, lambda tally: self._streamed(response, tally)):
+            return
+        body = response.body if isinstance(response.body, bytes | bytearray) else b""
+        self._emit(response.status_code, response.headers.get(HEADER_REGION, ""),
+                   response.headers.get(HEADER_NODE, ""), _body_usage(bytes(body)), stream=False)
+
+    def failed(self, status: int) -> None:
+        """The router answered an error itself (no replica, rate limited, bad key…)."""
+        if self.enabled and log.isEnabledFor(logging.INFO):
+            self._emit(status, "", "", None, stream=False)
+
+    def _streamed(self, response: Response, tally: StreamTally) -> None:
+        self._emit(response.status_code, response.headers.get(HEADER_REGION, ""),
+                   response.headers.get(HEADER_NODE, ""), tally.usage, stream=True)
+
+    def _emit(self, status: int, region: str, node: str, usage: dict[str, Any] | None, *, stream: bool) -> None:
+        latency_ms = round((time.perf_counter() - self.started) * 1000, 1)
+        prompt, completion = _tokens(usage)
+        log.info(
+            "%s %s %d %.1fms", self.route, self.model or "-", status, latency_ms,
+            extra={"request_id": self.request_id, "route": self.route, "tenant": self.tenant,
+                   "model": self.model, "region": region, "node": node, "status": status,
+                   "latency_ms": latency_ms, "stream": stream,
+                   "prompt_tokens": prompt, "completion_tokens": completion},
+        )
+
+
+def _tokens(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:
+    if not usage:
+        return None, None
+    for prompt_key, completion_key in _USAGE_KEYS:
+        prompt, completion = usage.get(prompt_key), usage.get(completion_key)
+        if isinstance(prompt, int) or isinstance(completion, int):
+            return (prompt if isinstance(prompt, int) else None,
+                    completion if isinstance(completion, int) else None)
+    return None, None
+
+
+def _body_usage(body: bytes) -> dict[str, Any] | None:
+    """The `usage` object of a whole JSON answer, decoded alone (not the whole body, which
+    may be long): it is near the end of every API's answer."""
+    at = body.rfind(b'"usage"')
+    if at < 0:
+        return None
+    colon = body.find(b":", at + 7)
+    if colon < 0:
+        return None
+    text = body[colon + 1:].decode("utf-8", errors="replace").lstrip()
+    try:
+        usage, _ = _DECODER.raw_decode(text)
+    except ValueError:
+        return None
+    return usage if isinstance(usage, dict) else None

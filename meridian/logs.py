@@ -1,0 +1,155 @@
+"""Every process's logs in one format: the control plane, the router, nodes, the local fabric.
+
+`configure_logging()` (called by each component's `serve`) sends every record, uvicorn's
+included, to stderr in the format of `MERIDIAN_LOG_FORMAT` (or the config file's `log:`):
+
+- text: `2026-01-01T12:00:00.123Z INFO geo_router.proxy: message key=value …`
+- json: one object per line, `{"ts", "level", "logger", "msg", …the record's extra fields}`,
+  plus `exc` (the formatted traceback) when the record carries one.
+
+A record's extra fields (`log.info("…", extra={"tenant": "acme"})`) are kept as fields in
+both formats, so a line is searchable by them either way.
+
+uvicorn is given `log_config=None` (meridian.http_server.limited_config) so that it keeps
+its hands off logging; its loggers propagate to the root handler set up here.
+
+Probes and scrapes are not news: uvicorn's access lines for `/metrics`, `/health*` and
+`/ready*` are dropped (`ProbeFilter`). Without it 307 of a node's 315 log lines were the
+router's `/metrics` probe; the requests that matter are still logged, and the router logs
+its own line per routed request (geo_router.access_log, logger `meridian.access`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from typing import Any, TextIO
+
+from meridian.settings import LogFormat, LogSettings
+
+_NEEDS_QUOTES = re.compile(r'[\s"=]')
+
+# Paths whose access lines are dropped: exact, or a prefix when it ends with "*".
+PROBE_PATHS = ("/metrics", "/health*", "/ready*")
+
+# Attributes every LogRecord has: anything else on a record came from `extra=`.
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime", "taskName"}
+# uvicorn repeats its message with terminal colours as an extra field.
+_STANDARD.add("color_message")
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    seconds = int(record.created)
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(seconds))}.{int(record.msecs):03d}Z"
+
+
+def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
+    """The fields a record was given with `extra=`, in the order given."""
+    return {k: v for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")}
+
+
+class TextFormatter(logging.Formatter):
+    """`ts LEVEL logger: message key=value …` (extra fields appended)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = f"{_timestamp(record)} {record.levelname} {record.name}: {record.getMessage()}"
+        extras = extra_fields(record)
+        if extras:
+            line += " " + " ".join(f"{k}={_text(v)}" for k, v in extras.items())
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        if record.stack_info:
+            line += "\n" + self.formatStack(record.stack_info)
+        return line
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, int | float):  # bool too: the common fields, cheaply
+        return str(value)
+    text = "" if value is None else str(value)
+    # Quoted when it would not read back as one token.
+    return json.dumps(text) if (not text or _NEEDS_QUOTES.search(text)) else text
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, the extra fields, exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {"ts": _timestamp(record), "level": record.levelname, "logger": record.name,
+                               "msg": record.getMessage()}
+        for key, value in extra_fields(record).items():
+            out.setdefault(key, value)
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple) and len(record.args) == 5:
+            # uvicorn's access line as fields too: client, method, path, HTTP version, status.
+            out.update(zip(("client", "method", "path", "http_version", "status"), record.args, strict=True))
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            out["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+def is_probe(path: str) -> bool:
+    """Whether a request path is a health probe or a metrics scrape."""
+    path = path.split("?", 1)[0]
+    return any(path.startswith(p[:-1]) if p.endswith("*") else path == p for p in PROBE_PATHS)
+
+
+class ProbeFilter(logging.Filter):
+    """Drops uvicorn's access lines for probes and scrapes (its args: client, method, path,
+    HTTP version, status)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and is_probe(args[2]))
+
+
+class _StderrHandler(logging.StreamHandler[TextIO]):
+    """Writes to whatever sys.stderr is at the time (a test runner may swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: TextIO) -> None:
+        pass
+
+
+_PROBE_FILTER = ProbeFilter()
+
+
+def formatter(fmt: LogFormat) -> logging.Formatter:
+    return JsonFormatter() if fmt is LogFormat.JSON else TextFormatter()
+
+
+def configure_logging(settings: LogSettings | None = None) -> None:
+    """Set up the process's logging (idempotent): one stderr handler on the root logger in
+    the chosen format and level, probe access lines dropped, chatty clients quietened."""
+    settings = settings if settings is not None else LogSettings()
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, _StderrHandler)]:
+        root.removeHandler(handler)
+    handler = _StderrHandler()
+    handler.setFormatter(formatter(settings.format))
+    root.addHandler(handler)
+    root.setLevel(settings.level.upper())
+    access = logging.getLogger("uvicorn.access")
+    if _PROBE_FILTER not in access.filters:
+        access.addFilter(_PROBE_FILTER)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        # Whatever a previous uvicorn config did: through the root handler, in our format.
+        logger = logging.getLogger(name)
+        logger.handlers.clear()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
+    # Python's warnings too, in the same format instead of bare lines on stderr.
+    logging.captureWarnings(True)
+    # Health probes and metric scrapes of a vLLM child run every second: not news.
+    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -1,0 +1,106 @@
+"""One log format for every component (text or JSON lines), and no access lines for
+probes and scrapes, checked through a real uvicorn listener."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+from router_harness import ServerGroup
+
+from meridian.http_server import limited_config
+from meridian.logs import configure_logging, is_probe
+from meridian.settings import ListenerSettings, LogFormat, LogSettings
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    logging.captureWarnings(False)
+
+
+def lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()]
+
+
+def test_text_lines_carry_time_level_logger_message_and_extra_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging(LogSettings(format=LogFormat.TEXT, level="INFO"))
+    logging.getLogger("meridian.test").info("node %s up", "n1", extra={"region": "aws:us-east-1", "note": "a b"})
+    logging.getLogger("meridian.test").debug("not at INFO")
+    [line] = lines(capsys.readouterr().err)
+    ts, level, rest = line.split(" ", 2)
+    assert ts.endswith("Z") and "T" in ts and level == "INFO"
+    assert rest == 'meridian.test: node n1 up region=aws:us-east-1 note="a b"'
+
+
+def test_json_lines_are_one_object_each_with_the_extra_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging(LogSettings(format=LogFormat.JSON, level="debug"))
+    log = logging.getLogger("meridian.test")
+    log.debug("d", extra={"tenant": "acme", "status": 200})
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        log.exception("failed")
+    first, second = (json.loads(line) for line in lines(capsys.readouterr().err))
+    assert first["level"] == "DEBUG" and first["logger"] == "meridian.test" and first["msg"] == "d"
+    assert first["tenant"] == "acme" and first["status"] == 200 and first["ts"].endswith("Z")
+    assert second["level"] == "ERROR" and "ValueError: boom" in second["exc"]
+
+
+def test_configuring_twice_leaves_one_handler(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging(LogSettings(format=LogFormat.TEXT))
+    configure_logging(LogSettings(format=LogFormat.JSON))
+    logging.getLogger("meridian.test").warning("once")
+    [line] = lines(capsys.readouterr().err)
+    assert json.loads(line)["msg"] == "once"
+
+
+@pytest.mark.parametrize(("path", "probe"), [
+    ("/metrics", True), ("/health", True), ("/health/live", True), ("/ready", True), ("/readyz?x=1", True),
+    ("/v1/chat/completions", False), ("/metrics-export", False), ("/v1/models", False),
+])
+def test_probe_paths(path: str, probe: bool) -> None:
+    assert is_probe(path) is probe
+
+
+async def test_a_scrape_is_not_logged_an_inference_request_is(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging(LogSettings(format=LogFormat.JSON))
+    app = FastAPI()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse("up 1\n")
+
+    @app.get("/health")
+    async def health() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> PlainTextResponse:
+        return PlainTextResponse("{}")
+
+    servers = ServerGroup()
+    try:
+        url = await servers.start(app, config=limited_config(app, ListenerSettings(), lifespan="on",
+                                                             timeout_graceful_shutdown=2))
+        async with httpx.AsyncClient(base_url=url) as client:
+            for _ in range(3):
+                assert (await client.get("/metrics")).status_code == 200
+                assert (await client.get("/health")).status_code == 200
+            assert (await client.post("/v1/chat/completions")).status_code == 200
+    finally:
+        await servers.stop()
+    access = [json.loads(line) for line in lines(capsys.readouterr().err)]
+    access = [a for a in access if a["logger"] == "uvicorn.access"]
+    assert len(access) == 1 and "POST /v1/chat/completions" in access[0]["msg"]
+    assert (access[0]["method"], access[0]["path"], access[0]["status"]) == ("POST", "/v1/chat/completions", 200)
+
