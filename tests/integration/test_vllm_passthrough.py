@@ -110,6 +110,8 @@ async def test_vllms_own_span_joins_the_trace_under_the_nodes_span(
     assert vllm.attributes["gen_ai.usage.completion_tokens"] == chat.usage.completion_tokens == 3
     assert vllm.attributes["gen_ai.usage.prompt_tokens"] == chat.usage.prompt_tokens
     assert vllm.attributes["gen_ai.request.max_tokens"] == 3
+    # vLLM names the request after the fabric's request id (the node passes x-request-id).
+    assert vllm.attributes["gen_ai.request.id"].endswith(router.attributes["meridian.request_id"])
 
 
 @pytest.mark.parametrize("tool_choice", [
