@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import secrets
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anthropic
@@ -21,6 +22,7 @@ import jsonschema
 import openai
 import pytest
 import pytest_asyncio
+from otlp_collector import OtlpCollector
 from router_harness import CLUSTER_TOKEN
 from tenant_fabric import MODEL, TenantFabric
 from vllm_fabric import ADAPTER, ALICE, BOB, require_vllm, vllm_fabric, write_spec
@@ -47,10 +49,22 @@ WEATHER = {
 }
 
 
+@pytest.fixture(scope="module")
+def collector() -> Iterator[OtlpCollector]:
+    with OtlpCollector() as c:
+        yield c
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def fabric(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[TenantFabric]:
+async def fabric(tmp_path_factory: pytest.TempPathFactory, collector: OtlpCollector) -> AsyncIterator[TenantFabric]:
+    """The module's one vLLM node; the router and the node (so vLLM too) trace to `collector`."""
     require_vllm()
-    async with vllm_fabric(tmp_path_factory.mktemp("vllm")) as f:
+    root = tmp_path_factory.mktemp("vllm")
+    # vLLM's span exporter batches for 5 s by default; the tracing test need not wait that long.
+    spec = write_spec(root / "traced-spec.json",
+                      env={"VLLM_ENABLE_RESPONSES_API_STORE": "1", "OTEL_BSP_SCHEDULE_DELAY": "200"})
+    tracing = {"otlp_endpoint": collector.url}
+    async with vllm_fabric(root, router=tracing, deployment_spec_file=spec, **tracing) as f:
         yield f
 
 
@@ -73,6 +87,31 @@ async def test_chat_streams_with_its_usage_chunk_and_completions_answer(fabric: 
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
     completion = await client.completions.create(model=MODEL, prompt="The river", max_tokens=4)
     assert completion.usage is not None and completion.usage.completion_tokens == 4
+
+
+async def test_vllms_own_span_joins_the_trace_under_the_nodes_span(
+        fabric: TenantFabric, collector: OtlpCollector) -> None:
+    trace_id = secrets.token_hex(16)
+    header = f"00-{trace_id}-{secrets.token_hex(8)}-01"
+    chat = await oai(fabric).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Trace me"}], max_tokens=3, temperature=0,
+        extra_headers={"traceparent": header})
+    await asyncio.to_thread(fabric.state.tracing.flush)
+    await asyncio.to_thread(fabric.node.state.tracing.flush)
+    await asyncio.to_thread(collector.wait_for, lambda: any(
+        s.name == "llm_request" for s in collector.trace(trace_id)), 30.0)
+    spans = {s.name: s for s in collector.trace(trace_id)}
+    router, node, vllm = (spans["router POST /v1/chat/completions"], spans["node POST /v1/chat/completions"],
+                          spans["llm_request"])
+    assert (router.service, node.service, vllm.service) == ("meridian-router", "meridian-node", "vllm")
+    assert node.parent_span_id == router.span_id
+    assert vllm.parent_span_id == node.span_id, "vLLM continues the node's traceparent"
+    assert chat.usage is not None
+    assert vllm.attributes["gen_ai.usage.completion_tokens"] == chat.usage.completion_tokens == 3
+    assert vllm.attributes["gen_ai.usage.prompt_tokens"] == chat.usage.prompt_tokens
+    assert vllm.attributes["gen_ai.request.max_tokens"] == 3
+    # vLLM names the request after the fabric's request id (the node passes x-request-id).
+    assert vllm.attributes["gen_ai.request.id"].endswith(router.attributes["meridian.request_id"])
 
 
 @pytest.mark.parametrize("tool_choice", [

@@ -76,7 +76,8 @@ def write_spec(path: Path, **overrides: object) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def vllm_fabric(root: Path, **node: object) -> AsyncIterator[TenantFabric]:
+async def vllm_fabric(root: Path, router: dict[str, object] | None = None,
+                      **node: object) -> AsyncIterator[TenantFabric]:
     checkpoint, adapter = make_vllm_checkpoint(root)
     settings: dict[str, object] = {
         "engine": "vllm", "vllm_gpu_count": 0, "vllm_executable": "auto",
@@ -89,7 +90,7 @@ async def vllm_fabric(root: Path, **node: object) -> AsyncIterator[TenantFabric]
     async with tenant_fabric(checkpoint, [ALICE, BOB], node=settings,
                              router={"read_timeout_s": 120.0, "request_timeout_s": 180.0,
                                      "max_request_bytes": 1_000_000,
-                                     "tokenizer_dirs": {MODEL: checkpoint}}) as fabric:
+                                     "tokenizer_dirs": {MODEL: checkpoint}, **(router or {})}) as fabric:
         yield fabric
 
 
