@@ -59,7 +59,9 @@ def run_one(repo: Path, ref: str, cold_cache: bool, timeout_s: float, log: Path)
         subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
         subprocess.run(["git", "-C", str(clone), "checkout", "-q", ref], check=True)
         start = time.monotonic()
+        load_before = os.getloadavg()[0]
         install_s = up_s = None
+        load_up = 0.0
         with open(log, "w") as out:
             proc = subprocess.Popen(["make", "demo"], cwd=clone, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -72,6 +74,7 @@ def run_one(repo: Path, ref: str, cold_cache: bool, timeout_s: float, log: Path)
                         install_s = now
                     if UP in line:
                         up_s = now
+                        load_up = os.getloadavg()[0]
                         break
                     if now > timeout_s:
                         break
@@ -99,6 +102,9 @@ def run_one(repo: Path, ref: str, cold_cache: bool, timeout_s: float, log: Path)
             "venv_packages": len(json.loads(pip_list.stdout)),
             "venv_gb": round(_du_bytes(venv) / 1e9, 2),
             "chat_completion": answer,
+            # The machine's 1-minute load average at the start and at "up": neighbours' load
+            # stretches both phases.
+            "load_avg": [round(load_before, 1), round(load_up, 1)],
         }
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
