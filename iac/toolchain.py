@@ -52,9 +52,10 @@ def check_toolchain() -> None:
     """Raise ToolchainError naming the first missing piece: the iac extra, then Node.js."""
     missing = missing_modules()
     if missing:
+        which = "are not installed" if len(missing) == len(IAC_MODULES) else f"lack {', '.join(missing)}"
         raise ToolchainError(
-            f"meridian iac needs the cdktf packages ({', '.join(missing)} not installed): "
-            "run `pip install -e '.[iac]'` (or `make install`) in this venv"
+            f"meridian iac needs the cdktf packages of the `iac` extra, which this venv {which}: "
+            "run `pip install -e '.[iac]'` (or `make install`)"
         )
     node = shutil.which("node")
     if node is None:
