@@ -48,7 +48,7 @@ class DemoModel:
     def source(self) -> str:
         if self.model_dir is not None:
             return str(self.model_dir)
-        return self.model_uri or "generated tiny checkpoint (random weights)"
+        return self.model_uri or "generated tiny checkpoint, random weights"
 
 
 def resolve_demo_model(model_dir: Path | None, model_uri: str | None, model_name: str | None,
