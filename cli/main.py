@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from chaos.cli import app as chaos_app
 from cli import config_cmd
@@ -137,13 +138,25 @@ def demo(
     port: Annotated[int, typer.Option(help="Router port (a free one if taken)")] = 8080,
     engine: Annotated[str, typer.Option(
         help="torch (starts in seconds) or vllm (vLLM's CPU build where there is no GPU: `make vllm`)")] = "torch",
+    model_dir: Annotated[Path | None, typer.Option(
+        help="Serve this checkpoint (config.json, *.safetensors, tokenizer.json) instead of the tiny random one")] = None,
+    model_uri: Annotated[str | None, typer.Option(
+        help="Serve a model pushed with `meridian model push` to s3://, gs://, https:// or file://")] = None,
+    model_name: Annotated[str | None, typer.Option(
+        help="Served model name (default: the directory's or the URI's last segment)")] = None,
 ) -> None:
     """Start a three-region local fabric on embedded defaults; Ctrl-C stops it."""
     from cli.demo import run_demo
+    from cli.demo_model import DemoModelError, resolve_demo_model
 
     if engine not in ("torch", "vllm"):
         err_console.print(f"[red]--engine must be torch or vllm, not {engine!r}[/red]")
         raise typer.Exit(2)
+    try:
+        model = resolve_demo_model(model_dir, model_uri, model_name, engine)
+    except DemoModelError as e:
+        err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
     if engine == "vllm":
         import importlib.util
 
@@ -154,7 +167,7 @@ def demo(
             raise typer.Exit(2)
         if work_dir == Path(".meridian/demo"):
             work_dir = Path(".meridian/demo-vllm")  # its own checkpoint, origin and caches
-    run_demo(work_dir, port, console, engine=engine)
+    run_demo(work_dir, port, console, engine=engine, model=model)
 
 
 def main() -> None:

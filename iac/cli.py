@@ -2,7 +2,8 @@
 
 The cdktf modules are imported inside the commands: loading the provider bindings takes about a
 minute, which `meridian --help` should not pay. Every user error (missing or invalid plan, a plan
-that cannot be synthesised, an output directory that is not ours) exits 2 with one line.
+that cannot be synthesised, an output directory that is not ours, no cdktf or Node.js: see
+iac.toolchain) exits 2 with one line.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from typing import Annotated, NoReturn
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from iac import layout
 from iac.layout import PlanError
+from iac.toolchain import ToolchainError, check_toolchain
 from meridian.infra_plan import InfraPlan
 
 app = typer.Typer(
@@ -36,7 +39,8 @@ PlanOption = Annotated[
 
 
 def _fail(message: str) -> NoReturn:
-    err_console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    # Messages are plain text: `[iac]` in a pip command is not markup.
+    err_console.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -60,6 +64,14 @@ def load_plan(path: Path) -> InfraPlan:
         return InfraPlan.model_validate_json(text)
     except ValidationError as e:
         _fail(f"invalid plan {path}: {_validation_message(e)}")
+
+
+def require_toolchain() -> None:
+    """cdktf's packages and Node.js, checked before anything is loaded or written."""
+    try:
+        check_toolchain()
+    except ToolchainError as e:
+        _fail(str(e))
 
 
 def _stack_names(plan: InfraPlan) -> list[str]:
@@ -135,6 +147,7 @@ def synth_command(
     ] = Path("cdktf.out"),
 ) -> None:
     """Write one Terraform JSON stack per provider-region plus the global stack."""
+    require_toolchain()
     infra = load_plan(plan)
     try:
         layout.region_stacks(infra)
@@ -164,6 +177,7 @@ def diff_command(
     new: Annotated[Path, typer.Option("--new", help="The plan as it would be (JSON)")],
 ) -> None:
     """Synthesise two plans and show the resources that would be added, changed or removed."""
+    require_toolchain()
     from iac.diff import diff_stacks, diff_table
 
     before, after = load_plan(old), load_plan(new)

@@ -42,6 +42,7 @@ from meridian.contracts import GLOBAL_ZONE, DeploymentView, NodeStatus, RegionIn
 from meridian.security import generate_api_key
 from meridian.settings import LogSettings
 
+from .checkpoint import origin_holds
 from .procs import die_with_parent, port_or_free, renice
 from .spec import FabricInfo, FabricSpec, Proc
 
@@ -280,19 +281,22 @@ class LocalFabric:
     # -- steps -----------------------------------------------------------------------
 
     def _ensure_model(self) -> str:
-        """The tiny checkpoint, pushed to a file:// weight origin (the embedded default);
-        nodes pull it from there into their own caches, as GPU nodes pull from S3/GCS."""
+        """The weight URI nodes pull from: the spec's model_uri as given, else its model_dir or
+        the tiny checkpoint (generated here), pushed to a file:// weight origin (the embedded
+        default); nodes pull it into their own caches, as GPU nodes pull from S3/GCS."""
+        if self.spec.model_uri is not None:
+            return self.spec.model_uri
         vllm = self.spec.engine == "vllm"
         model_dir = self.spec.model_dir or self.spec.work_dir / "models" / (
             self.spec.model_name + ("-vllm" if vllm else ""))
         origin = self.origin_dir
-        if not (model_dir / "model.safetensors").exists():
+        if self.spec.model_dir is None and not (model_dir / "model.safetensors").exists():
             self._on_step(f"generating tiny checkpoint {model_dir}")
             self._run_cli(["model", "make-tiny", str(model_dir), "--seed", str(self.spec.seed),
                            "--engine", self.spec.engine])
-        if not (origin / "meridian-manifest.json").exists():
+        if not origin_holds(origin, model_dir):
             origin.mkdir(parents=True, exist_ok=True)
-            self._on_step(f"pushing it to the weight origin file://{origin}")
+            self._on_step(f"pushing {model_dir} to the weight origin file://{origin}")
             self._run_cli(["model", "push", str(model_dir), f"file://{origin}"])
         return f"file://{origin}"
 
@@ -458,10 +462,12 @@ class LocalFabric:
                 "--control-plane-url", cp_url,
                 "--snapshot-path", str(snapshot.resolve()),
                 "--default-client-location", self.spec.default_client_location]
-        # The router tokenizes prompts with the model's own tokenizer to match KV blocks.
+        # The router tokenizes prompts with the model's own tokenizer to match KV blocks (a
+        # model served from a URI has no local copy: its requests are routed without it).
         model_dir = (self.spec.model_dir or self.spec.work_dir / "models" / self.spec.model_name).resolve()
+        tokenizers = {} if self.spec.model_uri and not self.spec.model_dir else {self.spec.model_name: str(model_dir)}
         env = {
-            "MERIDIAN_ROUTER_TOKENIZER_DIRS": json.dumps({self.spec.model_name: str(model_dir)}),
+            "MERIDIAN_ROUTER_TOKENIZER_DIRS": json.dumps(tokenizers),
             **self._journal_env("MERIDIAN_ROUTER_REQUEST_JOURNAL_PATH", name),
             **env,
         }

@@ -62,8 +62,12 @@ class FabricSpec:
     nodes_per_region: int = 1
     region_nodes: dict[str, int] = field(default_factory=dict)
 
-    # Serve this checkpoint instead of generating the tiny one (its name is model_name).
+    # Serve this checkpoint instead of generating the tiny one (its name is model_name): it is
+    # pushed to the fabric's file:// origin (again when its files change).
     model_dir: Path | None = None
+    # Or serve the model already pushed to this weight URI (s3://, gs://, https://, file://):
+    # nodes pull it from there; routers then have no tokenizer for it (no local copy).
+    model_uri: str | None = None
     # The nodes' engine: "torch" (starts in seconds) or "vllm" (vLLM's CPU build from
     # `make vllm` where there is no GPU; the tiny checkpoint is then shaped for it).
     engine: str = "torch"
