@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 
+from cli.admin_session import DEMO_STATE_FILES
 from cli.demo_model import DemoModel
 from cli.status_view import status_table
 from localfabric import FabricSpec, LocalFabric
@@ -67,7 +68,11 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
             console.print(f"[dim]{model.name} has random weights (made here: there is no model hub to fetch one "
                           "from), so its answers are noise; --model-dir DIR serves a real checkpoint.[/dim]")
         console.print("status:")
-        print(f"MERIDIAN_API_KEY={info.admin_key} .venv/bin/meridian status --control-plane {info.control_plane_url}")
+        if any((work_dir / "fabric.json").resolve() == f.resolve() for f in DEMO_STATE_FILES):
+            # The CLI finds this demo's admin key and control plane in its fabric.json by itself.
+            print(".venv/bin/meridian status")
+        else:
+            print(f"MERIDIAN_API_KEY={info.admin_key} .venv/bin/meridian status --control-plane {info.control_plane_url}")
         with AdminClient(info.control_plane_url, info.admin_key) as admin:
             console.print(status_table(admin.regions(), admin.nodes()))
         console.print("[dim]Ctrl-C drains and stops every process.[/dim]")
