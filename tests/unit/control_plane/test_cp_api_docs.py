@@ -7,7 +7,10 @@ body the API really sends, which a real bad request's body is checked against.
 
 from __future__ import annotations
 
+import fnmatch
 import re
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +31,7 @@ PROBLEM_REF = {"$ref": "#/components/schemas/Problem"}
 
 
 @pytest.fixture
-def database_url(tmp_path: Any) -> str:
+def database_url(tmp_path: Path) -> str:
     """The documentation does not depend on the database: SQLite only."""
     return f"sqlite:///{tmp_path / 'control-plane.db'}"
 
@@ -138,3 +141,12 @@ async def test_real_error_bodies_match_the_documented_problem_schema(cp: Control
     # A query parameter out of range: the field is named by where it is.
     r = await cp.http.get("/v1/tenants", headers=ADMIN, params={"limit": "-1"})
     assert _validate_problem(spec, r, 422)["errors"][0]["loc"] == ["query", "limit"]
+
+
+def test_the_vendored_files_ship_in_the_package() -> None:
+    """pyproject's package-data names every file in static/ (an installed /docs has its assets)."""
+    pyproject = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["control_plane.apidocs"]
+    for path in STATIC_DIR.iterdir():
+        assert any(fnmatch.fnmatch(f"static/{path.name}", p) for p in patterns), path.name
+    assert {"LICENSE", "README.md", *ASSETS} <= {p.name for p in STATIC_DIR.iterdir()}
