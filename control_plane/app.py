@@ -15,7 +15,7 @@ import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.exc import IntegrityError
 
-from control_plane import keystore
+from control_plane import keystore, openapi_doc
 from control_plane.api import (
     audit_log,
     capacity,
@@ -34,6 +34,7 @@ from control_plane.api import (
     tenants,
     weights,
 )
+from control_plane.apidocs import router as api_docs
 from control_plane.body_limit import BodyLimitMiddleware
 from control_plane.console import router as console_shell
 from control_plane.context import AppContext
@@ -122,7 +123,11 @@ def create_app(settings: ControlPlaneSettings, *, clock: Clock = SYSTEM_CLOCK) -
 
     `clock` is the time every part of it reads and its loops sleep on (tests: a ManualClock).
     """
-    app = FastAPI(title="Meridian control plane", version="0.1.0", lifespan=_lifespan)
+    # /docs is served from the package (control_plane.apidocs), not FastAPI's CDN page; no ReDoc.
+    app = FastAPI(
+        title="Meridian control plane", version="0.1.0", lifespan=_lifespan, openapi_tags=openapi_doc.TAGS,
+        docs_url=None, redoc_url=None, swagger_ui_oauth2_redirect_url=None,
+    )
     app.state.settings = settings
     app.state.clock = clock
     app.state.metrics = ControlPlaneMetrics()
@@ -135,6 +140,8 @@ def create_app(settings: ControlPlaneSettings, *, clock: Clock = SYSTEM_CLOCK) -
     ):
         app.include_router(module.router)
     app.include_router(console_shell)
+    app.include_router(api_docs)
+    openapi_doc.install(app)
     return app
 
 

@@ -341,14 +341,22 @@ def openai_error(
     ).model_dump()
 
 
+class FieldError(BaseModel):
+    """One field that failed validation, in a 422 problem's `errors`."""
+
+    loc: list[str | int] = Field(description="Where: 'body', 'query', 'path' or 'header', then the field's path")
+    msg: str = Field(description="What is wrong, for a person")
+    type: str = Field(description="The kind of error, for a program (e.g. 'missing', 'string_too_long')")
+
+
 class Problem(BaseModel):
     """RFC 9457 problem details: the one error body of the admin API."""
 
-    type: str = "about:blank"
-    title: str
-    status: int
-    detail: str | None = None
-    errors: list[dict[str, Any]] | None = None
+    type: str = Field("about:blank", description="Always 'about:blank': the status says what went wrong")
+    title: str = Field(description="The HTTP status' standard phrase")
+    status: int = Field(description="The HTTP status code")
+    detail: str | None = Field(None, description="What went wrong with this request, for a person")
+    errors: list[FieldError] | None = Field(None, description="On a 422: each field that failed validation")
 
 
 # --- deployments and scale-from-zero ---------------------------------------------------

@@ -18,7 +18,7 @@ from meridian.contracts import PRINTABLE_PATTERN
 
 # Readers of the fleet may read it: entries hold no secrets (an API key's entry has neither the
 # key nor its hash).
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))], tags=["audit"])
 
 
 class AuditEntryView(BaseModel):

@@ -22,7 +22,7 @@ from control_plane.scopes import FLEET_READERS, Scope
 from meridian.contracts import REGION_PATTERN
 from providers.skus import UnknownGpuError, normalise_gpu_name
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", tags=["capacity"])
 OperatorActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN, Scope.OPERATOR]))]
 fleet_readers = [Depends(require_scopes(FLEET_READERS))]
 SKU_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9.-]{0,31}$"

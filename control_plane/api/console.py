@@ -26,7 +26,7 @@ from control_plane.routing_table import current_version
 from control_plane.scopes import FLEET_READERS
 from meridian.admin_api import ConsoleOverview, ConsoleViewer, DrillReportSummary
 
-router = APIRouter(prefix="/v1/console")
+router = APIRouter(prefix="/v1/console", tags=["console"])
 Reader = Annotated[Principal, Depends(require_scopes(FLEET_READERS))]
 readers = [Depends(require_scopes(FLEET_READERS))]
 ReportName = Annotated[str, Path(pattern=drill_reports.NAME_PATTERN)]

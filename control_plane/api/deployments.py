@@ -20,7 +20,7 @@ from control_plane.scopes import FLEET_READERS, Scope
 from meridian.admin_api import DeploymentUpsert
 from meridian.contracts import PRINTABLE_PATTERN, DeploymentView, ScaleUpRequest
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", tags=["deployments"])
 OperatorActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN, Scope.OPERATOR]))]
 fleet_readers = [Depends(require_scopes(FLEET_READERS))]
 internal = [Depends(require_cluster_token)]

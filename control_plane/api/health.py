@@ -12,7 +12,7 @@ from control_plane.auth import Ctx
 from control_plane.errors import ServiceUnavailable
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(tags=["health"])
 
 
 @router.get("/health")

@@ -19,7 +19,7 @@ from control_plane.scopes import Scope
 from meridian.admin_api import TENANT_PATTERN, ApiKeyCreate, ApiKeyCreated, ApiKeyView, TenantCreate
 from meridian.contracts import GLOBAL_ZONE, allows_model
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes([Scope.ADMIN]))])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes([Scope.ADMIN]))], tags=["keys"])
 AdminActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN]))]
 KeyIdParam = Annotated[str, Path(min_length=1, max_length=36)]
 

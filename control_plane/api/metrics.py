@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from control_plane.auth import Ctx, require_scraper
 from control_plane.metrics import ControlPlaneMetrics, FleetView
 
-router = APIRouter()
+router = APIRouter(tags=["metrics"])
 
 
 @router.get("/metrics", include_in_schema=False, dependencies=[Depends(require_scraper)])

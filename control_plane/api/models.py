@@ -22,7 +22,7 @@ from meridian.admin_api import ModelUpsert, ModelView
 from meridian.contracts import PRINTABLE_PATTERN
 from providers.catalog import Catalog
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", tags=["models"])
 OperatorActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN, Scope.OPERATOR]))]
 fleet_readers = [Depends(require_scopes(FLEET_READERS))]
 # Model names may contain '/' ("org/name"), so the path parameter takes the rest of the path.

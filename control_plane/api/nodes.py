@@ -24,7 +24,7 @@ from meridian.contracts import (
     NodeView,
 )
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", tags=["nodes"])
 internal = [Depends(require_cluster_token)]
 fleet_readers = [Depends(require_scopes(FLEET_READERS))]
 NodeIdParam = Annotated[str, Path(pattern=NODE_ID_PATTERN)]

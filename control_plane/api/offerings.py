@@ -18,7 +18,7 @@ from meridian.registry import UnknownName
 from providers.offerings import Offering
 from providers.skus import GpuSku, UnknownGpuError, normalise_gpu_name
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))], tags=["offerings"])
 ProviderParam = Annotated[str, Path(pattern=PROVIDER_PATTERN)]
 # Any spelling of a GPU ("A100 80GB", "a100-80gb", "p4de.24xlarge") is looked up; the answer is canonical.
 GpuSpelling = Annotated[str, Path(min_length=1, max_length=64, pattern=PRINTABLE_PATTERN)]

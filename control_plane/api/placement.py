@@ -22,7 +22,7 @@ from control_plane.scopes import FLEET_READERS, Scope
 from meridian.admin_api import PlanRequest, PlanView
 from meridian.infra_plan import KubernetesTarget
 
-router = APIRouter(prefix="/v1/placement")
+router = APIRouter(prefix="/v1/placement", tags=["placement"])
 readers = [Depends(require_scopes(FLEET_READERS))]
 OperatorActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN, Scope.OPERATOR]))]
 PlanIdParam = Annotated[str, Path(min_length=1, max_length=36)]

@@ -14,7 +14,7 @@ from control_plane.errors import NotFound
 from control_plane.scopes import FLEET_READERS
 from meridian.contracts import REGION_PATTERN, ZONE_PATTERN, RegionInfo
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))], tags=["residency"])
 Page = Annotated[PageParams, Depends(page_params)]
 
 

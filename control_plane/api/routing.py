@@ -12,7 +12,7 @@ from control_plane.auth import Ctx, require_cluster_token
 from control_plane.routing_table import build_routing_table
 from meridian.contracts import RoutingTable
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", tags=["routing"])
 
 
 @router.get("/routing-table", dependencies=[Depends(require_cluster_token)])

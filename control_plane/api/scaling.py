@@ -15,7 +15,7 @@ from control_plane.auth import Ctx, require_scopes
 from control_plane.db.models import AutoscalerDecision, NodeDrain, NodeGroup, ReconcileStep
 from control_plane.scopes import FLEET_READERS
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))])
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))], tags=["scaling"])
 Page = Annotated[PageParams, Depends(page_params)]
 ModelQuery = Annotated[str | None, Query(min_length=1, max_length=200, description="only this deployment's")]
 

@@ -21,7 +21,7 @@ from control_plane.scopes import FLEET_READERS, Scope
 from meridian.admin_api import TENANT_PATTERN, TenantCreate, TenantPatch, TenantView
 from meridian.contracts import GLOBAL_ZONE
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", tags=["tenants"])
 readers = [Depends(require_scopes(FLEET_READERS))]
 AdminActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN]))]
 TenantParam = Annotated[str, Path(pattern=TENANT_PATTERN)]

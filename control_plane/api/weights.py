@@ -10,7 +10,7 @@ from control_plane import weight_registry
 from control_plane.auth import Ctx, require_cluster_token
 from meridian.contracts import NODE_ID_PATTERN, WeightSources, WeightSourcesRequest
 
-router = APIRouter(prefix="/v1/weights", dependencies=[Depends(require_cluster_token)])
+router = APIRouter(prefix="/v1/weights", dependencies=[Depends(require_cluster_token)], tags=["weights"])
 Digest = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$")]
 NodeIdParam = Annotated[str, Path(pattern=NODE_ID_PATTERN)]
 

@@ -1,4 +1,5 @@
-"""Fuzz every operation of the published OpenAPI spec (schemathesis): no input makes the API answer 5xx.
+"""Fuzz every operation of the published OpenAPI spec (schemathesis): no input makes the API answer
+5xx, and every error it answers is the problem+json body the spec documents for that status.
 
 Valid and invalid inputs both (schemathesis' positive and negative modes), on SQLite. Admin
 operations go with the admin key, node and router operations with the cluster token, so that
@@ -18,7 +19,12 @@ from cp_harness import ADMIN_KEY, CLUSTER_TOKEN
 from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 from pydantic import SecretStr
-from schemathesis.checks import not_a_server_error
+from schemathesis.checks import (
+    CheckContext,
+    content_type_conformance,
+    not_a_server_error,
+    response_schema_conformance,
+)
 from schemathesis.python import asgi as schemathesis_asgi
 
 from control_plane.app import create_app
@@ -89,6 +95,14 @@ def session(fuzzed_app: FastAPI) -> Iterator[schemathesis_asgi.ASGIClient]:
         yield client
 
 
+def errors_are_documented_problems(ctx: CheckContext, response: schemathesis.Response, case: schemathesis.Case) -> bool:
+    """A 4xx answers with the media type and schema the spec gives its status (a Problem)."""
+    if response.status_code >= 400:
+        content_type_conformance(ctx, response, case)
+        response_schema_conformance(ctx, response, case)
+    return True
+
+
 @schema.parametrize()
 @settings(
     max_examples=EXAMPLES_PER_OPERATION,
@@ -100,4 +114,4 @@ def session(fuzzed_app: FastAPI) -> Iterator[schemathesis_asgi.ASGIClient]:
 def test_no_input_makes_a_server_error(case: schemathesis.Case, session: schemathesis_asgi.ASGIClient) -> None:
     secret = CLUSTER_TOKEN if (case.method.upper(), case.path) in CLUSTER_TOKEN_OPERATIONS else ADMIN_KEY
     response = case.call(base_url=session.base_url, session=session, headers={"Authorization": f"Bearer {secret}"})
-    case.validate_response(response, checks=[not_a_server_error])
+    case.validate_response(response, checks=[not_a_server_error, errors_are_documented_problems])
