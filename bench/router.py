@@ -238,6 +238,8 @@ class Settings:
     throughput_rounds: int = 2
     concurrency: int = 32
     litellm: bool = True
+    # More MERIDIAN_* settings for the router process (A/B of a setting, e.g. its access log).
+    router_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -314,7 +316,7 @@ def run(settings: Settings | None = None) -> list[Figure]:
         work = Path(tmp)
         node = stack.enter_context(chat_node(work / "node"))
         proxy = stack.enter_context(nginx_proxy(work / "nginx", node.port))
-        router = stack.enter_context(router_process(work / "router", node.url))
+        router = stack.enter_context(router_process(work / "router", node.url, dict(s.router_env)))
         router_url = router.url
         targets = [make_target("direct", node.url, "none"), make_target("router", router_url, TENANT_KEY, router.pid),
                    make_target("nginx", proxy.url, "none")]
@@ -378,8 +380,14 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32, help="closed-loop connections for max throughput")
     ap.add_argument("--full", action="store_true", help="5 rounds of 10 s, 3 throughput rounds of 5 s")
     ap.add_argument("--no-litellm", action="store_true", help="skip LiteLLM (its figures print as null)")
+    ap.add_argument("--router-env", action="append", default=[], metavar="MERIDIAN_X=V",
+                    help="a setting for the router process (repeatable), e.g. MERIDIAN_ROUTER_ACCESS_LOG=false")
     args = ap.parse_args()
-    s = Settings(rate=args.rate, concurrency=args.concurrency, litellm=not args.no_litellm)
+    router_env = tuple(tuple(kv.split("=", 1)) for kv in args.router_env)
+    if any(len(kv) != 2 or not kv[0].startswith("MERIDIAN_") for kv in router_env):
+        ap.error("--router-env takes MERIDIAN_NAME=value")
+    s = Settings(rate=args.rate, concurrency=args.concurrency, litellm=not args.no_litellm,
+                 router_env=router_env)  # type: ignore[arg-type]
     if args.full:
         s = replace(s, seconds=10.0, rounds=5, throughput_seconds=5.0, throughput_rounds=3)
     if args.seconds is not None:
