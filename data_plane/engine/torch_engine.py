@@ -38,7 +38,7 @@ from data_plane.engine.kv_cache.manager import KVCacheManager
 from data_plane.engine.model_runner import LoraBatchFactory, ModelRunner
 from data_plane.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from data_plane.engine.sequence import SeqStatus, Sequence
-from data_plane.engine.stop_strings import StopStringMatcher
+from meridian.stop_strings import StopStringMatcher
 from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.loader import load_model
 from data_plane.model.paged_attention import PagedKVCache

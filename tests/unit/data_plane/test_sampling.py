@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from data_plane.engine.stop_strings import StopStringMatcher
+from meridian.stop_strings import StopStringMatcher
 from data_plane.sampling import (
     RowSampling,
     Sampled,
