@@ -19,6 +19,10 @@ from tokenizers import Tokenizer, decoders
 
 # U+FFFD is what a byte-level decoder produces for an incomplete UTF-8 sequence.
 REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens a detokenizer decodes new tokens against (spaces, a character's first bytes).
+CONTEXT_TOKENS = 6
+# An unfinished UTF-8 character is at most 3 bytes, so at most 3 tokens.
+MAX_UNFINISHED_TOKENS = 3
 
 
 class ChatTemplateError(ValueError):
@@ -130,8 +134,11 @@ class ChatTokenizer:
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
 
-    def detokenizer(self, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+    def detokenizer(
+        self, *, skip_special_tokens: bool = True, context: Sequence[int] = ()
+    ) -> IncrementalDetokenizer:
+        """A detokenizer for the tokens that follow `context` (the prompt's ids)."""
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, context=context)
 
 
 class IncrementalDetokenizer:
@@ -140,14 +147,30 @@ class IncrementalDetokenizer:
     Byte-level BPE tokens can end in the middle of a UTF-8 character, and decoding
     single tokens loses the spaces some decoders insert between them, so each step
     decodes a short window of recent tokens and emits only what became final.
+
+    The window starts with the tail of `context` (the prompt), as vLLM primes its decoder
+    with the prompt: a generation continued from token ids (a migrated stream: prompt +
+    what was generated so far) then reads exactly as the unbroken one. A character the
+    context leaves unfinished is not part of what was read: it is emitted, whole, with
+    the token that finishes it, which is where the unbroken stream emitted it too.
     """
 
-    def __init__(self, tokenizer: ChatTokenizer, *, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: ChatTokenizer, *, skip_special_tokens: bool = True, context: Sequence[int] = ()
+    ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = self._read_upto(self._ids)
+
+    def _read_upto(self, tail: list[int]) -> int:
+        """Where the context's finished text ends: before an unfinished last character."""
+        for read in range(len(tail), max(len(tail) - MAX_UNFINISHED_TOKENS, 0) - 1, -1):
+            if not self._tok.decode(tail[:read], skip_special_tokens=self._skip).endswith(REPLACEMENT_CHAR):
+                return read
+        # Longer than a character could be: invalid bytes, not an unfinished character.
+        return len(tail)
 
     def push(self, token_id: int) -> str:
         """Add one token and return the text that is now complete (may be empty)."""
