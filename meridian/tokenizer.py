@@ -21,8 +21,6 @@ from tokenizers import Tokenizer, decoders
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens a detokenizer decodes new tokens against (spaces, a character's first bytes).
 CONTEXT_TOKENS = 6
-# An unfinished UTF-8 character is at most 3 bytes, so at most 3 tokens.
-MAX_UNFINISHED_TOKENS = 3
 
 
 class ChatTemplateError(ValueError):
@@ -150,9 +148,10 @@ class IncrementalDetokenizer:
 
     The window starts with the tail of `context` (the prompt), as vLLM primes its decoder
     with the prompt: a generation continued from token ids (a migrated stream: prompt +
-    what was generated so far) then reads exactly as the unbroken one. A character the
-    context leaves unfinished is not part of what was read: it is emitted, whole, with
-    the token that finishes it, which is where the unbroken stream emitted it too.
+    what was generated so far) then reads exactly as the unbroken one. The context's
+    trailing tokens that decode to U+FFFD (an unfinished character, stray bytes) count as
+    not yet read, as the unbroken stream had not emitted them either: they come out with
+    the next token, whole characters where it finishes them.
     """
 
     def __init__(
@@ -165,12 +164,11 @@ class IncrementalDetokenizer:
         self._read_offset = self._read_upto(self._ids)
 
     def _read_upto(self, tail: list[int]) -> int:
-        """Where the context's finished text ends: before an unfinished last character."""
-        for read in range(len(tail), max(len(tail) - MAX_UNFINISHED_TOKENS, 0) - 1, -1):
-            if not self._tok.decode(tail[:read], skip_special_tokens=self._skip).endswith(REPLACEMENT_CHAR):
-                return read
-        # Longer than a character could be: invalid bytes, not an unfinished character.
-        return len(tail)
+        """Where the context's emitted text ends: before its trailing U+FFFD tokens."""
+        read = len(tail)
+        while read and self._tok.decode(tail[:read], skip_special_tokens=self._skip).endswith(REPLACEMENT_CHAR):
+            read -= 1
+        return read
 
     def push(self, token_id: int) -> str:
         """Add one token and return the text that is now complete (may be empty)."""

@@ -119,12 +119,18 @@ async def test_ids_whose_text_is_held_back_for_half_a_character_still_come_in_th
     assert len(streamed_ids(chunks)) == N
 
 
-def first_stop_string(text: str) -> tuple[str, int]:
-    """A 3-character stop string first found past the start of `text`, and where."""
-    for start in range(1, len(text) - 3):
-        stop = text[start:start + 3]
-        if REPLACEMENT_CHAR not in stop and text.find(stop) == start:
-            return stop, start
+def chunk_texts(chunks: list[dict[str, Any]], kind: str) -> list[str]:
+    """The text of each chunk that carries token ids (one token each here)."""
+    return [streamed_text([c], kind) for c in chunks if c["choices"] and "token_ids" in c["choices"][0]]
+
+
+def stop_across_tokens(texts: list[str]) -> tuple[str, int]:
+    """Three characters that tokens j and j+1 share, first found there; and j + 1."""
+    text = "".join(texts)
+    for j in range(1, len(texts) - 1):
+        stop = texts[j][-1:] + texts[j + 1][:2]
+        if len(stop) == 3 and REPLACEMENT_CHAR not in stop and text.find(stop) == len("".join(texts[:j + 1])) - 1:
+            return stop, j + 1
     raise AssertionError(f"no usable stop string in {text!r}")
 
 
@@ -133,23 +139,16 @@ async def test_a_stop_string_ends_the_ids_with_the_token_that_completed_it(
         client: httpx.AsyncClient, kind: str) -> None:
     path, base = ("/v1/chat/completions", CHAT) if kind == "chat" else ("/v1/completions", COMPLETION)
     unbroken = await events(client, path, {**base, "max_tokens": N, "return_token_ids": True})
-    ids, text = streamed_ids(unbroken), streamed_text(unbroken, kind)
-    stop, at = first_stop_string(text)
-    # The token whose text completes the stop string: the first prefix of chunks holding it.
-    sofar, upto = "", 0
-    for upto, chunk in enumerate(c for c in unbroken if c["choices"][0].get("token_ids")):
-        sofar += streamed_text([chunk], kind)
-        if stop in sofar:
-            break
+    ids, texts = streamed_ids(unbroken), chunk_texts(unbroken, kind)
+    stop, last = stop_across_tokens(texts)
     chunks = await events(client, path, {**base, "max_tokens": N, "return_token_ids": True, "stop": stop})
-    content = [c for c in chunks if "token_ids" in c["choices"][0]]
-    # Every id up to and including the one completing the stop string, none after it,
-    # though the stop string's own text (held back, then dropped) never went out.
-    assert streamed_ids(content) == ids[:upto + 1]
-    assert streamed_text(chunks, kind) == text[:at]
-    assert content[-1]["choices"][0]["finish_reason"] == "stop"
-    assert any(c["choices"][0].get("delta", c["choices"][0]).get("content" if kind == "chat" else "text") == ""
-               for c in content), "nothing was held back for the stop string"
+    # Every id up to and including the one completing the stop string, none after it; the
+    # stop string's first character went out with neither its token nor the next one.
+    assert streamed_ids(chunks) == ids[:last + 1]
+    stopped = chunk_texts(chunks, kind)
+    assert "".join(stopped) == "".join(texts).split(stop)[0]
+    assert stopped[last - 1:] == [texts[last - 1][:-1], ""]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
 async def test_logprobs_and_token_ids_travel_in_the_same_chunk(client: httpx.AsyncClient) -> None:
