@@ -25,7 +25,16 @@ import pytest_asyncio
 from otlp_collector import OtlpCollector
 from router_harness import CLUSTER_TOKEN, ServerGroup
 from tenant_fabric import MODEL, TenantFabric, node_settings
-from token_ids_contract import REPLACEMENT_CHAR, continued, detokenize, has_no_ids, layout, sse
+from token_ids_contract import (
+    REPLACEMENT_CHAR,
+    continued,
+    detokenize,
+    has_no_ids,
+    layout,
+    sse,
+    stop_across_tokens,
+    stream,
+)
 from vllm_fabric import ADAPTER, ALICE, BOB, require_vllm, vllm_fabric, write_spec
 
 from data_plane.model.make_tiny import VLLM_CPU_ARCH
@@ -286,6 +295,29 @@ async def test_return_token_ids_sit_in_the_same_places_on_vllm_and_torch_nodes(
         # Unasked, neither node kind sends any ids (vLLM writes nulls, torch leaves them out).
         assert all(has_no_ids(c) for c in await sse(client, path, body)), name
         assert has_no_ids((await client.post(path, json=body)).json()), name
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_a_stopped_stream_ends_its_ids_with_the_token_that_completed_the_stop_string_and_continues(
+        nodes: dict[str, httpx.AsyncClient], kind: str) -> None:
+    base = {k: v for k, v in (CHAT_BODY if kind == "chat" else COMPLETION_BODY).items() if k != "max_tokens"}
+    for name, client in nodes.items():
+        whole = await stream(client, kind, {**base, "max_tokens": 16})
+        stop, last = stop_across_tokens(whole)
+        stopped = await stream(client, kind, {**base, "max_tokens": 16, "stop": stop})
+        # Every id up to the one that completed the stop string, in one chunk each, while the
+        # text lags them, held back for the stop string, which never goes out. (How much
+        # lags differs: vLLM holds back len(stop) - 1 characters all along and sends what
+        # precedes the stop string with the last ids; a torch node holds back only what
+        # could be the start of a stop string.)
+        assert stopped.ids == whole.ids[:last + 1] and stopped.finish == "stop", (name, stop, stopped, whole)
+        assert stopped.text == whole.text.split(stop)[0], (name, stop, stopped, whole)
+        # Continued from token ids at any point before it, the same ids follow.
+        for k in range(last + 1):
+            rest = await stream(client, "completion", {
+                "model": MODEL, "prompt": stopped.prompt_ids + stopped.token_ids[:k], "max_tokens": 16 - k,
+                "stop": stop})
+            assert rest.token_ids[:last + 1 - k] == stopped.token_ids[k:], (name, k)
 
 
 async def test_tokenize_and_detokenize_answer_alike_on_vllm_and_torch_nodes(

@@ -92,6 +92,17 @@ async def stream(client: httpx.AsyncClient, kind: str, body: dict[str, Any]) -> 
                  chunks[-1]["choices"][0]["finish_reason"])
 
 
+def stop_across_tokens(piece: Piece) -> tuple[str, int]:
+    """Three characters of `piece`'s text that the texts of its tokens j and j + 1 share,
+    found there first (none U+FFFD), and j + 1: the token that completes them."""
+    texts = piece.texts
+    for j in range(1, len(texts) - 1):
+        stop = texts[j][-1:] + texts[j + 1][:2]
+        if len(stop) == 3 and REPLACEMENT_CHAR not in stop and piece.text.find(stop) == len("".join(texts[:j + 1])) - 1:
+            return stop, j + 1
+    raise AssertionError(f"no usable stop string in {piece.text!r}")
+
+
 async def detokenize(client: httpx.AsyncClient, model: str, ids: list[int]) -> str:
     r = await client.post("/detokenize", json={"model": model, "tokens": ids})
     assert r.status_code == 200, r.text
