@@ -145,7 +145,8 @@ class UpstreamForwarder:
         self.max_migrations = settings.migration_max_per_request
         self.budget = MigrationBudget(
             clock, percent=settings.migration_budget_percent, min_concurrency=settings.min_migration_concurrency,
-            tokens_per_s=settings.migration_budget_tokens_per_s, burst_tokens=settings.migration_budget_burst_tokens)
+            tokens_per_s=settings.migration_budget_tokens_per_s, burst_tokens=settings.migration_budget_burst_tokens,
+            queue_timeout_s=settings.migration_queue_timeout_s)
 
     def on_ejection(self, ejection: Ejection) -> None:
         """A node failed its active health checks: abandon the attempts still waiting for it.
@@ -348,13 +349,14 @@ class UpstreamForwarder:
         started = False
         try:
             async with asyncio.timeout_at(deadline):
-                conn = await self._exchange(origin, head, body, True)
+                conn = await self._exchange(origin, head, body, True, self.inter_token_timeout_s)
                 status, _ = await conn.status()
                 if status >= 300:
                     detail = (await conn.read_all())[:300].decode("utf-8", "replace")
                     raise PieceFailed(FailureReason.SERVER_ERROR if status >= 500 else None, f"HTTP {status}: {detail}")
                 framer = SSEFramer(True)
-                first, ended = await self._first_event(conn, framer)
+                # A frozen replica must not hold a resumed stream longer than it held the first.
+                first, ended = await self._first_event(conn, framer, self.inter_token_timeout_s)
                 started = True
         except UpstreamError as exc:
             raise PieceFailed(exc.reason, str(exc)) from None
@@ -370,29 +372,39 @@ class UpstreamForwarder:
         return Piece(candidate, conn, framer, first, ended)
 
     async def detokenize(self, candidate: Candidate, model: str, tokens: list[int]) -> str | None:
-        """The text `tokens` make on `candidate` (POST /detokenize); None when it cannot say."""
+        """The text `tokens` make on `candidate` (POST /detokenize); None when it answers but
+        cannot say; PieceFailed when it does not answer (the stream should go elsewhere)."""
         try:
             origin = self._client.origin(candidate.node.url)
-        except ValueError:
-            return None
+        except ValueError as exc:
+            raise PieceFailed(FailureReason.PROTOCOL, str(exc)) from None
         body = msgspec.json.encode({"model": model, "tokens": tokens})
         head = self._request_head("POST", origin, "/detokenize", InferenceRequest(body, model, False, {}), "", "")
         await self._take_slot()
         conn: UpstreamConnection | None = None
+        # A healthy node answers in milliseconds; a frozen one must not hold the stream long.
+        timeout_s = min(self.inter_token_timeout_s, self._settings.connect_timeout_s + 1.0)
         try:
-            async with asyncio.timeout(self._settings.connect_timeout_s + 2.0):
+            async with asyncio.timeout(timeout_s):
                 conn = await self._exchange(origin, head, body, False)
                 status, _ = await conn.status()
                 answer = await conn.read_all()
-            text = msgspec.json.decode(answer).get("prompt") if status == 200 else None
-            return text if isinstance(text, str) else None
-        except (UpstreamError, TimeoutError, msgspec.DecodeError, AttributeError) as exc:
-            log.warning("detokenize on %s failed: %s", candidate.node.node_id, exc)
-            return None
+        except UpstreamError as exc:
+            raise PieceFailed(exc.reason, f"detokenize: {exc}") from None
+        except TimeoutError:
+            raise PieceFailed(FailureReason.TIMEOUT, f"detokenize: no answer within {timeout_s:g}s") from None
         finally:
             if conn is not None:
                 self._client.release(conn)
             self._slots.release()
+        try:
+            text = msgspec.json.decode(answer).get("prompt") if status == 200 else None
+        except (msgspec.DecodeError, AttributeError):
+            text = None
+        if not isinstance(text, str):
+            log.warning("detokenize on %s answered %s without text", candidate.node.node_id, status)
+            return None
+        return text
 
     async def _take_slot(self) -> None:
         if not self._slots.locked():
@@ -405,22 +417,25 @@ class UpstreamForwarder:
             # Our own pool is full: not the node's fault, and no other node would do better.
             raise RouterOverloaded() from None
 
-    async def _exchange(self, origin: Origin, head: bytes, body: bytes, stream: bool) -> UpstreamConnection:
-        """Send the request and wait for the answer's status line on a pooled connection."""
+    async def _exchange(self, origin: Origin, head: bytes, body: bytes, stream: bool,
+                        status_timeout_s: float | None = None) -> UpstreamConnection:
+        """Send the request and wait for the answer's status line on a pooled connection (a
+        stream's within `status_timeout_s`, the read timeout by default)."""
+        status_timeout_s = status_timeout_s or self.read_timeout_s
         conn, reused = await self._client.acquire(origin)
         for retry in (True, False):
             conn.send(head, body)
             try:
                 if stream:
                     # A stream must start within the read timeout, like each of its chunks.
-                    async with asyncio.timeout(self.read_timeout_s):
+                    async with asyncio.timeout(status_timeout_s):
                         await conn.status()
                 else:
                     await conn.status()  # a whole generation: bounded by the request deadline
                 return conn
             except TimeoutError:  # the read timeout (the deadline's expiry arrives as a cancel)
                 self._client.release(conn)
-                raise UpstreamError(FailureReason.TIMEOUT, f"no answer within {self.read_timeout_s:g}s") from None
+                raise UpstreamError(FailureReason.TIMEOUT, f"no answer within {status_timeout_s:g}s") from None
             except UpstreamError:
                 self._client.release(conn)
                 # A pooled connection the node closed as the request went out (its keep-alive
@@ -536,15 +551,17 @@ class UpstreamForwarder:
             f"content-length: {len(request.body)}\r\n\r\n"
         ).encode("latin-1")
 
-    async def _first_event(self, conn: UpstreamConnection, framer: SSEFramer) -> tuple[bytes, bool]:
+    async def _first_event(self, conn: UpstreamConnection, framer: SSEFramer,
+                           timeout_s: float | None = None) -> tuple[bytes, bool]:
         """A stream's first complete event (whatever the node sent, if it ended before one),
-        and whether the stream has ended; each read within the read timeout."""
+        and whether the stream has ended; each read within `timeout_s` (the read timeout)."""
+        timeout_s = timeout_s or self.read_timeout_s
         while True:
             try:
-                async with asyncio.timeout(self.read_timeout_s):
+                async with asyncio.timeout(timeout_s):
                     chunk = await conn.read_chunk()
             except TimeoutError:  # the read timeout (the deadline's expiry arrives as a cancel)
-                raise UpstreamError(FailureReason.TIMEOUT, f"no event within {self.read_timeout_s:g}s") from None
+                raise UpstreamError(FailureReason.TIMEOUT, f"no event within {timeout_s:g}s") from None
             if not chunk:
                 return framer.flush(), True
             first = framer.feed(chunk)

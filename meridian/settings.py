@@ -343,9 +343,12 @@ class RouterSettings(ListenerSettings):
     migration_max_per_request: int = Field(3, ge=0, le=20)
     # Migrations in flight may be at most this share of the streams in flight (never fewer
     # than min_migration_concurrency), and the tokens they re-prefill come from a bucket of
-    # migration_budget_burst_tokens refilled at migration_budget_tokens_per_s.
-    migration_budget_percent: float = Field(20.0, ge=0, le=100)
-    min_migration_concurrency: int = Field(3, ge=0)
+    # migration_budget_burst_tokens refilled at migration_budget_tokens_per_s; a migration
+    # over the budget waits its turn up to migration_queue_timeout_s, then is refused.
+    # inter_token_timeout_s also bounds a continuation's first token (its prefill).
+    migration_budget_percent: float = Field(50.0, ge=0, le=100)
+    min_migration_concurrency: int = Field(8, ge=0)
+    migration_queue_timeout_s: float = Field(5.0, ge=0)
     migration_budget_tokens_per_s: float = Field(200_000.0, ge=0)
     migration_budget_burst_tokens: int = Field(2_000_000, ge=0)
     # KV-prefix index from the nodes' KV cache events (geo_router.kv_index, kv_subscriber):

@@ -1,23 +1,34 @@
 """The router's migration budget, in requests and in re-prefilled tokens.
 
 Each migration costs the next node one prefill of the prompt plus everything generated so
-far. When a fleet is failing, every stream on it breaks at once; moving them all would pile
-a burst of long prefills onto the replicas that are left, which is how one failure becomes
-two. Like the retry budget (Envoy's, geo_router.outlier), migrations in flight may be at
-most a share of the streams in flight (never fewer than a floor), and the tokens they
-re-prefill come out of a bucket that refills at a steady rate.
+far. When a fleet is failing, every stream on it breaks at once; moving them all at the
+same instant would pile a burst of long prefills onto the replicas that are left, which is
+how one failure becomes two. So, like the retry budget (Envoy's, geo_router.outlier),
+migrations in flight may be at most a share of the streams in flight (never fewer than a
+floor), and the tokens they re-prefill come out of a bucket that refills at a steady rate.
+
+Unlike a retry, a broken stream has a client waiting on it that has already been sent
+part of its answer: refusing would throw that away. A migration over the budget therefore
+waits its turn (in arrival order) for up to `queue_timeout_s`, and is refused only after
+that: a region's worth of broken streams moves in waves instead of failing.
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
+
 from meridian.clock import Clock
+
+_POLL_S = 0.02
 
 
 class MigrationBudget:
     """How many migrations may be in flight, and how many tokens they may re-prefill."""
 
     def __init__(
-        self, clock: Clock, *, percent: float, min_concurrency: int, tokens_per_s: float, burst_tokens: int
+        self, clock: Clock, *, percent: float, min_concurrency: int, tokens_per_s: float, burst_tokens: int,
+        queue_timeout_s: float = 0.0,
     ) -> None:
         self._clock = clock
         self._percent = percent
@@ -26,6 +37,8 @@ class MigrationBudget:
         self._burst = float(burst_tokens)
         self._tokens = float(burst_tokens)
         self._at = clock.monotonic()
+        self._queue_timeout_s = queue_timeout_s
+        self._waiting: deque[object] = deque()
         self.active_streams = 0
         self.active_migrations = 0
 
@@ -47,13 +60,38 @@ class MigrationBudget:
         return self._tokens
 
     def try_acquire(self, prefill_tokens: int) -> bool:
-        """Start a migration that re-prefills `prefill_tokens` (pair a True with `release`)."""
-        if self.active_migrations >= self.limit() or self.tokens() < prefill_tokens:
+        """Start a migration now if the budget allows it (pair a True with `release`)."""
+        if self._waiting or self.active_migrations >= self.limit() or self.tokens() < prefill_tokens:
             return False
-        self._tokens -= prefill_tokens
-        self.active_migrations += 1
+        self._take(prefill_tokens)
         return True
+
+    async def acquire(self, prefill_tokens: int) -> bool:
+        """Start a migration, waiting in line up to the queue timeout; False if refused."""
+        if self.try_acquire(prefill_tokens):
+            return True
+        if prefill_tokens > self._burst or self._queue_timeout_s <= 0:
+            return False  # could never fit, or no waiting
+        ticket = object()
+        self._waiting.append(ticket)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._queue_timeout_s
+        try:
+            # Polled: migrations are rare events, and a poll cannot miss a wake-up.
+            while self._waiting[0] is not ticket or self.active_migrations >= self.limit() \
+                    or self.tokens() < prefill_tokens:
+                if loop.time() >= give_up:
+                    return False
+                await asyncio.sleep(_POLL_S)
+            self._take(prefill_tokens)
+            return True
+        finally:
+            self._waiting.remove(ticket)
 
     def release(self) -> None:
         """The migration is over (the continuation started, or failed)."""
         self.active_migrations = max(0, self.active_migrations - 1)
+
+    def _take(self, prefill_tokens: int) -> None:
+        self._tokens -= prefill_tokens
+        self.active_migrations += 1

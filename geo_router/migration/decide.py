@@ -57,15 +57,10 @@ def next_replica(
 
 
 def decide(
-    *,
-    resumable: bool,
-    migrations: int,
-    max_migrations: int,
-    replica: Candidate | None,
-    budget_allows: Callable[[], bool],
-    time_left_s: float,
+    *, resumable: bool, migrations: int, max_migrations: int, replica: Candidate | None, time_left_s: float,
 ) -> Move | Refuse:
-    """Move to `replica`, or refuse and say why. The budget is asked last: a refusal for
+    """Move to `replica`, or refuse and say why. The router's budget is asked after a Move
+    (geo_router.migration.budget): it may make the move wait its turn, and a refusal for
     another reason must not spend it."""
     if not resumable:
         return Refuse(Refusal.NOT_RESUMABLE)
@@ -75,6 +70,4 @@ def decide(
         return Refuse(Refusal.LIMIT)
     if replica is None:
         return Refuse(Refusal.NO_REPLICA)
-    if not budget_allows():
-        return Refuse(Refusal.BUDGET)
     return Move(replica)

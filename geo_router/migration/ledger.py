@@ -87,3 +87,26 @@ class StreamLedger:
 
 def _ids(values: list[Any]) -> list[int]:
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+# Characters of the text already sent that anchor the seam when a decoder tidied the text
+# before it differently (spaces around punctuation, say) from how the stream decoded it.
+_ANCHOR_CHARS = 32
+
+
+def unsent_tail(decoded: str, delivered: str) -> str | None:
+    """What of `decoded` (the text all the generated ids make) the client was not sent: the
+    text a node held back at the break. None when the two cannot be lined up."""
+    if decoded.startswith(delivered):
+        return decoded[len(delivered):]
+    anchor = delivered[-_ANCHOR_CHARS:]
+    ends: list[int] = []
+    at = decoded.find(anchor)
+    while at >= 0:
+        ends.append(at + len(anchor))
+        at = decoded.find(anchor, at + 1)
+    if not ends:
+        return None
+    # Tidying moves the seam by a few characters at most: the occurrence nearest it.
+    end = min(ends, key=lambda e: abs(e - len(delivered)))
+    return decoded[end:]

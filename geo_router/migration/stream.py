@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 from ..selection import Candidate
@@ -23,9 +22,9 @@ from ..sse import SSEFramer, StreamTally, error_event
 from ..streaming import StreamHost, run_close_callbacks
 from ..upstream import FailureReason, UpstreamConnection, UpstreamError
 from .budget import MigrationBudget
-from .decide import BreakReason, Move, Refusal, decide, next_replica
+from .decide import BreakReason, Move, Refusal, Refuse, decide, next_replica
 from .events import DONE, Continuation, encode, for_client, is_error, split_events
-from .ledger import StreamLedger
+from .ledger import StreamLedger, unsent_tail
 from .plan import COMPLETIONS_ROUTE, MigrationPlan
 
 log = logging.getLogger(__name__)
@@ -204,10 +203,11 @@ class MigratingStream:
             loop = asyncio.get_running_loop()
             cost = len(ledger.prompt_ids or ()) + len(ledger.generated)
             replica = next_replica(self._ctx.candidates, self._failed, source.region.name, self._host.is_ejected)
-            decision = decide(resumable=ledger.resumable,
-                              migrations=self._migrations, max_migrations=self._host.max_migrations,
-                              replica=replica, budget_allows=partial(self._host.budget.try_acquire, cost),
-                              time_left_s=self._deadline - loop.time())
+            decision: Move | Refuse = decide(
+                resumable=ledger.resumable, migrations=self._migrations, max_migrations=self._host.max_migrations,
+                replica=replica, time_left_s=self._deadline - loop.time())
+            if isinstance(decision, Move) and not await self._host.budget.acquire(cost):
+                decision = Refuse(Refusal.BUDGET)
             if not isinstance(decision, Move):
                 self._host.refused(decision.why)
                 return error_event(f"The model server stopped responding in the middle of the answer "
@@ -229,12 +229,13 @@ class MigratingStream:
             return None
 
     async def _resume(self, target: Candidate) -> Piece:
+        """Open the continuation on `target` (PieceFailed if it cannot start there)."""
         ledger, plan = self._ledger, self._ctx.plan
-        self._migrations += 1
         held = await self._held_text(target)
         body = plan.continuation_body([*(ledger.prompt_ids or ()), *ledger.generated], len(ledger.generated))
         piece = await self._host.open_piece(target, COMPLETIONS_ROUTE, body, self._ctx.request_id, self._deadline,
-                                            self._ctx.trace_headers, self._migrations, len(ledger.generated))
+                                            self._ctx.trace_headers, self._migrations + 1, len(ledger.generated))
+        self._migrations += 1  # only moves that started count against the limit
         piece.continuation = Continuation(plan, ledger, held, self._trailer(target))
         return piece
 
@@ -250,13 +251,13 @@ class MigratingStream:
                                           self._host.detokenize(target, model, context) if context else _empty())
         if full is None or head is None or not full.startswith(head):
             return ""
-        text, delivered = full[len(head):], ledger.delivered_text
-        if not text.startswith(delivered):
-            log.warning("request %s: the seam's text does not extend what was sent; sending none of it",
+        held = unsent_tail(full[len(head):], ledger.delivered_text)
+        if held is None:
+            log.warning("request %s: the seam's text does not line up with what was sent; sending none of it",
                         self._ctx.request_id)
             return ""
         # A trailing replacement character is half a UTF-8 character: the next token completes it.
-        return text[len(delivered):].rstrip("\ufffd")
+        return held.rstrip("\ufffd")
 
     def _trailer(self, node: Candidate) -> dict[str, object] | None:
         if not self._migrations:

@@ -284,3 +284,11 @@ async def test_a_non_streamed_request_whose_node_dies_is_retried_whole(fabric: M
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == reference(chat_prompt(MESSAGES), 20)[0]
     assert r.headers["x-meridian-node"] == "eu-1"
+
+
+async def test_a_frozen_replica_is_passed_over_for_the_next_one(fabric: MigrationFabric) -> None:
+    fabric.nodes["us-1"].faults.append(Fault("die", 6))
+    fabric.nodes["eu-1"].faults.append(Fault("stall", 0))  # the continuation's node freezes at once
+    got = await stream(fabric)
+    assert got.error is None and got.text == reference(chat_prompt(MESSAGES), 40)[0]
+    assert got.trailer == {"migrations": 1, "node": "apac-1", "region": REGIONS["apac"].name}

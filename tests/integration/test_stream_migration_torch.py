@@ -1,0 +1,77 @@
+"""Stream migration on the torch engine: a real node, a real router, the stream cut mid-way.
+
+Greedy streams are broken at several points (first token, early, middle, near the end,
+inside a stop string that two tokens make) by resetting the connection under them (a
+killed node; frozen nodes are the unit tests' and the gray drill's);
+the router resumes each on the same engine under another name, and the client's stream
+must be token-identical to an unbroken run: same ids, same text, one `id`, usage that
+counts every token received.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from migration_fabric import MigrationRig, migration_rig, stream
+from router_harness import ServerGroup
+from tenant_fabric import MODEL, node_settings
+
+from data_plane.model.make_tiny import make_tiny_checkpoint
+from data_plane.server.app import create_app as create_node_app
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "write a long poem about the sea"}],
+        "max_tokens": 48, "temperature": 0, "ignore_eos": True, "stream": True, "return_token_ids": True,
+        "stream_options": {"include_usage": True}}
+COMPLETION = {"model": MODEL, "prompt": "the sea is", "max_tokens": 48, "temperature": 0, "ignore_eos": True,
+              "stream": True, "return_token_ids": True}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[MigrationRig]:
+    root = tmp_path_factory.mktemp("migration")
+    checkpoint = make_tiny_checkpoint(root / MODEL, seed=0)
+    servers = ServerGroup()
+    try:
+        node = create_node_app(node_settings(checkpoint, max_tokens_limit=128))
+        node_url = await servers.start(node)
+        await node.state.runtime.wait_ready()
+        async with migration_rig(node_url, root / "router.jsonl", inter_token_timeout_s=1.0) as r:
+            yield r
+    finally:
+        await servers.stop()
+
+
+@pytest.mark.parametrize("break_after", [1, 7, 24, 42])
+@pytest.mark.parametrize("route,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
+                         ids=["chat", "completions"])
+async def test_a_killed_stream_resumes_token_identical(rig: MigrationRig, route: str, body: dict[str, object],
+                                                       break_after: int) -> None:
+    unbroken = await stream(rig, route, body)
+    assert unbroken.done and unbroken.trailer is None and len(unbroken.token_ids) == 48
+    got = await stream(rig, route, body, break_after=break_after)
+    assert got.error is None and got.done
+    assert got.token_ids == unbroken.token_ids and got.text == unbroken.text
+    assert len({e["id"] for e in got.events}) == 1
+    assert got.trailer is not None and got.trailer["node"] == "far"
+    if "stream_options" in body:
+        assert got.events[-1]["usage"]["completion_tokens"] == 48
+
+
+async def test_a_stop_string_across_the_seam_stops_as_it_would_unbroken(rig: MigrationRig) -> None:
+    unbroken = await stream(rig, "/v1/completions", COMPLETION)
+    texts = [c.get("text") or "" for e in unbroken.events for c in e["choices"]]
+    k = next(i for i in range(20, 40) if len(texts[i]) >= 2 and len(texts[i + 1]) >= 2)
+    stop = texts[k][-2:] + texts[k + 1][:2]  # a stop string that two tokens make
+    body = {**COMPLETION, "stop": [stop]}
+    stopped = await stream(rig, "/v1/completions", body)
+    assert stopped.text == unbroken.text[: unbroken.text.find(stop)] and len(stopped.token_ids) == k + 2
+    for at in (k - 1, k, k + 1):
+        got = await stream(rig, "/v1/completions", body, break_after=at)
+        assert got.error is None and got.text == stopped.text, at
+        assert got.token_ids == stopped.token_ids, at
+        assert got.trailer is not None and got.trailer["migrations"] == 1, at
+        assert [c["finish_reason"] for e in got.events for c in e["choices"] if c.get("finish_reason")] == ["stop"]
