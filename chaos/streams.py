@@ -236,6 +236,10 @@ async def sse_payloads(lines: AsyncIterator[str]) -> AsyncIterator[str]:
         yield "\n".join(data)
 
 
+class ReferenceFailed(RuntimeError):
+    """The healthy fabric answered none of the long streams' requests whole."""
+
+
 @dataclass(frozen=True, slots=True)
 class LongRequest:
     """One long stream of the schedule: its key, tenant and chat body."""
@@ -257,6 +261,8 @@ async def reference_run(router_url: str, api_keys: Mapping[str, str], requests: 
     url = router_url.rstrip("/") + "/v1/chat/completions"
     async with httpx.AsyncClient(timeout=timeout_s) as http:
 
+        failures: list[str] = []
+
         async def one(r: LongRequest) -> tuple[LongRequest, StreamReading]:
             reading = StreamReading(time.monotonic())
             headers = {"authorization": f"Bearer {api_keys[r.tenant]}", "x-request-id": f"{r.key}.ref"}
@@ -264,11 +270,17 @@ async def reference_run(router_url: str, api_keys: Mapping[str, str], requests: 
                 async with http.stream("POST", url, json=r.body, headers=headers) as resp:
                     if resp.status_code == 200:
                         await read_events(resp, reading)
-            except httpx.HTTPError:
-                pass
+                    else:
+                        failures.append(f"{resp.status_code} {(await resp.aread())[:300]!r}")
+            except httpx.HTTPError as e:
+                failures.append(f"{type(e).__name__}: {e}")
             return r, reading
 
         answers = await asyncio.gather(*(one(r) for r in requests))
+        if requests and not any(a.done and a.error_code is None for _, a in answers):
+            # Nothing to compare with: the drill would only say "no reference" 50 times.
+            raise ReferenceFailed(f"no long stream's reference came back whole (first failure: "
+                                  f"{failures[0] if failures else 'error events'})")
         prefill = await _prefill_s(http, url, api_keys, requests)
         longest = max(requests, key=lambda r: len(json.dumps(r.body["messages"])), default=None)
         for r, reading in answers:
