@@ -25,8 +25,8 @@ from fastapi.responses import Response
 
 from meridian.contracts import HEADER_NODE, HEADER_REGION
 
-from .proxy import when_stream_ends
 from .sse import StreamTally
+from .streaming import when_stream_ends
 
 log = logging.getLogger("meridian.access")
 

@@ -19,9 +19,9 @@ from fastapi.responses import Response
 from meridian.contracts import TenantEntry
 
 from .metrics import RouterMetrics
-from .proxy import when_stream_ends
 from .ratelimit import Admission
 from .sse import StreamTally
+from .streaming import when_stream_ends
 from .table import LoadedTable
 from .tokens import estimate_prompt_tokens, usage_split
 

@@ -217,6 +217,7 @@ def _build_state(
             retry_budget=RetryBudget.from_settings(settings),
             journal=RequestJournal(settings.request_journal_path),
             on_first_byte=lambda node_id, s: _first_byte(state, node_id, s),
+            clock=clock,
         ),
         scale_from_zero=ScaleFromZero(settings, source, metrics, ScaleUpClient(settings, metrics), clock=clock),
         prober=prober,

@@ -55,6 +55,20 @@ class RouterMetrics:
         self.upstream_failures = self._counter(
             "meridian_router_upstream_failures", ("region", "node", "reason"),
             "Node failures seen by this router (connect, timeout, 5xx, midstream...).")
+        self.migrations = self._counter(
+            "meridian_router_migrations", ("reason", "from_region", "to_region"),
+            "Streams resumed on another replica after their node failed mid-answer, by why the "
+            "node's piece ended (connection, server_error, stalled).")
+        self.migrations_refused = self._counter(
+            "meridian_router_migrations_refused", ("why",),
+            "Broken streams not resumed (not_resumable, limit, budget, no_replica, deadline); each "
+            "ended with an error event.")
+        self.reprefill_tokens = self._counter(
+            "meridian_router_migration_reprefill_tokens", (),
+            "Tokens (prompt plus generated) that migrations asked replicas to prefill again.")
+        self.resume_latency = self._histogram(
+            "meridian_router_migration_resume_seconds", (),
+            "Time from a stream's break being seen to the first event of its continuation.", _LATENCY_BUCKETS)
         self.latency = self._histogram(
             "meridian_router_request_duration_seconds", ("region",),
             "Time from request received to last byte sent, by serving region.", _LATENCY_BUCKETS)

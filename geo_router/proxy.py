@@ -18,14 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-import anyio
-from fastapi.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+import msgspec
+from fastapi.responses import Response
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import (
     HEADER_NODE,
     HEADER_OVERHEAD_MS,
@@ -38,10 +38,15 @@ from meridian.settings import RouterSettings
 from .errors import RouterError, RouterOverloaded, UpstreamLost, UpstreamTimeout
 from .health import Ejection, FailureKind, FleetState
 from .metrics import RouterMetrics
+from .migration.budget import MigrationBudget
+from .migration.decide import BreakReason, Refusal
+from .migration.plan import plan_for
+from .migration.stream import MigratingStream, MigrationContext, Piece, PieceFailed
 from .outlier import RetryBudget
 from .request import InferenceRequest
 from .selection import Candidate
-from .sse import SSEFramer, StreamTally, error_event
+from .sse import SSEFramer
+from .streaming import CommittedStream, PassThroughStream, UpstreamStreamingResponse
 from .upstream import (
     FailureReason,
     Origin,
@@ -88,110 +93,6 @@ class _Waiter:
 
 
 
-def when_stream_ends(response: Response, callback: Callable[[StreamTally], None]) -> bool:
-    """Call `callback` with the stream's tally once a streamed answer is over (however it
-    ended); False, and no call, when `response` is not a passed-through stream."""
-    if not isinstance(response, _UpstreamStreamingResponse):
-        return False
-    response.upstream.on_close.append(callback)
-    return True
-
-
-
-class _UpstreamStream:
-    """A committed streamed answer: its node's connection, and how to pass it on and close it."""
-
-    def __init__(
-        self,
-        forwarder: UpstreamForwarder,
-        candidate: Candidate,
-        conn: UpstreamConnection,
-        framer: SSEFramer,
-        first: bytes,
-        ended: bool,
-        deadline: float,
-        received_at: float,
-    ) -> None:
-        self._fw = forwarder
-        self._candidate = candidate
-        self._conn = conn
-        self._framer = framer
-        self._first = first
-        self._ended = ended
-        self._deadline = deadline
-        self._received_at = received_at
-        self._closed = False
-        self.tally = StreamTally()
-        self.on_close: list[Callable[[StreamTally], None]] = []
-
-    async def body(self) -> AsyncIterator[bytes]:
-        if self._first:
-            self.tally.feed(self._first)
-            yield self._first
-        if self._ended:
-            return
-        loop = asyncio.get_running_loop()
-        read_timeout_s = self._fw.read_timeout_s
-        while True:
-            try:
-                async with asyncio.timeout_at(min(self._deadline, loop.time() + read_timeout_s)):
-                    chunk = await self._conn.read_chunk()
-            except (UpstreamError, TimeoutError) as exc:
-                reason = exc.reason if isinstance(exc, UpstreamError) else FailureReason.TIMEOUT
-                node = self._candidate.node.node_id
-                log.warning("node %s broke a stream (%s: %s)", node, reason, exc)
-                self._fw.note_failure(self._candidate, FailureReason.MIDSTREAM)
-                yield error_event(
-                    f"The model server stopped responding in the middle of the answer ({reason}).",
-                    "upstream_disconnected",
-                )
-                return
-            if not chunk:
-                tail = self._framer.flush()
-                if tail:
-                    self.tally.feed(tail)
-                    yield tail
-                return
-            out = self._framer.feed(chunk)
-            if out:
-                self.tally.feed(out)
-                yield out
-
-    async def close(self) -> None:
-        """Release the upstream connection (also when the client went away); idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        # A body not read to its end closes the connection instead of pooling it, which is
-        # also what tells the node to stop generating.
-        self._fw.release(self._conn)
-        self._fw.finish(self._candidate, time.perf_counter() - self._received_at)
-        self._fw.end_request()
-        for callback in self.on_close:
-            try:
-                callback(self.tally)
-            except Exception:  # bookkeeping must not break the connection's release
-                log.exception("stream close callback failed")
-
-
-class _UpstreamStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always closes its upstream, however the client leaves."""
-
-    def __init__(self, stream: _UpstreamStream, status_code: int, headers: dict[str, str]) -> None:
-        super().__init__(stream.body(), status_code=status_code, headers=headers)
-        self.upstream = stream
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                body = self.body_iterator
-                if hasattr(body, "aclose"):
-                    await body.aclose()
-                await self.upstream.close()
-
-
 def _passthrough(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, value in headers:
@@ -221,6 +122,7 @@ class UpstreamForwarder:
         retry_budget: RetryBudget | None = None,
         journal: RequestJournal | None = None,
         on_first_byte: Callable[[str, float], None] | None = None,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._settings = settings
         self._journal = journal or RequestJournal(None)
@@ -238,6 +140,12 @@ class UpstreamForwarder:
         self._slots = asyncio.Semaphore(settings.max_upstream_connections)
         # Attempts still waiting for their node's answer, by node.
         self._waiting: dict[str, set[_Waiter]] = {}
+        # Stream migration (geo_router.migration): what MigratingStream asks of its host.
+        self.inter_token_timeout_s = settings.inter_token_timeout_s
+        self.max_migrations = settings.migration_max_per_request
+        self.budget = MigrationBudget(
+            clock, percent=settings.migration_budget_percent, min_concurrency=settings.min_migration_concurrency,
+            tokens_per_s=settings.migration_budget_tokens_per_s, burst_tokens=settings.migration_budget_burst_tokens)
 
     def on_ejection(self, ejection: Ejection) -> None:
         """A node failed its active health checks: abandon the attempts still waiting for it.
@@ -320,7 +228,7 @@ class UpstreamForwarder:
             response = await self._forward(
                 route, request, candidates, request_id, received_at, exhausted, queued_s, method, rewrite, trace
             )
-            streaming = isinstance(response, _UpstreamStreamingResponse)
+            streaming = isinstance(response, UpstreamStreamingResponse)
             return response
         finally:
             if not streaming:  # a stream leaves the budget when it closes
@@ -342,6 +250,11 @@ class UpstreamForwarder:
         s = self._settings
         budget = self._retry_budget
         deadline = asyncio.get_running_loop().time() + s.request_timeout_s
+        plan = plan_for(route, request.payload, request.body) if s.migration_enabled and request.stream else None
+        migration = None
+        if plan is not None:
+            request = InferenceRequest(plan.upstream_body, request.model, request.stream, request.payload)
+            migration = MigrationContext(plan, candidates, request_id, trace.headers if trace is not None else "")
         upstream_wait = queued_s
         previous: Candidate | None = None
         previous_gone = False
@@ -372,7 +285,7 @@ class UpstreamForwarder:
             try:
                 response = await self._attempt(
                     route, request, candidate, request_id, deadline, received_at, reply_headers,
-                    method, rewrite, trace.headers if trace is not None else "",
+                    method, rewrite, trace.headers if trace is not None else "", migration,
                 )
             except _NodeFailed as exc:
                 self._fleet.end(node)
@@ -393,12 +306,93 @@ class UpstreamForwarder:
                 if retrying:
                     assert budget is not None
                     budget.release()
-            if not isinstance(response, _UpstreamStreamingResponse):
+            if not isinstance(response, UpstreamStreamingResponse):
                 self.finish(candidate, time.perf_counter() - received_at)
             self._metrics.overhead.observe(overhead_s)
             self._child("requests", candidate.region.name, node, str(response.status_code)).inc()
             return response
         raise exhausted
+
+    # --- the host of migrating streams (geo_router.migration.stream.MigrationHost) ---
+
+    def is_ejected(self, node_id: str) -> bool:
+        return self._fleet.is_ejected(node_id)
+
+    def end_piece(self, candidate: Candidate) -> None:
+        self._fleet.end(candidate.node.node_id)
+
+    def migrated(self, reason: BreakReason, source: Candidate, target: Candidate, tokens: int,
+                 resume_s: float) -> None:
+        self._metrics.migrations.labels(reason, source.region.name, target.region.name).inc()
+        self._metrics.reprefill_tokens.inc(tokens)
+        self._metrics.resume_latency.observe(resume_s)
+
+    def refused(self, why: Refusal) -> None:
+        self._metrics.migrations_refused.labels(why).inc()
+
+    async def open_piece(self, candidate: Candidate, route: str, body: bytes, request_id: str, deadline: float,
+                         trace_headers: str, migration: int, resume_tokens: int) -> Piece:
+        """Start a continuation on `candidate` and read its first event (PieceFailed if not)."""
+        node = candidate.node.node_id
+        try:
+            origin = self._client.origin(candidate.node.url)
+        except ValueError as exc:
+            raise PieceFailed(FailureReason.PROTOCOL, str(exc)) from None
+        head = self._request_head("POST", origin, route, InferenceRequest(body, "", True, {}), request_id,
+                                  trace_headers)
+        await self._take_slot()
+        self._fleet.begin(node)
+        self._journal.routed(request_id, node, candidate.region.name, 1, migration=migration,
+                             resume_tokens=resume_tokens)
+        conn: UpstreamConnection | None = None
+        started = False
+        try:
+            async with asyncio.timeout_at(deadline):
+                conn = await self._exchange(origin, head, body, True)
+                status, _ = await conn.status()
+                if status >= 300:
+                    detail = (await conn.read_all())[:300].decode("utf-8", "replace")
+                    raise PieceFailed(FailureReason.SERVER_ERROR if status >= 500 else None, f"HTTP {status}: {detail}")
+                framer = SSEFramer(True)
+                first, ended = await self._first_event(conn, framer)
+                started = True
+        except UpstreamError as exc:
+            raise PieceFailed(exc.reason, str(exc)) from None
+        except TimeoutError:
+            raise PieceFailed(FailureReason.TIMEOUT, "the request's deadline passed") from None
+        finally:
+            if not started:
+                if conn is not None:
+                    self._client.release(conn)
+                self._slots.release()
+                self._fleet.end(node)
+        self._fleet.record_success(node)
+        return Piece(candidate, conn, framer, first, ended)
+
+    async def detokenize(self, candidate: Candidate, model: str, tokens: list[int]) -> str | None:
+        """The text `tokens` make on `candidate` (POST /detokenize); None when it cannot say."""
+        try:
+            origin = self._client.origin(candidate.node.url)
+        except ValueError:
+            return None
+        body = msgspec.json.encode({"model": model, "tokens": tokens})
+        head = self._request_head("POST", origin, "/detokenize", InferenceRequest(body, model, False, {}), "", "")
+        await self._take_slot()
+        conn: UpstreamConnection | None = None
+        try:
+            async with asyncio.timeout(self._settings.connect_timeout_s + 2.0):
+                conn = await self._exchange(origin, head, body, False)
+                status, _ = await conn.status()
+                answer = await conn.read_all()
+            text = msgspec.json.decode(answer).get("prompt") if status == 200 else None
+            return text if isinstance(text, str) else None
+        except (UpstreamError, TimeoutError, msgspec.DecodeError, AttributeError) as exc:
+            log.warning("detokenize on %s failed: %s", candidate.node.node_id, exc)
+            return None
+        finally:
+            if conn is not None:
+                self._client.release(conn)
+            self._slots.release()
 
     async def _take_slot(self) -> None:
         if not self._slots.locked():
@@ -452,6 +446,7 @@ class UpstreamForwarder:
         method: str = "POST",
         rewrite: Rewrite | None = None,
         trace_headers: str = "",
+        migration: MigrationContext | None = None,
     ) -> Response:
         """One try on one node: a Response to commit to, or _NodeFailed."""
         try:
@@ -509,11 +504,16 @@ class UpstreamForwarder:
         if rewrite is not None:
             framer.rewrite = lambda events: rewrite(node_id, events)
             first = framer.rewrite(first)
-        stream = _UpstreamStream(self, candidate, conn, framer, first, ended, deadline, received_at)
+        stream: CommittedStream
+        if migration is not None:
+            piece = Piece(candidate, conn, framer, first, ended)
+            stream = MigratingStream(self, migration, piece, deadline, received_at)
+        else:
+            stream = PassThroughStream(self, candidate, conn, framer, first, ended, deadline, received_at)
         headers.setdefault("cache-control", "no-cache")
         headers["x-accel-buffering"] = "no"  # proxies in front must not buffer the stream
         headers.update(reply_headers)
-        return _UpstreamStreamingResponse(stream, status, headers)
+        return UpstreamStreamingResponse(stream, status, headers)
 
     def _request_head(
         self, method: str, origin: Origin, route: str, request: InferenceRequest, request_id: str,
@@ -529,7 +529,7 @@ class UpstreamForwarder:
             # Bytes are passed through untouched, so ask for them uncompressed.
             "accept-encoding: identity\r\n"
             # request_id is a sanitised token (request_id_for): no header injection.
-            f"{HEADER_REQUEST_ID}: {request_id}\r\n"
+            + (f"{HEADER_REQUEST_ID}: {request_id}\r\n" if request_id else "") +
             # Nodes serve routers only; the tenant's own key never leaves the router.
             f"authorization: {self._node_auth}\r\n"
             f"{trace_headers}"

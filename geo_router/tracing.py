@@ -20,8 +20,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from meridian.contracts import TenantEntry
 from meridian.tracing import ZONE_ATTRIBUTE, Tracing, extract_trace, inject, with_zone
 
-from .proxy import when_stream_ends
 from .sse import StreamTally
+from .streaming import when_stream_ends
 
 
 class RequestTrace:

@@ -83,10 +83,17 @@ class RequestJournal:
     def enabled(self) -> bool:
         return self._file is not None
 
-    def routed(self, key: str, node: str, region: str, attempt: int) -> None:
-        """A router sent attempt number `attempt` (from 1) of request `key` to `node`."""
+    def routed(self, key: str, node: str, region: str, attempt: int, *, migration: int = 0,
+               resume_tokens: int = 0) -> None:
+        """A router sent attempt number `attempt` (from 1) of request `key` to `node`; a
+        migrated stream's continuation number `migration` (from 1) says so, with how many
+        generated tokens the client had been sent before it."""
         if self._file is not None:
-            self._file.append({"type": "routed", "key": key, "node": node, "region": region, "attempt": attempt})
+            line: dict[str, object] = {"type": "routed", "key": key, "node": node, "region": region,
+                                       "attempt": attempt}
+            if migration:
+                line.update(migration=migration, resume_tokens=resume_tokens)
+            self._file.append(line)
 
     def served(self, key: str, node: str, completed: bool) -> None:
         """A node stopped working on `key`: at its end (`completed`) or before it."""

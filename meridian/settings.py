@@ -334,6 +334,20 @@ class RouterSettings(ListenerSettings):
     # in flight, but never fewer than min_retry_concurrency.
     retry_budget_percent: float = Field(20.0, ge=0, le=100)
     min_retry_concurrency: int = Field(3, ge=0)
+    # Stream migration (geo_router.migration): a chat or completions stream whose node fails
+    # after the first byte resumes on another replica of the tenant's zone from the prompt's
+    # and the generated token ids. A stream is failed when its connection breaks, its node
+    # sends an error event, or no event comes for inter_token_timeout_s (a frozen node).
+    migration_enabled: bool = True
+    inter_token_timeout_s: float = Field(10.0, gt=0)
+    migration_max_per_request: int = Field(3, ge=0, le=20)
+    # Migrations in flight may be at most this share of the streams in flight (never fewer
+    # than min_migration_concurrency), and the tokens they re-prefill come from a bucket of
+    # migration_budget_burst_tokens refilled at migration_budget_tokens_per_s.
+    migration_budget_percent: float = Field(20.0, ge=0, le=100)
+    min_migration_concurrency: int = Field(3, ge=0)
+    migration_budget_tokens_per_s: float = Field(200_000.0, ge=0)
+    migration_budget_burst_tokens: int = Field(2_000_000, ge=0)
     # KV-prefix index from the nodes' KV cache events (geo_router.kv_index, kv_subscriber):
     # the router subscribes to every node that advertises a kv_events endpoint.
     kv_events_enabled: bool = True

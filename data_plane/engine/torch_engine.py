@@ -38,7 +38,6 @@ from data_plane.engine.kv_cache.manager import KVCacheManager
 from data_plane.engine.model_runner import LoraBatchFactory, ModelRunner
 from data_plane.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from data_plane.engine.sequence import SeqStatus, Sequence
-from data_plane.engine.stop_strings import StopStringMatcher
 from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.loader import load_model
 from data_plane.model.paged_attention import PagedKVCache
@@ -46,6 +45,7 @@ from data_plane.sampling import Sampled, SamplingError, SamplingFailed, check_sa
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
 from meridian.settings import NodeSettings
+from meridian.stop_strings import StopStringMatcher
 from meridian.tokenizer import ChatTokenizer, IncrementalDetokenizer
 
 if TYPE_CHECKING:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from data_plane.engine.stop_strings import StopStringMatcher
 from data_plane.sampling import (
     RowSampling,
     Sampled,
@@ -13,6 +12,7 @@ from data_plane.sampling import (
     sample_batch,
     sample_next,
 )
+from meridian.stop_strings import StopStringMatcher
 
 
 def test_greedy_picks_the_argmax() -> None:

@@ -1,5 +1,8 @@
 """Stop-string detection over streamed text, holding back only what could still
-turn out to be the start of a stop string."""
+turn out to be the start of a stop string.
+
+One matcher for the engine (a generation's own stops) and the router (stops that span the
+seam of a migrated stream), so both decide a stop the same way."""
 
 from __future__ import annotations
 

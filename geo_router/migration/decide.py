@@ -1,0 +1,80 @@
+"""Whether a broken stream moves, and where: pure decisions, no I/O.
+
+A stream moves only inside the candidates the request was given (residency and the
+tenant's zone were applied to those before any policy, so a continuation can never leave
+the zone), never back to a node that failed it, to a node in the failed node's region
+first (its KV and LoRA affinity were scored for the same prompt), then to the rest in the
+policy's order (nearest first). It does not move past the per-request limit, or when the
+router's migration budget is spent: a failing fleet must not be flooded with re-prefills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from ..selection import Candidate
+
+
+class BreakReason(StrEnum):
+    """Why the piece of a stream on a node ended early (the `reason` label of migrations)."""
+
+    CONNECTION = "connection"  # reset, refused, closed: the node died or went away
+    SERVER_ERROR = "server_error"  # the node sent an error event, or a 5xx to a continuation
+    STALLED = "stalled"  # no event within the inter-token timeout (gray failure)
+
+
+class Refusal(StrEnum):
+    """Why a broken stream was not moved (the `why` label of refused migrations)."""
+
+    NOT_RESUMABLE = "not_resumable"  # no token ids from the node, or a tool call streamed
+    LIMIT = "limit"  # the request moved as often as it may
+    BUDGET = "budget"  # the router's migration budget is spent
+    NO_REPLICA = "no_replica"  # no other replica in the tenant's zone
+    DEADLINE = "deadline"  # the request's own time is up
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    candidate: Candidate
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    why: Refusal
+
+
+def next_replica(
+    candidates: Sequence[Candidate], failed: Collection[str], from_region: str, is_ejected: Callable[[str], bool]
+) -> Candidate | None:
+    """The replica a stream continues on: same region first, then the policy's order."""
+    usable = [c for c in candidates if c.node.node_id not in failed and not is_ejected(c.node.node_id)]
+    for c in usable:
+        if c.region.name == from_region:
+            return c
+    return usable[0] if usable else None
+
+
+def decide(
+    *,
+    resumable: bool,
+    migrations: int,
+    max_migrations: int,
+    replica: Candidate | None,
+    budget_allows: Callable[[], bool],
+    time_left_s: float,
+) -> Move | Refuse:
+    """Move to `replica`, or refuse and say why. The budget is asked last: a refusal for
+    another reason must not spend it."""
+    if not resumable:
+        return Refuse(Refusal.NOT_RESUMABLE)
+    if time_left_s <= 0:
+        return Refuse(Refusal.DEADLINE)
+    if migrations >= max_migrations:
+        return Refuse(Refusal.LIMIT)
+    if replica is None:
+        return Refuse(Refusal.NO_REPLICA)
+    if not budget_allows():
+        return Refuse(Refusal.BUDGET)
+    return Move(replica)

@@ -1,0 +1,295 @@
+"""A migratable stream: relayed event by event, and resumed elsewhere when its node fails.
+
+When the piece on one node breaks (the connection drops, the node sends an error event,
+or no event comes within the inter-token timeout) the stream is not ended: `decide` picks
+the next replica of the request's own candidates (so, of the tenant's zone), the router
+learns from that replica what text the ids so far make (`/detokenize`) to send on what the
+client has not seen, and opens a /v1/completions stream there from the prompt's ids plus
+the generated ids. The client sees one stream, one `id`, every token once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+from ..selection import Candidate
+from ..sse import SSEFramer, StreamTally, error_event
+from ..streaming import StreamHost, run_close_callbacks
+from ..upstream import FailureReason, UpstreamConnection, UpstreamError
+from .budget import MigrationBudget
+from .decide import BreakReason, Move, Refusal, decide, next_replica
+from .events import DONE, Continuation, encode, for_client, is_error, split_events
+from .ledger import StreamLedger
+from .plan import COMPLETIONS_ROUTE, MigrationPlan
+
+log = logging.getLogger(__name__)
+
+# Prompt ids decoded before the generated ones, so the seam's text is decoded in context
+# (SentencePiece drops a leading space at the start of a sequence).
+_DETOKENIZE_CONTEXT = 8
+
+
+@dataclass(slots=True)
+class Piece:
+    """The part of a stream one node is serving; `continuation` is None on the first node."""
+
+    candidate: Candidate
+    conn: UpstreamConnection
+    framer: SSEFramer
+    first: bytes
+    ended: bool
+    continuation: Continuation | None = None
+
+
+class PieceFailed(Exception):
+    """A continuation could not start on a replica; `reason` None: it refused it (4xx)."""
+
+    def __init__(self, reason: FailureReason | None, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class MigrationHost(StreamHost, Protocol):
+    """The forwarder's side of a migration: opening pieces and asking replicas."""
+
+    inter_token_timeout_s: float
+    max_migrations: int
+    budget: MigrationBudget
+
+    def is_ejected(self, node_id: str) -> bool: ...
+
+    async def open_piece(self, candidate: Candidate, route: str, body: bytes, request_id: str, deadline: float,
+                         trace_headers: str, migration: int, resume_tokens: int) -> Piece: ...
+
+    async def detokenize(self, candidate: Candidate, model: str, tokens: list[int]) -> str | None: ...
+
+    def end_piece(self, candidate: Candidate) -> None: ...
+
+    def migrated(self, reason: BreakReason, source: Candidate, target: Candidate, tokens: int,
+                 resume_s: float) -> None: ...
+
+    def refused(self, why: Refusal) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationContext:
+    """What a stream may move with: its plan, the request's candidates and trace headers."""
+
+    plan: MigrationPlan
+    candidates: Sequence[Candidate]
+    request_id: str
+    trace_headers: str = ""
+
+
+class _Broken(Exception):
+    def __init__(self, reason: BreakReason | None, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason  # None: the request's deadline passed (not the node's fault)
+
+
+class MigratingStream:
+    """A CommittedStream (geo_router.streaming) that survives the nodes serving it."""
+
+    def __init__(self, host: MigrationHost, ctx: MigrationContext, piece: Piece, deadline: float,
+                 received_at: float) -> None:
+        self._host, self._ctx, self._piece = host, ctx, piece
+        self._deadline, self._received_at = deadline, received_at
+        self._ledger = StreamLedger(ctx.plan.api)
+        self._failed: set[str] = set()
+        self._migrations = 0
+        self._complete = False
+        self._closed = False
+        self.tally = StreamTally()
+        self.on_close: list[Callable[[StreamTally], None]] = []
+        host.budget.begin_stream()
+
+    @property
+    def migrations(self) -> int:
+        return self._migrations
+
+    async def body(self) -> AsyncIterator[bytes]:
+        while True:
+            try:
+                async for out in self._relay(self._piece):
+                    self.tally.feed(out)
+                    yield out
+                return
+            except _Broken as broken:
+                failure = broken
+            out = await self._recover(failure)
+            if out is not None:  # the stream ends here: its tail, or an error event
+                self.tally.feed(out)
+                yield out
+                return
+
+    async def _relay(self, piece: Piece) -> AsyncIterator[bytes]:
+        run, ended = piece.first, piece.ended
+        while True:
+            if run:
+                out, broken = self._events(piece, run)
+                if out:
+                    yield out  # what came before a break is the client's: the ledger counts it sent
+                if broken is not None:
+                    raise broken
+                if self._complete:
+                    return
+            if ended:
+                raise _Broken(BreakReason.CONNECTION, "the stream ended before [DONE]")
+            chunk = await self._read(piece)
+            run, ended = (piece.framer.feed(chunk), False) if chunk else (piece.framer.flush(), True)
+
+    def _events(self, piece: Piece, run: bytes) -> tuple[bytes, _Broken | None]:
+        """The client's bytes for a run of whole events from `piece`'s node, and the break
+        that ended the run early, if one did."""
+        plan, ledger, out = self._ctx.plan, self._ledger, bytearray()
+        for raw, data in split_events(run):
+            if data is None:
+                if raw.startswith(b"data: [DONE]") or raw.startswith(b"data:[DONE]"):
+                    if piece.continuation is not None and not piece.continuation.finished:
+                        return bytes(out), _Broken(BreakReason.CONNECTION, "the continuation ended without a finish")
+                    self._complete = True
+                    return bytes(out + DONE), None
+                out += raw
+                continue
+            if is_error(data):
+                return bytes(out), _Broken(BreakReason.SERVER_ERROR, f"the node sent an error event: {str(data)[:200]}")
+            if piece.continuation is None:
+                ledger.read(data)
+                out += raw if plan.client_wants_token_ids else encode(for_client(plan, data))
+                continue
+            for event in piece.continuation.events(data):
+                ledger.read(event)
+                out += encode(for_client(plan, event))
+            if piece.continuation.finished:
+                self._complete = True
+                return bytes(out + DONE), None
+        return bytes(out), None
+
+    async def _read(self, piece: Piece) -> bytes:
+        loop = asyncio.get_running_loop()
+        until = min(self._deadline, loop.time() + self._host.inter_token_timeout_s)
+        try:
+            async with asyncio.timeout_at(until):
+                return await piece.conn.read_chunk()
+        except UpstreamError as exc:
+            raise _Broken(BreakReason.CONNECTION, str(exc)) from None
+        except TimeoutError:
+            if loop.time() >= self._deadline:
+                raise _Broken(None, "the request's deadline passed") from None
+            raise _Broken(BreakReason.STALLED,
+                          f"no token for {self._host.inter_token_timeout_s:g}s") from None
+
+    async def _recover(self, broken: _Broken) -> bytes | None:
+        """Move the stream to the next replica (None), or its last bytes when it ends here."""
+        broken_at = time.perf_counter()
+        source = self._piece.candidate
+        log.warning("request %s: node %s broke a stream (%s: %s)", self._ctx.request_id, source.node.node_id,
+                    broken.reason, broken)
+        self._host.note_failure(source, FailureReason.TIMEOUT if broken.reason is None else FailureReason.MIDSTREAM)
+        self._failed.add(source.node.node_id)
+        self._end_piece()
+        ledger = self._ledger
+        if ledger.finish_reason is not None:  # every token was sent: only the tail is missing
+            self._complete = True
+            tail = Continuation(self._ctx.plan, ledger, "", self._trailer(source)).tail(None)
+            return b"".join(encode(for_client(self._ctx.plan, e)) for e in tail) + DONE
+        reason = broken.reason or BreakReason.STALLED
+        while True:
+            loop = asyncio.get_running_loop()
+            cost = len(ledger.prompt_ids or ()) + len(ledger.generated)
+            replica = next_replica(self._ctx.candidates, self._failed, source.region.name, self._host.is_ejected)
+            decision = decide(resumable=ledger.resumable,
+                              migrations=self._migrations, max_migrations=self._host.max_migrations,
+                              replica=replica, budget_allows=partial(self._host.budget.try_acquire, cost),
+                              time_left_s=self._deadline - loop.time())
+            if not isinstance(decision, Move):
+                self._host.refused(decision.why)
+                return error_event(f"The model server stopped responding in the middle of the answer "
+                                   f"({broken.reason or 'timeout'}); {_REFUSED[decision.why]}.",
+                                   "upstream_disconnected")
+            try:
+                piece = await self._resume(decision.candidate)
+            except PieceFailed as exc:
+                log.warning("request %s: resuming on %s failed (%s)", self._ctx.request_id,
+                            decision.candidate.node.node_id, exc)
+                self._failed.add(decision.candidate.node.node_id)
+                if exc.reason is not None:
+                    self._host.note_failure(decision.candidate, exc.reason)
+                continue
+            finally:
+                self._host.budget.release()
+            self._host.migrated(reason, source, decision.candidate, cost, time.perf_counter() - broken_at)
+            self._piece = piece
+            return None
+
+    async def _resume(self, target: Candidate) -> Piece:
+        ledger, plan = self._ledger, self._ctx.plan
+        self._migrations += 1
+        held = await self._held_text(target)
+        body = plan.continuation_body([*(ledger.prompt_ids or ()), *ledger.generated], len(ledger.generated))
+        piece = await self._host.open_piece(target, COMPLETIONS_ROUTE, body, self._ctx.request_id, self._deadline,
+                                            self._ctx.trace_headers, self._migrations, len(ledger.generated))
+        piece.continuation = Continuation(plan, ledger, held, self._trailer(target))
+        return piece
+
+    async def _held_text(self, target: Candidate) -> str:
+        """Text the generated ids make that the client has not been sent (held back for a
+        possible stop string, or half a character); '' when the replica cannot say."""
+        ledger = self._ledger
+        if not ledger.generated:
+            return ""
+        context = (ledger.prompt_ids or [])[-_DETOKENIZE_CONTEXT:]
+        model = self._ctx.plan.model
+        full, head = await asyncio.gather(self._host.detokenize(target, model, [*context, *ledger.generated]),
+                                          self._host.detokenize(target, model, context) if context else _empty())
+        if full is None or head is None or not full.startswith(head):
+            return ""
+        text, delivered = full[len(head):], ledger.delivered_text
+        if not text.startswith(delivered):
+            log.warning("request %s: the seam's text does not extend what was sent; sending none of it",
+                        self._ctx.request_id)
+            return ""
+        # A trailing replacement character is half a UTF-8 character: the next token completes it.
+        return text[len(delivered):].rstrip("\ufffd")
+
+    def _trailer(self, node: Candidate) -> dict[str, object] | None:
+        if not self._migrations:
+            return None
+        return {"migrations": self._migrations, "node": node.node.node_id, "region": node.region.name}
+
+    def _end_piece(self) -> None:
+        piece = self._piece
+        self._host.release(piece.conn)
+        self._host.end_piece(piece.candidate)
+
+    async def close(self) -> None:
+        """Release the current piece's connection (also when the client went away); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        piece = self._piece
+        if piece.candidate.node.node_id not in self._failed:
+            self._host.release(piece.conn)
+            self._host.finish(piece.candidate, time.perf_counter() - self._received_at)
+        self._host.end_request()
+        self._host.budget.end_stream()
+        run_close_callbacks(self.on_close, self.tally)
+
+
+async def _empty() -> str:
+    return ""
+
+
+_REFUSED = {
+    Refusal.NOT_RESUMABLE: "this answer cannot be resumed elsewhere",
+    Refusal.LIMIT: "it was resumed as many times as a request may be",
+    Refusal.BUDGET: "the fabric is resuming too many answers to resume this one",
+    Refusal.NO_REPLICA: "no other replica in your residency zone can resume it",
+    Refusal.DEADLINE: "the request's time limit has passed",
+}

@@ -1,0 +1,121 @@
+"""One real node behind a router twice over: through a fault proxy, and directly.
+
+The routing table names the node as `near` (in the clients' region, reached through a
+chaos FaultProxy) and as `far` (another region, reached directly), for a global tenant. A
+stream starts on `near`; resetting the proxy (a killed node: RST) or blackholing it (a
+frozen one) breaks it mid-generation, and the router must resume it on `far`, which is
+the same engine with the same weights: with greedy decoding, the client's stream must be
+exactly what an unbroken run gives. One engine process serves both names, so the test
+works for vLLM, whose start costs ~50 s here, as well as for the torch engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from router_harness import REGIONS, ServerGroup, router_settings
+from tenant_fabric import MODEL, Tenant
+
+from chaos.faults.tcp_proxy import FaultProxy, running_proxy
+from geo_router import create_app as create_router_app
+from geo_router.table import StaticTableSource
+from meridian.contracts import NodeStatus, RoutingNode, RoutingTable
+
+PACE_BYTES_PER_S = 12_000
+CAROL = Tenant("carol", "sk-carol-0123456789abcdef", zone="global")
+
+
+@dataclass
+class MigrationRig:
+    router_url: str
+    proxy: FaultProxy
+    journal: Any
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.router_url, timeout=180,
+                                 headers={"authorization": f"Bearer {CAROL.key}"})
+
+
+@contextlib.asynccontextmanager
+async def migration_rig(node_url: str, journal: Any, **router: Any) -> AsyncIterator[MigrationRig]:
+    parts = urlsplit(node_url)
+    async with running_proxy(parts.hostname or "127.0.0.1", parts.port or 80) as proxy:
+        near_url = f"http://127.0.0.1:{proxy.port}"
+        table = RoutingTable(
+            version=1, generated_at=datetime.now(UTC), regions=list(REGIONS.values()), deployments=[],
+            tenants=[CAROL.entry()],
+            nodes=[RoutingNode(node_id="near", region=REGIONS["us"].name, url=near_url, models=[MODEL],
+                               status=NodeStatus.READY),
+                   RoutingNode(node_id="far", region=REGIONS["eu"].name, url=node_url, models=[MODEL],
+                               status=NodeStatus.READY)])
+        settings = router_settings(**{"probe_enabled": False, "read_timeout_s": 120.0, "request_timeout_s": 180.0,
+                                      "max_request_bytes": 1_000_000, "request_journal_path": journal,
+                                      "default_client_location": REGIONS["us"].name,
+                                      # A broken stream must not eject `near` for the next test.
+                                      "consecutive_failures_to_eject": 1000, **router})
+        servers = ServerGroup()
+        try:
+            app = create_router_app(settings, table_source=StaticTableSource(table))
+            yield MigrationRig(await servers.start(app), proxy, journal)
+        finally:
+            await servers.stop()
+
+
+@dataclass
+class Streamed:
+    events: list[dict[str, Any]] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    done: bool = False
+
+    @property
+    def text(self) -> str:
+        return "".join((c.get("delta") or {}).get("content") or c.get("text") or ""
+                       for e in self.events for c in e.get("choices", []))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for e in self.events for c in e.get("choices", []) for t in c.get("token_ids") or []]
+
+    @property
+    def trailer(self) -> dict[str, Any] | None:
+        return self.events[-1].get("meridian") if self.events else None
+
+
+async def stream(rig: MigrationRig, route: str, body: dict[str, Any], *, break_after: int | None = None,
+                 fault: str = "reset") -> Streamed:
+    """Stream `body`; after `break_after` content events, break the `near` path (`fault`:
+    reset or blackhole). The proxy is healed before returning."""
+    out = Streamed()
+    seen = 0
+    if break_after is not None:
+        # Pace the node's events (a tiny model writes a whole answer in milliseconds), so the
+        # break lands mid-generation, not after the node has sent everything.
+        rig.proxy.set_bandwidth(PACE_BYTES_PER_S, "downstream")
+    try:
+        async with rig.client() as client, client.stream("POST", route, json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    out.done = True
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    out.error = event["error"]
+                    continue
+                out.events.append(event)
+                if any(c.get("token_ids") for c in event.get("choices", [])):
+                    seen += 1
+                if break_after is not None and seen == break_after:
+                    getattr(rig.proxy, fault)()
+    finally:
+        rig.proxy.heal()
+    return out
