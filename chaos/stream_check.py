@@ -147,7 +147,12 @@ def compare(d: StreamDetail, ref: Reference, seams: Sequence[int], *, whole: boo
     got, want = d.token_ids, ref.token_ids
     i = next((n for n, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     if i == len(got) and (i == len(want) or not whole):
-        return None
+        # The right tokens; the text must be theirs too (a seam may drop or repeat held-back text).
+        if d.text == ref.text if whole else ref.text.startswith(d.text):
+            return None
+        at = next((n for n, (a, b) in enumerate(zip(d.text, ref.text, strict=False)) if a != b),
+                  min(len(d.text), len(ref.text)))
+        return f"the token ids match but the text differs from character {at}"
     if i >= len(got) or i >= len(want):
         return f"{len(got)} tokens received, the reference has {len(want)}"
     # A seam duplicates or drops tokens where a continuation starts; elsewhere a shifted

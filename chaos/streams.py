@@ -122,8 +122,9 @@ class StreamTracker:
 class StreamReading:
     """Accumulates one stream's events; `detail()` is what the history records."""
 
-    start: float  # time.monotonic() of the load's second 0
+    start: float  # clock() of the load's second 0
     entry: TrackedStream | None = None
+    clock: Callable[[], float] = time.monotonic
     text: list[str] = field(default_factory=list)
     token_ids: list[int] | None = None
     ids: list[str] = field(default_factory=list)
@@ -141,7 +142,7 @@ class StreamReading:
 
     def on_event(self, payload: str) -> bool:
         """One SSE data payload; True when it ends the stream ([DONE], an error, garbage)."""
-        now = time.monotonic() - self.start
+        now = self.clock() - self.start
         if self.first_byte_s is None:
             self.first_byte_s = now
         elif self.last_event_s is not None and (self.longest_gap_s is None or now - self.last_event_s > self.longest_gap_s):
