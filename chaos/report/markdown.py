@@ -191,7 +191,10 @@ def _streams(report: RunReport) -> list[str]:
         ("one prefill of the longest prompt", _opt(s.prefill_s, '.4f', ' s')),
     ]
     out = ["", "## Long streams", "", *_table(["figure", "value"], rows)]
-    for name, keys in (("broken", s.broken), ("token mismatches", s.token_mismatches)):
+    examples = [(name, keys) for name, keys in (("broken", s.broken), ("token mismatches", s.token_mismatches)) if keys]
+    if examples:
+        out.append("")
+    for name, keys in examples:
         if keys:
             more = f" and {len(keys) - MD_EXAMPLES} more" if len(keys) > MD_EXAMPLES else ""
             out.append(f"- {name}: " + ", ".join(f"`{k}`" for k in keys[:MD_EXAMPLES]) + more)

@@ -251,3 +251,23 @@ def test_a_drill_whose_streams_start_after_the_fault_ended_is_refused() -> None:
     data["load"]["long_streams"] = None
     with pytest.raises(ValueError, match="pass.streams needs load.long_streams"):
         Drill.model_validate(data)
+
+
+def test_the_report_shows_the_long_streams_in_markdown_and_json(tmp_path: Path) -> None:
+    from datetime import UTC, datetime
+
+    from chaos.report import RunReport, write_report
+
+    h = History()
+    stream(h, "k0", REF)
+    stream(h, "k1", REF[:20] + REF[17:37], resume_at=20)
+    d = drill()
+    result = check(h, d, ZONES)
+    report = RunReport(drill=d, short=True, started_at=datetime(2026, 1, 1, tzinfo=UTC), duration_s=30,
+                       fault_start_s=10, fault_end_s=20, events=(), result=result, verdict=result.verdict(d),
+                       invariants={})
+    files = write_report(report, h, tmp_path)
+    md = files.report_md.read_text(encoding="utf-8")
+    assert "## Long streams" in md and "- token mismatches: `k1 (3 token(s) duplicated at token 20)`" in md
+    streams = json.loads(files.report_json.read_text())["streams"]
+    assert streams["migrated"] == ["k0", "k1"] and streams["token_mismatches"] == ["k1 (3 token(s) duplicated at token 20)"]
