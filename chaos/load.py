@@ -45,6 +45,7 @@ from chaos.streams import (
     long_stream_body,
     read_events,
     split_tenants,
+    sse_payloads,
 )
 from meridian.contracts import HEADER_NODE, HEADER_REGION, HEADER_REQUEST_ID
 
@@ -434,21 +435,8 @@ def _judge_body(resp: httpx.Response, raw: bytes) -> _End:
 
 async def _read_stream(resp: httpx.Response, start: float, seen: _Seen) -> _End:
     """Read SSE events to `[DONE]`, an error event, or the end of the body."""
-    data: list[str] = []
-    async for line in resp.aiter_lines():
-        if line.startswith("data:"):
-            value = line[5:]
-            data.append(value[1:] if value.startswith(" ") else value)
-        elif not line and data:  # a blank line ends an event
-            end = _on_event("\n".join(data), start, seen)
-            if end is not None:
-                return end
-            data = []
-        # Other SSE fields (event:, id:, comments) carry nothing the checker needs.
-    # The body ended cleanly (a cut connection raises instead), so a last event that lacks
-    # its blank line was still sent whole.
-    if data:
-        end = _on_event("\n".join(data), start, seen)
+    async for payload in sse_payloads(resp.aiter_lines()):
+        end = _on_event(payload, start, seen)
         if end is not None:
             return end
     if seen.first_byte_s is None:
