@@ -9,6 +9,7 @@ from bench import (
     router_overhead,
     routing,
     routing_vllm,
+    stream_relay,
     weights,
 )
 
@@ -17,6 +18,8 @@ def main() -> None:
     for fig in router_overhead.run(requests=100):
         print(fig.json_line(), flush=True)
     for fig in router.run():
+        print(fig.json_line(), flush=True)
+    for fig in stream_relay.run(seconds=2.0, rounds=2):
         print(fig.json_line(), flush=True)
     for fig in routing.run():
         print(fig.json_line(), flush=True)

@@ -125,6 +125,17 @@ FABRIC = Dashboard(
                                    "{{node}} ({{reason}})"),), unit="short", bars=True, width=8),
         Panel("Rate-limited (429)", (q(f"sum by (limit) (rate(meridian_router_rate_limited_total[{RATE}]))",
                                        "{{limit}}"),), unit="reqps", width=8),
+        Panel("Stream migrations", (
+            q(f"sum by (reason, from_region, to_region) (rate(meridian_router_migrations_total[{RATE}]))",
+              "{{reason}}: {{from_region}} → {{to_region}}"),
+            q(f"sum by (why) (rate(meridian_router_migrations_refused_total[{RATE}]))", "refused: {{why}}")),
+              unit="reqps", width=8,
+              description="Streams resumed on another replica after their node failed mid-answer, and those "
+                          "that could not be (they ended with an error event)."),
+        Panel("Migration resume latency", quantiles("meridian_router_migration_resume_seconds", "", qs=(0.5, 0.99)),
+              unit="s", width=8),
+        Panel("Tokens re-prefilled by migrations", (
+            q(f"sum(rate(meridian_router_migration_reprefill_tokens_total[{RATE}]))", "tokens/s"),), width=8),
         Panel("Scale from zero: held requests", (
             q("sum by (model) (meridian_router_scale_from_zero_queued)", "{{model}}"),), width=8),
         Panel("Scale from zero: outcomes", (

@@ -1,0 +1,134 @@
+"""What relaying a migratable stream costs the router: events parsed and re-written, against
+the same stream passed through as bytes, one run.
+
+    python -m bench.stream_relay [--events 128] [--seconds 3] [--rounds 3] [--concurrency 16]
+
+Stream migration (geo_router.migration) needs the token ids of every event, so the router
+parses each event of a chat or completions stream, keeps a ledger, and re-writes the event
+without the ids the client did not ask for. Before it, a stream's bytes were passed through
+untouched. The node is nginx answering a streamed chat completion from memory: `--events`
+chunk events the shape vLLM sends with `return_token_ids` (ids on every chunk, the prompt's
+on the first), then `[DONE]`. Two `meridian router serve` processes in front of it, one with
+migration on (the default) and one with MERIDIAN_ROUTER_MIGRATION_ENABLED=false, take turns
+at closed-loop maximum throughput (bench/http_load.py); figures are medians over rounds.
+
+Figures (bench `stream_relay`): `streams_per_s` (ours: migration on; baseline: off) and
+`relay_us_per_event` (ours: the router's extra CPU time per event, from the two throughputs
+of a CPU-bound router; baseline: the pass-through's whole per-event time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import uvloop
+
+from bench.common import Figure, median
+from bench.http_load import Target, closed_loop, wait_idle
+from bench.nginx import NginxServer, nginx_available
+from bench.router import IDLE_NODE_METRICS, MODEL, ROUTE, TENANT_KEY, _NginxConf, router_process
+
+BENCH = "stream_relay"
+PROMPT_IDS = list(range(100, 164))
+
+
+def stream_answer(events: int) -> str:
+    """The SSE body of a streamed chat completion as vLLM sends it with return_token_ids."""
+    head = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1700000000, "model": MODEL}
+    out = [{**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None}], "prompt_token_ids": PROMPT_IDS}]
+    for i in range(events):
+        last = i == events - 1
+        out.append({**head, "choices": [{"index": 0, "delta": {"content": f" word{i % 50}"}, "logprobs": None,
+                                         "finish_reason": "length" if last else None, "token_ids": [1000 + i]}]})
+    return "".join(f"data: {json.dumps(e, separators=(',', ':'))}\n\n" for e in out) + "data: [DONE]\n\n"
+
+
+def stream_node(work_dir: Path, events: int) -> NginxServer:
+    """nginx answering a POST to the chat route with the stream from a file (its config
+    strings are too short for it): a POST to a static file is a 405, sent as 200 with the file."""
+    root = work_dir / "www"
+    answer = root / ROUTE.lstrip("/")
+    answer.parent.mkdir(parents=True, exist_ok=True)
+    answer.write_text(stream_answer(events))
+    return _NginxConf(work_dir, f"""    server {{
+        listen 127.0.0.1:{{port}};
+        root {root};
+        location = {ROUTE} {{
+            default_type text/event-stream;
+            error_page 405 =200 $uri;
+        }}
+        location = /metrics {{
+            default_type text/plain;
+            return 200 '{IDLE_NODE_METRICS}';
+        }}
+    }}""")
+
+
+def _target(name: str, url: str, pgid: int) -> Target:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Go on."}], "stream": True,
+                       "max_tokens": 1024}).encode()
+    port = int(url.rsplit(":", 1)[1])
+    head = (f"POST {ROUTE} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {TENANT_KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    return Target(name, port, head.encode() + body, pgid)
+
+
+async def _measure(targets: list[Target], seconds: float, rounds: int, concurrency: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {t.name: [] for t in targets}
+    for r in range(rounds):
+        for t in targets[r % 2:] + targets[: r % 2]:  # alternate who goes first
+            rate, errors = await closed_loop(t, concurrency, seconds, 0.5)
+            if errors:
+                raise AssertionError(f"{t.name}: {errors} failed streams")
+            out[t.name].append(rate)
+            await wait_idle(t)
+    return out
+
+
+def run(events: int = 128, seconds: float = 3.0, rounds: int = 3, concurrency: int = 16) -> list[Figure]:
+    if not nginx_available():
+        raise RuntimeError("nginx is needed for the stand-in node (apt-get install nginx)")
+    with tempfile.TemporaryDirectory(prefix="bench-stream-relay-") as tmp, contextlib.ExitStack() as stack:
+        work = Path(tmp)
+        node = stack.enter_context(stream_node(work / "node", events))
+        on = stack.enter_context(router_process(work / "on", node.url))
+        off = stack.enter_context(router_process(work / "off", node.url,
+                                                 {"MERIDIAN_ROUTER_MIGRATION_ENABLED": "false"}))
+        targets = [_target("migration on", on.url, on.pid), _target("migration off", off.url, off.pid)]
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            rates = runner.run(_measure(targets, seconds, rounds, concurrency))
+    ours, base = median(rates["migration on"]), median(rates["migration off"])
+    for name, xs in rates.items():
+        print(f"# {name:14s} streams/s {' '.join(f'{x:.0f}' for x in xs)} (median {median(xs):.0f}), "
+              f"{events} events each", file=sys.stderr, flush=True)
+    # A CPU-bound router: the time per stream is 1/rate; the difference over the events is
+    # what parsing and re-writing each event adds.
+    extra_us = (1 / ours - 1 / base) / events * 1e6
+    return [
+        Figure(BENCH, "streams_per_s", ours, base, f"the same router with migration off ({events} events a stream)",
+               "reported", "streams/s"),
+        Figure(BENCH, "relay_us_per_event", extra_us, 1 / base / events * 1e6,
+               "pass-through time per event (migration off)", "reported", "us"),
+    ]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--events", type=int, default=128)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=16)
+    args = ap.parse_args()
+    for fig in run(args.events, args.seconds, args.rounds, args.concurrency):
+        print(fig.json_line(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
