@@ -22,7 +22,8 @@ dequeue. Per key, with the client's final outcome and the nodes' completed serve
   served (x-meridian-region), in a region whose zones do not include the tenant's zone.
   A region missing from the region→zones map cannot be shown to be in the zone and counts.
 
-Rates and latencies group requests by invoke time. A request is *good* when it is `ok` or
+Rates and latencies group requests by invoke time (long streams, which carry a StreamDetail,
+are left out: chaos.stream_check judges them against their reference, under pass.streams). A request is *good* when it is `ok` or
 a clean error (the correct answer under the fault); the error rate is the share that is
 not good (unclean failures, indeterminate, pending). Latency is time to first byte for a
 stream and time to the end otherwise; p99 is nearest-rank over `ok` requests only.
@@ -44,8 +45,9 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from chaos.drill import Drill, PassCriteria, SteadyState
+from chaos.drill import Drill, PassCriteria, SteadyState, StreamCriteria
 from chaos.history import ClientOp, History, HistoryError, Outcome
+from chaos.stream_check import StreamResult, check_streams, is_clean_no_replica
 from meridian.contracts import GLOBAL_ZONE
 
 
@@ -112,6 +114,8 @@ class CheckResult:
     p99_during_fault_ms: float | None
     max_latency_during_fault_ms: float | None
     recovery_s: float | None
+    # Long streams under a mid-stream fault (chaos.stream_check), when the drill checks them.
+    streams: StreamResult | None = None
 
     def verdict(self, drill: Drill, invariants: Mapping[str, bool] | None = None) -> Verdict:
         """Judge the drill's pass criteria; `invariants` are the runner's observations."""
@@ -175,7 +179,7 @@ def check(
     lost += [k for k, op in ops.items() if op.outcome is None and not op.stream]
     indeterminate = [k for k, op in ops.items() if op.outcome is Outcome.INDETERMINATE]
     failed = [k for k, op in ops.items() if op.outcome is Outcome.FAIL]
-    clean = [k for k in failed if _is_clean(ops[k], crit)]
+    clean = [k for k in failed if _is_clean(ops[k], crit) or is_clean_no_replica(ops[k], crit.streams)]
     clean_set = set(clean)
     broken_streams = [
         k
@@ -184,7 +188,9 @@ def check(
         and (op.outcome is None or (op.outcome is not Outcome.OK and op.first_byte_s is not None and not op.stream_error_event))
     ]
 
-    windows = _Windows(ops, clean_set)
+    # Long streams are judged apart (pass.streams); a burst of them right before the fault
+    # would otherwise stand for the steady state.
+    windows = _Windows({k: op for k, op in ops.items() if op.detail is None}, clean_set)
     ss = drill.steady_state
     steady = windows.between(fs - ss.window_s, fs)
     during = windows.between(fs, fe)
@@ -216,6 +222,7 @@ def check(
         p99_during_fault_ms=_ok_p99(during),
         max_latency_during_fault_ms=max(ends) if ends else None,
         recovery_s=recovery,
+        streams=None if crit.streams is None else check_streams(history, ops, crit.streams, region_zones),
     )
 
 
@@ -368,6 +375,8 @@ def _judge(r: CheckResult, drill: Drill, invariants: Mapping[str, bool]) -> Verd
     if c.max_recovery_s is not None:
         detail = f"from {c.recovery_from.replace('_', ' ')}" if r.recovery_s is not None else "did not recover"
         out.append(_at_most("recovery_s", r.recovery_s, c.max_recovery_s, detail))
+    if c.streams is not None and r.streams is not None:
+        out += _stream_criteria(r.streams, c.streams)
     for name in c.invariants:
         seen = invariants.get(name)
         out.append(
@@ -380,6 +389,28 @@ def _judge(r: CheckResult, drill: Drill, invariants: Mapping[str, bool]) -> Verd
             )
         )
     return Verdict(drill.name, tuple(out))
+
+
+def _stream_criteria(s: StreamResult, c: StreamCriteria) -> list[CriterionResult]:
+    """pass.streams: the long streams against their reference (chaos.stream_check)."""
+    summary = (f"{s.streams} long streams, {len(s.completed)} completed, {len(s.migrated)} migrated "
+               f"(at most {s.max_migrations} times), {len(s.clean_no_replica)} clean errors without a replica")
+    out = [
+        _at_most("broken_streams", len(s.broken), c.max_broken_streams, _keys(s.broken) or summary),
+        _at_most("token_mismatches", len(s.token_mismatches), c.max_token_mismatches, _keys(s.token_mismatches)),
+        _at_most("diverged_streams", len(s.diverged), c.max_diverged_streams, _keys(s.diverged)),
+        _at_most("stream_identity_mismatches", len(s.identity_mismatches), 0, _keys(s.identity_mismatches)),
+        _at_most("stream_residency_violations", len(s.residency_violations), c.max_residency_violations,
+                 _keys(s.residency_violations)),
+        CriterionResult("migrated_streams", len(s.migrated) >= c.min_migrated, len(s.migrated), c.min_migrated,
+                        summary),
+    ]
+    if c.max_resume_p99_s is not None:
+        bound = c.max_resume_p99_s + (s.prefill_s or 0.0)
+        prefill = "no prefill measured" if s.prefill_s is None else f"one prefill {s.prefill_s:.3f} s"
+        out.append(_at_most("resume_p99_s", s.resume_p99_s, bound,
+                            f"{len(s.resume_s)} resumed streams; bound {c.max_resume_p99_s:g} s + {prefill}"))
+    return out
 
 
 __all__ = [

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 def runnable_on(drill: Drill, deployment: Deployment) -> str | None:
     """Why `drill` cannot run against `deployment`; None when it can."""
+    if drill.load.long_streams is not None:
+        # Their reference run and the injector's wait for them are the local runner's.
+        return "the deployed runner does not send long streams (load.long_streams) yet"
     action = deployment.actions.get(drill.fault.kind)
     if action is None:
         return f"deployment {deployment.name} has no action for fault kind {drill.fault.kind}"

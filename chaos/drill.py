@@ -42,6 +42,8 @@ FaultKind = Literal[
     "scale_from_zero_burst",
     "clock_skew",
     "packet_loss",
+    "mid_stream_crash",
+    "mid_stream_hang",
 ]
 
 # Parameters each injector understands: (required, optional). Anything else is a typo the
@@ -65,6 +67,10 @@ FAULT_PARAMS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "scale_from_zero_burst": (frozenset({"burst_requests"}), frozenset({"queue_deadline_s"})),
     "clock_skew": (frozenset({"offset_s"}), frozenset()),
     "packet_loss": (frozenset({"percent"}), frozenset()),
+    # The target's nodes, plus (also_region) the node of that region serving the most long
+    # streams, once every long stream has received min_events events (or wait_s passed).
+    "mid_stream_crash": (frozenset(), frozenset({"also_region", "min_events", "wait_s"})),
+    "mid_stream_hang": (frozenset(), frozenset({"also_region", "min_events", "wait_s"})),
 }
 
 # Properties that are not visible in a request history; the runner observes them (leader
@@ -115,6 +121,23 @@ class TenantLoad(_Spec):
     weight: float = Field(gt=0)
 
 
+class LongStreams(_Spec):
+    """A burst of long greedy streams on top of the load (chaos.streams): `count` streams
+    within `spread_s` seconds of `at_s`, split over `tenants` (load tenant names; default
+    all) in proportion to their weights, each with its own prompt, temperature 0,
+    ignore_eos and `max_tokens`, so every one yields exactly `max_tokens` tokens, the same
+    ones on every healthy replica: the reference a migrated stream is compared with."""
+
+    count: int = Field(ge=1, le=500)
+    at_s: float = Field(ge=0)
+    spread_s: float = Field(0.5, ge=0)
+    max_tokens: int = Field(200, ge=1, le=4096)
+    tenants: list[str] | None = Field(None, min_length=1)
+    # Ask the router for token ids too (it passes them through when the client asked).
+    return_token_ids: bool = False
+    request_timeout_s: float = Field(120.0, gt=0)
+
+
 class Load(_Spec):
     """Open-loop load: arrivals do not wait for answers, so a slow fabric meets full load."""
 
@@ -126,12 +149,16 @@ class Load(_Spec):
     max_tokens: int = Field(16, ge=1, le=4096)
     # After this the client gives up and records the request as indeterminate.
     request_timeout_s: float = Field(30.0, gt=0)
+    long_streams: LongStreams | None = None
 
     @model_validator(mode="after")
     def _unique_tenants(self) -> Load:
         names = [t.name for t in self.tenants]
         if len(names) != len(set(names)):
             raise ValueError(f"tenant names must be unique, got {names}")
+        unknown = sorted(set(self.long_streams.tenants or ()) - set(names)) if self.long_streams else []
+        if unknown:
+            raise ValueError(f"long_streams.tenants {unknown} are not tenants of the load")
         return self
 
 
@@ -235,6 +262,9 @@ class Fault(_Spec):
                 raise ValueError("packet_loss needs target.region (a region in topology.netns_regions)")
             if isinstance(percent, bool) or not isinstance(percent, int | float) or not 0 < percent <= 100:
                 raise ValueError(f"packet_loss percent must be in (0, 100], got {percent!r}")
+        also = self.params.get("also_region")
+        if also is not None and not (isinstance(also, str) and re.match(REGION_PATTERN, also)):
+            raise ValueError(f"{self.kind} also_region must be a region (<provider>:<location>), got {also!r}")
         return self
 
 
@@ -251,6 +281,25 @@ class AllowedError(_Spec):
     status: int = Field(ge=400, le=599)
     code: str = Field(min_length=1)
     retry_after: bool = False  # the answer must carry Retry-After
+
+
+class StreamCriteria(_Spec):
+    """Long streams under a mid-stream fault (chaos.checker.check_streams has the definitions)."""
+
+    max_broken_streams: int = Field(0, ge=0)
+    max_token_mismatches: int = Field(0, ge=0)
+    # Streams whose greedy decode took another token than the reference's away from any
+    # seam (float32 near-ties flip in another batch; chaos.stream_check).
+    max_diverged_streams: int = Field(0, ge=0)
+    max_residency_violations: int = Field(0, ge=0)
+    # p99 of migrated streams' longest silence, plus one prefill of the longest prompt
+    # (measured alone on the healthy fabric); a gray failure adds its inter-token timeout.
+    max_resume_p99_s: float | None = Field(None, gt=0)
+    # The fault must have moved at least this many streams (else it hit nothing).
+    min_migrated: int = Field(1, ge=0)
+    # Zones with no other replica left under the fault: their streams may end with a clean
+    # SSE error event (code upstream_disconnected) after a prefix of the reference.
+    unmigratable_zones: list[str] = Field(default_factory=list)
 
 
 class PassCriteria(_Spec):
@@ -273,6 +322,7 @@ class PassCriteria(_Spec):
     # stream then counts as a clean error.
     streams_end_with_error_event: bool = False
     invariants: list[Invariant] = Field(default_factory=list)
+    streams: StreamCriteria | None = None
 
 
 class ShortOverride(_Spec):
@@ -283,6 +333,8 @@ class ShortOverride(_Spec):
     fault_end_s: float = Field(ge=0)
     steady_state_window_s: float | None = Field(None, gt=0)
     arrivals_per_s: float | None = Field(None, gt=0)
+    long_streams_at_s: float | None = Field(None, ge=0)
+    long_streams_count: int | None = Field(None, ge=1)
 
 
 class Drill(_Spec):
@@ -318,6 +370,12 @@ class Drill(_Spec):
                     f"too soon to measure recovery within {c.max_recovery_s:g} s "
                     f"(+ a {c.recovery_window_s:g} s window)"
                 )
+        ls = self.load.long_streams
+        if ls is not None and ls.at_s >= f.end_s:
+            raise ValueError(f"long_streams.at_s ({ls.at_s}) must be before the fault ends ({f.end_s}): "
+                             "the fault strikes them mid-generation")
+        if c.streams is not None and ls is None:
+            raise ValueError("pass.streams needs load.long_streams")
         if self.short is None and duration > MAX_SHORT_DURATION_S:
             raise ValueError(f"load.duration_s is {duration} s: add a `short` block of at most {MAX_SHORT_DURATION_S:g} s")
         if self.short is not None:
@@ -338,6 +396,11 @@ class Drill(_Spec):
             data["steady_state"]["window_s"] = s.steady_state_window_s
         if s.arrivals_per_s is not None:
             data["load"]["arrivals_per_s"] = s.arrivals_per_s
+        if data["load"]["long_streams"] is not None:
+            if s.long_streams_at_s is not None:
+                data["load"]["long_streams"]["at_s"] = s.long_streams_at_s
+            if s.long_streams_count is not None:
+                data["load"]["long_streams"]["count"] = s.long_streams_count
         try:
             return Drill.model_validate(data)
         except ValidationError as e:

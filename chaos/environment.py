@@ -15,6 +15,7 @@ from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import HistoryWriter
 from chaos.load import LoadTarget
 from chaos.observe import RouterMetrics, busiest
+from chaos.streams import StreamTracker
 from chaos.timeline import Timeline
 from localfabric import FabricInfo, LocalFabric, Proc, renice
 
@@ -47,6 +48,9 @@ class DrillEnvironment(Timeline):
     load_target: LoadTarget | None = None
     writer: HistoryWriter | None = None
     key_prefix: str = "req"
+    # The load's long streams as they run (None without load.long_streams): mid-stream
+    # faults wait until they are under way and pick the nodes serving them.
+    streams: StreamTracker | None = None
     # Work an injector started that must end before the history is read (its requests).
     background: list[asyncio.Task[None]] = field(default_factory=list)
     # Undone after the fabric stopped, last first, even when the run failed (a mount).

@@ -9,6 +9,13 @@ Three record types, told apart by `type`:
 - `routed`: a router sent attempt number `attempt` of a request to a node.
 - `served`: a node finished working on a request; `completed` is false when it stopped
   before the end (aborted, client gone, crashed mid-way and recorded on the way down).
+- `reference`: what a long greedy stream's prompt yields unbroken on a healthy fabric
+  (chaos.streams asks it outside the measured window): the text the client must receive
+  whole, with no token duplicated or missing, when the stream is migrated mid-generation.
+
+A long stream's `client` record carries a `detail` (StreamDetail): everything it received.
+A migrated stream's continuations are `routed` records with `migration` >= 1 (and the
+generated tokens already delivered, `resume_tokens`); first pieces have migration 0.
 
 Routers and nodes write their records with meridian.request_journal (the planes do not
 import chaos); this module owns the format's validation. Files are append-only and every
@@ -47,6 +54,34 @@ class Outcome(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class StreamDetail:
+    """What a long stream received, for the token-exact comparison with its reference.
+
+    `ids` are the distinct response `id`s seen (one for a stream migrated correctly);
+    `migrations`, `final_node`, `final_region` come from the `meridian` field of the last
+    event before [DONE] (absent, so 0 / None, on a stream that was not migrated).
+    `longest_gap_s` is the longest silence between consecutive events after the first,
+    ending at `longest_gap_end_s` (seconds from the load's start): a resumed stream's
+    resume latency, kill or freeze included.
+    """
+
+    text: str = ""
+    token_ids: tuple[int, ...] | None = None  # when the client asked return_token_ids
+    ids: tuple[str, ...] = ()
+    events: int = 0  # data events with a choice
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    done: bool = False  # data: [DONE] arrived
+    error_code: str | None = None  # the SSE error event's code, when one ended the stream
+    migrations: int = 0
+    final_node: str | None = None
+    final_region: str | None = None
+    longest_gap_s: float | None = None
+    longest_gap_end_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ClientOp:
     """One request as the load generator saw it (`outcome` None: sent, end not recorded)."""
 
@@ -64,16 +99,20 @@ class ClientOp:
     region: str | None = None  # x-meridian-region
     node: str | None = None  # x-meridian-node
     stream_error_event: bool = False  # the stream ended with an SSE error event
+    detail: StreamDetail | None = None  # long streams only (chaos.streams)
 
 
 @dataclass(frozen=True, slots=True)
 class Routed:
-    """A router sent one attempt of a request to a node."""
+    """A router sent one attempt of a request to a node (a migrated stream's continuation
+    number `migration`, with `resume_tokens` generated tokens already delivered)."""
 
     key: str
     node: str
     region: str
     attempt: int
+    migration: int = 0
+    resume_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +124,24 @@ class Served:
     completed: bool
 
 
-Record = ClientOp | Routed | Served
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """The unbroken answer to long stream `key`'s request on a healthy fabric.
+
+    `prefill_s`, on the record of the longest prompt only: how long one prefill of it took
+    alone on an idle fabric (a request for one token), the allowance a resume may add.
+    """
+
+    key: str
+    text: str
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    prompt_tokens: int | None = None
+    prefill_s: float | None = None
+
+
+Record = ClientOp | Routed | Served | Reference
 
 
 @dataclass(slots=True)
@@ -95,6 +151,7 @@ class History:
     client: list[ClientOp] = field(default_factory=list)
     routed: list[Routed] = field(default_factory=list)
     served: list[Served] = field(default_factory=list)
+    reference: list[Reference] = field(default_factory=list)
 
     def add(self, records: Iterable[Record]) -> History:
         """Sort records into their lists; returns self so reads can be chained."""
@@ -103,6 +160,8 @@ class History:
                 self.client.append(r)
             elif isinstance(r, Routed):
                 self.routed.append(r)
+            elif isinstance(r, Reference):
+                self.reference.append(r)
             else:
                 self.served.append(r)
         return self
@@ -123,6 +182,23 @@ class _Line(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class _DetailLine(_Line):
+    text: str = ""
+    token_ids: tuple[int, ...] | None = None
+    ids: tuple[str, ...] = ()
+    events: int = Field(0, ge=0)
+    finish_reason: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    done: bool = False
+    error_code: str | None = None
+    migrations: int = Field(0, ge=0)
+    final_node: str | None = None
+    final_region: str | None = None
+    longest_gap_s: float | None = None
+    longest_gap_end_s: float | None = None
+
+
 class _ClientLine(_Line):
     type: Literal["client"]
     key: str = Field(min_length=1)
@@ -139,6 +215,7 @@ class _ClientLine(_Line):
     region: str | None = None
     node: str | None = None
     stream_error_event: bool = False
+    detail: _DetailLine | None = None
 
 
 class _RoutedLine(_Line):
@@ -147,6 +224,8 @@ class _RoutedLine(_Line):
     node: str
     region: str
     attempt: int = Field(ge=1)
+    migration: int = Field(0, ge=0)
+    resume_tokens: int = Field(0, ge=0)
 
 
 class _ServedLine(_Line):
@@ -156,16 +235,31 @@ class _ServedLine(_Line):
     completed: bool
 
 
-_LINE = TypeAdapter(Annotated[_ClientLine | _RoutedLine | _ServedLine, Field(discriminator="type")])
-_TYPES: dict[type, str] = {ClientOp: "client", Routed: "routed", Served: "served"}
+class _ReferenceLine(_Line):
+    type: Literal["reference"]
+    key: str = Field(min_length=1)
+    text: str
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    prompt_tokens: int | None = None
+    prefill_s: float | None = None
 
 
-def _to_record(line: _ClientLine | _RoutedLine | _ServedLine) -> Record:
-    fields = line.model_dump(exclude={"type"})
+_AnyLine = _ClientLine | _RoutedLine | _ServedLine | _ReferenceLine
+_LINE: TypeAdapter[_AnyLine] = TypeAdapter(Annotated[_AnyLine, Field(discriminator="type")])
+_TYPES: dict[type, str] = {ClientOp: "client", Routed: "routed", Served: "served", Reference: "reference"}
+
+
+def _to_record(line: _AnyLine) -> Record:
+    fields = line.model_dump(exclude={"type", "detail"})
     if isinstance(line, _ClientLine):
-        return ClientOp(**fields)
+        detail = None if line.detail is None else StreamDetail(**line.detail.model_dump())
+        return ClientOp(**fields, detail=detail)
     if isinstance(line, _RoutedLine):
         return Routed(**fields)
+    if isinstance(line, _ReferenceLine):
+        return Reference(**fields)
     return Served(**fields)
 
 

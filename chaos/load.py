@@ -37,7 +37,16 @@ from typing import Any
 import httpx
 
 from chaos.drill import Load
-from chaos.history import ClientOp, HistoryWriter, Outcome
+from chaos.history import ClientOp, HistoryWriter, Outcome, StreamDetail
+from chaos.streams import (
+    LongRequest,
+    StreamReading,
+    StreamTracker,
+    long_stream_body,
+    read_events,
+    split_tenants,
+    sse_payloads,
+)
 from meridian.contracts import HEADER_NODE, HEADER_REGION, HEADER_REQUEST_ID
 
 log = logging.getLogger(__name__)
@@ -78,6 +87,7 @@ class Arrival:
     stream: bool
     conversation: int | None
     turn: int
+    long: bool = False  # one of load.long_streams (chaos.streams)
 
 
 @dataclass
@@ -129,6 +139,7 @@ class _Seen:
     region: str | None = None
     node: str | None = None
     first_byte_s: float | None = None
+    reading: StreamReading | None = None  # a long stream's events so far
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,12 +199,19 @@ class LoadGenerator:
         )
         # An explicit schedule (a burst) replaces the load's Poisson arrivals.
         self._schedule = list(schedule) if schedule is not None else _make_schedule(load, seed)
+        # The injectors of mid-stream faults watch the long streams' progress here.
+        self.tracker = StreamTracker(expected=sum(a.long for a in self._schedule))
         self._stop = asyncio.Event()
         self._started = False
 
     def schedule(self) -> list[Arrival]:
         """The whole open-loop schedule, in time order; the same for the same load and seed."""
         return list(self._schedule)
+
+    def long_requests(self) -> list[LongRequest]:
+        """The long streams of the schedule: key, tenant and the exact body each will send."""
+        return [LongRequest(self.key(n), a.tenant, self._body(n, a))
+                for n, a in enumerate(self._schedule) if a.long]
 
     def key(self, n: int) -> str:
         """The idempotency key of the schedule's n-th arrival."""
@@ -254,7 +272,10 @@ class LoadGenerator:
             return
         # Recorded before the task runs, so the history never shows a request the router
         # handled before the client invoked it.
-        self._writer.append(ClientOp(key, arrival.tenant, zone, arrival.stream, now_s))
+        # A long stream is marked as one from the start (an empty detail), so that one that
+        # never ends still counts among the long streams.
+        self._writer.append(ClientOp(key, arrival.tenant, zone, arrival.stream, now_s,
+                                     detail=StreamDetail() if arrival.long else None))
         self.stats.in_flight += 1
         task = asyncio.create_task(self._request(n, key, arrival, zone, now_s, start, client), name=key)
         tasks.add(task)
@@ -266,7 +287,7 @@ class LoadGenerator:
         seen = _Seen()
         try:
             try:
-                async with asyncio.timeout(self.load.request_timeout_s):
+                async with asyncio.timeout(self._deadline_s(arrival)):
                     end = await self._send(n, key, arrival, start, client, seen)
             except TimeoutError:  # the overall deadline (asyncio) or one of httpx's
                 end = _End(Outcome.INDETERMINATE, "timeout")
@@ -286,6 +307,8 @@ class LoadGenerator:
             # non-streaming request would count as lost, which it is not.
             self._finish(key, arrival, zone, invoke_s, start, seen, _End(Outcome.INDETERMINATE, "cancelled"))
             raise
+        if arrival.long:
+            self.tracker.end(key)
         self._finish(key, arrival, zone, invoke_s, start, seen, end)
 
     def _finish(
@@ -295,6 +318,8 @@ class LoadGenerator:
         self.stats.in_flight -= 1
         self.stats.record_end(end_s, end.outcome)
         first_byte = seen.first_byte_s
+        if seen.reading is not None:
+            first_byte = seen.reading.first_byte_s
         if not arrival.stream and end.outcome is Outcome.OK:
             first_byte = end_s  # a JSON answer is usable only once it is whole
         self._writer.append(
@@ -303,21 +328,14 @@ class LoadGenerator:
                 first_byte_s=first_byte, end_s=end_s, outcome=end.outcome, status=seen.status,
                 error_code=end.error_code, retry_after=end.retry_after, region=seen.region, node=seen.node,
                 stream_error_event=end.stream_error_event,
+                detail=seen.reading.detail() if seen.reading is not None else StreamDetail() if arrival.long else None,
             )
         )
 
     async def _send(
         self, n: int, key: str, arrival: Arrival, start: float, client: httpx.AsyncClient, seen: _Seen
     ) -> _End:
-        body: dict[str, Any] = {
-            "model": self.target.model,
-            "messages": self._messages(n, arrival),
-            "max_tokens": self.load.max_tokens,
-            "temperature": 0,
-            "stream": arrival.stream,
-        }
-        if arrival.stream:
-            body["stream_options"] = {"include_usage": True}
+        body = self._body(n, arrival)
         headers = {
             "authorization": f"Bearer {self.target.api_keys[arrival.tenant]}",
             HEADER_REQUEST_ID: key,
@@ -329,12 +347,44 @@ class LoadGenerator:
             seen.status = resp.status_code
             seen.region = resp.headers.get(HEADER_REGION)
             seen.node = resp.headers.get(HEADER_NODE)
+            if arrival.long and resp.status_code == 200:
+                entry = self.tracker.start(key)
+                entry.node = seen.node
+                seen.reading = StreamReading(start, entry)
+                await read_events(resp, seen.reading)
+                outcome, code = seen.reading.outcome()
+                return _End(outcome, code, stream_error_event=seen.reading.error_code is not None)
             if arrival.stream and resp.status_code == 200:
                 return await _read_stream(resp, start, seen)
             raw = await resp.aread()
             return _judge_body(resp, raw)
 
+    def _deadline_s(self, arrival: Arrival) -> float:
+        ls = self.load.long_streams
+        return ls.request_timeout_s if arrival.long and ls is not None else self.load.request_timeout_s
+
+    def _body(self, n: int, arrival: Arrival) -> dict[str, Any]:
+        if arrival.long:
+            assert self.load.long_streams is not None
+            return long_stream_body(self.target.model, self._messages(n, arrival), self.load.long_streams)
+        body: dict[str, Any] = {
+            "model": self.target.model,
+            "messages": self._messages(n, arrival),
+            "max_tokens": self.load.max_tokens,
+            "temperature": 0,
+            "stream": arrival.stream,
+        }
+        if arrival.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
     def _messages(self, n: int, arrival: Arrival) -> list[dict[str, str]]:
+        if arrival.long:
+            # A tenant's long system prompt and a question of its own: prompts differ per
+            # request, so a resumed stream continuing another's tokens would show.
+            rng = random.Random(f"{self._seed}:{n}")
+            return [{"role": "system", "content": system_prompt(arrival.tenant)},
+                    {"role": "user", "content": _fresh_prompt(rng)}]
         if arrival.conversation is None:
             return [{"role": "user", "content": _fresh_prompt(random.Random(f"{self._seed}:{n}"))}]
         return conversation_messages(self._seed, arrival.tenant, arrival.conversation, arrival.turn)
@@ -385,21 +435,8 @@ def _judge_body(resp: httpx.Response, raw: bytes) -> _End:
 
 async def _read_stream(resp: httpx.Response, start: float, seen: _Seen) -> _End:
     """Read SSE events to `[DONE]`, an error event, or the end of the body."""
-    data: list[str] = []
-    async for line in resp.aiter_lines():
-        if line.startswith("data:"):
-            value = line[5:]
-            data.append(value[1:] if value.startswith(" ") else value)
-        elif not line and data:  # a blank line ends an event
-            end = _on_event("\n".join(data), start, seen)
-            if end is not None:
-                return end
-            data = []
-        # Other SSE fields (event:, id:, comments) carry nothing the checker needs.
-    # The body ended cleanly (a cut connection raises instead), so a last event that lacks
-    # its blank line was still sent whole.
-    if data:
-        end = _on_event("\n".join(data), start, seen)
+    async for payload in sse_payloads(resp.aiter_lines()):
+        end = _on_event(payload, start, seen)
         if end is not None:
             return end
     if seen.first_byte_s is None:
@@ -428,6 +465,19 @@ def _on_event(payload: str, start: float, seen: _Seen) -> _End | None:
 
 
 def _make_schedule(load: Load, seed: int) -> list[Arrival]:
+    """The Poisson arrivals and the long-stream burst (if any), in time order."""
+    out = _poisson_schedule(load, seed)
+    ls = load.long_streams
+    if ls is not None:
+        weights = {t.name: t.weight for t in load.tenants}
+        names = ls.tenants or list(weights)
+        rng = random.Random(f"long:{seed}")
+        tenants = split_tenants([(n, weights[n]) for n in names], ls.count)
+        out += [Arrival(ls.at_s + rng.uniform(0, ls.spread_s), t, True, None, 0, long=True) for t in tenants]
+    return sorted(out, key=lambda a: a.at_s)
+
+
+def _poisson_schedule(load: Load, seed: int) -> list[Arrival]:
     rng = random.Random(seed)
     names = [t.name for t in load.tenants]
     weights = [t.weight for t in load.tenants]

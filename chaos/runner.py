@@ -38,6 +38,7 @@ from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadTarget, warm_up
 from chaos.schedule import FaultState, RunOutcome, TickCallback, drive, finish
+from chaos.streams import reference_run
 from localfabric import DEMO_MODEL, DEMO_REGIONS, FabricError, FabricInfo, FabricSpec, LocalFabric
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,9 @@ class _Run:
                                        key_prefix=self.run_id)
                 generator = LoadGenerator(self.drill.load, target, writer, seed=self.options.seed,
                                           key_prefix=self.run_id)
+                if self.drill.load.long_streams is not None:
+                    env.streams = generator.tracker
+                    await self._reference(generator, target, writer, journals)
                 await drive(self.drill, generator, env, state, lambda f: create_injector(f, env),
                             injection_errors=(InjectionError, OSError, FabricError),
                             on_tick=self.options.on_tick)
@@ -191,6 +195,17 @@ class _Run:
         await self._warm_nodes(fabric, info.cluster_token)
         _empty_journals(journals)
         return target, await admin.region_zones()
+
+    async def _reference(self, generator: LoadGenerator, target: LoadTarget, writer: HistoryWriter,
+                         journals: Path) -> None:
+        """The long streams' unbroken answers from the healthy fabric, before the load: the
+        text each migrated stream must match (chaos.streams); its journal lines are dropped."""
+        ls = self.drill.load.long_streams
+        assert ls is not None
+        self._step(f"reference run: {ls.count} long streams on the healthy fabric")
+        await reference_run(target.router_urls[0], target.api_keys, generator.long_requests(), writer,
+                            ls.request_timeout_s)
+        _empty_journals(journals)
 
     async def _stop(self, fabric: LocalFabric, cleanups: list[Callable[[], None]], fabric_dir: Path) -> None:
         """Stop the fabric and the proxies, undo the clean-ups last first, drop the large caches."""

@@ -69,6 +69,8 @@ INJECTORS: Registry[InjectorFactory] = Registry("fault injector", builtins={
     "control_plane_outage": "chaos.faults.process:ControlPlaneOutage",
     "corrupt_weight_chunk": "chaos.faults.weights:CorruptWeightChunk",
     "disk_full_during_fetch": "chaos.faults.weights:DiskFullDuringFetch",
+    "mid_stream_crash": "chaos.faults.mid_stream:MidStreamCrash",
+    "mid_stream_hang": "chaos.faults.mid_stream:MidStreamHang",
     "packet_loss": "chaos.faults.packet_loss:PacketLoss",
     "postgres_restart": "chaos.faults.network:PostgresRestart",
     "process_crash": _NODE_CRASH,

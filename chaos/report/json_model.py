@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 from chaos.checker import CheckResult
 from chaos.report.inputs import RunReport, utc_iso
 from chaos.report.series import TimelineSeries
+from chaos.stream_check import StreamResult
 
 REPORT_VERSION = 1
 MAX_EXAMPLES = 20  # offending keys listed per count in report.json
@@ -140,6 +141,24 @@ class TimelineModel(_Model):
     traffic_shifts: list[TrafficShiftModel] = []
 
 
+class StreamsModel(_Model):
+    """Long streams under a mid-stream fault (chaos.stream_check); keys of each kind."""
+
+    streams: int
+    completed: int
+    migrated: list[str]
+    clean_no_replica: list[str]
+    broken: list[str]
+    token_mismatches: list[str]
+    diverged: list[str]
+    identity_mismatches: list[str]
+    residency_violations: list[str]
+    resume_p99_s: float | None
+    resume_max_s: float | None
+    prefill_s: float | None
+    max_migrations: int
+
+
 class ReportModel(_Model):
     """report.json. Field order is the key order in the file; mappings are sorted by key."""
 
@@ -162,6 +181,8 @@ class ReportModel(_Model):
     verdict: VerdictModel
     not_checked: list[str]
     timeline: TimelineModel
+    # Came later, so a report.json written before it still reads.
+    streams: StreamsModel | None = None
 
 
 def counts(r: CheckResult) -> dict[str, int]:
@@ -228,6 +249,18 @@ def report_model(report: RunReport, timeline: TimelineSeries, not_checked: Seque
         verdict=_verdict(report),
         not_checked=list(not_checked),
         timeline=_timeline(timeline),
+        streams=None if r.streams is None else _streams(r.streams),
+    )
+
+
+def _streams(s: StreamResult) -> StreamsModel:
+    return StreamsModel(
+        streams=s.streams, completed=len(s.completed), migrated=list(s.migrated),
+        clean_no_replica=list(s.clean_no_replica), broken=list(s.broken), token_mismatches=list(s.token_mismatches),
+        diverged=list(s.diverged), identity_mismatches=list(s.identity_mismatches),
+        residency_violations=list(s.residency_violations), resume_p99_s=_r(s.resume_p99_s, 3),
+        resume_max_s=_r(max(s.resume_s), 3) if s.resume_s else None, prefill_s=_r(s.prefill_s, 4),
+        max_migrations=s.max_migrations,
     )
 
 

@@ -84,7 +84,8 @@ def _percent(x: float | None) -> str:
 def report_markdown(report: RunReport, not_checked: Sequence[str], png: str | None) -> str:
     """report.md: `png` is the timeline's file name next to it, None when none was drawn."""
     d = report.drill
-    out = _head(report) + _criteria(report) + _counts(report) + _figures(report) + _events(report)
+    out = _head(report) + _criteria(report) + _counts(report) + _figures(report) + _streams(report)
+    out += _events(report)
     out += _invariants(report)
     if not_checked:
         out += ["", "## Not checked", ""] + [f"- {n}" for n in not_checked]
@@ -169,6 +170,35 @@ def _figures(report: RunReport) -> list[str]:
         ("recovery", "did not recover" if r.recovery_s is None else f"{r.recovery_s:.2f} s"),
     ]
     return ["", "## Figures", "", *_table(["figure", "value"], rows)]
+
+
+def _streams(report: RunReport) -> list[str]:
+    s = report.result.streams
+    if s is None:
+        return []
+    rows = [
+        ("long streams", str(s.streams)),
+        ("completed ([DONE])", str(len(s.completed))),
+        ("migrated", f"{len(s.migrated)} (at most {s.max_migrations} times each)"),
+        ("clean errors, no replica in the zone", str(len(s.clean_no_replica))),
+        ("broken", str(len(s.broken))),
+        ("token mismatches", str(len(s.token_mismatches))),
+        ("diverged (numerics, away from any seam)", str(len(s.diverged))),
+        ("identity mismatches (ids, usage)", str(len(s.identity_mismatches))),
+        ("residency violations", str(len(s.residency_violations))),
+        ("resume latency p99 / max", f"{_opt(s.resume_p99_s, '.3f', ' s')} / "
+                                     f"{_opt(max(s.resume_s) if s.resume_s else None, '.3f', ' s')}"),
+        ("one prefill of the longest prompt", _opt(s.prefill_s, '.4f', ' s')),
+    ]
+    out = ["", "## Long streams", "", *_table(["figure", "value"], rows)]
+    examples = [(name, keys) for name, keys in (("broken", s.broken), ("token mismatches", s.token_mismatches)) if keys]
+    if examples:
+        out.append("")
+    for name, keys in examples:
+        if keys:
+            more = f" and {len(keys) - MD_EXAMPLES} more" if len(keys) > MD_EXAMPLES else ""
+            out.append(f"- {name}: " + ", ".join(f"`{k}`" for k in keys[:MD_EXAMPLES]) + more)
+    return out
 
 
 def _events(report: RunReport) -> list[str]:

@@ -77,3 +77,15 @@ def test_gray_failure_fails_with_outlier_detection_and_health_checks_disabled(tm
     assert not outcome.passed
     failed = {c.name for c in outcome.report.verdict.failures()}
     assert "invariant:outlier_ejected" in failed, failed
+
+
+def test_mid_stream_crash_fails_with_stream_migration_disabled(tmp_path: Path, model_cache: Path) -> None:
+    """A deliberately broken build: the router does not resume streams, so the streams on
+    the killed nodes end with error events and the drill must say so, by its stream criteria."""
+    drill = next(d for d in DRILLS if d.name == "mid-stream-crash")
+    outcome = _run(drill, tmp_path, model_cache, router_env={"MERIDIAN_ROUTER_MIGRATION_ENABLED": "false"})
+    assert not outcome.passed
+    failed = {c.name for c in outcome.report.verdict.failures()}
+    assert {"broken_streams", "migrated_streams"} <= failed, failed
+    streams = outcome.report.result.streams
+    assert streams is not None and streams.token_mismatches == () and streams.residency_violations == ()

@@ -25,6 +25,9 @@ ISSUE_DRILLS = {
     "clock-skew": "clock_skew",
     # Beyond the issue's list: the partition again, with real packets dropped in a netns.
     "packet-partition": "packet_loss",
+    # Issue 22: long streams struck mid-generation, resumed by the router.
+    "mid-stream-crash": "mid_stream_crash",
+    "mid-stream-gray": "mid_stream_hang",
 }
 
 
