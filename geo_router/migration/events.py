@@ -66,10 +66,13 @@ class Continuation:
     """One continuation piece: the next node's completions events, in the client's format."""
 
     def __init__(self, plan: MigrationPlan, ledger: StreamLedger, held: str,
-                 trailer: dict[str, Any] | None) -> None:
+                 trailer: dict[str, Any] | None, repeated: int = 0) -> None:
         self._plan, self._ledger, self._trailer = plan, ledger, trailer
         self._stops = StopStringMatcher(plan.stops)
         self._held = held
+        # Ids the continuation generates again (it started before the break, at a clean
+        # character boundary): their text is new to the client, their ids are not.
+        self._repeated = repeated
         self.finished = False
 
     def events(self, event: dict[str, Any]) -> list[dict[str, Any]]:
@@ -79,6 +82,8 @@ class Continuation:
         if choice is None or self.finished:
             return []  # the node's own usage chunk: the router writes the stream's
         ids = choice.get("token_ids")
+        if isinstance(ids, list) and self._repeated:
+            ids, self._repeated = ids[self._repeated:], max(0, self._repeated - len(ids))
         text = self._held + (choice.get("text") if isinstance(choice.get("text"), str) else "")
         self._held = ""
         emit, stopped = self._stops.feed(text)

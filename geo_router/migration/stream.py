@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 # Prompt ids decoded before the generated ones, so the seam's text is decoded in context
 # (SentencePiece drops a leading space at the start of a sequence).
 _DETOKENIZE_CONTEXT = 8
+# A UTF-8 character is at most four bytes: at most this many byte tokens to step back over.
+_MAX_CHAR_TOKENS = 4
 
 
 @dataclass(slots=True)
@@ -231,33 +233,52 @@ class MigratingStream:
     async def _resume(self, target: Candidate) -> Piece:
         """Open the continuation on `target` (PieceFailed if it cannot start there)."""
         ledger, plan = self._ledger, self._ctx.plan
-        held = await self._held_text(target)
-        body = plan.continuation_body([*(ledger.prompt_ids or ()), *ledger.generated], len(ledger.generated))
-        piece = await self._host.open_piece(target, COMPLETIONS_ROUTE, body, self._ctx.request_id, self._deadline,
-                                            self._ctx.trace_headers, self._migrations + 1, len(ledger.generated))
+        resume_at, held = await self._seam(target)
+        ids = [*(ledger.prompt_ids or ()), *ledger.generated[:resume_at]]
+        piece = await self._host.open_piece(target, COMPLETIONS_ROUTE, plan.continuation_body(ids, resume_at),
+                                            self._ctx.request_id, self._deadline, self._ctx.trace_headers,
+                                            self._migrations + 1, len(ledger.generated))
         self._migrations += 1  # only moves that started count against the limit
-        piece.continuation = Continuation(plan, ledger, held, self._trailer(target))
+        repeated = len(ledger.generated) - resume_at
+        piece.continuation = Continuation(plan, ledger, held, self._trailer(target), repeated)
         return piece
 
-    async def _held_text(self, target: Candidate) -> str:
-        """Text the generated ids make that the client has not been sent (held back for a
-        possible stop string, or half a character); '' when the replica cannot say."""
-        ledger = self._ledger
-        if not ledger.generated:
-            return ""
+    async def _seam(self, target: Candidate) -> tuple[int, str]:
+        """Where the continuation starts (a count of generated ids) and the text before it
+        that the client has not been sent.
+
+        A break can fall inside a character whose UTF-8 bytes span several tokens: the client
+        has none of it yet (nodes hold half a character back), and a node primed with a
+        prompt ending in half a character may mis-decode what follows (vLLM repeats the
+        prompt's text). So the continuation starts at the last token boundary that decodes
+        cleanly, and the ids it generates again are not counted twice (greedy and seeded
+        generation give the same ones). Text held back for a possible stop string is asked
+        of the replica's /detokenize: only streams with stop strings can have any.
+        """
+        ledger, model = self._ledger, self._ctx.plan.model
+        generated = ledger.generated
+        if not generated:
+            return 0, ""
         context = (ledger.prompt_ids or [])[-_DETOKENIZE_CONTEXT:]
-        model = self._ctx.plan.model
-        full, head = await asyncio.gather(self._host.detokenize(target, model, [*context, *ledger.generated]),
-                                          self._host.detokenize(target, model, context) if context else _empty())
-        if full is None or head is None or not full.startswith(head):
-            return ""
-        held = unsent_tail(full[len(head):], ledger.delivered_text)
+        head = await self._host.detokenize(target, model, context) if context else ""
+        text: str | None = None
+        resume_at = len(generated)
+        for back in range(min(_MAX_CHAR_TOKENS, len(generated)) + 1):
+            full = await self._host.detokenize(target, model, [*context, *generated[:len(generated) - back]])
+            if full is None or head is None or not full.startswith(head):
+                return len(generated), ""  # the replica cannot say: continue where the ids end
+            text = full[len(head):]
+            if not text.endswith("\ufffd"):
+                resume_at = len(generated) - back
+                break
+        if not self._ctx.plan.stops or text is None:
+            return resume_at, ""
+        held = unsent_tail(text, ledger.delivered_text)
         if held is None:
             log.warning("request %s: the seam's text does not line up with what was sent; sending none of it",
                         self._ctx.request_id)
-            return ""
-        # A trailing replacement character is half a UTF-8 character: the next token completes it.
-        return held.rstrip("\ufffd")
+            return resume_at, ""
+        return resume_at, held
 
     def _trailer(self, node: Candidate) -> dict[str, object] | None:
         if not self._migrations:
@@ -281,10 +302,6 @@ class MigratingStream:
         self._host.end_request()
         self._host.budget.end_stream()
         run_close_callbacks(self.on_close, self.tally)
-
-
-async def _empty() -> str:
-    return ""
 
 
 _REFUSED = {
