@@ -16,6 +16,7 @@ from pathlib import Path
 from chaos.checker import check
 from chaos.drill import Drill, Fault
 from chaos.faults.injector import Injector
+from chaos.heap import frozen_heap
 from chaos.history import History
 from chaos.load import LoadGenerator, LoadStats
 from chaos.report import ReportFiles, RunReport, write_report
@@ -71,38 +72,41 @@ async def drive(
     An error of `injection_errors` from the injector, or an abort condition, stops the load
     early; whatever happened, the fault is healed before this returns.
     """
-    env.clock_start = time.monotonic()
-    load = asyncio.create_task(generator.run(env.clock_start), name="chaos-load")
-    fault = asyncio.create_task(_fault(drill.fault, env, state, create_injector, injection_errors),
-                                name="chaos-fault")
-    duration = drill.load.duration_s
-    try:
-        while not load.done():
-            await asyncio.sleep(_MONITOR_INTERVAL_S)
-            now = env.now_s()
-            if on_tick is not None:
-                on_tick(now, duration, generator.stats)
-            reason = abort_reason(drill, generator.stats, now) if state.aborted is None else None
-            if reason is not None:
-                state.aborted = reason
-                env.event("abort", reason)
-                generator.stop()
+    # The harness must not pause while the load runs (chaos.heap): the heap that exists
+    # now, the whole test session's when pytest runs drills, is left out of collections.
+    with frozen_heap():
+        env.clock_start = time.monotonic()
+        load = asyncio.create_task(generator.run(env.clock_start), name="chaos-load")
+        fault = asyncio.create_task(_fault(drill.fault, env, state, create_injector, injection_errors),
+                                    name="chaos-fault")
+        duration = drill.load.duration_s
+        try:
+            while not load.done():
+                await asyncio.sleep(_MONITOR_INTERVAL_S)
+                now = env.now_s()
+                if on_tick is not None:
+                    on_tick(now, duration, generator.stats)
+                reason = abort_reason(drill, generator.stats, now) if state.aborted is None else None
+                if reason is not None:
+                    state.aborted = reason
+                    env.event("abort", reason)
+                    generator.stop()
+                    fault.cancel()
+                if fault.done() and not fault.cancelled() and fault.exception() is not None:
+                    state.aborted = state.aborted or f"the fault injector failed: {fault.exception()}"
+                    env.event("abort", state.aborted)
+                    generator.stop()
+            await load
+        finally:
+            if not fault.done():
                 fault.cancel()
-            if fault.done() and not fault.cancelled() and fault.exception() is not None:
-                state.aborted = state.aborted or f"the fault injector failed: {fault.exception()}"
-                env.event("abort", state.aborted)
-                generator.stop()
-        await load
-    finally:
-        if not fault.done():
-            fault.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await fault
-        # Whatever happened, leave the fabric healed before it is observed and stopped.
-        if state.injector is not None and state.injected_at is not None and state.healed_at is None:
-            state.healed_at = env.now_s()
-            with contextlib.suppress(Exception):
-                await state.injector.heal()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await fault
+            # Whatever happened, leave the fabric healed before it is observed and stopped.
+            if state.injector is not None and state.injected_at is not None and state.healed_at is None:
+                state.healed_at = env.now_s()
+                with contextlib.suppress(Exception):
+                    await state.injector.heal()
 
 
 async def _fault(
