@@ -345,8 +345,11 @@ class RouterSettings(ListenerSettings):
     # than min_migration_concurrency), and the tokens they re-prefill come from a bucket of
     # migration_budget_burst_tokens refilled at migration_budget_tokens_per_s; a migration
     # over the budget waits its turn up to migration_queue_timeout_s, then is refused.
-    # inter_token_timeout_s also bounds a continuation's first token (its prefill).
-    migration_budget_percent: float = Field(50.0, ge=0, le=100)
+    # inter_token_timeout_s also bounds a continuation's first token (its prefill). A whole
+    # region's streams breaking at once is what migration is for, so by default they may all
+    # move at once and the token bucket is what bounds the prefills; a lower share spreads
+    # a herd's re-prefills over time (each wave waits for the one before).
+    migration_budget_percent: float = Field(100.0, ge=0, le=100)
     min_migration_concurrency: int = Field(8, ge=0)
     migration_queue_timeout_s: float = Field(5.0, ge=0)
     migration_budget_tokens_per_s: float = Field(200_000.0, ge=0)

@@ -260,11 +260,16 @@ class MigratingStream:
         if not generated:
             return 0, ""
         context = (ledger.prompt_ids or [])[-_DETOKENIZE_CONTEXT:]
-        head = await self._host.detokenize(target, model, context) if context else ""
+        # The context's text and the whole text at once (one round trip to a busy replica);
+        # stepping back over half a character is the rare case.
+        head, full = await asyncio.gather(
+            self._host.detokenize(target, model, context) if context else _text(""),
+            self._host.detokenize(target, model, [*context, *generated]))
         text: str | None = None
         resume_at = len(generated)
         for back in range(min(_MAX_CHAR_TOKENS, len(generated)) + 1):
-            full = await self._host.detokenize(target, model, [*context, *generated[:len(generated) - back]])
+            if back:
+                full = await self._host.detokenize(target, model, [*context, *generated[:len(generated) - back]])
             if full is None or head is None or not full.startswith(head):
                 return len(generated), ""  # the replica cannot say: continue where the ids end
             text = full[len(head):]
@@ -311,3 +316,7 @@ _REFUSED = {
     Refusal.NO_REPLICA: "no other replica in your residency zone can resume it",
     Refusal.DEADLINE: "the request's time limit has passed",
 }
+
+
+async def _text(value: str) -> str:
+    return value
