@@ -14,6 +14,9 @@ from chaos.report.json_model import counts
 MD_EXAMPLES = 5  # offending keys listed per count in report.md, where a person reads them
 
 
+# Criteria whose bound is a floor (the measured value must reach it), not a ceiling.
+_AT_LEAST = frozenset({"steady_state_before_fault", "migrated_streams"})
+
 def _number(x: float) -> str:
     if math.isinf(x):
         return "∞"
@@ -47,7 +50,7 @@ def _bound(c: CriterionResult) -> str:
     if c.bound is None:
         return "n/a"
     # The steady state is the one lower bound; every other criterion is an upper bound.
-    return ("≥ " if c.name == "steady_state_before_fault" else "≤ ") + _format(c.name, c.bound)
+    return ("≥ " if c.name in _AT_LEAST else "≤ ") + _format(c.name, c.bound)
 
 
 def summary_rows(report: RunReport) -> list[tuple[str, str, str, str]]:
