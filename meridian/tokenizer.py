@@ -19,6 +19,8 @@ from tokenizers import Tokenizer, decoders
 
 # U+FFFD is what a byte-level decoder produces for an incomplete UTF-8 sequence.
 REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens a detokenizer decodes new tokens against (spaces, a character's first bytes).
+CONTEXT_TOKENS = 6
 
 
 class ChatTemplateError(ValueError):
@@ -130,8 +132,11 @@ class ChatTokenizer:
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)
 
-    def detokenizer(self, *, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+    def detokenizer(
+        self, *, skip_special_tokens: bool = True, context: Sequence[int] = ()
+    ) -> IncrementalDetokenizer:
+        """A detokenizer for the tokens that follow `context` (the prompt's ids)."""
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens, context=context)
 
 
 class IncrementalDetokenizer:
@@ -140,14 +145,30 @@ class IncrementalDetokenizer:
     Byte-level BPE tokens can end in the middle of a UTF-8 character, and decoding
     single tokens loses the spaces some decoders insert between them, so each step
     decodes a short window of recent tokens and emits only what became final.
+
+    The window starts with the tail of `context` (the prompt), as vLLM primes its decoder
+    with the prompt: a generation continued from token ids (a migrated stream: prompt +
+    what was generated so far) then reads exactly as the unbroken one. The context's
+    trailing tokens that decode to U+FFFD (an unfinished character, stray bytes) count as
+    not yet read, as the unbroken stream had not emitted them either: they come out with
+    the next token, whole characters where it finishes them.
     """
 
-    def __init__(self, tokenizer: ChatTokenizer, *, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self, tokenizer: ChatTokenizer, *, skip_special_tokens: bool = True, context: Sequence[int] = ()
+    ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
-        self._read_offset = 0
+        self._read_offset = self._read_upto(self._ids)
+
+    def _read_upto(self, tail: list[int]) -> int:
+        """Where the context's emitted text ends: before its trailing U+FFFD tokens."""
+        read = len(tail)
+        while read and self._tok.decode(tail[:read], skip_special_tokens=self._skip).endswith(REPLACEMENT_CHAR):
+            read -= 1
+        return read
 
     def push(self, token_id: int) -> str:
         """Add one token and return the text that is now complete (may be empty)."""

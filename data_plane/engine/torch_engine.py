@@ -269,7 +269,8 @@ class TorchEngine:
             self._inbox_pending += 1
         client = _Client(
             outbox=asyncio.Queue(),
-            detokenizer=self._tokenizer.detokenizer(),
+            # Decoded in the prompt's context: a continued generation reads as the unbroken one.
+            detokenizer=self._tokenizer.detokenizer(context=request.prompt_token_ids),
             stopper=StopStringMatcher(params.stop),
         )
         seq = Sequence(

@@ -19,6 +19,7 @@ from data_plane.server.completions import CompletionService
 from data_plane.server.errors import ModelNotFoundError, install_error_handlers
 from data_plane.server.metrics import NodeMetrics
 from data_plane.server.passthrough import GET_ROUTES, POST_ROUTES, Passthrough
+from data_plane.server.tokenize import DetokenizeResponse, TokenizationService, TokenizeResponse
 from data_plane.server.tracing import NodeTracingMiddleware
 from data_plane.weights.node_weights import with_model_uri
 from meridian.clock import SYSTEM_CLOCK, Clock
@@ -84,6 +85,17 @@ def create_app(
         @app.post("/v1/completions", dependencies=internal)
         async def completions(request: Request) -> Response:
             return await service.completion(request)
+
+        # vLLM's paths and bodies: what a vLLM node passes through to vLLM.
+        tokenization = TokenizationService(settings, engine.get_tokenizer, service.resolve_model)
+
+        @app.post("/tokenize", dependencies=internal)
+        async def tokenize(request: Request) -> TokenizeResponse:
+            return await tokenization.tokenize(request)
+
+        @app.post("/detokenize", dependencies=internal)
+        async def detokenize(request: Request) -> DetokenizeResponse:
+            return await tokenization.detokenize(request)
 
     _model_routes(app, service, int(clock.time()), internal)
     if runtime.weights is not None:

@@ -1,5 +1,12 @@
 """Serving /v1/chat/completions and /v1/completions: OpenAI request in, engine request
-out, and the engine's outputs back as an OpenAI response or SSE stream."""
+out, and the engine's outputs back as an OpenAI response or SSE stream.
+
+With `return_token_ids` a stream has one chunk per engine output, as vLLM's has, each
+carrying the ids generated in it even when their text is held back (a stop string that
+may be starting, half a UTF-8 character): every generated id, the one that completed a
+stop string and an end-of-sequence id included, is in exactly one chunk. The router's
+ledger of a stream is those ids; it resumes a broken stream from them on another node.
+"""
 
 from __future__ import annotations
 
@@ -118,6 +125,8 @@ class _Exchange:
     # Set when logprobs were asked for.
     token_texts: TokenTexts | None = None
     tokens_as_ids: bool = False
+    # return_token_ids: the prompt's ids, reported once (None: not asked for).
+    prompt_ids: list[int] | None = None
     completion_tokens: int = 0
     # From the engine's first output: what the prefix cache supplied.
     cached_tokens: int | None = None
@@ -158,7 +167,7 @@ class CompletionService:
             request, ChatCompletionRequest, limit=self._settings.max_request_bytes,
             context={"max_tokens_limit": self._settings.max_tokens_limit}, strict=True,
         )
-        lora = await self._resolve_model(params.model)
+        lora = await self.resolve_model(params.model)
         tokenizer = self._engine.get_tokenizer()
         messages = [m.for_template() for m in params.messages]
         # Templating and tokenising a prompt of up to max_request_bytes is CPU work: keep it
@@ -172,7 +181,7 @@ class CompletionService:
             request, CompletionRequest, limit=self._settings.max_request_bytes,
             context={"max_tokens_limit": self._settings.max_tokens_limit}, strict=True,
         )
-        lora = await self._resolve_model(params.model)
+        lora = await self.resolve_model(params.model)
         tokenizer = self._engine.get_tokenizer()
         prompt = params.prompt_text_or_ids()
         if isinstance(prompt, str):
@@ -198,7 +207,7 @@ class CompletionService:
                       for a in adapters]
         return ModelList(data=cards)
 
-    async def _resolve_model(self, model: str) -> str | None:
+    async def resolve_model(self, model: str) -> str | None:
         """The LoRA adapter `model` asks for (None: the base model); 404 if there is none.
 
         Adapters are named `base:adapter`, or by their bare name as vLLM serves them.
@@ -270,6 +279,7 @@ class CompletionService:
             logprobs=sampling.logprobs,
             token_texts=self._texts() if sampling.logprobs is not None else None,
             tokens_as_ids=bool(params.return_tokens_as_token_ids),
+            prompt_ids=list(prompt_ids) if params.return_token_ids else None,
             key=request.headers.get(HEADER_REQUEST_ID),
         )
         lifecycle = self._runtime.lifecycle
@@ -299,7 +309,7 @@ class CompletionService:
                 on_close=lambda: self._close(ex, outputs),
             )
         try:
-            texts, logprobs = await self._collect_unless_disconnected(request, ex, first, outputs)
+            texts, logprobs, token_ids = await self._collect_unless_disconnected(request, ex, first, outputs)
             if ex.finish_reason == "abort":
                 raise UnavailableError("the request was aborted before it finished", code="aborted")
             # A router that gave up on this node (its read timeout, while the node was paused
@@ -307,7 +317,7 @@ class CompletionService:
             await asyncio.sleep(0)
             if await request.is_disconnected():
                 raise ClientClosedError()
-            response = self._full_response(ex, "".join(texts), logprobs)
+            response = self._full_response(ex, "".join(texts), logprobs, token_ids)
             # Journalled before the answer's bytes go out: a client that got the answer then
             # always finds it served, even if the node dies right after sending it.
             self._journal_end(ex, completed=True)
@@ -360,15 +370,17 @@ class CompletionService:
         ex: _Exchange,
         first: GenerationOutput,
         outputs: AsyncGenerator[GenerationOutput, None],
-    ) -> tuple[list[str], list[TokenLogprob]]:
+    ) -> tuple[list[str], list[TokenLogprob], list[int]]:
         texts: list[str] = []
         logprobs: list[TokenLogprob] = []
+        token_ids: list[int] = []
 
         async def collect() -> None:
             out: GenerationOutput | None = first
             while out is not None:
                 self._observe(ex, out)
                 texts.append(out.text)
+                token_ids.extend(out.token_ids)
                 if out.logprobs:
                     logprobs.extend(out.logprobs)
                 if out.finish_reason is not None:
@@ -381,7 +393,7 @@ class CompletionService:
             # Nobody will read the answer: its generation was stopped.
             ex.finish_reason = None
             raise
-        return texts, logprobs
+        return texts, logprobs, token_ids
 
     def _chat_logprobs(self, ex: _Exchange, entries: list[TokenLogprob]) -> ChatLogprobs | None:
         if ex.logprobs is None or ex.token_texts is None:
@@ -389,20 +401,25 @@ class CompletionService:
         return ChatLogprobs(content=chat_logprobs(
             entries, ex.logprobs, ex.token_texts, as_ids=ex.tokens_as_ids))
 
-    def _full_response(self, ex: _Exchange, text: str, logprobs: list[TokenLogprob]) -> BaseModel:
+    def _full_response(
+        self, ex: _Exchange, text: str, logprobs: list[TokenLogprob], token_ids: list[int]
+    ) -> BaseModel:
         finish: OpenAIFinish = "length" if ex.finish_reason == "length" else "stop"
+        ids = token_ids if ex.prompt_ids is not None else None
         if ex.kind == "chat":
             choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish,
-                                logprobs=self._chat_logprobs(ex, logprobs))
+                                logprobs=self._chat_logprobs(ex, logprobs), token_ids=ids)
             return ChatCompletionResponse(
                 id=ex.id, created=ex.created, model=ex.model, choices=[choice], usage=ex.usage(),
+                prompt_token_ids=ex.prompt_ids,
             )
         lp = None
         if ex.token_texts is not None:
             lp = completion_logprobs(logprobs, ex.token_texts, as_ids=ex.tokens_as_ids)
         return CompletionResponse(
             id=ex.id, created=ex.created, model=ex.model,
-            choices=[CompletionChoice(text=text, finish_reason=finish, logprobs=lp)],
+            choices=[CompletionChoice(text=text, finish_reason=finish, logprobs=lp,
+                                      prompt_token_ids=ex.prompt_ids, token_ids=ids)],
             usage=ex.usage(),
         )
 
@@ -412,7 +429,9 @@ class CompletionService:
         text: str | None,
         finish: FinishReason | None,
         logprobs: list[TokenLogprob] | None = None,
+        token_ids: list[int] | None = None,
     ) -> bytes:
+        """One SSE chunk; `token_ids` (with return_token_ids) are the ids generated in it."""
         fr = _openai_finish(finish)
         if ex.kind == "chat":
             delta: dict[str, str] = {}
@@ -421,7 +440,8 @@ class CompletionService:
             chat_lp = self._chat_logprobs(ex, logprobs) if logprobs else None
             chunk: BaseModel = ChatCompletionChunk(
                 id=ex.id, created=ex.created, model=ex.model,
-                choices=[ChatChunkChoice(delta=delta, finish_reason=fr, logprobs=chat_lp)],
+                choices=[ChatChunkChoice(delta=delta, finish_reason=fr, logprobs=chat_lp,
+                                         token_ids=token_ids)],
             )
         else:
             lp = None
@@ -430,9 +450,12 @@ class CompletionService:
                 lp = completion_logprobs(logprobs, ex.token_texts, ex.streamed_chars,
                                          as_ids=ex.tokens_as_ids)
             ex.streamed_chars += len(text or "")
+            # The prompt's ids ride on the first chunk only, as vLLM sends them.
+            prompt_ids, ex.prompt_ids = ex.prompt_ids, None
             chunk = CompletionResponse(
                 id=ex.id, created=ex.created, model=ex.model,
-                choices=[CompletionChoice(text=text or "", finish_reason=fr, logprobs=lp)],
+                choices=[CompletionChoice(text=text or "", finish_reason=fr, logprobs=lp,
+                                          prompt_token_ids=prompt_ids, token_ids=token_ids)],
             )
         # With include_usage every chunk carries "usage": null, as OpenAI's do.
         return _sse(chunk.model_dump(mode="json", exclude=None if ex.include_usage else {"usage"}))
@@ -443,10 +466,13 @@ class CompletionService:
         first: GenerationOutput,
         outputs: AsyncGenerator[GenerationOutput, None],
     ) -> AsyncIterator[bytes]:
+        with_ids = ex.prompt_ids is not None
         if ex.kind == "chat":
+            # vLLM's role chunk: the prompt's ids at the top level, no token_ids in the choice.
             role = ChatCompletionChunk(
                 id=ex.id, created=ex.created, model=ex.model,
                 choices=[ChatChunkChoice(delta={"role": "assistant", "content": ""})],
+                prompt_token_ids=ex.prompt_ids,
             )
             yield _sse(role.model_dump(mode="json", exclude=None if ex.include_usage else {"usage"}))
         out: GenerationOutput | None = first
@@ -457,6 +483,14 @@ class CompletionService:
                     yield _sse(openai_error("the request was aborted before it finished",
                                             type_="service_unavailable", code="aborted"))
                     break
+                if with_ids:
+                    # One chunk per output, as vLLM's: its ids, its text (maybe none yet, or
+                    # none ever: a stop string's), its logprobs and its finish together.
+                    yield self._chunk(ex, out.text, out.finish_reason, out.logprobs, list(out.token_ids))
+                    if out.finish_reason is not None:
+                        break
+                    out = await anext(outputs, None)
+                    continue
                 # Every token's logprobs go out once: with its text, or on their own when
                 # the token has none yet (half a character), or with the finish chunk.
                 pending = out.logprobs if ex.logprobs is not None else None

@@ -3,7 +3,14 @@
 Request models validate against per-node limits passed as validation context
 ({"max_tokens_limit": int}); unknown fields are ignored, as vLLM does, so newer
 OpenAI clients keep working. vLLM's extensions the node honours (top_k, ignore_eos,
-stop_token_ids, cache_salt, return_tokens_as_token_ids) keep vLLM's names and meaning.
+stop_token_ids, cache_salt, return_tokens_as_token_ids, return_token_ids) keep vLLM's names
+and meaning.
+
+Token ids (`return_token_ids`, vLLM >= 0.10.2) sit where vLLM 0.32 puts them: chat has
+`prompt_token_ids` at the top level (whole answer; the first, role, chunk of a stream) and
+`token_ids` in each choice; completions have both in the choice. They are what the router
+resumes a broken stream from, so a torch node must give them exactly as a vLLM node does.
+Unasked, they are left out altogether: no `null` keys for clients that never asked.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ class GenerationParams(BaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # Logprobs name tokens "token_id:<id>": unambiguous where texts collide or are not valid UTF-8.
     return_tokens_as_token_ids: bool | None = None
+    # The prompt's and the generated token ids in the answer (vLLM's; stream migration).
+    return_token_ids: bool | None = None
 
     @field_validator("n")
     @classmethod
@@ -220,6 +229,24 @@ class CompletionRequest(GenerationParams):
 
 # --- responses ------------------------------------------------------------------------
 
+_TOKEN_ID_KEYS = ("prompt_token_ids", "token_ids")
+
+
+def _without_unasked_ids(data: dict[str, Any]) -> dict[str, Any]:
+    """A serialised body without token-id keys that were not asked for (None)."""
+    for key in _TOKEN_ID_KEYS:
+        if key in data and data[key] is None:
+            del data[key]
+    return data
+
+
+class _TokenIdsOmittedWhenUnset(BaseModel):
+    """Token-id fields are serialised only when set: vLLM-shaped when asked, absent else."""
+
+    @model_serializer(mode="wrap")
+    def _omit_unasked_ids(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return _without_unasked_ids(handler(self))
+
 
 class PromptTokensDetails(BaseModel):
     # Prompt tokens whose KV came from the prefix cache.
@@ -275,14 +302,15 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_TokenIdsOmittedWhenUnset):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReasonField
     logprobs: ChatLogprobs | None = None
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIdsOmittedWhenUnset):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -290,17 +318,20 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_TokenIdsOmittedWhenUnset):
     index: int = 0
     # Only the keys that changed: {"role": ...} first, then {"content": ...}, {} at the end.
     delta: dict[str, str]
     finish_reason: FinishReasonField = None
     logprobs: ChatLogprobs | None = None
+    # The ids generated in this chunk, whether or not their text is in it yet.
+    token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_TokenIdsOmittedWhenUnset):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -308,13 +339,18 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    # On the first (role) chunk only.
+    prompt_token_ids: list[int] | None = None
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIdsOmittedWhenUnset):
     index: int = 0
     text: str
     finish_reason: FinishReasonField = None
     logprobs: CompletionLogprobs | None = None
+    # In a stream, prompt_token_ids is on the first chunk only; token_ids on every chunk.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):

@@ -23,11 +23,23 @@ import openai
 import pytest
 import pytest_asyncio
 from otlp_collector import OtlpCollector
-from router_harness import CLUSTER_TOKEN
-from tenant_fabric import MODEL, TenantFabric
+from router_harness import CLUSTER_TOKEN, ServerGroup
+from tenant_fabric import MODEL, TenantFabric, node_settings
+from token_ids_contract import (
+    REPLACEMENT_CHAR,
+    continued,
+    detokenize,
+    has_no_ids,
+    layout,
+    sse,
+    stop_across_tokens,
+    stream,
+)
 from vllm_fabric import ADAPTER, ALICE, BOB, require_vllm, vllm_fabric, write_spec
 
 from data_plane.model.make_tiny import VLLM_CPU_ARCH
+from data_plane.server.app import create_app as create_node_app
+from meridian.tokenizer import ChatTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 
@@ -240,6 +252,119 @@ def _children(pid: int) -> list[int]:
 
 
 # The two tests below change the node for good: they run last in this module.
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def nodes(fabric: TenantFabric) -> AsyncIterator[dict[str, httpx.AsyncClient]]:
+    """The module's vLLM node and a torch node on the same checkpoint, as a router reaches
+    them (the cluster token), for the assertions both node kinds are held to."""
+    settings = fabric.node.state.runtime.settings
+    torch_app = create_node_app(node_settings(settings.model_dir, node_id="torch-node", max_model_len=1024,
+                                              max_tokens_limit=64))
+    servers = ServerGroup()
+    try:
+        torch_url = await servers.start(torch_app)
+        await torch_app.state.runtime.wait_ready()
+        auth = {"authorization": f"Bearer {CLUSTER_TOKEN}"}
+        async with httpx.AsyncClient(base_url=fabric.node_url, headers=auth, timeout=120) as vllm, \
+                httpx.AsyncClient(base_url=torch_url, headers=auth, timeout=120) as torch:
+            yield {"vllm": vllm, "torch": torch}
+    finally:
+        await servers.stop()
+
+
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 4,
+             "temperature": 0, "ignore_eos": True}
+COMPLETION_BODY = {"model": MODEL, "prompt": "The river city is", "max_tokens": 4, "temperature": 0,
+                   "ignore_eos": True}
+
+
+@pytest.mark.parametrize(("path", "body", "streamed", "whole"), [
+    ("/v1/chat/completions", CHAT_BODY, [["top"], *[["ids:1"]] * 4, []], ["top", "ids:4"]),
+    ("/v1/completions", COMPLETION_BODY, [["prompt", "ids:1"], *[["ids:1"]] * 3, []], ["prompt", "ids:4"]),
+])
+async def test_return_token_ids_sit_in_the_same_places_on_vllm_and_torch_nodes(
+        nodes: dict[str, httpx.AsyncClient], path: str, body: dict[str, object],
+        streamed: list[list[str]], whole: list[str]) -> None:
+    asked = {**body, "return_token_ids": True}
+    for name, client in nodes.items():
+        chunks = await sse(client, path, {**asked, "stream_options": {"include_usage": True}})
+        assert [layout(c) for c in chunks] == streamed, (name, chunks)
+        answer = (await client.post(path, json=asked)).json()
+        assert layout(answer) == whole, (name, answer)
+        # Unasked, neither node kind sends any ids (vLLM writes nulls, torch leaves them out).
+        assert all(has_no_ids(c) for c in await sse(client, path, body)), name
+        assert has_no_ids((await client.post(path, json=body)).json()), name
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_a_stopped_stream_ends_its_ids_with_the_token_that_completed_the_stop_string_and_continues(
+        nodes: dict[str, httpx.AsyncClient], kind: str) -> None:
+    base = {k: v for k, v in (CHAT_BODY if kind == "chat" else COMPLETION_BODY).items() if k != "max_tokens"}
+    for name, client in nodes.items():
+        whole = await stream(client, kind, {**base, "max_tokens": 16})
+        stop, last = stop_across_tokens(whole)
+        stopped = await stream(client, kind, {**base, "max_tokens": 16, "stop": stop})
+        # Every id up to the one that completed the stop string, in one chunk each, while the
+        # text lags them, held back for the stop string, which never goes out. (How much
+        # lags differs: vLLM holds back len(stop) - 1 characters all along and sends what
+        # precedes the stop string with the last ids; a torch node holds back only what
+        # could be the start of a stop string.)
+        assert stopped.ids == whole.ids[:last + 1] and stopped.finish == "stop", (name, stop, stopped, whole)
+        assert stopped.text == whole.text.split(stop)[0], (name, stop, stopped, whole)
+        # Continued from token ids at any point before it, the same ids follow.
+        for k in range(last + 1):
+            rest = await stream(client, "completion", {
+                "model": MODEL, "prompt": stopped.prompt_ids + stopped.token_ids[:k], "max_tokens": 16 - k,
+                "stop": stop})
+            assert rest.token_ids[:last + 1 - k] == stopped.token_ids[k:], (name, k)
+
+
+async def test_tokenize_and_detokenize_answer_alike_on_vllm_and_torch_nodes(
+        nodes: dict[str, httpx.AsyncClient]) -> None:
+    answers: dict[str, list[object]] = {}
+    for name, client in nodes.items():
+        prompt = (await client.post("/tokenize", json={"model": MODEL, "prompt": "Hello , wörld 日本語 . I 'm"})).json()
+        chat = (await client.post("/tokenize", json={"model": MODEL, "messages": CHAT_BODY["messages"]})).json()
+        assert set(prompt) == set(chat) == {"count", "max_model_len", "tokens", "token_strs"}, (name, prompt)
+        ids = prompt["tokens"]
+        # Special tokens spelled, spaces as they are (no clean-up), half a character as U+FFFD.
+        answers[name] = [prompt, chat, await detokenize(client, MODEL, ids), await detokenize(client, MODEL, ids[:-1])]
+        unknown = await client.post("/detokenize", json={"model": "nope", "tokens": ids})
+        assert unknown.status_code == 404 and unknown.json()["error"]["message"], name
+        negative = await client.post("/detokenize", json={"model": MODEL, "tokens": [-1]})
+        assert negative.status_code == 400 and negative.json()["error"]["message"], name
+    assert answers["vllm"] == answers["torch"]
+    assert answers["torch"][2] == "<|begin_of_text|>Hello , wörld 日本語 . I 'm"
+    # Where they differ: vLLM decodes an id outside the vocabulary to nothing, a torch node refuses it.
+    outside = {"model": MODEL, "tokens": [ids[1], 5_000_000]}
+    first = await detokenize(nodes["torch"], MODEL, [ids[1]])
+    assert (await nodes["vllm"].post("/detokenize", json=outside)).json() == {"prompt": first}
+    assert (await nodes["torch"].post("/detokenize", json=outside)).status_code == 400
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+async def test_greedy_continuation_from_token_ids_is_exact_on_vllm_and_torch_nodes(
+        fabric: TenantFabric, nodes: dict[str, httpx.AsyncClient], kind: str) -> None:
+    n = 16
+    base = {k: v for k, v in (CHAT_BODY if kind == "chat" else COMPLETION_BODY).items() if k != "max_tokens"}
+    tokenizer = ChatTokenizer.from_dir(fabric.node.state.runtime.settings.model_dir)
+    for name, client in nodes.items():
+        seams = await continued(client, MODEL, kind, base, n, list(range(n)))
+        assert [s.k for s in seams if not s.same_tokens] == [], name
+        if name == "torch":
+            assert [s.k for s in seams if not s.same_text] == []
+            continue
+        # vLLM primes its decoder with the prompt (tokenizers' DecodeStream(ids=...)); where
+        # the prompt ends in an unfinished character (text held back at the break), the
+        # continuation's first text is the whole prompt's text again, then the new text.
+        # The router strips that replay (or resumes before the unfinished character).
+        for s in seams:
+            if s.same_text:
+                continue
+            replay = tokenizer.decode(s.prompt_ids + s.whole.token_ids[:s.k])
+            assert replay.endswith(REPLACEMENT_CHAR), (s.k, replay)
+            assert s.rest.text == tokenizer.decode(s.prompt_ids) + s.whole.text, s.k
 
 
 async def test_a_killed_engine_core_is_restarted_and_serves_again(fabric: TenantFabric) -> None:
