@@ -30,9 +30,10 @@ from token_ids_contract import (
     continued,
     detokenize,
     has_no_ids,
+    ids_in,
     layout,
     sse,
-    stop_across_tokens,
+    stop_across_chunks,
     stream,
 )
 from vllm_fabric import ADAPTER, ALICE, BOB, require_vllm, vllm_fabric, write_spec
@@ -279,19 +280,24 @@ COMPLETION_BODY = {"model": MODEL, "prompt": "The river city is", "max_tokens": 
                    "ignore_eos": True}
 
 
-@pytest.mark.parametrize(("path", "body", "streamed", "whole"), [
-    ("/v1/chat/completions", CHAT_BODY, [["top"], *[["ids:1"]] * 4, []], ["top", "ids:4"]),
-    ("/v1/completions", COMPLETION_BODY, [["prompt", "ids:1"], *[["ids:1"]] * 3, []], ["prompt", "ids:4"]),
+@pytest.mark.parametrize(("path", "body", "first", "whole"), [
+    ("/v1/chat/completions", CHAT_BODY, ["top"], ["top", "ids"]),
+    ("/v1/completions", COMPLETION_BODY, ["prompt", "ids"], ["prompt", "ids"]),
 ])
 async def test_return_token_ids_sit_in_the_same_places_on_vllm_and_torch_nodes(
         nodes: dict[str, httpx.AsyncClient], path: str, body: dict[str, object],
-        streamed: list[list[str]], whole: list[str]) -> None:
+        first: list[str], whole: list[str]) -> None:
     asked = {**body, "return_token_ids": True}
     for name, client in nodes.items():
         chunks = await sse(client, path, {**asked, "stream_options": {"include_usage": True}})
-        assert [layout(c) for c in chunks] == streamed, (name, chunks)
+        # The prompt's ids first, then generated ids in every chunk (one each on a torch
+        # node; vLLM's can hold several), then the usage chunk with none.
+        layouts = [layout(c) for c in chunks]
+        assert layouts[0] == first and layouts[-1] == [], (name, chunks)
+        assert all(where == ["ids"] for where in layouts[1:-1]), (name, chunks)
+        assert ids_in(chunks) == chunks[-1]["usage"]["completion_tokens"] == 4, (name, chunks)
         answer = (await client.post(path, json=asked)).json()
-        assert layout(answer) == whole, (name, answer)
+        assert layout(answer) == whole and ids_in([answer]) == 4, (name, answer)
         # Unasked, neither node kind sends any ids (vLLM writes nulls, torch leaves them out).
         assert all(has_no_ids(c) for c in await sse(client, path, body)), name
         assert has_no_ids((await client.post(path, json=body)).json()), name
@@ -303,21 +309,23 @@ async def test_a_stopped_stream_ends_its_ids_with_the_token_that_completed_the_s
     base = {k: v for k, v in (CHAT_BODY if kind == "chat" else COMPLETION_BODY).items() if k != "max_tokens"}
     for name, client in nodes.items():
         whole = await stream(client, kind, {**base, "max_tokens": 16})
-        stop, last = stop_across_tokens(whole)
+        stop, fewest, most = stop_across_chunks(whole)
         stopped = await stream(client, kind, {**base, "max_tokens": 16, "stop": stop})
         # Every id up to the one that completed the stop string, in one chunk each, while the
         # text lags them, held back for the stop string, which never goes out. (How much
         # lags differs: vLLM holds back len(stop) - 1 characters all along and sends what
         # precedes the stop string with the last ids; a torch node holds back only what
         # could be the start of a stop string.)
-        assert stopped.ids == whole.ids[:last + 1] and stopped.finish == "stop", (name, stop, stopped, whole)
+        m = len(stopped.token_ids)
+        assert fewest <= m <= most and stopped.finish == "stop", (name, stop, stopped, whole)
+        assert stopped.token_ids == whole.token_ids[:m], (name, stop, stopped, whole)
         assert stopped.text == whole.text.split(stop)[0], (name, stop, stopped, whole)
-        # Continued from token ids at any point before it, the same ids follow.
-        for k in range(last + 1):
+        # Continued from token ids at any chunk boundary before it, the same ids follow.
+        for k in stopped.boundaries[:-1]:
             rest = await stream(client, "completion", {
                 "model": MODEL, "prompt": stopped.prompt_ids + stopped.token_ids[:k], "max_tokens": 16 - k,
                 "stop": stop})
-            assert rest.token_ids[:last + 1 - k] == stopped.token_ids[k:], (name, k)
+            assert rest.token_ids[:m - k] == stopped.token_ids[k:], (name, k)
 
 
 async def test_tokenize_and_detokenize_answer_alike_on_vllm_and_torch_nodes(
@@ -351,7 +359,7 @@ async def test_greedy_continuation_from_token_ids_is_exact_on_vllm_and_torch_nod
     tokenizer = ChatTokenizer.from_dir(fabric.node.state.runtime.settings.model_dir)
     for name, client in nodes.items():
         seams = await continued(client, MODEL, kind, base, n, list(range(n)))
-        assert [s.k for s in seams if not s.same_tokens] == [], name
+        assert len(seams) >= n // 2 and [s.k for s in seams if not s.same_tokens] == [], (name, len(seams))
         if name == "torch":
             assert [s.k for s in seams if not s.same_text] == []
             continue

@@ -3,9 +3,9 @@ assertions: where `return_token_ids` puts the ids (vLLM 0.32's places), the bodi
 /tokenize and /detokenize, and a greedy stream continued from token ids.
 
 A layout names, per chunk, which token-id lists it carries: `top` (chat's prompt ids at
-the top level), `prompt` (completions' prompt ids in the choice), `ids:N` (the choice's
-generated ids, N of them). A `null` counts as absent: vLLM writes `null` for ids it does
-not send, the torch node leaves the key out.
+the top level), `prompt` (completions' prompt ids in the choice), `ids` (the choice's
+generated ids). A `null` counts as absent: vLLM writes `null` for ids it does not send,
+the torch node leaves the key out.
 """
 
 from __future__ import annotations
@@ -35,8 +35,13 @@ def layout(chunk: dict[str, Any]) -> list[str]:
         if isinstance(choice.get("prompt_token_ids"), list):
             where.append("prompt")
         if isinstance(choice.get("token_ids"), list):
-            where.append(f"ids:{len(choice['token_ids'])}")
+            where.append("ids")
     return where
+
+
+def ids_in(chunks: list[dict[str, Any]]) -> int:
+    """How many generated ids the chunks carry."""
+    return sum(len(c.get("token_ids") or []) for chunk in chunks for c in chunk.get("choices", []))
 
 
 def has_no_ids(chunk: dict[str, Any]) -> bool:
@@ -67,6 +72,16 @@ class Piece:
     def text(self) -> str:
         return "".join(self.texts)
 
+    @property
+    def boundaries(self) -> list[int]:
+        """How many ids had been streamed after each chunk: where a stream can break. (vLLM
+        sends one id per chunk, or several when its output lags the engine.)"""
+        counts, seen = [0], 0
+        for ids in self.ids:
+            seen += len(ids)
+            counts.append(seen)
+        return counts
+
     def text_upto(self, k: int) -> str:
         """The text streamed by the time the first k generated ids had been."""
         out, seen = "", 0
@@ -92,14 +107,14 @@ async def stream(client: httpx.AsyncClient, kind: str, body: dict[str, Any]) -> 
                  chunks[-1]["choices"][0]["finish_reason"])
 
 
-def stop_across_tokens(piece: Piece) -> tuple[str, int]:
-    """Three characters of `piece`'s text that the texts of its tokens j and j + 1 share,
-    found there first (none U+FFFD), and j + 1: the token that completes them."""
+def stop_across_chunks(piece: Piece) -> tuple[str, int, int]:
+    """Three characters of `piece`'s text that its chunks j and j + 1 share, found there
+    first (none U+FFFD), and the range of id counts the one completing them ends in."""
     texts = piece.texts
     for j in range(1, len(texts) - 1):
         stop = texts[j][-1:] + texts[j + 1][:2]
         if len(stop) == 3 and REPLACEMENT_CHAR not in stop and piece.text.find(stop) == len("".join(texts[:j + 1])) - 1:
-            return stop, j + 1
+            return stop, piece.boundaries[j + 1] + 1, piece.boundaries[j + 2]
     raise AssertionError(f"no usable stop string in {piece.text!r}")
 
 
@@ -131,13 +146,13 @@ class Seam:
 
 async def continued(client: httpx.AsyncClient, model: str, kind: str, base: dict[str, Any], n: int,
                     ks: list[int]) -> list[Seam]:
-    """The greedy stream of `base` (n tokens), continued at each k of `ks` as the router
-    continues a broken one: a completions prompt of the prompt's ids + the first k
-    generated ids, n - k more tokens."""
+    """The greedy stream of `base` (n tokens), continued at each k of `ks` that is a chunk
+    boundary as the router continues a broken one: a completions prompt of the prompt's
+    ids + the first k generated ids, n - k more tokens."""
     whole = await stream(client, kind, {**base, "max_tokens": n})
     assert len(whole.token_ids) == n, whole
     seams = []
-    for k in ks:
+    for k in (k for k in ks if k in whole.boundaries):
         rest = await stream(client, "completion", {
             "model": model, "prompt": whole.prompt_ids + whole.token_ids[:k], "max_tokens": n - k})
         seams.append(Seam(k, whole.prompt_ids, whole, rest))
