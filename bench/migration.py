@@ -1,7 +1,7 @@
 """Migration: nodes serving long streams are SIGKILLed at a steady rate (issue 22).
 
     python -m bench.migration [--concurrency C] [--seconds S] [--kill-every S] [--max-tokens N]
-                              [--restart-after S] [--router-env MERIDIAN_X=V ...]
+                              [--restart-after S] [--rounds N] [--router-env MERIDIAN_X=V ...]
 
 A local fabric with two torch-engine nodes (the tiny demo model) in each of two regions,
 aws:us-east-1 (the clients' own) and aws:us-east-2. Clients keep `concurrency` long
@@ -10,29 +10,35 @@ cycling through a fixed set of prompts, and ask `return_token_ids` so that every
 token ids can be compared with the reference: the same prompt streamed alone on an idle
 fabric first (greedy decoding is deterministic, so any difference is the seam's fault).
 
-Two phases of the same load, `seconds` each: no faults, then one where every `kill_every_s`
-the live node with the most streams in flight is SIGKILLed (never the last one alive),
-and started again `restart_after_s` later (at a low CPU priority until it is up, as
-separate machines would not share its cold start with the survivors).
+The same load runs without faults for `seconds`/2, then `rounds` times: a crash phase of
+`seconds` in which every `kill_every_s` the live node with the most streams in flight is
+SIGKILLed (never the last one alive) and started again `restart_after_s` later (at a low
+CPU priority until it is up: on separate machines its cold start would not take the
+survivors' CPU), then `seconds`/2 without faults again, once the killed nodes are back.
+No-fault time on both sides of the crashes: a shared machine's drift weighs on both alike.
 
 - `broken_streams`: streams that ended with an error event, without `[DONE]`, or with no
-  stream at all. Goal 0. Baseline: the same count in the no-fault phase.
+  stream at all. Goal 0. Baseline: the same count without faults.
 - `token_mismatches`: finished streams whose token ids differ from the reference. Goal 0.
-  Baseline: the same in the no-fault phase (batching alone must not change greedy ids).
+  Baseline: the same without faults (batching alone must not change greedy ids).
   `text_mismatches` is the same for the text the client read.
-- `resume_p50_ms` / `resume_p99_ms`: for each migration, the client's gap between the
-  events before and after the seam (a migrated stream's `migrations` largest gaps: the
-  kill lands between two events, the continuation's first token ends the gap). Baseline:
-  the p50 / p99 inter-token gap of the no-fault phase.
+- `resume_p50_ms` / `resume_p99_ms`: for each migration, the gap the client saw between
+  the last token from the failed node and the first from the next (the router's journal
+  says after how many tokens each continuation began). Baseline: the inter-token gap
+  without faults, p50 / p99 over streams of each stream's mean gap (on shared cores a
+  node's events reach the client in bursts, so single gaps are mostly ~0).
 - `resume_p99_vs_itl`: each seam's gap over the median inter-token gap of the unmigrated
-  streams of the crash phase on the node that finished the migrated one (same node, same
-  load), p99. Baseline: an unbroken stream's largest gap over its node's median gap, p99,
-  in the no-fault phase: the worst hiccup a stream sees without any fault.
-- `throughput_under_crashes`: generated tokens per second received by all clients in the
-  crash phase. Baseline: the no-fault phase. Reported: the cost of migration (re-prefill,
+  streams that ran on the node that finished it during the crashes (same node, same load),
+  p99. Baseline: an unbroken stream's largest gap over its node's median gap, p99, without
+  faults: the worst hiccup a stream sees anyway.
+- `throughput_under_crashes`: generated tokens per second received by all clients during
+  the crash phases. Baseline: without faults. Reported: the cost of migration (re-prefill,
   the seams) and of the crashes themselves (a node's cold start shares these cores).
-- `migrated_streams`: streams that carried the router's `meridian` field (the migrations
-  really happened). Baseline: every stream of the crash phase.
+- `migrated_streams`: streams that carried the router's `meridian` field (migrations did
+  happen, so the figures above measure something). Baseline: every crash-phase stream.
+
+The router runs with its default settings unless `--router-env` says otherwise; its
+migration metrics and where a seam's time goes are logged to stderr.
 """
 
 from __future__ import annotations
@@ -187,6 +193,12 @@ async def run_load(url: str, key: str, *, concurrency: int, seconds: float, max_
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
     return Phase(streams, time.perf_counter() - start)
+
+
+def merged(phases: list[Phase]) -> Phase:
+    """Phases of one kind as one (tokens over their summed time)."""
+    return Phase([s for p in phases for s in p.streams], sum(p.seconds for p in phases),
+                 [k for p in phases for k in p.kills])
 
 
 # -- faults ---------------------------------------------------------------------------------
@@ -431,7 +443,7 @@ def _summary(name: str, phase: Phase) -> str:
 
 
 def run(concurrency: int = 8, seconds: float = 12.0, kill_every_s: float = 3.0, restart_after_s: float = 1.0,
-        max_tokens: int = 200, router_env: dict[str, str] | None = None) -> list[Figure]:
+        max_tokens: int = 200, router_env: dict[str, str] | None = None, rounds: int = 1) -> list[Figure]:
     with tempfile.TemporaryDirectory() as tmp:
         spec = FabricSpec(work_dir=Path(tmp), regions=REGIONS, nodes_per_region=2,
                           default_client_location=REGIONS[0], router_env=dict(router_env or {}),
@@ -449,15 +461,16 @@ def run(concurrency: int = 8, seconds: float = 12.0, kill_every_s: float = 3.0, 
 
             async def main() -> tuple[dict[int, StreamResult], Phase, Phase]:
                 ref = await _reference(url, key, max_tokens)
-                # No faults for half the time before the crashes and half after (the fabric
-                # whole again): a shared machine's drift then weighs on both sides alike.
-                before = await calm_phase("no faults, before")
-                crashes = await crash_phase(fabric, url, key, concurrency=concurrency, seconds=seconds,
-                                            max_tokens=max_tokens, kill_every_s=kill_every_s,
-                                            restart_after_s=restart_after_s)
-                log(_summary("crashes", crashes))
-                after = await calm_phase("no faults, after")
-                return ref, Phase(before.streams + after.streams, before.seconds + after.seconds), crashes
+                # No faults for half a phase before each crash phase and after the last (the
+                # fabric whole again): a shared machine's drift weighs on both sides alike.
+                calm, crashes = [await calm_phase("no faults")], []
+                for r in range(rounds):
+                    crashes.append(await crash_phase(fabric, url, key, concurrency=concurrency, seconds=seconds,
+                                                     max_tokens=max_tokens, kill_every_s=kill_every_s,
+                                                     restart_after_s=restart_after_s))
+                    log(_summary(f"crashes, round {r + 1}", crashes[-1]))
+                    calm.append(await calm_phase("no faults"))
+                return ref, merged(calm), merged(crashes)
 
             ref, calm, crashes = asyncio.run(main())
             read_seams(Path(tmp) / "journal" / "router.jsonl", crashes.streams)
@@ -474,6 +487,8 @@ def main() -> None:
     ap.add_argument("--kill-every", type=float, default=3.0, help="seconds between SIGKILLs")
     ap.add_argument("--restart-after", type=float, default=1.0, help="seconds a killed node stays down")
     ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="crash phases, each between no-fault phases of half its length")
     ap.add_argument("--router-env", action="append", default=[], metavar="MERIDIAN_X=V",
                     help="a router setting for this run (repeatable), e.g. its migration budget")
     args = ap.parse_args()
@@ -481,7 +496,8 @@ def main() -> None:
     if len(router_env) != len(args.router_env) or not all(k.startswith("MERIDIAN_") for k in router_env):
         ap.error("--router-env takes MERIDIAN_NAME=value")
     for fig in run(concurrency=args.concurrency, seconds=args.seconds, kill_every_s=args.kill_every,
-                   restart_after_s=args.restart_after, max_tokens=args.max_tokens, router_env=router_env):
+                   restart_after_s=args.restart_after, max_tokens=args.max_tokens, router_env=router_env,
+                   rounds=args.rounds):
         print(fig.json_line(), flush=True)
 
 
