@@ -4,6 +4,7 @@ from bench import (
     engine,
     engine_vllm,
     failover,
+    migration,
     placement,
     router,
     router_overhead,
@@ -24,6 +25,8 @@ def main() -> None:
     for fig in routing.run():
         print(fig.json_line(), flush=True)
     for fig in failover.run():
+        print(fig.json_line(), flush=True)
+    for fig in migration.run():
         print(fig.json_line(), flush=True)
     for fig in engine.run():
         print(fig.json_line(), flush=True)
