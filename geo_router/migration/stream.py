@@ -174,7 +174,9 @@ class MigratingStream:
 
     async def _read(self, piece: Piece) -> bytes:
         loop = asyncio.get_running_loop()
-        until = min(self._deadline, loop.time() + self._host.inter_token_timeout_s)
+        # A stream that could not move anyway (no ids from its node) keeps the read timeout.
+        wait_s = self._host.inter_token_timeout_s if self._ledger.resumable else self._host.read_timeout_s
+        until = min(self._deadline, loop.time() + wait_s)
         try:
             async with asyncio.timeout_at(until):
                 return await piece.conn.read_chunk()
@@ -183,8 +185,7 @@ class MigratingStream:
         except TimeoutError:
             if loop.time() >= self._deadline:
                 raise _Broken(None, "the request's deadline passed") from None
-            raise _Broken(BreakReason.STALLED,
-                          f"no token for {self._host.inter_token_timeout_s:g}s") from None
+            raise _Broken(BreakReason.STALLED, f"no token for {wait_s:g}s") from None
 
     async def _recover(self, broken: _Broken) -> bytes | None:
         """Move the stream to the next replica (None), or its last bytes when it ends here."""
