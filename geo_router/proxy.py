@@ -41,6 +41,7 @@ from .metrics import RouterMetrics
 from .migration.budget import MigrationBudget
 from .migration.decide import BreakReason, Refusal
 from .migration.plan import plan_for
+from .migration.silence import SilenceWatch
 from .migration.stream import MigratingStream, MigrationContext, Piece, PieceFailed
 from .outlier import RetryBudget
 from .request import InferenceRequest
@@ -143,6 +144,7 @@ class UpstreamForwarder:
         # Stream migration (geo_router.migration): what MigratingStream asks of its host.
         self.inter_token_timeout_s = settings.inter_token_timeout_s
         self.max_migrations = settings.migration_max_per_request
+        self.silence = SilenceWatch(settings.inter_token_timeout_s)
         self.budget = MigrationBudget(
             clock, percent=settings.migration_budget_percent, min_concurrency=settings.min_migration_concurrency,
             tokens_per_s=settings.migration_budget_tokens_per_s, burst_tokens=settings.migration_budget_burst_tokens,
@@ -321,6 +323,7 @@ class UpstreamForwarder:
 
     def end_piece(self, candidate: Candidate) -> None:
         self._fleet.end(candidate.node.node_id)
+        self.silence.ended(candidate.node.node_id)
 
     def migrated(self, reason: BreakReason, source: Candidate, target: Candidate, tokens: int,
                  resume_s: float) -> None:
@@ -369,6 +372,7 @@ class UpstreamForwarder:
                 self._slots.release()
                 self._fleet.end(node)
         self._fleet.record_success(node)
+        self.silence.started(node)
         return Piece(candidate, conn, framer, first, ended)
 
     async def detokenize(self, candidate: Candidate, model: str, tokens: list[int]) -> str | None:

@@ -46,14 +46,20 @@ class Refuse:
 
 
 def next_replica(
-    candidates: Sequence[Candidate], failed: Collection[str], from_region: str, is_ejected: Callable[[str], bool]
+    candidates: Sequence[Candidate], failed: Collection[str], from_region: str, is_ejected: Callable[[str], bool],
+    is_suspect: Callable[[str], bool] = lambda _: False,
 ) -> Candidate | None:
-    """The replica a stream continues on: same region first, then the policy's order."""
+    """The replica a stream continues on: same region first, then the policy's order;
+    replicas under suspicion (frozen-looking: their own streams went silent) only when no
+    other is left, since trying one costs a stream the inter-token timeout again."""
     usable = [c for c in candidates if c.node.node_id not in failed and not is_ejected(c.node.node_id)]
-    for c in usable:
-        if c.region.name == from_region:
-            return c
-    return usable[0] if usable else None
+    for group in ([c for c in usable if not is_suspect(c.node.node_id)], usable):
+        for c in group:
+            if c.region.name == from_region:
+                return c
+        if group:
+            return group[0]
+    return None
 
 
 def decide(

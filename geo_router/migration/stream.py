@@ -26,6 +26,7 @@ from .decide import BreakReason, Move, Refusal, Refuse, decide, next_replica
 from .events import DONE, Continuation, encode, for_client, is_error, split_events
 from .ledger import StreamLedger, unsent_tail
 from .plan import COMPLETIONS_ROUTE, MigrationPlan
+from .silence import SilenceWatch
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,10 @@ class MigrationHost(StreamHost, Protocol):
     inter_token_timeout_s: float
     max_migrations: int
     budget: MigrationBudget
+    silence: SilenceWatch
 
     def is_ejected(self, node_id: str) -> bool: ...
+
 
     async def open_piece(self, candidate: Candidate, route: str, body: bytes, request_id: str, deadline: float,
                          trace_headers: str, migration: int, resume_tokens: int) -> Piece: ...
@@ -109,6 +112,7 @@ class MigratingStream:
         self.tally = StreamTally()
         self.on_close: list[Callable[[StreamTally], None]] = []
         host.budget.begin_stream()
+        host.silence.started(piece.candidate.node.node_id)
 
     @property
     def migrations(self) -> int:
@@ -179,7 +183,9 @@ class MigratingStream:
         until = min(self._deadline, loop.time() + wait_s)
         try:
             async with asyncio.timeout_at(until):
-                return await piece.conn.read_chunk()
+                chunk = await piece.conn.read_chunk()
+            self._host.silence.heard(piece.candidate.node.node_id)
+            return chunk
         except UpstreamError as exc:
             raise _Broken(BreakReason.CONNECTION, str(exc)) from None
         except TimeoutError:
@@ -194,6 +200,8 @@ class MigratingStream:
         log.warning("request %s: node %s broke a stream (%s: %s)", self._ctx.request_id, source.node.node_id,
                     broken.reason, broken)
         self._host.note_failure(source, FailureReason.TIMEOUT if broken.reason is None else FailureReason.MIDSTREAM)
+        if broken.reason is BreakReason.STALLED:
+            self._host.silence.heard(source.node.node_id, stalled=True)
         self._failed.add(source.node.node_id)
         self._end_piece()
         ledger = self._ledger
@@ -205,7 +213,8 @@ class MigratingStream:
         while True:
             loop = asyncio.get_running_loop()
             cost = len(ledger.prompt_ids or ()) + len(ledger.generated)
-            replica = next_replica(self._ctx.candidates, self._failed, source.region.name, self._host.is_ejected)
+            replica = next_replica(self._ctx.candidates, self._failed, source.region.name, self._host.is_ejected,
+                                   self._host.silence.is_suspect)
             decision: Move | Refuse = decide(
                 resumable=ledger.resumable, migrations=self._migrations, max_migrations=self._host.max_migrations,
                 replica=replica, time_left_s=self._deadline - loop.time())
@@ -305,6 +314,7 @@ class MigratingStream:
         if piece.candidate.node.node_id not in self._failed:
             self._host.release(piece.conn)
             self._host.finish(piece.candidate, time.perf_counter() - self._received_at)
+            self._host.silence.ended(piece.candidate.node.node_id)
         self._host.end_request()
         self._host.budget.end_stream()
         run_close_callbacks(self.on_close, self.tally)

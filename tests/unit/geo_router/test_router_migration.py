@@ -9,6 +9,7 @@ timeout), an error event (an engine fault).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -292,3 +293,22 @@ async def test_a_frozen_replica_is_passed_over_for_the_next_one(fabric: Migratio
     got = await stream(fabric)
     assert got.error is None and got.text == reference(chat_prompt(MESSAGES), 40)[0]
     assert got.trailer == {"migrations": 1, "node": "apac-1", "region": REGIONS["apac"].name}
+
+
+async def test_a_replica_whose_own_streams_went_silent_is_passed_over(tmp_path: Any) -> None:
+    # The whole nearest region freezes: us-1's stream and us-2's stream both stall. The stream
+    # on us-1 must not be resumed on us-2 (same region, not yet ejected: its own stream has
+    # not timed out yet) but on eu-1, without waiting out a second inter-token timeout.
+    async for f in _fabric(tmp_path, {"us-1": "us", "us-2": "us", "eu-1": "eu"}, inter_token_timeout_s=1.0,
+                           consecutive_failures_to_eject=100):
+        f.nodes["us-1"].faults.append(Fault("stall", 3))
+        f.nodes["us-2"].faults.append(Fault("stall", 3))
+        first, second = await asyncio.gather(stream(f, max_tokens=20), _later(0.3, stream(f, max_tokens=20)))
+        for got in (first, second):
+            assert got.error is None and got.text == reference(chat_prompt(MESSAGES), 20)[0]
+            assert got.trailer is not None and got.trailer["node"] == "eu-1"
+
+
+async def _later(delay_s: float, coro: Any) -> Any:
+    await asyncio.sleep(delay_s)
+    return await coro
