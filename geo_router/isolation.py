@@ -25,7 +25,7 @@ import msgspec
 from meridian.contracts import TenantEntry
 
 from .errors import BadRequest
-from .request import InferenceRequest
+from .request import InferenceRequest, with_field
 
 # The nodes' limit (vLLM takes any string; ours stay well within a header-sized value).
 MAX_CLIENT_SALT_CHARS = 256
@@ -50,10 +50,7 @@ def salted(request: InferenceRequest, tenant: TenantEntry) -> InferenceRequest:
     client = request.payload.get("cache_salt")
     if client is None:
         payload = {**request.payload, "cache_salt": salt}
-        # The common case: append the field to the object's bytes, no re-encoding. The body
-        # is a JSON object (parse_inference_request checked) with at least `model` in it.
-        end = request.body.rstrip().rfind(b"}")
-        body = request.body[:end] + b',"cache_salt":"' + salt.encode() + b'"}'
+        body = with_field(request.body, "cache_salt", b'"' + salt.encode() + b'"')
     else:
         if not isinstance(client, str) or not 0 < len(client) <= MAX_CLIENT_SALT_CHARS:
             raise BadRequest(f"`cache_salt` must be a non-empty string of at most "

@@ -39,6 +39,14 @@ class InferenceRequest:
     payload: dict[str, Any]
 
 
+def with_field(body: bytes, name: str, json_value: bytes) -> bytes:
+    """`body`, a JSON object without `name` (parse_inference_request checked it is an object,
+    with at least `model` in it), with `"name": json_value` appended to its bytes: a field the
+    router adds to every request costs no re-encoding of the client's body."""
+    end = body.rstrip().rfind(b"}")
+    return body[:end] + b',"' + name.encode() + b'":' + json_value + b"}"
+
+
 def request_id_for(client_value: str | None) -> str:
     """The client's x-request-id when it is a sane token, else 32 fresh random hex digits."""
     if client_value and _SANE_REQUEST_ID.match(client_value):

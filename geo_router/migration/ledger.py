@@ -29,7 +29,6 @@ class StreamLedger:
     delivered: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     usage_sent: bool = False
-    done_sent: bool = False
     # Something a continuation cannot rebuild was streamed (a tool call, reasoning).
     unresumable: str | None = None
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import msgspec
 
+from ..request import with_field
+
 CHAT_ROUTE = "/v1/chat/completions"
 COMPLETIONS_ROUTE = "/v1/completions"
 
@@ -125,6 +127,4 @@ def _ints_or_none(*values: Any) -> bool:
 def _with_token_ids(body: bytes, payload: dict[str, Any]) -> bytes:
     if "return_token_ids" in payload:  # the client said false (or nonsense): ours wins
         return _ENCODE.encode({**payload, "return_token_ids": True})
-    # Append to the object's bytes, as the cache salt is (geo_router.isolation).
-    end = body.rstrip().rfind(b"}")
-    return body[:end] + b',"return_token_ids":true}'
+    return with_field(body, "return_token_ids", b"true")

@@ -114,10 +114,6 @@ class MigratingStream:
         host.budget.begin_stream()
         host.silence.started(piece.candidate.node.node_id)
 
-    @property
-    def migrations(self) -> int:
-        return self._migrations
-
     async def body(self) -> AsyncIterator[bytes]:
         while True:
             try:
