@@ -1,8 +1,8 @@
 """Open-loop load generator for chaos drills: it sends a drill's `Load` at the geo router.
 
-Arrivals are a seeded Poisson process; each request is sent at its time as its own task and
-never waits for earlier answers, so a slow or broken fabric meets the full load instead of a
-load that politely backs off (coordinated omission). Every request becomes two `ClientOp`
+Arrivals are a seeded Poisson process (chaos.arrivals); each request is sent at its time
+as its own task and never waits for earlier answers, so a slow or broken fabric meets the
+full load instead of a load that politely backs off (coordinated omission). Every request becomes two `ClientOp`
 records in the client history: one with no outcome when it is sent and one when it ends,
 with the outcome judged so that `chaos.checker` draws the right conclusions:
 
@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from chaos.arrivals import Arrival, conversation_messages, fresh_prompt, make_schedule, system_prompt
 from chaos.drill import Load
 from chaos.history import ClientOp, HistoryWriter, Outcome, StreamDetail
 from chaos.streams import (
@@ -44,7 +45,6 @@ from chaos.streams import (
     StreamTracker,
     long_stream_body,
     read_events,
-    split_tenants,
     sse_payloads,
 )
 from meridian.contracts import HEADER_NODE, HEADER_REGION, HEADER_REQUEST_ID
@@ -55,18 +55,7 @@ CHAT_PATH = "/v1/chat/completions"
 HEADER_IDEMPOTENCY_KEY = "idempotency-key"
 # The router refuses any other request id, so keys are checked before a single one is sent.
 _KEY_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-CONVERSATIONS_PER_TENANT = 4
-MAX_PROMPT_CHARS = 1500
 CONNECT_TIMEOUT_S = 5.0
-_ASSISTANT_ACK = "Noted."
-
-_WORDS = (
-    "region", "replica", "latency", "throughput", "cache", "prefix", "token", "stream", "router",
-    "tenant", "zone", "failover", "quorum", "lease", "snapshot", "weights", "digest", "shard",
-    "budget", "deadline", "retry", "backoff", "probe", "drain", "eject", "heal", "burst", "queue",
-    "batch", "kernel", "memory", "bandwidth", "packet", "window", "sample", "model", "prompt",
-    "answer", "summary", "incident", "runbook", "capacity", "forecast", "residency", "audit",
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,18 +65,6 @@ class LoadTarget:
     router_urls: tuple[str, ...]
     api_keys: Mapping[str, str]  # drill tenant name -> API key
     model: str
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """One scheduled request; `conversation` is None without a shared prefix."""
-
-    at_s: float
-    tenant: str
-    stream: bool
-    conversation: int | None
-    turn: int
-    long: bool = False  # one of load.long_streams (chaos.streams)
 
 
 @dataclass
@@ -198,7 +175,7 @@ class LoadGenerator:
             pool=load.request_timeout_s,
         )
         # An explicit schedule (a burst) replaces the load's Poisson arrivals.
-        self._schedule = list(schedule) if schedule is not None else _make_schedule(load, seed)
+        self._schedule = list(schedule) if schedule is not None else make_schedule(load, seed)
         # The injectors of mid-stream faults watch the long streams' progress here.
         self.tracker = StreamTracker(expected=sum(a.long for a in self._schedule))
         self._stop = asyncio.Event()
@@ -384,9 +361,9 @@ class LoadGenerator:
             # request, so a resumed stream continuing another's tokens would show.
             rng = random.Random(f"{self._seed}:{n}")
             return [{"role": "system", "content": system_prompt(arrival.tenant)},
-                    {"role": "user", "content": _fresh_prompt(rng)}]
+                    {"role": "user", "content": fresh_prompt(rng)}]
         if arrival.conversation is None:
-            return [{"role": "user", "content": _fresh_prompt(random.Random(f"{self._seed}:{n}"))}]
+            return [{"role": "user", "content": fresh_prompt(random.Random(f"{self._seed}:{n}"))}]
         return conversation_messages(self._seed, arrival.tenant, arrival.conversation, arrival.turn)
 
 
@@ -461,109 +438,6 @@ def _on_event(payload: str, start: float, seen: _Seen) -> _End | None:
     return None
 
 
-# --- schedule and prompts -------------------------------------------------------------
-
-
-def _make_schedule(load: Load, seed: int) -> list[Arrival]:
-    """The Poisson arrivals and the long-stream burst (if any), in time order."""
-    out = _poisson_schedule(load, seed)
-    ls = load.long_streams
-    if ls is not None:
-        weights = {t.name: t.weight for t in load.tenants}
-        names = ls.tenants or list(weights)
-        rng = random.Random(f"long:{seed}")
-        tenants = split_tenants([(n, weights[n]) for n in names], ls.count)
-        out += [Arrival(ls.at_s + rng.uniform(0, ls.spread_s), t, True, None, 0, long=True) for t in tenants]
-    return sorted(out, key=lambda a: a.at_s)
-
-
-def _poisson_schedule(load: Load, seed: int) -> list[Arrival]:
-    rng = random.Random(seed)
-    names = [t.name for t in load.tenants]
-    weights = [t.weight for t in load.tenants]
-    turns: dict[tuple[str, int], int] = {}
-    out: list[Arrival] = []
-    t = rng.expovariate(load.arrivals_per_s)
-    while t < load.duration_s:
-        tenant = rng.choices(names, weights)[0]
-        stream = rng.random() < load.streaming_fraction
-        conversation: int | None = None
-        turn = 0
-        if load.shared_prefix:
-            conversation = rng.randrange(CONVERSATIONS_PER_TENANT)
-            turn = turns.get((tenant, conversation), 0)
-            turns[tenant, conversation] = turn + 1
-        out.append(Arrival(t, tenant, stream, conversation, turn))
-        t += rng.expovariate(load.arrivals_per_s)
-    return out
-
-
-def burst_schedule(load: Load, count: int, at_s: float, seed: int, spread_s: float = 0.5) -> list[Arrival]:
-    """`count` arrivals within `spread_s` seconds of `at_s`: tenants by weight, streams by
-    the load's fraction, fresh prompts (a burst of new users, not ongoing conversations)."""
-    rng = random.Random(seed)
-    names = [t.name for t in load.tenants]
-    weights = [t.weight for t in load.tenants]
-    times = sorted(at_s + rng.uniform(0, spread_s) for _ in range(count))
-    return [Arrival(t, rng.choices(names, weights)[0], rng.random() < load.streaming_fraction, None, 0)
-            for t in times]
-
-
-def _words(rng: random.Random, count: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(count))
-
-
-def _fresh_prompt(rng: random.Random) -> str:
-    return f"In one sentence, explain {_words(rng, rng.randint(4, 10))}."
-
-
-def system_prompt(tenant: str) -> str:
-    """The long system prompt every conversation of a tenant shares (about 500 characters)."""
-    rng = random.Random(f"system:{tenant}")
-    sentences = [f"You are the operations assistant of {tenant}."]
-    while sum(len(s) + 1 for s in sentences) < 500:
-        sentences.append(f"Always consider {_words(rng, 6)} before answering.")
-    return " ".join(sentences)
-
-
-def _user_turn(seed: int, tenant: str, conversation: int, turn: int) -> str:
-    rng = random.Random(f"turn:{seed}:{tenant}:{conversation}:{turn}")
-    return f"Question {turn + 1}: what should we do about {_words(rng, rng.randint(5, 9))}?"
-
-
-def conversation_messages(seed: int, tenant: str, conversation: int, turn: int) -> list[dict[str, str]]:
-    """Turn `turn` of a conversation: the shared system prompt and the latest user turns.
-
-    The generator never waits for answers, so earlier turns are followed by a fixed
-    acknowledgement (chat templates want user and assistant to alternate). The oldest turns
-    are dropped to keep the prompt under MAX_PROMPT_CHARS; the system prompt always stays.
-    """
-    system = system_prompt(tenant)
-    budget = MAX_PROMPT_CHARS - len(system)
-    latest = _user_turn(seed, tenant, conversation, turn)
-    budget -= len(latest)
-    kept: list[str] = []
-    for earlier in range(turn - 1, -1, -1):
-        text = _user_turn(seed, tenant, conversation, earlier)
-        if len(text) + len(_ASSISTANT_ACK) > budget:
-            break
-        budget -= len(text) + len(_ASSISTANT_ACK)
-        kept.append(text)
-    messages = [{"role": "system", "content": system}]
-    for text in reversed(kept):
-        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": _ASSISTANT_ACK}]
-    messages.append({"role": "user", "content": latest})
-    return messages
-
-
-__all__ = [
-    "Arrival",
-    "LoadGenerator",
-    "LoadStats",
-    "LoadTarget",
-    "conversation_messages",
-    "system_prompt",
-]
 
 
 # How long a fabric may take to serve every drill tenant with its new keys.

@@ -8,10 +8,11 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import replace
 
+from chaos.arrivals import burst_schedule
 from chaos.drill import Fault, Load
 from chaos.environment import DrillEnvironment, InjectionError
 from chaos.history import History
-from chaos.load import LoadGenerator, burst_schedule
+from chaos.load import LoadGenerator
 from localfabric import FabricSpec, LocalDeployment
 
 _DEFAULT_QUEUE_DEADLINE_S = 30.0

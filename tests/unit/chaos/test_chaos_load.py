@@ -27,17 +27,11 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from chaos.arrivals import MAX_PROMPT_CHARS, conversation_messages, system_prompt
 from chaos.checker import check
 from chaos.drill import DRILLS_DIR, Load, load_drill
 from chaos.history import ClientOp, History, HistoryWriter, Outcome, Served, read_records
-from chaos.load import (
-    MAX_PROMPT_CHARS,
-    LoadGenerator,
-    LoadStats,
-    LoadTarget,
-    conversation_messages,
-    system_prompt,
-)
+from chaos.load import LoadGenerator, LoadStats, LoadTarget
 from meridian.contracts import HEADER_NODE, HEADER_REGION
 
 REGION = "test:r1"
