@@ -267,7 +267,19 @@ class CompletionService:
         lora: str | None,
     ) -> Response:
         sampling = self._sampling(params, len(prompt_ids), param)
-        ex = _Exchange(
+        ex = self._exchange(request, kind, params, prompt_ids, sampling)
+        generation = GenerationRequest(ex.id, prompt_ids, sampling, lora_name=lora, cache_salt=params.cache_salt)
+        first, outputs = await self._start(ex, generation)
+        if params.stream:
+            return _ClosingStreamingResponse(
+                self._stream(ex, first, outputs),
+                on_close=lambda: self._close(ex, outputs),
+            )
+        return await self._answer_whole(request, ex, first, outputs)
+
+    def _exchange(self, request: Request, kind: Kind, params: GenerationParams, prompt_ids: list[int],
+                  sampling: SamplingParams) -> _Exchange:
+        return _Exchange(
             kind=kind,
             id=("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex,
             created=int(self._runtime.clock.time()),
@@ -282,6 +294,11 @@ class CompletionService:
             prompt_ids=list(prompt_ids) if params.return_token_ids else None,
             key=request.headers.get(HEADER_REQUEST_ID),
         )
+
+    async def _start(
+        self, ex: _Exchange, generation: GenerationRequest
+    ) -> tuple[GenerationOutput, AsyncGenerator[GenerationOutput, None]]:
+        """The generation's first output and the rest; the request counts as in flight."""
         lifecycle = self._runtime.lifecycle
         # No await between this check and request_started(): a drain that begins
         # afterwards is guaranteed to wait for this request.
@@ -290,7 +307,6 @@ class CompletionService:
             raise UnavailableError(f"this node is {lifecycle.phase}; retry on another node",
                                    code=code)
         lifecycle.request_started()
-        generation = GenerationRequest(ex.id, prompt_ids, sampling, lora_name=lora, cache_salt=params.cache_salt)
         outputs = self._engine.generate(generation)
         if self._tracing.enabled:
             outputs = traced(outputs, self._tracing.tracer("meridian.engine"), generation, self._settings.engine)
@@ -303,11 +319,12 @@ class CompletionService:
             lifecycle.request_finished()
             await outputs.aclose()
             raise
-        if params.stream:
-            return _ClosingStreamingResponse(
-                self._stream(ex, first, outputs),
-                on_close=lambda: self._close(ex, outputs),
-            )
+        return first, outputs
+
+    async def _answer_whole(
+        self, request: Request, ex: _Exchange, first: GenerationOutput,
+        outputs: AsyncGenerator[GenerationOutput, None],
+    ) -> Response:
         try:
             texts, logprobs, token_ids = await self._collect_unless_disconnected(request, ex, first, outputs)
             if ex.finish_reason == "abort":
@@ -466,42 +483,11 @@ class CompletionService:
         first: GenerationOutput,
         outputs: AsyncGenerator[GenerationOutput, None],
     ) -> AsyncIterator[bytes]:
-        with_ids = ex.prompt_ids is not None
         if ex.kind == "chat":
-            # vLLM's role chunk: the prompt's ids at the top level, no token_ids in the choice.
-            role = ChatCompletionChunk(
-                id=ex.id, created=ex.created, model=ex.model,
-                choices=[ChatChunkChoice(delta={"role": "assistant", "content": ""})],
-                prompt_token_ids=ex.prompt_ids,
-            )
-            yield _sse(role.model_dump(mode="json", exclude=None if ex.include_usage else {"usage"}))
-        out: GenerationOutput | None = first
+            yield self._role_chunk(ex)
         try:
-            while out is not None:
-                self._observe(ex, out)
-                if out.finish_reason == "abort":
-                    yield _sse(openai_error("the request was aborted before it finished",
-                                            type_="service_unavailable", code="aborted"))
-                    break
-                if with_ids:
-                    # One chunk per output, as vLLM's: its ids, its text (maybe none yet, or
-                    # none ever: a stop string's), its logprobs and its finish together.
-                    yield self._chunk(ex, out.text, out.finish_reason, out.logprobs, list(out.token_ids))
-                    if out.finish_reason is not None:
-                        break
-                    out = await anext(outputs, None)
-                    continue
-                # Every token's logprobs go out once: with its text, or on their own when
-                # the token has none yet (half a character), or with the finish chunk.
-                pending = out.logprobs if ex.logprobs is not None else None
-                if out.text or (pending and out.finish_reason is None):
-                    yield self._chunk(ex, out.text, None, pending)
-                    pending = None
-                if out.finish_reason is not None:
-                    yield self._chunk(ex, None if ex.kind == "chat" else "", out.finish_reason,
-                                      pending)
-                    break
-                out = await anext(outputs, None)
+            async for chunk in self._stream_outputs(ex, first, outputs):
+                yield chunk
         except EngineError as exc:
             # Headers are gone already; the error travels as an event, as vLLM sends it.
             yield _sse(openai_error(str(exc), type_="server_error"))
@@ -510,16 +496,55 @@ class CompletionService:
             yield _sse(openai_error("The server had an internal error.", type_="server_error"))
         finished = ex.finish_reason in ("stop", "length")
         if ex.include_usage and finished:
-            usage_chunk: BaseModel
-            if ex.kind == "chat":
-                usage_chunk = ChatCompletionChunk(
-                    id=ex.id, created=ex.created, model=ex.model, choices=[], usage=ex.usage()
-                )
-            else:
-                usage_chunk = CompletionResponse(
-                    id=ex.id, created=ex.created, model=ex.model, choices=[], usage=ex.usage()
-                )
-            yield _sse(usage_chunk)
+            yield self._usage_chunk(ex)
         # Before [DONE], the bytes that make the stream complete for its client.
         self._journal_end(ex, completed=finished)
         yield SSE_DONE
+
+    def _role_chunk(self, ex: _Exchange) -> bytes:
+        # vLLM's role chunk: the prompt's ids at the top level, no token_ids in the choice.
+        role = ChatCompletionChunk(
+            id=ex.id, created=ex.created, model=ex.model,
+            choices=[ChatChunkChoice(delta={"role": "assistant", "content": ""})],
+            prompt_token_ids=ex.prompt_ids,
+        )
+        return _sse(role.model_dump(mode="json", exclude=None if ex.include_usage else {"usage"}))
+
+    async def _stream_outputs(
+        self, ex: _Exchange, first: GenerationOutput, outputs: AsyncGenerator[GenerationOutput, None],
+    ) -> AsyncIterator[bytes]:
+        """The chunks of the engine's outputs, up to the one that finishes the generation."""
+        with_ids = ex.prompt_ids is not None
+        out: GenerationOutput | None = first
+        while out is not None:
+            self._observe(ex, out)
+            if out.finish_reason == "abort":
+                yield _sse(openai_error("the request was aborted before it finished",
+                                        type_="service_unavailable", code="aborted"))
+                return
+            if with_ids:
+                # One chunk per output, as vLLM's: its ids, its text (maybe none yet, or
+                # none ever: a stop string's), its logprobs and its finish together.
+                yield self._chunk(ex, out.text, out.finish_reason, out.logprobs, list(out.token_ids))
+            else:
+                # Every token's logprobs go out once: with its text, or on their own when
+                # the token has none yet (half a character), or with the finish chunk.
+                pending = out.logprobs if ex.logprobs is not None else None
+                if out.text or (pending and out.finish_reason is None):
+                    yield self._chunk(ex, out.text, None, pending)
+                    pending = None
+                if out.finish_reason is not None:
+                    yield self._chunk(ex, None if ex.kind == "chat" else "", out.finish_reason, pending)
+            if out.finish_reason is not None:
+                return
+            out = await anext(outputs, None)
+
+    def _usage_chunk(self, ex: _Exchange) -> bytes:
+        usage_chunk: BaseModel
+        if ex.kind == "chat":
+            usage_chunk = ChatCompletionChunk(id=ex.id, created=ex.created, model=ex.model, choices=[],
+                                              usage=ex.usage())
+        else:
+            usage_chunk = CompletionResponse(id=ex.id, created=ex.created, model=ex.model, choices=[],
+                                             usage=ex.usage())
+        return _sse(usage_chunk)
