@@ -11,13 +11,13 @@ string.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from node_testkit import MODEL_NAME, parse_sse
+from node_testkit import MODEL_NAME
+from token_ids_contract import detokenize, stop_across_chunks, stream
 
 from data_plane.model.make_tiny import SPECIAL_TOKENS
 from meridian.tokenizer import REPLACEMENT_CHAR, ChatTokenizer
@@ -25,52 +25,6 @@ from meridian.tokenizer import REPLACEMENT_CHAR, ChatTokenizer
 N = 24
 CHAT: dict[str, Any] = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Tell me a story."}]}
 COMPLETION: dict[str, Any] = {"model": MODEL_NAME, "prompt": "The river city is"}
-GREEDY: dict[str, Any] = {"temperature": 0, "ignore_eos": True, "return_token_ids": True, "stream": True}
-
-
-@dataclass
-class Piece:
-    """One stream, as the router's ledger sees it: prompt ids, then one entry per chunk."""
-
-    prompt_ids: list[int]
-    ids: list[list[int]]
-    texts: list[str]
-    finish: str | None
-
-    @property
-    def token_ids(self) -> list[int]:
-        return [t for ids in self.ids for t in ids]
-
-    def text_upto(self, k: int) -> str:
-        """The text streamed with the first k generated tokens (one token per chunk here)."""
-        assert all(len(ids) == 1 for ids in self.ids)
-        return "".join(self.texts[:k])
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
-
-
-async def stream(client: httpx.AsyncClient, kind: str, body: dict[str, Any]) -> Piece:
-    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    r = await client.post(path, json={**body, **GREEDY})
-    assert r.status_code == 200, r.text
-    chunks = [e for e in parse_sse(r.text) if e != "[DONE]"]
-    if kind == "chat":
-        role, *chunks = chunks
-        prompt_ids = role["prompt_token_ids"]
-        texts = [c["choices"][0]["delta"].get("content", "") for c in chunks]
-    else:
-        prompt_ids = chunks[0]["choices"][0]["prompt_token_ids"]
-        texts = [c["choices"][0]["text"] for c in chunks]
-    return Piece(prompt_ids, [c["choices"][0]["token_ids"] for c in chunks], texts,
-                 chunks[-1]["choices"][0]["finish_reason"])
-
-
-async def detokenize(client: httpx.AsyncClient, ids: list[int]) -> str:
-    r = await client.post("/detokenize", json={"model": MODEL_NAME, "tokens": ids})
-    assert r.status_code == 200, r.text
-    return r.json()["prompt"]  # type: ignore[no-any-return]
 
 
 async def held_back(
@@ -86,21 +40,10 @@ async def held_back(
     """
     if any(t < len(SPECIAL_TOKENS) for t in generated):
         return None
-    before = await detokenize(client, prompt_ids)
-    after = await detokenize(client, prompt_ids + generated)
+    before = await detokenize(client, MODEL_NAME, prompt_ids)
+    after = await detokenize(client, MODEL_NAME, prompt_ids + generated)
     assert after.startswith(before) and after[len(before):].startswith(streamed)
     return after[len(before) + len(streamed):].rstrip(REPLACEMENT_CHAR)
-
-
-def stop_across_tokens(piece: Piece) -> str:
-    """Three characters of `piece`'s text that two tokens' texts share (so that one was held
-    back for it), found there first, none of them U+FFFD."""
-    text = piece.text
-    for j in range(1, len(piece.texts) - 1):
-        stop = piece.texts[j][-1:] + piece.texts[j + 1][:2]
-        if len(stop) == 3 and REPLACEMENT_CHAR not in stop and text.find(stop) == len(piece.text_upto(j + 1)) - 1:
-            return stop
-    raise AssertionError(f"no usable stop string in {text!r}")
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
@@ -127,7 +70,7 @@ async def test_greedy_continuation_from_token_ids_is_the_unbroken_stream(
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 async def test_greedy_continuation_with_a_stop_string(client: httpx.AsyncClient, kind: str) -> None:
     base = CHAT if kind == "chat" else COMPLETION
-    stop = stop_across_tokens(await stream(client, kind, {**base, "max_tokens": N}))
+    stop, _, _ = stop_across_chunks(await stream(client, kind, {**base, "max_tokens": N}))
     whole = await stream(client, kind, {**base, "max_tokens": N, "stop": stop})
     m = len(whole.token_ids)
     assert whole.finish == "stop" and 1 < m < N
