@@ -325,6 +325,30 @@ async def test_tool_calls_cut_by_max_tokens_resume_like_the_unbroken_stream(fabr
     assert got.finish_reason == unbroken.finish_reason == "length"
 
 
+@pytest.mark.parametrize("after", [SCRIPT.find("celsius") + k for k in (0, 2, 6)])
+async def test_a_stop_string_split_across_the_seam_inside_tool_arguments_still_stops(
+        fabric: MigrationFabric, after: int) -> None:
+    body = {"tools": TOOLS, "vllm_xargs": {"script": SCRIPT}, "max_tokens": 100, "stop": ["celsius"],
+            "stream_options": {"include_usage": True}}
+    unbroken = await stream(fabric, **body)
+    assert [(n, a) for _, n, a in tool_calls(unbroken)] == [("get_weather", '{"city": "Paris", "unit": "')]
+    fabric.nodes["us-1"].faults.append(Fault("die", after))
+    got = await stream(fabric, **body)
+    assert got.error is None and got.trailer is not None
+    assert [(n, a) for _, n, a in tool_calls(got)] == [(n, a) for _, n, a in tool_calls(unbroken)]
+    assert got.finish_reason == unbroken.finish_reason == "tool_calls"
+    assert got.events[-1]["usage"] == unbroken.events[-1]["usage"]
+
+
+async def test_without_parallel_calls_only_the_first_call_is_sent_after_the_seam(fabric: MigrationFabric) -> None:
+    body = {"tools": TOOLS, "vllm_xargs": {"script": SCRIPT}, "max_tokens": 100, "parallel_tool_calls": False}
+    unbroken = await stream(fabric, **body)
+    fabric.nodes["us-1"].faults.append(Fault("die", 44))  # at the second call's name
+    got = await stream(fabric, **body)
+    assert [(n, a) for _, n, a in tool_calls(got)] == [(n, a) for _, n, a in tool_calls(unbroken)] == CALLS[:1]
+    assert got.finish_reason == unbroken.finish_reason == "tool_calls" and got.trailer is not None
+
+
 async def test_a_content_answer_with_tools_on_migrates_as_content(fabric: MigrationFabric) -> None:
     unbroken = await stream(fabric, tools=TOOLS)
     fabric.nodes["us-1"].faults.append(Fault("die", 9))

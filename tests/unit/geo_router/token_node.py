@@ -149,7 +149,8 @@ async def _stream(node: TokenNode, body: dict[str, Any], chat: bool, prompt: lis
             "model": body["model"]}
     seed = body.get("seed") if body.get("temperature") else None
     script = encode(str((body.get("vllm_xargs") or {}).get("script") or "")) or None
-    parser = _ToolParser(chat and bool(body.get("tools")) and body.get("tool_choice") in (None, "auto"))
+    parser = _ToolParser(chat and bool(body.get("tools")) and body.get("tool_choice") in (None, "auto"),
+                         parallel=body.get("parallel_tool_calls") is not False)
     matcher = StopStringMatcher(_stops(body))
     if chat:
         first: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -192,10 +193,10 @@ async def _stream(node: TokenNode, body: dict[str, Any], chat: bool, prompt: lis
 
 class _ToolParser:
     """vLLM's pythonic parser in a chat stream with tools: a text that starts with `[` is
-    tool calls, anything else content."""
+    tool calls, anything else content; without parallel calls only the first is sent."""
 
-    def __init__(self, on: bool) -> None:
-        self.on, self.text, self.called = on, "", False
+    def __init__(self, on: bool, parallel: bool) -> None:
+        self.on, self.parallel, self.text, self.called = on, parallel, "", False
         self._stream = PythonicStream([])
 
     def delta(self, emit: str) -> dict[str, Any]:
@@ -204,6 +205,8 @@ class _ToolParser:
             return {"content": emit} if emit else {}
         message = self._stream.feed(self.text) or {}
         self.called = self.called or bool(message.get("tool_calls"))
+        if message.get("tool_calls") and not self.parallel:
+            message["tool_calls"] = [c for c in message["tool_calls"] if c["index"] == 0]
         return message
 
 
