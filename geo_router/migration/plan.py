@@ -35,7 +35,8 @@ COMPLETIONS_ROUTE = "/v1/completions"
 # Sampling and stopping fields a continuation keeps as the client sent them (vLLM's names).
 # max_tokens and min_tokens are carried over reduced by what was generated; frequency and
 # presence penalties count only the continuation's own output, so with them a migrated
-# stream is valid but not identical to an unbroken one.
+# stream is valid but not identical to an unbroken one. vllm_xargs: the per-request
+# arguments of a node's custom logits processors, which act on the continuation too.
 _CARRIED = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
