@@ -28,7 +28,7 @@ class BreakReason(StrEnum):
 class Refusal(StrEnum):
     """Why a broken stream was not moved (the `why` label of refused migrations)."""
 
-    NOT_RESUMABLE = "not_resumable"  # no token ids from the node, or a tool call streamed
+    NOT_RESUMABLE = "not_resumable"  # no token ids, reasoning, or tool calls not in pythonic form
     LIMIT = "limit"  # the request moved as often as it may
     BUDGET = "budget"  # the router's migration budget is spent
     NO_REPLICA = "no_replica"  # no other replica in the tenant's zone

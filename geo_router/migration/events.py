@@ -7,6 +7,12 @@ API would have sent (same `id`, `created`, `model`), checks stop strings across 
 (text held back before it plus the new text), and writes the stream's tail: the usage the
 client asked for, counting every token it received, and the `meridian` field saying how
 many times the stream moved and where it ended.
+
+With tools (plan.tools) the continuation's text goes through a replay of vLLM's pythonic
+tool parser (tool_calls.PythonicStream) once the generated text starts with `[`, as vLLM
+decides: the client gets the calls' deltas (new calls with new ids, the rest of started
+ones), and finish_reason "tool_calls" where the node would say it. Text that contradicts the
+calls already sent ends the stream with an error event (ToolCallMismatch).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from meridian.stop_strings import StopStringMatcher
 
 from .ledger import StreamLedger
 from .plan import Api, MigrationPlan
+from .tool_calls import PythonicStream, starts_tool_calls
 
 DONE = b"data: [DONE]\n\n"
 _DECODE = msgspec.json.Decoder()
@@ -66,8 +73,12 @@ class Continuation:
     """One continuation piece: the next node's completions events, in the client's format."""
 
     def __init__(self, plan: MigrationPlan, ledger: StreamLedger, held: str,
-                 trailer: dict[str, Any] | None, repeated: int = 0) -> None:
+                 trailer: dict[str, Any] | None, repeated: int = 0, tool_text: str | None = None) -> None:
         self._plan, self._ledger, self._trailer = plan, ledger, trailer
+        # With tools: the generated text the node's parser had read before the seam ("" while
+        # nothing says whether this is content or calls); None: plain content.
+        self._tool_text = tool_text
+        self._replay: PythonicStream | None = None
         self._stops = StopStringMatcher(plan.stops)
         self._held = held
         # Ids the continuation generates again (it started before the break, at a clean
@@ -94,13 +105,34 @@ class Continuation:
             reason = "stop"
         elif isinstance(reason, str):
             emit += self._stops.flush()
-        out = self._shaped(emit, ids if isinstance(ids, list) else [], reason if isinstance(reason, str) else None)
+        message = self._message(emit)
+        if reason == "stop" and self._plan.tools and (self._ledger.tool_calls or (message or {}).get("tool_calls")):
+            reason = "tool_calls"  # vLLM's finish for auto tool calls that stopped on their own
+        out = self._shaped(message, ids if isinstance(ids, list) else [], reason if isinstance(reason, str) else None)
         if out is None:
             return []
         if out["choices"][0]["finish_reason"] is None:
             return [out]
         self.finished = True
         return self.tail(out)
+
+    def _message(self, emit: str) -> dict[str, Any] | None:
+        """The chat delta for the text `emit`: content, or (tool mode) what vLLM's pythonic
+        parser sends for the whole text so far. Raises ToolCallMismatch."""
+        if self._tool_text is not None:
+            self._tool_text += emit
+            if self._tool_text and not starts_tool_calls(self._tool_text):
+                self._tool_text = None  # the first text decides, as in vLLM: content from here on
+        if self._tool_text is None or self._plan.api is not Api.CHAT:
+            return {"content": emit} if emit else None
+        if not self._tool_text:
+            return None
+        if self._replay is None:
+            self._replay = PythonicStream(self._ledger.tool_calls)
+        message = self._replay.feed(self._tool_text)
+        if message and message.get("tool_calls") and not self._plan.parallel_tool_calls:
+            message["tool_calls"] = [c for c in message["tool_calls"] if c["index"] == 0]
+        return message
 
     def tail(self, last: dict[str, Any] | None) -> list[dict[str, Any]]:
         """The stream's last events: `last` (its finish), then the usage chunk if asked for.
@@ -112,13 +144,13 @@ class Continuation:
             out[-1]["meridian"] = self._trailer
         return out
 
-    def _shaped(self, text: str, ids: list[Any], reason: str | None) -> dict[str, Any] | None:
-        if not text and not ids and reason is None:
+    def _shaped(self, message: dict[str, Any] | None, ids: list[Any], reason: str | None) -> dict[str, Any] | None:
+        if not message and not ids and reason is None:
             return None
         if self._plan.api is Api.CHAT:
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {},
-                                      "logprobs": None, "finish_reason": reason}
+            choice: dict[str, Any] = {"index": 0, "delta": message or {}, "logprobs": None, "finish_reason": reason}
         else:
+            text = (message or {}).get("content") or ""
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
         choice["token_ids"] = ids
         return self._envelope([choice], usage=self._plan.continuous_usage, pending=len(ids))
@@ -138,6 +170,21 @@ class Continuation:
             counts["total_tokens"] += pending
             event["usage"] = counts
         return event
+
+
+def tool_seam(ledger: StreamLedger, text: str | None, stops: tuple[str, ...]) -> tuple[str | None, str] | None:
+    """For a request with tools: the text the node's tool parser had read before the seam
+    (None: the stream is content, the usual seam applies) and the text held back for a
+    possible stop string after it; None when the stream cannot resume (calls were sent but
+    the text is not a pythonic call list, or the replica could not say what the text is)."""
+    if ledger.delivered_text:
+        return None if ledger.tool_calls else (None, "")
+    if text is None:
+        return None
+    if text and not starts_tool_calls(text):
+        return None if ledger.tool_calls else (None, "")
+    emit, _ = StopStringMatcher(stops).feed(text)  # what the node had released to its parser
+    return emit, text[len(emit):]
 
 
 def _ids_in(event: dict[str, Any] | None) -> int:

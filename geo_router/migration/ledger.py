@@ -4,7 +4,9 @@ Token ids are read off the node's events as they arrive (`token_ids`, and the pr
 `prompt_token_ids` on the first event); text is counted as it leaves for the client. The
 two differ by what a node holds back (the start of a possible stop string, half a UTF-8
 character): at a seam the router asks the next node to detokenize the ids and sends on
-what the client has not seen yet, so nothing is missed and nothing is repeated.
+what the client has not seen yet, so nothing is missed and nothing is repeated. Tool
+calls are recorded as the client assembles them (id, name, arguments so far, per index):
+a continuation's replay of the node's tool parser resumes from them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .plan import Api
+from .tool_calls import SentCall, record
 
 
 @dataclass(slots=True)
@@ -29,7 +32,8 @@ class StreamLedger:
     delivered: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     usage_sent: bool = False
-    # Something a continuation cannot rebuild was streamed (a tool call, reasoning).
+    tool_calls: list[SentCall] = field(default_factory=list)
+    # Something a continuation cannot rebuild was streamed (reasoning).
     unresumable: str | None = None
 
     @property
@@ -66,8 +70,9 @@ class StreamLedger:
         if self.api is Api.CHAT:
             delta = choice.get("delta")
             if isinstance(delta, dict):
-                if delta.get("tool_calls") or delta.get("reasoning_content") or delta.get("reasoning"):
-                    self.unresumable = "tool calls or reasoning in the stream"
+                if delta.get("reasoning_content") or delta.get("reasoning"):
+                    self.unresumable = "reasoning in the stream"
+                record(self.tool_calls, delta.get("tool_calls"))
                 text = delta.get("content")
             else:
                 text = None

@@ -1,14 +1,22 @@
 """Which streamed requests can migrate, and what is sent to a node so that they can.
 
 A stream can resume on another replica when the router can rebuild the rest of the
-generation from token ids alone: one choice (`n` = 1), plain text out (no tools, no
-structured output, no logprobs, no echo), on chat completions or completions. For those the
-router asks the node for `return_token_ids` (vLLM >= 0.10.2, and the torch engine), keeps the
-ids as they stream past, and strips them again unless the client asked for them itself.
+generation from token ids alone: one choice (`n` = 1), no structured output, no logprobs,
+no echo, on chat completions or completions. For those the router asks the node for
+`return_token_ids` (vLLM >= 0.10.2, and the torch engine), keeps the ids as they stream
+past, and strips them again unless the client asked for them itself.
+
+Chat streams with tools migrate when the model chooses freely (`tool_choice` "auto", or
+absent): the calls are plain text the node's parser reads, and the router replays that
+parser on the continuation's text (geo_router.migration.tool_calls: vLLM's `pythonic`
+format only). A named or "required" `tool_choice` and any structured output (JSON schema,
+regex, grammar, `response_format`) are refused: the node constrains every token with a
+grammar whose state lives in the engine, and a /v1/completions continuation cannot resume
+it, so its tokens would no longer be the constrained ones.
 
 Everything else streams exactly as before: a break after the first byte ends it with an
-error event. The refusals are deliberate, not gaps in parsing: a tool-call or JSON-schema
-parser's state and a sampled token's logprobs cannot be rebuilt on another node from ids.
+error event. The refusals are deliberate, not gaps in parsing: a grammar's state and a
+sampled token's logprobs cannot be rebuilt on another node from ids.
 """
 
 from __future__ import annotations
@@ -27,12 +35,13 @@ COMPLETIONS_ROUTE = "/v1/completions"
 # Sampling and stopping fields a continuation keeps as the client sent them (vLLM's names).
 # max_tokens and min_tokens are carried over reduced by what was generated; frequency and
 # presence penalties count only the continuation's own output, so with them a migrated
-# stream is valid but not identical to an unbroken one.
+# stream is valid but not identical to an unbroken one. vllm_xargs: the per-request
+# arguments of a node's custom logits processors, which act on the continuation too.
 _CARRIED = (
     "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
     "cache_salt", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias",
-    "allowed_token_ids", "bad_words", "user", "priority",
+    "allowed_token_ids", "bad_words", "user", "priority", "vllm_xargs",
 )
 _STRUCTURED = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                "guided_decoding_backend", "functions", "function_call", "prompt_logprobs", "suffix")
@@ -59,6 +68,10 @@ class MigrationPlan:
     stops: tuple[str, ...]
     include_stop_str: bool
     carried: dict[str, Any]
+    # Tool calls may stream (chat with tools, tool_choice "auto"): a continuation's text is
+    # replayed through the pythonic parser; only call 0 is sent when parallel calls are off.
+    tools: bool = False
+    parallel_tool_calls: bool = True
 
     def continuation_body(self, prompt_ids: list[int], generated: int) -> bytes:
         """The /v1/completions request that generates the rest, from the token ids so far."""
@@ -99,6 +112,8 @@ def plan_for(route: str, payload: dict[str, Any], body: bytes) -> MigrationPlan 
         stops=stops,
         include_stop_str=payload.get("include_stop_str_in_output") is True,
         carried={k: payload[k] for k in _CARRIED if k in payload},
+        tools=api is Api.CHAT and bool(payload.get("tools")) and payload.get("tool_choice") != "none",
+        parallel_tool_calls=payload.get("parallel_tool_calls") is not False,
     )
 
 
@@ -107,8 +122,8 @@ def _plain_text(api: Api, payload: dict[str, Any]) -> bool:
         return False
     if any(payload.get(k) is not None for k in _STRUCTURED):
         return False
-    if payload.get("tools") and payload.get("tool_choice") != "none":
-        return False
+    if payload.get("tools") and payload.get("tool_choice") not in (None, "auto", "none"):
+        return False  # named or "required": a grammar the continuation cannot resume
     response_format = payload.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         return False

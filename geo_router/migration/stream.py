@@ -23,10 +23,11 @@ from ..streaming import StreamHost, run_close_callbacks
 from ..upstream import FailureReason, UpstreamConnection, UpstreamError
 from .budget import MigrationBudget
 from .decide import BreakReason, Move, Refusal, Refuse, decide, next_replica
-from .events import DONE, Continuation, encode, for_client, is_error, split_events
+from .events import DONE, Continuation, encode, for_client, is_error, split_events, tool_seam
 from .ledger import StreamLedger, unsent_tail
 from .plan import COMPLETIONS_ROUTE, MigrationPlan
 from .silence import SilenceWatch
+from .tool_calls import ToolCallMismatch
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,17 @@ class MigrationContext:
     candidates: Sequence[Candidate]
     request_id: str
     trace_headers: str = ""
+
+
+class _Unresumable(Exception):
+    """What was sent cannot be continued from the text the ids make (tool calls)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Seam:
+    resume_at: int  # generated ids the continuation starts after
+    held: str  # text before it the client was not sent
+    text: str | None  # the text of the ids before it (None: the replica could not say)
 
 
 class _Broken(Exception):
@@ -164,7 +176,16 @@ class MigratingStream:
                 ledger.read(data)
                 out += raw if plan.client_wants_token_ids else encode(for_client(plan, data))
                 continue
-            for event in piece.continuation.events(data):
+            try:
+                events = piece.continuation.events(data)
+            except ToolCallMismatch as exc:
+                log.warning("request %s: the resumed text contradicts the tool calls sent (%s)",
+                            self._ctx.request_id, exc)
+                self._complete = True
+                return bytes(out + error_event(
+                    "The model server stopped responding in the middle of the answer; the resumed "
+                    "answer did not match the tool calls already sent.", "upstream_disconnected")), None
+            for event in events:
                 ledger.read(event)
                 out += encode(for_client(plan, event))
             if piece.continuation.finished:
@@ -223,6 +244,11 @@ class MigratingStream:
                                    "upstream_disconnected")
             try:
                 piece = await self._resume(decision.candidate)
+            except _Unresumable:
+                self._host.refused(Refusal.NOT_RESUMABLE)
+                return error_event(f"The model server stopped responding in the middle of the answer "
+                                   f"({broken.reason or 'timeout'}); {_REFUSED[Refusal.NOT_RESUMABLE]}.",
+                                   "upstream_disconnected")
             except PieceFailed as exc:
                 log.warning("request %s: resuming on %s failed (%s)", self._ctx.request_id,
                             decision.candidate.node.node_id, exc)
@@ -239,19 +265,25 @@ class MigratingStream:
     async def _resume(self, target: Candidate) -> Piece:
         """Open the continuation on `target` (PieceFailed if it cannot start there)."""
         ledger, plan = self._ledger, self._ctx.plan
-        resume_at, held = await self._seam(target)
+        seam = await self._seam(target)
+        resume_at, held, tool_text = seam.resume_at, seam.held, None
+        if plan.tools:
+            tools = tool_seam(ledger, seam.text, plan.stops)
+            if tools is None:
+                raise _Unresumable
+            tool_text, held = tools if tools[0] is not None else (None, held)
         ids = [*(ledger.prompt_ids or ()), *ledger.generated[:resume_at]]
         piece = await self._host.open_piece(target, COMPLETIONS_ROUTE, plan.continuation_body(ids, resume_at),
                                             self._ctx.request_id, self._deadline, self._ctx.trace_headers,
                                             self._migrations + 1, len(ledger.generated))
         self._migrations += 1  # only moves that started count against the limit
         repeated = len(ledger.generated) - resume_at
-        piece.continuation = Continuation(plan, ledger, held, self._trailer(target), repeated)
+        piece.continuation = Continuation(plan, ledger, held, self._trailer(target), repeated, tool_text)
         return piece
 
-    async def _seam(self, target: Candidate) -> tuple[int, str]:
-        """Where the continuation starts (a count of generated ids) and the text before it
-        that the client has not been sent.
+    async def _seam(self, target: Candidate) -> _Seam:
+        """Where the continuation starts (a count of generated ids), the text before it
+        that the client has not been sent, and the whole text before it.
 
         A break can fall inside a character whose UTF-8 bytes span several tokens: the client
         has none of it yet (nodes hold half a character back), and a node primed with a
@@ -259,12 +291,13 @@ class MigratingStream:
         prompt's text). So the continuation starts at the last token boundary that decodes
         cleanly, and the ids it generates again are not counted twice (greedy and seeded
         generation give the same ones). Text held back for a possible stop string is asked
-        of the replica's /detokenize: only streams with stop strings can have any.
+        of the replica's /detokenize: only streams with stop strings can have any. Streams
+        with tools need the whole text: whether it is a call list decides how it goes on.
         """
         ledger, model = self._ledger, self._ctx.plan.model
         generated = ledger.generated
         if not generated:
-            return 0, ""
+            return _Seam(0, "", "")
         context = (ledger.prompt_ids or [])[-_DETOKENIZE_CONTEXT:]
         # The context's text and the whole text at once (one round trip to a busy replica);
         # stepping back over half a character is the rare case.
@@ -277,19 +310,19 @@ class MigratingStream:
             if back:
                 full = await self._host.detokenize(target, model, [*context, *generated[:len(generated) - back]])
             if full is None or head is None or not full.startswith(head):
-                return len(generated), ""  # the replica cannot say: continue where the ids end
+                return _Seam(len(generated), "", None)  # the replica cannot say: continue where the ids end
             text = full[len(head):]
             if not text.endswith("\ufffd"):
                 resume_at = len(generated) - back
                 break
         if not self._ctx.plan.stops or text is None:
-            return resume_at, ""
+            return _Seam(resume_at, "", text)
         held = unsent_tail(text, ledger.delivered_text)
         if held is None:
             log.warning("request %s: the seam's text does not line up with what was sent; sending none of it",
                         self._ctx.request_id)
-            return resume_at, ""
-        return resume_at, held
+            return _Seam(resume_at, "", text)
+        return _Seam(resume_at, held, text)
 
     def _trailer(self, node: Candidate) -> dict[str, object] | None:
         if not self._migrations:

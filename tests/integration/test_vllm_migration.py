@@ -5,18 +5,26 @@ through a fault proxy and as `far` directly (migration_fabric). Greedy streams c
 connection reset at several points must come out token-identical to unbroken runs: the
 router continues from vLLM's own `return_token_ids` with a /v1/completions request whose
 prompt is the token ids, and asks vLLM's /detokenize for text held back at the seam.
+
+Tool calls: the node loads a test-only logits processor (script_logits.py) that makes a
+request write a given pythonic call list, so vLLM's own pythonic parser streams real
+tool-call deltas; a stream broken inside them must give the client the same calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
-from migration_fabric import MigrationRig, migration_rig, stream
+from migration_fabric import MigrationRig, Streamed, migration_rig, stream
 from tenant_fabric import MODEL
+from tokenizers import Tokenizer
 from vllm_fabric import require_vllm, vllm_fabric
+
+from data_plane.model.make_tiny import EOT_TOKEN
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -27,12 +35,53 @@ COMPLETION = {"model": MODEL, "prompt": "the sea is", "max_tokens": 64, "tempera
               "stream": True}
 
 
+SCRIPT = '[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]'
+CALLS = [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')]
+TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {p: {"type": "string"} for p in params}}}}
+    for name, params in (("get_weather", ("city", "unit")), ("get_time", ("zone",)))]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-migration")
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[MigrationRig]:
+async def rig(root: Path) -> AsyncIterator[MigrationRig]:
     require_vllm()
-    root: Path = tmp_path_factory.mktemp("vllm-migration")
-    async with vllm_fabric(root) as fabric, migration_rig(fabric.node_url, root / "router.jsonl") as r:
+    plugin = ["--logits-processors", "script_logits:ScriptLogitsProcessor"]
+    async with (vllm_fabric(root, vllm_args=plugin, vllm_env={"PYTHONPATH": str(Path(__file__).parent)}) as fabric,
+                migration_rig(fabric.node_url, root / "router.jsonl") as r):
         yield r
+
+
+@pytest.fixture(scope="module")
+def tool_chat(rig: MigrationRig, root: Path) -> dict[str, Any]:
+    """A chat request with tools whose answer is SCRIPT (the processor writes it)."""
+    tokenizer = Tokenizer.from_file(str(root / MODEL / "tokenizer.json"))
+    script = tokenizer.encode(SCRIPT, add_special_tokens=False).ids
+    assert tokenizer.decode(script) == SCRIPT
+    return {**CHAT, "ignore_eos": False, "max_tokens": 200, "tools": TOOLS,
+            "vllm_xargs": {"script": script, "script_end": tokenizer.token_to_id(EOT_TOKEN)}}
+
+
+def tool_calls(got: Streamed) -> list[tuple[str, str]]:
+    """The calls as a client assembles them (each index is started once, with an id)."""
+    calls: dict[int, list[str]] = {}
+    for e in got.events:
+        for c in e.get("choices", []):
+            for d in (c.get("delta") or {}).get("tool_calls") or []:
+                if d.get("id"):
+                    assert d["index"] not in calls and d["id"].startswith("chatcmpl-tool-")
+                    calls[d["index"]] = [d["function"]["name"], ""]
+                calls[d["index"]][1] += d["function"].get("arguments") or ""
+    return [(calls[i][0], calls[i][1]) for i in sorted(calls)]
+
+
+def finish_reason(got: Streamed) -> str | None:
+    return next((c["finish_reason"] for e in got.events for c in e.get("choices", []) if c.get("finish_reason")),
+                None)
 
 
 @pytest.mark.parametrize("break_after", [1, 20, 50])
@@ -55,3 +104,34 @@ async def test_a_vllm_completion_resumes_with_the_ids_hidden_from_a_client_that_
     broken = await stream(rig, "/v1/completions", {**COMPLETION, "return_token_ids": True}, break_after=30)
     assert broken.error is None and broken.text == unbroken.text and broken.token_ids == unbroken.token_ids
     assert broken.trailer is not None and broken.trailer["migrations"] == 1
+
+
+async def test_a_vllm_tool_call_stream_resumes_with_the_same_calls(rig: MigrationRig, tool_chat: dict[str, Any]) -> None:
+    unbroken = await stream(rig, "/v1/chat/completions", tool_chat)
+    assert unbroken.error is None and tool_calls(unbroken) == CALLS and finish_reason(unbroken) == "tool_calls"
+    tokens = len(tool_chat["vllm_xargs"]["script"]) + 1  # and EOS
+    assert unbroken.events[-1]["usage"]["completion_tokens"] == tokens == len(unbroken.token_ids)
+    # vLLM streams the arguments as they come, so a break can land inside them.
+    events = _token_events(unbroken)
+    argued = [n for n, e in enumerate(events, 1) if any(
+        not d.get("id") and d["function"].get("arguments") for d in e["choices"][0]["delta"].get("tool_calls") or [])]
+    assert len(argued) >= 5, "vLLM did not stream the arguments"
+    sent = ["".join(_arguments(e) for e in events[:n]) for n in range(1, len(events) + 1)]
+    # The first value's quote is open: the break falls inside an argument's value.
+    inside_value = next(n for n, text in enumerate(sent, 1) if '"city": "' in text)
+    assert not sent[inside_value - 1].startswith('{"city": "Paris",')
+    for break_after in sorted({1, 3, argued[0], inside_value, len(events) // 2, len(events) - 2}):
+        got = await stream(rig, "/v1/chat/completions", tool_chat, break_after=break_after)
+        assert got.error is None and got.done, (break_after, got.error)
+        assert tool_calls(got) == CALLS, break_after
+        assert finish_reason(got) == "tool_calls" and got.token_ids == unbroken.token_ids
+        assert got.events[-1]["usage"]["completion_tokens"] == tokens
+        assert got.trailer is not None and got.trailer["node"] == "far", break_after
+
+
+def _token_events(got: Streamed) -> list[dict[str, Any]]:
+    return [e for e in got.events if e["choices"] and e["choices"][0].get("token_ids")]
+
+
+def _arguments(event: dict[str, Any]) -> str:
+    return "".join(d["function"].get("arguments") or "" for d in event["choices"][0]["delta"].get("tool_calls") or [])

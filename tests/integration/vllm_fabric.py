@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -60,15 +60,17 @@ def make_vllm_checkpoint(root: Path) -> tuple[Path, Path]:
     return checkpoint, adapter
 
 
-def write_spec(path: Path, **overrides: object) -> Path:
+def write_spec(path: Path, more_args: Sequence[str] = (), more_env: Mapping[str, str] | None = None,
+               **overrides: object) -> Path:
     spec: dict[str, object] = {
         "name": MODEL, "model": MODEL, "max_model_len": 1024, "max_num_seqs": 8,
         "max_num_batched_tokens": 2048, "cpu_kvcache_space_gib": 1,
         "loras": [{"name": ADAPTER}], "max_lora_rank": 8,
         # A random-weight model would pad JSON with whitespace up to max_tokens.
         "extra_args": ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
-                       "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
-        "env": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"},
+                       "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
+                       *more_args],
+        "env": {"VLLM_ENABLE_RESPONSES_API_STORE": "1", **(more_env or {})},
     }
     spec.update(overrides)
     path.write_text(json.dumps(spec))
@@ -76,12 +78,13 @@ def write_spec(path: Path, **overrides: object) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def vllm_fabric(root: Path, router: dict[str, object] | None = None,
-                      **node: object) -> AsyncIterator[TenantFabric]:
+async def vllm_fabric(root: Path, router: dict[str, object] | None = None, vllm_args: Sequence[str] = (),
+                      vllm_env: Mapping[str, str] | None = None, **node: object) -> AsyncIterator[TenantFabric]:
+    """`vllm_args` and `vllm_env`: more of vLLM's flags and environment (a test's plug-ins)."""
     checkpoint, adapter = make_vllm_checkpoint(root)
     settings: dict[str, object] = {
         "engine": "vllm", "vllm_gpu_count": 0, "vllm_executable": "auto",
-        "deployment_spec_file": write_spec(root / "spec.json"),
+        "deployment_spec_file": write_spec(root / "spec.json", vllm_args, vllm_env),
         "lora_modules": {ADAPTER: adapter}, "vllm_startup_timeout_s": 300.0,
         "vllm_probe_interval_s": 0.5, "drain_timeout_s": 30.0, "vllm_max_restarts": 1,
         "request_journal_path": root / "node-journal.jsonl",

@@ -270,11 +270,112 @@ async def test_a_seeded_sampled_stream_keeps_its_shape_and_token_count(fabric: M
     assert fabric.nodes["eu-1"].requests[-1]["seed"] == 7
 
 
-async def test_a_stream_with_tools_is_not_migrated(fabric: MigrationFabric) -> None:
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+         for n in ("get_weather", "get_time")]
+SCRIPT = '[get_weather(city="Paris", unit="celsius"), get_time(zone="CET")]'
+CALLS = [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')]
+
+
+def tool_calls(got: Received) -> list[tuple[str, str, str]]:
+    """The calls as a client assembles them: (id, name, arguments); each index starts once."""
+    calls: dict[int, list[str]] = {}
+    for e in got.events:
+        for c in e.get("choices", []):
+            for d in (c.get("delta") or {}).get("tool_calls") or []:
+                if d.get("id"):
+                    assert d["index"] not in calls, "a call started twice"
+                    calls[d["index"]] = [d["id"], d["function"]["name"], ""]
+                calls[d["index"]][2] += d["function"].get("arguments") or ""
+    return [(i, n, a) for i, n, a in (calls[k] for k in sorted(calls))]
+
+
+async def test_an_unbroken_tool_call_stream_streams_its_arguments(fabric: MigrationFabric) -> None:
+    got = await stream(fabric, tools=TOOLS, vllm_xargs={"script": SCRIPT}, max_tokens=100)
+    assert [(n, a) for _, n, a in tool_calls(got)] == CALLS and got.finish_reason == "tool_calls"
+    assert got.text == "" and got.trailer is None
+
+
+@pytest.mark.parametrize("after", [0, 1, 5, 21, 44, len(SCRIPT) - 1, len(SCRIPT)])
+async def test_a_tool_call_stream_killed_anywhere_gives_the_unbroken_calls(
+        fabric: MigrationFabric, after: int) -> None:
+    # 0: before the first token; 5: inside the first name; 21: inside "Paris"; 44: the
+    # second call's name; then before the closing `]`, and before EOS.
+    body = {"tools": TOOLS, "vllm_xargs": {"script": SCRIPT}, "max_tokens": 100,
+            "stream_options": {"include_usage": True}}
+    unbroken = await stream(fabric, **body)
+    fabric.nodes["us-1"].faults.append(Fault("die", after))
+    got = await stream(fabric, **body)
+    assert got.error is None and got.done and len(got.ids) == 1
+    assert [(n, a) for _, n, a in tool_calls(got)] == CALLS
+    assert all(i.startswith("chatcmpl-tool-") for i, _, _ in tool_calls(got))
+    assert got.finish_reason == unbroken.finish_reason == "tool_calls"
+    assert got.events[-1]["usage"] == unbroken.events[-1]["usage"]
+    assert got.events[-1]["usage"]["completion_tokens"] == len(SCRIPT) + 1  # and EOS
+    assert got.trailer is not None and got.trailer["node"] == "eu-1"
+    assert fabric.nodes["eu-1"].requests[-1]["vllm_xargs"] == {"script": SCRIPT}
+
+
+async def test_tool_calls_cut_by_max_tokens_resume_like_the_unbroken_stream(fabric: MigrationFabric) -> None:
+    body = {"tools": TOOLS, "vllm_xargs": {"script": SCRIPT}, "max_tokens": 24}
+    unbroken = await stream(fabric, **body)
+    fabric.nodes["us-1"].faults.append(Fault("die", 20))
+    got = await stream(fabric, **body)
+    assert [(n, a) for _, n, a in tool_calls(got)] == [(n, a) for _, n, a in tool_calls(unbroken)]
+    assert tool_calls(got)[0][1:] == ("get_weather", '{"city": "Paris')
+    assert got.finish_reason == unbroken.finish_reason == "length"
+
+
+@pytest.mark.parametrize("after", [SCRIPT.find("celsius") + k for k in (0, 2, 6)])
+async def test_a_stop_string_split_across_the_seam_inside_tool_arguments_still_stops(
+        fabric: MigrationFabric, after: int) -> None:
+    body = {"tools": TOOLS, "vllm_xargs": {"script": SCRIPT}, "max_tokens": 100, "stop": ["celsius"],
+            "stream_options": {"include_usage": True}}
+    unbroken = await stream(fabric, **body)
+    assert [(n, a) for _, n, a in tool_calls(unbroken)] == [("get_weather", '{"city": "Paris", "unit": "')]
+    fabric.nodes["us-1"].faults.append(Fault("die", after))
+    got = await stream(fabric, **body)
+    assert got.error is None and got.trailer is not None
+    assert [(n, a) for _, n, a in tool_calls(got)] == [(n, a) for _, n, a in tool_calls(unbroken)]
+    assert got.finish_reason == unbroken.finish_reason == "tool_calls"
+    assert got.events[-1]["usage"] == unbroken.events[-1]["usage"]
+
+
+async def test_without_parallel_calls_only_the_first_call_is_sent_after_the_seam(fabric: MigrationFabric) -> None:
+    body = {"tools": TOOLS, "vllm_xargs": {"script": SCRIPT}, "max_tokens": 100, "parallel_tool_calls": False}
+    unbroken = await stream(fabric, **body)
+    fabric.nodes["us-1"].faults.append(Fault("die", 44))  # at the second call's name
+    got = await stream(fabric, **body)
+    assert [(n, a) for _, n, a in tool_calls(got)] == [(n, a) for _, n, a in tool_calls(unbroken)] == CALLS[:1]
+    assert got.finish_reason == unbroken.finish_reason == "tool_calls" and got.trailer is not None
+
+
+async def test_a_content_answer_with_tools_on_migrates_as_content(fabric: MigrationFabric) -> None:
+    unbroken = await stream(fabric, tools=TOOLS)
+    fabric.nodes["us-1"].faults.append(Fault("die", 9))
+    got = await stream(fabric, tools=TOOLS)
+    assert got.error is None and got.text == unbroken.text == reference(chat_prompt(MESSAGES), 40)[0]
+    assert tool_calls(got) == [] and got.finish_reason == "length"
+
+
+@pytest.mark.parametrize(("detokenize_as", "message"), [
+    (lambda t: t.replace("[", "("), "cannot be resumed"),  # not a pythonic call list
+    (str.upper, "did not match the tool calls"),  # a call list, not the one sent
+])
+async def test_tool_calls_that_the_text_does_not_continue_end_with_an_error_event(
+        fabric: MigrationFabric, detokenize_as: Any, message: str) -> None:
+    fabric.nodes["eu-1"].detokenize_as = detokenize_as
+    fabric.nodes["us-1"].faults.append(Fault("die", 21))
+    got = await stream(fabric, tools=TOOLS, vllm_xargs={"script": SCRIPT}, max_tokens=100)
+    assert got.error is not None and message in got.error["message"] and got.done is False
+    assert tool_calls(got)[0][1:] == ("get_weather", '{"city": "Pa')  # the sent part, once
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+async def test_a_named_or_required_tool_choice_is_not_migrated(fabric: MigrationFabric, choice: Any) -> None:
     fabric.nodes["us-1"].faults.append(Fault("die", 4))
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    got = await stream(fabric, tools=tools)
-    assert got.error is not None and fabric.nodes["eu-1"].requests == []
+    got = await stream(fabric, tools=TOOLS, tool_choice=choice)
+    assert got.error is not None and got.error["code"] == "upstream_disconnected"
+    assert fabric.nodes["eu-1"].requests == []
     assert "return_token_ids" not in fabric.nodes["us-1"].requests[0]
 
 

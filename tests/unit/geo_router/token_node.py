@@ -15,16 +15,18 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from geo_router.migration.tool_calls import PythonicStream
 from meridian.stop_strings import StopStringMatcher
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz    "
+EOS = 95  # decodes to nothing, as a skipped special token
 
 
 def encode(text: str) -> list[int]:
@@ -32,7 +34,16 @@ def encode(text: str) -> list[int]:
 
 
 def decode(ids: list[int]) -> str:
-    return "".join(chr(i + 32) for i in ids)
+    return "".join(chr(i + 32) for i in ids if i != EOS)
+
+
+def scripted(seq: list[int], script: list[int]) -> int:
+    """The script's next token: it continues from the longest suffix of `seq` that begins
+    the script (so a continuation primed with part of it writes the rest), then EOS."""
+    for k in range(min(len(seq), len(script)), 0, -1):
+        if seq[-k:] == script[:k]:
+            return script[k] if k < len(script) else EOS
+    return script[0]
 
 
 def next_token(seq: list[int], seed: int | None) -> int:
@@ -63,6 +74,8 @@ class TokenNode:
     release: asyncio.Event = field(default_factory=asyncio.Event)
     # A non-streamed answer dies after this many tokens (the connection closes, no status).
     die_whole: bool = False
+    # What its /detokenize makes of a text: another tokenizer than the other nodes'.
+    detokenize_as: Callable[[str], str] | None = None
 
 
 def token_node_app(node: TokenNode) -> FastAPI:
@@ -83,7 +96,8 @@ def token_node_app(node: TokenNode) -> FastAPI:
 
     async def detokenize(request: Request) -> Response:
         body = await request.json()
-        return JSONResponse({"prompt": decode(body["tokens"])})
+        text = decode(body["tokens"])
+        return JSONResponse({"prompt": node.detokenize_as(text) if node.detokenize_as else text})
 
     app.post("/v1/chat/completions")(generate)
     app.post("/v1/completions")(generate)
@@ -134,6 +148,9 @@ async def _stream(node: TokenNode, body: dict[str, Any], chat: bool, prompt: lis
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": 1700000000,
             "model": body["model"]}
     seed = body.get("seed") if body.get("temperature") else None
+    script = encode(str((body.get("vllm_xargs") or {}).get("script") or "")) or None
+    parser = _ToolParser(chat and bool(body.get("tools")) and body.get("tool_choice") in (None, "auto"),
+                         parallel=body.get("parallel_tool_calls") is not False)
     matcher = StopStringMatcher(_stops(body))
     if chat:
         first: dict[str, Any] = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -147,15 +164,17 @@ async def _stream(node: TokenNode, body: dict[str, Any], chat: bool, prompt: lis
         if fault is not None and n == fault.after:
             async for line in _fail(node, fault):
                 yield line
-        token = next_token(prompt + ids, seed)
+        token = scripted(prompt + ids, script) if script else next_token(prompt + ids, seed)
         ids.append(token)
         emit, stopped = matcher.feed(decode([token]))
-        reason = "stop" if stopped else ("length" if n == max_tokens - 1 else None)
-        if reason == "length":
-            emit += matcher.flush()
+        reason = "stop" if stopped or token == EOS else ("length" if n == max_tokens - 1 else None)
+        if reason is not None:
+            emit += matcher.flush() if not stopped else ""
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": reason}
         if chat:
-            choice["delta"] = {"content": emit} if emit else {}
+            choice["delta"] = parser.delta(emit)
+            if reason == "stop" and parser.called:
+                choice["finish_reason"] = "tool_calls"
         else:
             choice["text"] = emit
             if n == 0 and ids_on:
@@ -170,6 +189,25 @@ async def _stream(node: TokenNode, body: dict[str, Any], chat: bool, prompt: lis
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
         yield _sse({**head, "choices": [], "usage": usage})
     yield "data: [DONE]\n\n"
+
+
+class _ToolParser:
+    """vLLM's pythonic parser in a chat stream with tools: a text that starts with `[` is
+    tool calls, anything else content; without parallel calls only the first is sent."""
+
+    def __init__(self, on: bool, parallel: bool) -> None:
+        self.on, self.parallel, self.text, self.called = on, parallel, "", False
+        self._stream = PythonicStream([])
+
+    def delta(self, emit: str) -> dict[str, Any]:
+        self.text += emit
+        if not self.on or not self.text.startswith("["):
+            return {"content": emit} if emit else {}
+        message = self._stream.feed(self.text) or {}
+        self.called = self.called or bool(message.get("tool_calls"))
+        if message.get("tool_calls") and not self.parallel:
+            message["tool_calls"] = [c for c in message["tool_calls"] if c["index"] == 0]
+        return message
 
 
 async def _fail(node: TokenNode, fault: Fault) -> AsyncIterator[str]:
