@@ -10,9 +10,11 @@ builds its prompt (vllm/entrypoints/openai/responses/utils.py, construct_input_m
 `instructions` first as a system message, a string input as one user message, message
 items as chat messages with their text parts (`input_text`/`output_text` parse to the
 same text parts as chat's `text`), an assistant item as its first part's text; the
-developer role is left as it is, since both routes map it the same way. So the prompt's
-token ids are the ones vLLM's Responses path would have used (harmony models, gpt-oss,
-are the exception: their Responses prompt differs from their chat prompt).
+developer role is left as it is, since both routes map it the same way. vLLM's Responses
+path tokenizes the rendered prompt with `add_special_tokens` on (chat's default is off: a
+template that writes its BOS gets a second one there), so the chat request asks for that
+too. So the prompt's token ids are the ones vLLM's Responses path would have used (vLLM
+0.32; harmony models, gpt-oss, are the exception: their Responses prompt is harmony's).
 
 Only what the chat route serves the same way takes this path: `stream` true, `store`
 false (explicitly: a stored response lives in the memory of the one vLLM process that
@@ -94,15 +96,29 @@ def as_chat_request(payload: dict[str, Any]) -> AsChat | None:
         chat["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
                          for t in payload["tools"]]
         chat["tool_choice"] = "none"
+    chat["add_special_tokens"] = True  # as vLLM's Responses path tokenizes (see above)
     chat["stream"] = True
     chat["stream_options"] = {"include_usage": True}  # the response object's usage needs it
-    echo = {k: payload.get(k) for k in ("instructions", "max_output_tokens", "temperature", "top_p", "user",
-                                         "metadata", "max_tool_calls", "presence_penalty", "frequency_penalty")}
-    echo.update(parallel_tool_calls=payload.get("parallel_tool_calls", True),
-                service_tier=payload.get("service_tier") or "auto", tools=payload.get("tools") or [],
-                tool_choice=payload.get("tool_choice") or "auto", text=payload.get("text"),
-                truncation=payload.get("truncation") or "disabled", top_logprobs=payload.get("top_logprobs") or 0)
-    return AsChat(chat, _ENCODE.encode(chat), echo)
+    return AsChat(chat, _ENCODE.encode(chat), _echo(payload))
+
+
+def _echo(payload: dict[str, Any]) -> dict[str, Any]:
+    """The request's fields on the response object, with the defaults vLLM shows for them
+    (tool_choice "none" without tools: vLLM's check_tool_usage)."""
+    echo = {k: payload.get(k) for k in ("instructions", "max_output_tokens", "user", "metadata", "max_tool_calls")}
+    tools = payload.get("tools") or []
+    echo.update(
+        temperature=_float(payload.get("temperature"), 1.0), top_p=_float(payload.get("top_p"), 1.0),
+        presence_penalty=_float(payload.get("presence_penalty"), 0.0),
+        frequency_penalty=_float(payload.get("frequency_penalty"), 0.0),
+        parallel_tool_calls=payload.get("parallel_tool_calls", True), service_tier=payload.get("service_tier") or "auto",
+        tools=tools, tool_choice=payload.get("tool_choice") or "auto" if tools else "none", text=payload.get("text"),
+        truncation=payload.get("truncation") or "disabled", top_logprobs=None)
+    return echo
+
+
+def _float(value: Any, default: float) -> Any:
+    return default if value is None else float(value) if isinstance(value, int | float) else value
 
 
 def _none_or_false(value: Any) -> bool:
@@ -157,6 +173,8 @@ def _message(item: Any) -> dict[str, Any] | None:
     assistant = role == "assistant"
     if set(item) - ({"type", "role", "content", "id", "status"} if assistant else {"type", "role", "content"}):
         return None
+    if item.get("status") not in (None, "completed"):
+        return None  # a partial assistant message: vLLM continues it, chat would not
     if isinstance(content, str):
         return {"role": role, "content": content}
     if not isinstance(content, list) or not content or not all(_text_part(p, assistant) for p in content):

@@ -103,7 +103,7 @@ class ResponsesEvents:
             out = (self._event({"type": "response.output_item.added", "output_index": 0, "item": self._item(
                        "in_progress", [])})
                    + self._event({"type": "response.content_part.added", "output_index": 0, "item_id": self._item_id,
-                                  "content_index": 0, "part": _part("")}))
+                                  "content_index": 0, "part": _part("", [])}))
         self._text.append(text)
         return out + self._event({"type": "response.output_text.delta", "item_id": self._item_id, "output_index": 0,
                                   "content_index": 0, "delta": text, "logprobs": []})
@@ -114,11 +114,12 @@ class ResponsesEvents:
         output: list[dict[str, Any]] = []
         if self._opened:
             text = "".join(self._text)
-            item = self._item("completed", [_part(text)] if text else [])
+            part = _part(text, None)  # vLLM's: logprobs None once the part is done
+            item = self._item("completed", [part] if text else [])
             out = (self._event({"type": "response.output_text.done", "item_id": self._item_id, "output_index": 0,
                                 "content_index": 0, "text": text, "logprobs": []})
                    + self._event({"type": "response.content_part.done", "item_id": self._item_id,
-                                  "output_index": 0, "content_index": 0, "part": _part(text)})
+                                  "output_index": 0, "content_index": 0, "part": part})
                    + self._event({"type": "response.output_item.done", "output_index": 0, "item": item}))
             output = [item]
         status = "incomplete" if self._finish == "length" else "completed"
@@ -136,16 +137,15 @@ class ResponsesEvents:
                             "message": message if isinstance(message, str) else "The answer failed mid-stream."})
 
     def _item(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self._item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+        return {"id": self._item_id, "type": "message", "role": "assistant", "status": status, "content": content,
+                "phase": None}
 
     def _response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
-        echo = self._echo
         return {
             "id": self._id, "object": "response", "created_at": self._created, "model": self._model,
-            "status": status, "output": output, "usage": usage, "error": None,
+            "status": status, "output": output, "usage": usage,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            **echo, "temperature": _or(echo.get("temperature"), 1.0), "top_p": _or(echo.get("top_p"), 1.0),
-            "background": False, "previous_response_id": None, "prompt": None, "reasoning": None,
+            **self._echo, "background": False, "previous_response_id": None, "prompt": None, "reasoning": None,
         }
 
     def _event(self, event: dict[str, Any]) -> bytes:
@@ -154,12 +154,8 @@ class ResponsesEvents:
         return b"event: " + event["type"].encode() + b"\ndata: " + _ENCODE.encode(event) + b"\n\n"
 
 
-def _part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-
-def _or(value: Any, default: float) -> Any:
-    return default if value is None else value
+def _part(text: str, logprobs: list[Any] | None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
 def _usage(chat: dict[str, Any] | None) -> dict[str, Any] | None:

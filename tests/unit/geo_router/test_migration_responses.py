@@ -23,7 +23,7 @@ def test_a_plain_request_becomes_the_chat_request_vllm_would_render() -> None:
                             "seed": 3, "top_k": 1, "ignore_eos": True, "cache_salt": "s", "metadata": {"a": "b"}})
     assert chat is not None
     assert chat.payload == {"model": "m", "temperature": 0, "seed": 3, "top_k": 1, "ignore_eos": True,
-                            "cache_salt": "s", "max_tokens": 9, "stream": True,
+                            "cache_salt": "s", "max_tokens": 9, "stream": True, "add_special_tokens": True,
                             "stream_options": {"include_usage": True},
                             "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
     assert json.loads(chat.body) == chat.payload
@@ -69,6 +69,8 @@ def test_message_items_keep_their_roles_and_text_parts() -> None:
     ({"input": [{"role": "assistant", "content": [{"type": "output_text", "text": "a"},
                                                   {"type": "output_text", "text": "b"}]}]}, "input items"),
     ({"input": []}, "input items"),
+    ({"input": [{"role": "user", "content": "a"}, {"type": "message", "role": "assistant", "status": "incomplete",
+                                                  "content": [{"type": "output_text", "text": "b"}]}]}, "input items"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
 ])
