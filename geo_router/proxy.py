@@ -41,7 +41,7 @@ from .metrics import RouterMetrics
 from .migration.budget import MigrationBudget
 from .migration.decide import BreakReason, Refusal
 from .migration.plan import CHAT_ROUTE, MigrationPlan, plan_for
-from .migration.responses import RESPONSES_ROUTE, AsChat, as_chat_request
+from .migration.responses import RESPONSES_ROUTE, AsChat, as_chat_request, for_engine
 from .migration.responses_stream import ResponsesStream
 from .migration.silence import SilenceWatch
 from .migration.stream import MigratingStream, MigrationContext, Piece, PieceFailed
@@ -493,6 +493,9 @@ class UpstreamForwarder:
             origin = self._client.origin(candidate.node.url)
         except ValueError as exc:
             raise _NodeFailed(FailureReason.PROTOCOL, str(exc)) from None
+        if migration is not None and migration.responses_echo is not None:
+            body = for_engine(request.body, candidate.node.engine)
+            request = InferenceRequest(body, request.model, request.stream, request.payload)
         head = self._request_head(method, origin, route, request, request_id, trace_headers)
         await self._take_slot()
         conn: UpstreamConnection | None = None

@@ -12,9 +12,10 @@ items as chat messages with their text parts (`input_text`/`output_text` parse t
 same text parts as chat's `text`), an assistant item as its first part's text; the
 developer role is left as it is, since both routes map it the same way. vLLM's Responses
 path tokenizes the rendered prompt with `add_special_tokens` on (chat's default is off: a
-template that writes its BOS gets a second one there), so the chat request asks for that
-too. So the prompt's token ids are the ones vLLM's Responses path would have used (vLLM
-0.32; harmony models, gpt-oss, are the exception: their Responses prompt is harmony's).
+template that writes its BOS gets a second one there), so the chat request sent to a vLLM
+node asks for that too (`for_engine`; the torch engine has no Responses path to match and
+refuses the field). So the prompt's token ids are the ones vLLM's Responses path would
+have used (vLLM 0.32; harmony models, gpt-oss, are the exception: their prompt is harmony's).
 
 Only what the chat route serves the same way takes this path: `stream` true, `store`
 false (explicitly: a stored response lives in the memory of the one vLLM process that
@@ -32,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from ..request import with_field
 
 RESPONSES_ROUTE = "/v1/responses"
 
@@ -96,10 +99,15 @@ def as_chat_request(payload: dict[str, Any]) -> AsChat | None:
         chat["tools"] = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}}
                          for t in payload["tools"]]
         chat["tool_choice"] = "none"
-    chat["add_special_tokens"] = True  # as vLLM's Responses path tokenizes (see above)
     chat["stream"] = True
     chat["stream_options"] = {"include_usage": True}  # the response object's usage needs it
     return AsChat(chat, _ENCODE.encode(chat), _echo(payload))
+
+
+def for_engine(body: bytes, engine: str) -> bytes:
+    """The chat body (as_chat_request's, with any field the router appends) for a node
+    running `engine`: vLLM's tokenizes the prompt as its own Responses path would."""
+    return with_field(body, "add_special_tokens", b"true") if engine == "vllm" else body
 
 
 def _echo(payload: dict[str, Any]) -> dict[str, Any]:

@@ -45,7 +45,8 @@ class MigrationRig:
 
 
 @contextlib.asynccontextmanager
-async def migration_rig(node_url: str, journal: Any, **router: Any) -> AsyncIterator[MigrationRig]:
+async def migration_rig(node_url: str, journal: Any, engine: str = "torch",
+                        **router: Any) -> AsyncIterator[MigrationRig]:
     parts = urlsplit(node_url)
     async with running_proxy(parts.hostname or "127.0.0.1", parts.port or 80) as proxy:
         near_url = f"http://127.0.0.1:{proxy.port}"
@@ -53,9 +54,9 @@ async def migration_rig(node_url: str, journal: Any, **router: Any) -> AsyncIter
             version=1, generated_at=datetime.now(UTC), regions=list(REGIONS.values()), deployments=[],
             tenants=[CAROL.entry()],
             nodes=[RoutingNode(node_id="near", region=REGIONS["us"].name, url=near_url, models=[MODEL],
-                               status=NodeStatus.READY),
+                               status=NodeStatus.READY, engine=engine),
                    RoutingNode(node_id="far", region=REGIONS["eu"].name, url=node_url, models=[MODEL],
-                               status=NodeStatus.READY)])
+                               status=NodeStatus.READY, engine=engine)])
         settings = router_settings(**{"probe_enabled": False, "read_timeout_s": 120.0, "request_timeout_s": 180.0,
                                       "max_request_bytes": 1_000_000, "request_journal_path": journal,
                                       "default_client_location": REGIONS["us"].name,

@@ -31,7 +31,8 @@ COMPLETION = {"model": MODEL, "prompt": "the sea is", "max_tokens": 64, "tempera
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[MigrationRig]:
     require_vllm()
     root: Path = tmp_path_factory.mktemp("vllm-migration")
-    async with vllm_fabric(root) as fabric, migration_rig(fabric.node_url, root / "router.jsonl") as r:
+    async with vllm_fabric(root) as fabric, \
+            migration_rig(fabric.node_url, root / "router.jsonl", engine="vllm") as r:
         yield r
 
 

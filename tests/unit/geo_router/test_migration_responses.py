@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from geo_router.migration.responses import as_chat_request, refusal
+from geo_router.migration.responses import as_chat_request, for_engine, refusal
 from geo_router.migration.responses_stream import ResponsesEvents
 
 PLAIN = {"model": "m", "input": "hi", "stream": True, "store": False}
@@ -23,11 +23,18 @@ def test_a_plain_request_becomes_the_chat_request_vllm_would_render() -> None:
                             "seed": 3, "top_k": 1, "ignore_eos": True, "cache_salt": "s", "metadata": {"a": "b"}})
     assert chat is not None
     assert chat.payload == {"model": "m", "temperature": 0, "seed": 3, "top_k": 1, "ignore_eos": True,
-                            "cache_salt": "s", "max_tokens": 9, "stream": True, "add_special_tokens": True,
+                            "cache_salt": "s", "max_tokens": 9, "stream": True,
                             "stream_options": {"include_usage": True},
                             "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
     assert json.loads(chat.body) == chat.payload
     assert chat.echo["metadata"] == {"a": "b"} and chat.echo["instructions"] == "be brief"
+
+
+def test_a_vllm_node_tokenizes_the_prompt_as_its_responses_path_does() -> None:
+    chat = as_chat_request(PLAIN)
+    assert chat is not None
+    assert json.loads(for_engine(chat.body, "vllm")) == {**chat.payload, "add_special_tokens": True}
+    assert for_engine(chat.body, "torch") == chat.body  # no Responses path to match; it refuses the field
 
 
 def test_message_items_keep_their_roles_and_text_parts() -> None:

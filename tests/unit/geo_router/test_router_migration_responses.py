@@ -10,6 +10,7 @@ same text, one response id, usage counting every token, sequence numbers running
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,6 +65,7 @@ async def test_a_plain_responses_stream_is_served_as_chat_with_token_ids(fabric:
     assert sent["path"] == "/v1/chat/completions" and sent["return_token_ids"] is True
     assert sent["messages"] == [{"role": "system", "content": "be kind"}, {"role": "user", "content": INPUT}]
     assert sent["max_tokens"] == 40 and sent["stream_options"] == {"include_usage": True}
+    assert "add_special_tokens" not in sent  # a torch node's (vLLM's get it: for_engine)
     assert got.text == reference(PROMPT, 40)[0]
     assert [e["sequence_number"] for e in got.events] == list(range(len(got.events)))
     done = got.completed["response"]
@@ -91,9 +93,14 @@ async def test_a_responses_stream_killed_mid_generation_equals_an_unbroken_one(
     assert resumed["path"] == "/v1/completions" and resumed["prompt"][:len(PROMPT)] == PROMPT
 
 
-async def test_the_router_accounts_the_usage_of_a_migrated_responses_stream(fabric: MigrationFabric) -> None:
+async def test_the_router_accounts_the_usage_of_a_migrated_responses_stream(
+        fabric: MigrationFabric, caplog: pytest.LogCaptureFixture) -> None:
     fabric.nodes["us-1"].faults.append(Fault("die", 9))
-    await responses(fabric, max_output_tokens=30)
+    with caplog.at_level(logging.INFO, logger="meridian.access"):
+        await responses(fabric, max_output_tokens=30)
+    (line,) = [r for r in caplog.records if r.name == "meridian.access"]
+    assert (line.route, line.stream, line.prompt_tokens, line.completion_tokens) == (  # type: ignore[attr-defined]
+        "/v1/responses", True, len(PROMPT), 30)
     async with fabric.client() as c:
         scraped = (await c.get("/metrics", headers=SCRAPE)).text
     tokens = "meridian_router_tenant_tokens_total"
