@@ -40,7 +40,9 @@ from .health import Ejection, FailureKind, FleetState
 from .metrics import RouterMetrics
 from .migration.budget import MigrationBudget
 from .migration.decide import BreakReason, Refusal
-from .migration.plan import plan_for
+from .migration.plan import CHAT_ROUTE, MigrationPlan, plan_for
+from .migration.responses import RESPONSES_ROUTE, AsChat, as_chat_request, for_engine
+from .migration.responses_stream import ResponsesStream
 from .migration.silence import SilenceWatch
 from .migration.stream import MigratingStream, MigrationContext, Piece, PieceFailed
 from .outlier import RetryBudget
@@ -92,6 +94,20 @@ class _Waiter:
     task: asyncio.Task[Any]
     abandoned: bool = False
 
+
+
+def _migratable(route: str, request: InferenceRequest
+                ) -> tuple[str, InferenceRequest, AsChat | None, MigrationPlan | None]:
+    """How a streamed request is forwarded so that it can migrate (a plain Responses request
+    becomes the chat completion that serves it: geo_router.migration.responses), and its
+    plan; the request as it is and None when it cannot migrate."""
+    if route == RESPONSES_ROUTE:
+        chat = as_chat_request(request.payload)
+        plan = plan_for(CHAT_ROUTE, chat.payload, chat.body) if chat is not None else None
+        if chat is None or plan is None:
+            return route, request, None, None
+        return CHAT_ROUTE, InferenceRequest(chat.body, request.model, True, chat.payload), chat, plan
+    return route, request, None, plan_for(route, request.payload, request.body)
 
 
 def _passthrough(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
@@ -253,11 +269,16 @@ class UpstreamForwarder:
         s = self._settings
         budget = self._retry_budget
         deadline = asyncio.get_running_loop().time() + s.request_timeout_s
-        plan = plan_for(route, request.payload, request.body) if s.migration_enabled and request.stream else None
+        plan, as_chat = None, None
+        if s.migration_enabled and request.stream:
+            route, request, as_chat, plan = _migratable(route, request)
         migration = None
         if plan is not None:
             request = InferenceRequest(plan.upstream_body, request.model, request.stream, request.payload)
-            migration = MigrationContext(plan, candidates, request_id, trace.headers if trace is not None else "")
+            migration = MigrationContext(plan, candidates, request_id, trace.headers if trace is not None else "",
+                                         responses_echo=as_chat.echo if as_chat is not None else None)
+            if as_chat is not None:
+                rewrite = None  # the chat stream holds no vLLM response ids to wrap
         upstream_wait = queued_s
         previous: Candidate | None = None
         previous_gone = False
@@ -472,6 +493,9 @@ class UpstreamForwarder:
             origin = self._client.origin(candidate.node.url)
         except ValueError as exc:
             raise _NodeFailed(FailureReason.PROTOCOL, str(exc)) from None
+        if migration is not None and migration.responses_echo is not None:
+            body = for_engine(request.body, candidate.node.engine)
+            request = InferenceRequest(body, request.model, request.stream, request.payload)
         head = self._request_head(method, origin, route, request, request_id, trace_headers)
         await self._take_slot()
         conn: UpstreamConnection | None = None
@@ -527,6 +551,8 @@ class UpstreamForwarder:
         if migration is not None:
             piece = Piece(candidate, conn, framer, first, ended)
             stream = MigratingStream(self, migration, piece, deadline, received_at)
+            if migration.responses_echo is not None:  # a Responses request served as chat
+                stream = ResponsesStream(stream, migration.responses_echo)
         else:
             stream = PassThroughStream(self, candidate, conn, framer, first, ended, deadline, received_at)
         headers.setdefault("cache-control", "no-cache")

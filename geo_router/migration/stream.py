@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..selection import Candidate
 from ..sse import SSEFramer, StreamTally, error_event
@@ -84,12 +84,14 @@ class MigrationHost(StreamHost, Protocol):
 
 @dataclass(frozen=True, slots=True)
 class MigrationContext:
-    """What a stream may move with: its plan, the request's candidates and trace headers."""
+    """What a stream may move with: its plan, the request's candidates and trace headers;
+    `responses_echo`: the request was a Responses one, served as chat (responses.py)."""
 
     plan: MigrationPlan
     candidates: Sequence[Candidate]
     request_id: str
     trace_headers: str = ""
+    responses_echo: dict[str, Any] | None = None
 
 
 class _Unresumable(Exception):

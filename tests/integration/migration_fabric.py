@@ -20,6 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import openai
 from router_harness import REGIONS, ServerGroup, router_settings
 from tenant_fabric import MODEL, Tenant
 
@@ -44,7 +45,8 @@ class MigrationRig:
 
 
 @contextlib.asynccontextmanager
-async def migration_rig(node_url: str, journal: Any, **router: Any) -> AsyncIterator[MigrationRig]:
+async def migration_rig(node_url: str, journal: Any, engine: str = "torch",
+                        **router: Any) -> AsyncIterator[MigrationRig]:
     parts = urlsplit(node_url)
     async with running_proxy(parts.hostname or "127.0.0.1", parts.port or 80) as proxy:
         near_url = f"http://127.0.0.1:{proxy.port}"
@@ -52,9 +54,9 @@ async def migration_rig(node_url: str, journal: Any, **router: Any) -> AsyncIter
             version=1, generated_at=datetime.now(UTC), regions=list(REGIONS.values()), deployments=[],
             tenants=[CAROL.entry()],
             nodes=[RoutingNode(node_id="near", region=REGIONS["us"].name, url=near_url, models=[MODEL],
-                               status=NodeStatus.READY),
+                               status=NodeStatus.READY, engine=engine),
                    RoutingNode(node_id="far", region=REGIONS["eu"].name, url=node_url, models=[MODEL],
-                               status=NodeStatus.READY)])
+                               status=NodeStatus.READY, engine=engine)])
         settings = router_settings(**{"probe_enabled": False, "read_timeout_s": 120.0, "request_timeout_s": 180.0,
                                       "max_request_bytes": 1_000_000, "request_journal_path": journal,
                                       "default_client_location": REGIONS["us"].name,
@@ -115,6 +117,48 @@ async def stream(rig: MigrationRig, route: str, body: dict[str, Any], *, break_a
                 if any(c.get("token_ids") for c in event.get("choices", [])):
                     seen += 1
                 if break_after is not None and seen == break_after:
+                    getattr(rig.proxy, fault)()
+    finally:
+        rig.proxy.heal()
+    return out
+
+
+@dataclass
+class StreamedResponse:
+    """A Responses API stream as the official `openai` client parsed it (typed events)."""
+
+    events: list[Any] = field(default_factory=list)
+
+    @property
+    def types(self) -> list[str]:
+        return [e.type for e in self.events]
+
+    @property
+    def text(self) -> str:
+        return "".join(e.delta for e in self.events if e.type == "response.output_text.delta")
+
+    @property
+    def completed(self) -> Any:
+        done = [e for e in self.events if e.type == "response.completed"]
+        assert len(done) == 1, self.types[-3:]
+        return done[0]
+
+
+async def stream_response(rig: MigrationRig, body: dict[str, Any], *, break_after: int | None = None,
+                          fault: str = "reset") -> StreamedResponse:
+    """`client.responses.create(**body, stream=True)` with the `openai` client; after
+    `break_after` text deltas, break the `near` path (`fault`: reset or blackhole)."""
+    out = StreamedResponse()
+    client = openai.AsyncOpenAI(base_url=rig.router_url + "/v1", api_key=CAROL.key, max_retries=0, timeout=180)
+    if break_after is not None:
+        rig.proxy.set_bandwidth(PACE_BYTES_PER_S, "downstream")
+    try:
+        async with client:
+            events = await client.responses.create(**body, stream=True)
+            async for event in events:
+                out.events.append(event)
+                deltas = sum(e.type == "response.output_text.delta" for e in out.events)
+                if break_after is not None and event.type == "response.output_text.delta" and deltas == break_after:
                     getattr(rig.proxy, fault)()
     finally:
         rig.proxy.heal()

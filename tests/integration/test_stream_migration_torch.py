@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from migration_fabric import MigrationRig, migration_rig, stream
+from migration_fabric import MigrationRig, migration_rig, stream, stream_response
+from openai.types.responses import ResponseCompletedEvent
 from router_harness import ServerGroup
 from tenant_fabric import MODEL, node_settings
 
@@ -75,3 +76,27 @@ async def test_a_stop_string_across_the_seam_stops_as_it_would_unbroken(rig: Mig
         assert got.token_ids == stopped.token_ids, at
         assert got.trailer is not None and got.trailer["migrations"] == 1, at
         assert [c["finish_reason"] for e in got.events for c in e["choices"] if c.get("finish_reason")] == ["stop"]
+
+
+RESPONSE = {"model": MODEL, "input": "write a long poem about the sea", "instructions": "you are a poet",
+            "max_output_tokens": 48, "temperature": 0, "store": False, "extra_body": {"ignore_eos": True}}
+
+
+@pytest.mark.parametrize("break_after", [1, 24, 42])
+async def test_a_killed_responses_stream_resumes_token_identical(rig: MigrationRig, break_after: int) -> None:
+    # The torch engine serves no /v1/responses: the router serves it as a chat completion.
+    unbroken = await stream_response(rig, RESPONSE)
+    done = unbroken.completed.response
+    assert done.usage.output_tokens == 48 and done.output_text == unbroken.text and unbroken.text
+    got = await stream_response(rig, RESPONSE, break_after=break_after)
+    assert got.text == unbroken.text and got.types == unbroken.types
+    usage = got.completed.response.usage
+    # (A migrated stream's usage is the router's count: it knows no prefix-cache hits.)
+    assert (usage.input_tokens, usage.output_tokens, usage.total_tokens) == (
+        done.usage.input_tokens, 48, done.usage.total_tokens)
+    assert got.completed.response.output_text == unbroken.text
+    assert len({e.response.id for e in got.events if hasattr(e, "response")}) == 1
+    assert [e.sequence_number for e in got.events] == list(range(len(got.events)))
+    assert isinstance(got.events[-1], ResponseCompletedEvent) and got.events[-1].response.status == "incomplete"
+    trailer = (got.completed.model_extra or {}).get("meridian")
+    assert trailer is not None and trailer["node"] == "far" and trailer["migrations"] == 1

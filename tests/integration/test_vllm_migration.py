@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from migration_fabric import MigrationRig, Streamed, migration_rig, stream
+from migration_fabric import MigrationRig, Streamed, migration_rig, stream, stream_response
 from tenant_fabric import MODEL
 from tokenizers import Tokenizer
 from vllm_fabric import require_vllm, vllm_fabric
@@ -52,7 +52,7 @@ async def rig(root: Path) -> AsyncIterator[MigrationRig]:
     require_vllm()
     plugin = ["--logits-processors", "script_logits:ScriptLogitsProcessor"]
     async with (vllm_fabric(root, vllm_args=plugin, vllm_env={"PYTHONPATH": str(Path(__file__).parent)}) as fabric,
-                migration_rig(fabric.node_url, root / "router.jsonl") as r):
+                migration_rig(fabric.node_url, root / "router.jsonl", engine="vllm") as r):
         yield r
 
 
@@ -135,3 +135,59 @@ def _token_events(got: Streamed) -> list[dict[str, Any]]:
 
 def _arguments(event: dict[str, Any]) -> str:
     return "".join(d["function"].get("arguments") or "" for d in event["choices"][0]["delta"].get("tool_calls") or [])
+
+
+RESPONSE = {"model": MODEL, "input": "write a long poem about the sea", "instructions": "you are a poet",
+            "max_output_tokens": 64, "temperature": 0, "store": False, "extra_body": {"ignore_eos": True}}
+
+
+async def test_a_plain_responses_stream_is_vllms_own_answer_in_vllms_own_events(rig: MigrationRig) -> None:
+    # store=True keeps the request vLLM's own (its Responses stream); store=False is served
+    # as chat and written back by the router: the same prompt, answer and event shapes.
+    own = await stream_response(rig, {**RESPONSE, "store": True})
+    ours = await stream_response(rig, RESPONSE)
+    assert ours.text == own.text and ours.text
+    assert _runs(ours.types) == _runs(own.types)  # deltas may come bundled: their count varies
+    mine, theirs = ours.completed.response, own.completed.response
+    assert (mine.usage.input_tokens, mine.usage.output_tokens) == (theirs.usage.input_tokens, 64)
+    assert (mine.status, mine.incomplete_details, mine.output_text) == (
+        theirs.status, theirs.incomplete_details, theirs.output_text)
+    for kind in set(own.types):  # the same fields, at every depth, as vLLM's own events
+        (a, *_), (b, *_) = ([e for e in s.events if e.type == kind] for s in (ours, own))
+        assert _fields(a.model_dump(exclude_unset=True)) == _fields(b.model_dump(exclude_unset=True)) - _VLLM_ONLY
+
+
+# vLLM's own extras (its per-request metadata, per-turn usage): not the Responses API's.
+_VLLM_ONLY = {"response." + k for k in ("input_messages", "output_messages", "kv_transfer_params",
+                                          "ec_transfer_params")} | {
+    f"response.usage.{k}" for k in ("input_tokens_details.cache_write_tokens",
+                                    "input_tokens_details.input_tokens_per_turn",
+                                    "input_tokens_details.cached_tokens_per_turn",
+                                    "output_tokens_details.tool_output_tokens",
+                                    "output_tokens_details.output_tokens_per_turn",
+                                    "output_tokens_details.tool_output_tokens_per_turn")}
+
+
+def _runs(types: list[str]) -> list[str]:
+    return [t for i, t in enumerate(types) if i == 0 or types[i - 1] != t]
+
+
+def _fields(value: object, path: str = "") -> set[str]:
+    if isinstance(value, dict):
+        return {f for k, v in value.items() for f in {path + k} | _fields(v, path + k + ".")}
+    if isinstance(value, list) and value:
+        return _fields(value[0], path)
+    return set()
+
+
+@pytest.mark.parametrize("break_after", [1, 25, 40])
+async def test_a_vllm_responses_stream_resumes_token_identical(rig: MigrationRig, break_after: int) -> None:
+    unbroken = await stream_response(rig, RESPONSE)
+    got = await stream_response(rig, RESPONSE, break_after=break_after)
+    assert got.text == unbroken.text and got.types == unbroken.types
+    usage = got.completed.response.usage
+    assert (usage.input_tokens, usage.output_tokens) == (unbroken.completed.response.usage.input_tokens, 64)
+    assert len({e.response.id for e in got.events if hasattr(e, "response")}) == 1
+    assert [e.sequence_number for e in got.events] == list(range(len(got.events)))
+    trailer = (got.completed.model_extra or {}).get("meridian")
+    assert trailer is not None and trailer["node"] == "far" and trailer["migrations"] == 1

@@ -55,7 +55,13 @@ def next_token(seq: list[int], seed: int | None) -> int:
 
 
 def chat_prompt(messages: list[dict[str, Any]]) -> list[int]:
-    return encode("".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages) + "<assistant>")
+    return encode("".join(f"<{m['role']}>{_content(m.get('content'))}" for m in messages) + "<assistant>")
+
+
+def _content(content: Any) -> str:
+    if isinstance(content, list):  # text parts, joined as vLLM's string content format does
+        return "\n".join(p["text"] for p in content)
+    return content or ""
 
 
 @dataclass
@@ -99,7 +105,15 @@ def token_node_app(node: TokenNode) -> FastAPI:
         text = decode(body["tokens"])
         return JSONResponse({"prompt": node.detokenize_as(text) if node.detokenize_as else text})
 
+    async def responses(request: Request) -> Response:
+        # No Responses API here (as on the torch engine): the request is only recorded, so
+        # tests see which Responses requests reached a node as they were sent.
+        node.requests.append({"path": request.url.path, **(await request.json())})
+        return JSONResponse({"error": {"message": "no Responses API here", "type": "invalid_request_error",
+                                       "code": None}}, status_code=404)
+
     app.post("/v1/chat/completions")(generate)
+    app.post("/v1/responses")(responses)
     app.post("/v1/completions")(generate)
     app.post("/detokenize")(detokenize)
     return app
