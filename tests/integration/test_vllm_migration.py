@@ -120,7 +120,7 @@ async def test_a_vllm_tool_call_stream_resumes_with_the_same_calls(rig: Migratio
     # The first value's quote is open: the break falls inside an argument's value.
     inside_value = next(n for n, text in enumerate(sent, 1) if '"city": "' in text)
     assert not sent[inside_value - 1].startswith('{"city": "Paris",')
-    for break_after in sorted({1, 3, argued[0], inside_value, len(events) // 2, len(events) - 2}):
+    for break_after in sorted({1, 3, argued[0], inside_value, len(events) // 2, len(events) - 6}):
         got = await stream(rig, "/v1/chat/completions", tool_chat, break_after=break_after)
         assert got.error is None and got.done, (break_after, got.error)
         assert tool_calls(got) == CALLS, break_after
