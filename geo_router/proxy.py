@@ -5,7 +5,7 @@ answer whose upstream breaks ends with one `data: {"error": ...}` SSE event inst
 For streams, the first complete SSE event is read from the node before the client gets
 its status line, so a node that accepts the request and dies during prefill is still
 failed over. Events are forwarded whole (geo_router.sse), so a break never leaves half an
-event behind. Nodes are reached with geo_router.upstream's pooled HTTP/1.1 client.
+event behind. Nodes are reached through geo_router.node_call (pooled HTTP/1.1, bounded slots).
 
 `x-meridian-overhead-ms` is the time spent in the router itself between having received
 the request body and sending the request to the node that served it, minus the time
@@ -35,7 +35,7 @@ from meridian.contracts import (
 from meridian.request_journal import RequestJournal
 from meridian.settings import RouterSettings
 
-from .errors import RouterError, RouterOverloaded, UpstreamLost, UpstreamTimeout
+from .errors import RouterError, UpstreamLost, UpstreamTimeout
 from .health import Ejection, FailureKind, FleetState
 from .metrics import RouterMetrics
 from .migration.budget import MigrationBudget
@@ -45,6 +45,7 @@ from .migration.responses import RESPONSES_ROUTE, AsChat, as_chat_request, for_e
 from .migration.responses_stream import ResponsesStream
 from .migration.silence import SilenceWatch
 from .migration.stream import MigratingStream, MigrationContext, Piece, PieceFailed
+from .node_call import NodeCaller
 from .outlier import RetryBudget
 from .request import InferenceRequest
 from .selection import Candidate
@@ -52,7 +53,6 @@ from .sse import SSEFramer
 from .streaming import CommittedStream, PassThroughStream, UpstreamStreamingResponse
 from .upstream import (
     FailureReason,
-    Origin,
     UpstreamConnection,
     UpstreamError,
     UpstreamPool,
@@ -145,16 +145,13 @@ class UpstreamForwarder:
         self._journal = journal or RequestJournal(None)
         self._retry_budget = retry_budget
         self._on_first_byte = on_first_byte
-        self._node_auth = f"Bearer {settings.cluster_token.get_secret_value()}"
         self._fleet = fleet
         self._metrics = metrics
-        self._client = client or make_upstream_client(settings)
+        self._calls = NodeCaller(settings, client or make_upstream_client(settings))
         self.read_timeout_s = settings.read_timeout_s
         # Labelled children of the per-request metrics, looked up once per label set:
         # prometheus_client's labels() validates and locks on every call.
         self._children: dict[tuple[str, ...], Any] = {}
-        # Upstream exchanges in flight: at most one connection each, so this bounds the pool.
-        self._slots = asyncio.Semaphore(settings.max_upstream_connections)
         # Attempts still waiting for their node's answer, by node.
         self._waiting: dict[str, set[_Waiter]] = {}
         # Stream migration (geo_router.migration): what MigratingStream asks of its host.
@@ -182,7 +179,7 @@ class UpstreamForwarder:
             waiter.task.cancel()
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._calls.client.aclose()
         self._journal.close()
 
     def note_failure(self, candidate: Candidate, reason: FailureReason) -> None:
@@ -215,8 +212,7 @@ class UpstreamForwarder:
 
     def release(self, conn: UpstreamConnection) -> None:
         """An exchange is over: its connection goes back to the pool (or is closed)."""
-        self._client.release(conn)
-        self._slots.release()
+        self._calls.release(conn)
 
     async def forward(
         self,
@@ -360,12 +356,12 @@ class UpstreamForwarder:
         """Start a continuation on `candidate` and read its first event (PieceFailed if not)."""
         node = candidate.node.node_id
         try:
-            origin = self._client.origin(candidate.node.url)
+            origin = self._calls.client.origin(candidate.node.url)
         except ValueError as exc:
             raise PieceFailed(FailureReason.PROTOCOL, str(exc)) from None
-        head = self._request_head("POST", origin, route, InferenceRequest(body, "", True, {}), request_id,
+        head = self._calls.request_head("POST", origin, route, InferenceRequest(body, "", True, {}), request_id,
                                   trace_headers)
-        await self._take_slot()
+        await self._calls.take_slot()
         self._fleet.begin(node)
         self._journal.routed(request_id, node, candidate.region.name, 1, migration=migration,
                              resume_tokens=resume_tokens)
@@ -373,14 +369,14 @@ class UpstreamForwarder:
         started = False
         try:
             async with asyncio.timeout_at(deadline):
-                conn = await self._exchange(origin, head, body, True, self.inter_token_timeout_s)
+                conn = await self._calls.exchange(origin, head, body, True, self.inter_token_timeout_s)
                 status, _ = await conn.status()
                 if status >= 300:
                     detail = (await conn.read_all())[:300].decode("utf-8", "replace")
                     raise PieceFailed(FailureReason.SERVER_ERROR if status >= 500 else None, f"HTTP {status}: {detail}")
                 framer = SSEFramer(True)
                 # A frozen replica must not hold a resumed stream longer than it held the first.
-                first, ended = await self._first_event(conn, framer, self.inter_token_timeout_s)
+                first, ended = await self._calls.first_event(conn, framer, self.inter_token_timeout_s)
                 started = True
         except UpstreamError as exc:
             raise PieceFailed(exc.reason, str(exc)) from None
@@ -388,9 +384,7 @@ class UpstreamForwarder:
             raise PieceFailed(FailureReason.TIMEOUT, "the request's deadline passed") from None
         finally:
             if not started:
-                if conn is not None:
-                    self._client.release(conn)
-                self._slots.release()
+                self._calls.release(conn)
                 self._fleet.end(node)
         self._fleet.record_success(node)
         self.silence.started(node)
@@ -400,18 +394,18 @@ class UpstreamForwarder:
         """The text `tokens` make on `candidate` (POST /detokenize); None when it answers but
         cannot say; PieceFailed when it does not answer (the stream should go elsewhere)."""
         try:
-            origin = self._client.origin(candidate.node.url)
+            origin = self._calls.client.origin(candidate.node.url)
         except ValueError as exc:
             raise PieceFailed(FailureReason.PROTOCOL, str(exc)) from None
         body = msgspec.json.encode({"model": model, "tokens": tokens})
-        head = self._request_head("POST", origin, "/detokenize", InferenceRequest(body, model, False, {}), "", "")
-        await self._take_slot()
+        head = self._calls.request_head("POST", origin, "/detokenize", InferenceRequest(body, model, False, {}), "", "")
+        await self._calls.take_slot()
         conn: UpstreamConnection | None = None
         # A healthy node answers in milliseconds; a frozen one must not hold the stream long.
         timeout_s = min(self.inter_token_timeout_s, self._settings.connect_timeout_s + 1.0)
         try:
             async with asyncio.timeout(timeout_s):
-                conn = await self._exchange(origin, head, body, False)
+                conn = await self._calls.exchange(origin, head, body, False)
                 status, _ = await conn.status()
                 answer = await conn.read_all()
         except UpstreamError as exc:
@@ -419,9 +413,7 @@ class UpstreamForwarder:
         except TimeoutError:
             raise PieceFailed(FailureReason.TIMEOUT, f"detokenize: no answer within {timeout_s:g}s") from None
         finally:
-            if conn is not None:
-                self._client.release(conn)
-            self._slots.release()
+            self._calls.release(conn)
         try:
             text = msgspec.json.decode(answer).get("prompt") if status == 200 else None
         except (msgspec.DecodeError, AttributeError):
@@ -430,49 +422,6 @@ class UpstreamForwarder:
             log.warning("detokenize on %s answered %s without text", candidate.node.node_id, status)
             return None
         return text
-
-    async def _take_slot(self) -> None:
-        if not self._slots.locked():
-            await self._slots.acquire()  # free: returns without suspending
-            return
-        try:
-            async with asyncio.timeout(self._settings.connect_timeout_s):
-                await self._slots.acquire()
-        except TimeoutError:
-            # Our own pool is full: not the node's fault, and no other node would do better.
-            raise RouterOverloaded() from None
-
-    async def _exchange(self, origin: Origin, head: bytes, body: bytes, stream: bool,
-                        status_timeout_s: float | None = None) -> UpstreamConnection:
-        """Send the request and wait for the answer's status line on a pooled connection (a
-        stream's within `status_timeout_s`, the read timeout by default)."""
-        status_timeout_s = status_timeout_s or self.read_timeout_s
-        conn, reused = await self._client.acquire(origin)
-        for retry in (True, False):
-            conn.send(head, body)
-            try:
-                if stream:
-                    # A stream must start within the read timeout, like each of its chunks.
-                    async with asyncio.timeout(status_timeout_s):
-                        await conn.status()
-                else:
-                    await conn.status()  # a whole generation: bounded by the request deadline
-                return conn
-            except TimeoutError:  # the read timeout (the deadline's expiry arrives as a cancel)
-                self._client.release(conn)
-                raise UpstreamError(FailureReason.TIMEOUT, f"no answer within {status_timeout_s:g}s") from None
-            except UpstreamError:
-                self._client.release(conn)
-                # A pooled connection the node closed as the request went out (its keep-alive
-                # timeout): nothing came back, so the node never took the request and sending
-                # it again on a new connection cannot run it twice. nginx does the same.
-                if not (retry and reused and not conn.got_bytes):
-                    raise
-            except BaseException:
-                self._client.release(conn)  # mid-exchange: closed, never pooled
-                raise
-            conn, reused = await self._client.connect(origin), False
-        raise AssertionError("unreachable")
 
     async def _attempt(
         self,
@@ -490,14 +439,14 @@ class UpstreamForwarder:
     ) -> Response:
         """One try on one node: a Response to commit to, or _NodeFailed."""
         try:
-            origin = self._client.origin(candidate.node.url)
+            origin = self._calls.client.origin(candidate.node.url)
         except ValueError as exc:
             raise _NodeFailed(FailureReason.PROTOCOL, str(exc)) from None
         if migration is not None and migration.responses_echo is not None:
             body = for_engine(request.body, candidate.node.engine)
             request = InferenceRequest(body, request.model, request.stream, request.payload)
-        head = self._request_head(method, origin, route, request, request_id, trace_headers)
-        await self._take_slot()
+        head = self._calls.request_head(method, origin, route, request, request_id, trace_headers)
+        await self._calls.take_slot()
         conn: UpstreamConnection | None = None
         committed = False
         node_id = candidate.node.node_id
@@ -506,7 +455,7 @@ class UpstreamForwarder:
         try:
             async with asyncio.timeout_at(deadline):
                 sent_at = time.perf_counter()
-                conn = await self._exchange(origin, head, request.body, request.stream)
+                conn = await self._calls.exchange(origin, head, request.body, request.stream)
                 status, upstream_headers = await conn.status()
                 if self._on_first_byte is not None:
                     self._on_first_byte(candidate.node.node_id, time.perf_counter() - sent_at)
@@ -522,7 +471,7 @@ class UpstreamForwarder:
                     headers.update(reply_headers)
                     return Response(body, status_code=status, headers=headers)
                 framer = SSEFramer(headers.get("content-type", "").startswith("text/event-stream"))
-                first, ended = await self._first_event(conn, framer)
+                first, ended = await self._calls.first_event(conn, framer)
                 committed = True
         except UpstreamError as exc:
             raise _NodeFailed(exc.reason, str(exc)) from None
@@ -540,9 +489,7 @@ class UpstreamForwarder:
             if not committed:
                 # A non-streamed answer has been read whole (its connection is reused); a
                 # failed one is closed. A streamed one belongs to the response passing it on.
-                if conn is not None:
-                    self._client.release(conn)
-                self._slots.release()
+                self._calls.release(conn)
         self._fleet.record_success(candidate.node.node_id)
         if rewrite is not None:
             framer.rewrite = lambda events: rewrite(node_id, events)
@@ -559,41 +506,3 @@ class UpstreamForwarder:
         headers["x-accel-buffering"] = "no"  # proxies in front must not buffer the stream
         headers.update(reply_headers)
         return UpstreamStreamingResponse(stream, status, headers)
-
-    def _request_head(
-        self, method: str, origin: Origin, route: str, request: InferenceRequest, request_id: str,
-        trace_headers: str = "",
-    ) -> bytes:
-        """The HTTP/1.1 request line and headers sent to the node (`trace_headers`: whole
-        `name: value\r\n` lines of the request's trace context, from the propagators)."""
-        return (
-            f"{method} {origin.base_path}{route} HTTP/1.1\r\n"
-            f"host: {origin.authority}\r\n"
-            "content-type: application/json\r\n"
-            f"accept: {'text/event-stream' if request.stream else 'application/json'}\r\n"
-            # Bytes are passed through untouched, so ask for them uncompressed.
-            "accept-encoding: identity\r\n"
-            # request_id is a sanitised token (request_id_for): no header injection.
-            + (f"{HEADER_REQUEST_ID}: {request_id}\r\n" if request_id else "") +
-            # Nodes serve routers only; the tenant's own key never leaves the router.
-            f"authorization: {self._node_auth}\r\n"
-            f"{trace_headers}"
-            f"content-length: {len(request.body)}\r\n\r\n"
-        ).encode("latin-1")
-
-    async def _first_event(self, conn: UpstreamConnection, framer: SSEFramer,
-                           timeout_s: float | None = None) -> tuple[bytes, bool]:
-        """A stream's first complete event (whatever the node sent, if it ended before one),
-        and whether the stream has ended; each read within `timeout_s` (the read timeout)."""
-        timeout_s = timeout_s or self.read_timeout_s
-        while True:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    chunk = await conn.read_chunk()
-            except TimeoutError:  # the read timeout (the deadline's expiry arrives as a cancel)
-                raise UpstreamError(FailureReason.TIMEOUT, f"no event within {timeout_s:g}s") from None
-            if not chunk:
-                return framer.flush(), True
-            first = framer.feed(chunk)
-            if first:
-                return first, False
