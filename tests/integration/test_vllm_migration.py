@@ -106,6 +106,37 @@ async def test_a_vllm_completion_resumes_with_the_ids_hidden_from_a_client_that_
     assert broken.trailer is not None and broken.trailer["migrations"] == 1
 
 
+async def test_a_stop_string_two_vllm_tokens_make_stops_across_the_seam(rig: MigrationRig) -> None:
+    body = {**COMPLETION, "return_token_ids": True}
+    unbroken = await stream(rig, "/v1/completions", body)
+    texts = [c.get("text") or "" for e in unbroken.events for c in e["choices"]]
+    k = next(i for i in range(20, 40) if len(texts[i]) >= 2 and len(texts[i + 1]) >= 2)
+    stop = texts[k][-2:] + texts[k + 1][:2]  # a stop string that two tokens make
+    body["stop"] = [stop]
+    stopped = await stream(rig, "/v1/completions", body)
+    assert stopped.text == unbroken.text[: unbroken.text.find(stop)] and stopped.text
+    # Broken just before the stop string, inside it (vLLM holds its first half back) and
+    # with it complete: the text stops where the unbroken one did, with the same ids.
+    for at in (k - 1, k, k + 1):
+        got = await stream(rig, "/v1/completions", body, break_after=at)
+        assert got.error is None and got.done, at
+        assert got.text == stopped.text and got.token_ids == stopped.token_ids, at
+        assert got.trailer is not None and got.trailer["migrations"] == 1, at
+        assert [c["finish_reason"] for e in got.events for c in e["choices"] if c.get("finish_reason")] == ["stop"]
+
+
+async def test_a_seeded_sampled_vllm_stream_keeps_its_shape_and_exact_token_count(rig: MigrationRig) -> None:
+    # Sampled tokens after the seam come from the continuation's own seeded generator, so
+    # they differ from an unbroken run's; the stream must still be whole and count exactly.
+    body = {**CHAT, "temperature": 1.0, "seed": 7, "max_tokens": 40}
+    got = await stream(rig, "/v1/chat/completions", body, break_after=15)
+    assert got.error is None and got.done
+    assert got.trailer is not None and got.trailer["migrations"] == 1
+    assert len({e["id"] for e in got.events}) == 1
+    assert len(got.token_ids) == 40 == got.events[-1]["usage"]["completion_tokens"]
+    assert [c["finish_reason"] for e in got.events for c in e["choices"] if c.get("finish_reason")] == ["length"]
+
+
 async def test_a_vllm_tool_call_stream_resumes_with_the_same_calls(rig: MigrationRig, tool_chat: dict[str, Any]) -> None:
     unbroken = await stream(rig, "/v1/chat/completions", tool_chat)
     assert unbroken.error is None and tool_calls(unbroken) == CALLS and finish_reason(unbroken) == "tool_calls"
