@@ -73,14 +73,24 @@ class MigrationPlan:
     tools: bool = False
     parallel_tool_calls: bool = True
 
-    def continuation_body(self, prompt_ids: list[int], generated: int) -> bytes:
-        """The /v1/completions request that generates the rest, from the token ids so far."""
+    def continuation_body(self, prompt_ids: list[int], generated: int, engine: str = "vllm") -> bytes:
+        """The /v1/completions request that generates the rest, from the token ids so far,
+        for a node running `engine` (the routing table's)."""
         body: dict[str, Any] = {"model": self.model, "prompt": prompt_ids, **self.carried,
                                 "stream": True, "return_token_ids": True}
         if self.max_tokens is not None:
             body["max_tokens"] = max(1, self.max_tokens - generated)
         if self.min_tokens > generated:
             body["min_tokens"] = self.min_tokens - generated
+        if self.stops and engine == "vllm":
+            # The router matches the stop strings in a continuation's text itself (one may
+            # start before the seam, where the node cannot see it). vLLM holds back the last
+            # len(longest stop) - 1 characters of a stream that excludes its stop strings,
+            # so the router would read one token past such a stop before seeing it; asked to
+            # include them, it holds nothing back, and the router cuts the text as the
+            # client asked (events.Continuation). The torch engine holds back only a real
+            # stop string's start, and refuses the field.
+            body["include_stop_str_in_output"] = True
         return _ENCODE.encode(body)
 
 

@@ -275,7 +275,7 @@ class MigratingStream:
                 raise _Unresumable
             tool_text, held = tools if tools[0] is not None else (None, held)
         ids = [*(ledger.prompt_ids or ()), *ledger.generated[:resume_at]]
-        piece = await self._host.open_piece(target, COMPLETIONS_ROUTE, plan.continuation_body(ids, resume_at),
+        piece = await self._host.open_piece(target, COMPLETIONS_ROUTE, plan.continuation_body(ids, resume_at, target.node.engine),
                                             self._ctx.request_id, self._deadline, self._ctx.trace_headers,
                                             self._migrations + 1, len(ledger.generated))
         self._migrations += 1  # only moves that started count against the limit

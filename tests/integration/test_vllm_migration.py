@@ -115,13 +115,15 @@ async def test_a_stop_string_two_vllm_tokens_make_stops_across_the_seam(rig: Mig
     body["stop"] = [stop]
     stopped = await stream(rig, "/v1/completions", body)
     assert stopped.text == unbroken.text[: unbroken.text.find(stop)] and stopped.text
-    # Broken just before the stop string, inside it (vLLM holds its first half back) and
-    # with it complete: the text stops where the unbroken one did, with the same ids.
-    for at in (k - 1, k, k + 1):
+    # Broken before the stop string (with its start in the text vLLM holds back) and inside
+    # it: the text stops where the unbroken one did, with the same ids. A break this close
+    # to the end can land after the node sent everything (nothing to migrate), so only the
+    # earlier ones must have moved; every one must give the same answer.
+    for at in (k - 2, k - 1, k):
         got = await stream(rig, "/v1/completions", body, break_after=at)
         assert got.error is None and got.done, at
         assert got.text == stopped.text and got.token_ids == stopped.token_ids, at
-        assert got.trailer is not None and got.trailer["migrations"] == 1, at
+        assert at == k or (got.trailer is not None and got.trailer["migrations"] == 1), at
         assert [c["finish_reason"] for e in got.events for c in e["choices"] if c.get("finish_reason")] == ["stop"]
 
 
@@ -215,7 +217,9 @@ def _fields(value: object, path: str = "") -> set[str]:
 async def test_a_vllm_responses_stream_resumes_token_identical(rig: MigrationRig, break_after: int) -> None:
     unbroken = await stream_response(rig, RESPONSE)
     got = await stream_response(rig, RESPONSE, break_after=break_after)
-    assert got.text == unbroken.text and got.types == unbroken.types
+    # vLLM bundles tokens into one delta when its output lags the engine: the number of
+    # deltas varies from run to run, their order and the text do not.
+    assert got.text == unbroken.text and _runs(got.types) == _runs(unbroken.types)
     usage = got.completed.response.usage
     assert (usage.input_tokens, usage.output_tokens) == (unbroken.completed.response.usage.input_tokens, 64)
     assert len({e.response.id for e in got.events if hasattr(e, "response")}) == 1
