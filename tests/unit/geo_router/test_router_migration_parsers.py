@@ -7,6 +7,7 @@ test changes is what a node advertises, which is all the router may go by.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -57,6 +58,21 @@ async def test_a_tool_stream_from_a_node_with_another_parser_is_not_replayed(
         async with f.client() as c:
             scraped = (await c.get("/metrics", headers=SCRAPE)).text
         assert metric(scraped, "meridian_router_migrations_refused_total", why="tool_format") == 1
+
+
+async def test_a_slow_node_with_another_parser_is_waited_for_as_before(tmp_path: Any) -> None:
+    # Its tool stream could not move anyway: a pause past the inter-token timeout (though
+    # within the read timeout) must not end it, as it did not before streams could move.
+    async for f in _fabric(tmp_path, {"us-1": "us", "eu-1": "eu"}, parsers={"us-1": "hermes"},
+                           inter_token_timeout_s=0.2):
+        f.nodes["us-1"].faults.append(Fault("stall", 21))
+        task = asyncio.create_task(stream(f, **TOOL_BODY))
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(task), 1.0)  # five inter-token timeouts
+        f.nodes["us-1"].release.set()
+        got = await task
+        assert got.error is None and got.done and got.trailer is None
+        assert [(n, a) for _, n, a in tool_calls(got)] == CALLS and f.nodes["eu-1"].requests == []
 
 
 async def test_the_parser_does_not_matter_to_a_stream_without_tools(tmp_path: Any) -> None:
