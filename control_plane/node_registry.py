@@ -24,7 +24,7 @@ from meridian.contracts import (
 def _routing_fields(node: Node) -> tuple[object, ...]:
     """What routers see of a node; a change here is a new routing version."""
     return (node.region, node.url, tuple(node.models), node.engine, node.status, node.kv_events,
-            node.kv_events_replay)
+            node.kv_events_replay, node.tool_call_parser)
 
 
 def _status(session: Session, node_id: str, reported: NodeStatus) -> str:
@@ -58,6 +58,7 @@ def register(session: Session, reg: NodeRegistration, regions: dict[str, RegionI
     node.version = reg.version
     node.kv_events = reg.kv_events
     node.kv_events_replay = reg.kv_events_replay
+    node.tool_call_parser = reg.tool_call_parser
     node.status = _status(session, reg.node_id, reg.status)
     node.load = NodeLoad(running=0, waiting=0, kv_cache_usage=0.0).model_dump()
     node.registered_at = now

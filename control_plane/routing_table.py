@@ -65,6 +65,7 @@ def build_routing_table(session: Session, regions: dict[str, RegionInfo], now: d
                 engine=n.engine,
                 kv_events=n.kv_events,
                 kv_events_replay=n.kv_events_replay,
+                tool_call_parser=n.tool_call_parser,
             )
             for n in nodes
         ],

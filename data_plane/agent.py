@@ -146,6 +146,7 @@ class NodeAgent:
         load: Callable[[], NodeLoad],
         weights: Callable[[], list[str]] | None = None,
         cold_start: Callable[[], ColdStart] | None = None,
+        tool_call_parser: str | None = None,
         retry_base_s: float = 0.5,
         retry_max_s: float = HEARTBEAT_RETRY_MAX_S,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -177,6 +178,7 @@ class NodeAgent:
             version=_package_version()[:64],
             kv_events=kv_events,
             kv_events_replay=kv_events_replay,
+            tool_call_parser=tool_call_parser,
         )
         self.node_id = self._registration.node_id
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 from data_plane.agent import NodeAgent, default_node_id
-from data_plane.engine.base import Engine
+from data_plane.engine.base import Engine, PassthroughEngine
 from data_plane.kv_events import ZmqEventPublisher, create_publisher
 from data_plane.lifecycle import NodeLifecycle
 from data_plane.weights.node_weights import NodeWeights
@@ -57,6 +57,8 @@ class NodeRuntime:
                 load=self.load,
                 weights=(lambda: list(self.weights.digests)) if self.weights is not None else None,
                 cold_start=lambda: self.cold_start,
+                # Routers resume a broken tool-call stream only where they can replay its parser.
+                tool_call_parser=engine.tool_call_parser() if isinstance(engine, PassthroughEngine) else None,
                 clock=clock,
             )
         self.agent = agent

@@ -61,8 +61,8 @@ class RouterMetrics:
             "node's piece ended (connection, server_error, stalled).")
         self.migrations_refused = self._counter(
             "meridian_router_migrations_refused", ("why",),
-            "Broken streams not resumed (not_resumable, limit, budget, no_replica, deadline); each "
-            "ended with an error event.")
+            "Broken streams not resumed (not_resumable, tool_format, limit, budget, no_replica, "
+            "deadline); each ended with an error event.")
         self.reprefill_tokens = self._counter(
             "meridian_router_migration_reprefill_tokens", (),
             "Tokens (prompt plus generated) that migrations asked replicas to prefill again.")

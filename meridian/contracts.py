@@ -73,6 +73,10 @@ def _connectable_port(v: str) -> str:
 ZmqEndpoint = Annotated[
     str, Field(max_length=256, pattern=ZMQ_ENDPOINT_PATTERN), AfterValidator(_connectable_port)
 ]
+# A vLLM tool-call parser's name as `--tool-call-parser` takes it ("pythonic", "hermes",
+# "llama3_json", "granite-20b-fc", or a plugin's): a short identifier, nothing to interpret.
+TOOL_CALL_PARSER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+ToolCallParserName = Annotated[str, Field(max_length=64, pattern=TOOL_CALL_PARSER_PATTERN)]
 
 
 class _Wire(BaseModel):
@@ -128,6 +132,11 @@ class NodeRegistration(_Wire):
     # ask for missed batches (ZMQ ROUTER replay); None when the node publishes none.
     kv_events: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
     kv_events_replay: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
+    # The parser that turns the model's text into tool calls when it chooses them itself
+    # (vLLM's --tool-call-parser); None when the node parses none (no auto tool choice, or
+    # the torch engine). Routers resume a broken tool-call stream only where they can
+    # replay its parser (geo_router.migration.decide).
+    tool_call_parser: ToolCallParserName | None = _OMITTED_WHEN_UNSET
 
     @field_validator("url")
     @classmethod
@@ -221,9 +230,11 @@ class RoutingNode(_Wire):
     models: list[ModelName]
     status: NodeStatus
     engine: str = "torch"
-    # The node's KV event endpoints (see NodeRegistration); absent in old snapshots.
+    # The node's KV event endpoints and tool-call parser (see NodeRegistration); absent in
+    # old snapshots.
     kv_events: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
     kv_events_replay: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
+    tool_call_parser: ToolCallParserName | None = _OMITTED_WHEN_UNSET
 
 
 def allows_model(models: Sequence[str] | None, model: str) -> bool:

@@ -91,6 +91,8 @@ class Node(Base):
     # ZMQ endpoints of the node's KV cache events and their replay, as it advertised them.
     kv_events: Mapped[str | None] = mapped_column(String(256), nullable=True)
     kv_events_replay: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    # vLLM's --tool-call-parser of the node (None: it parses no tool calls), as it advertised it.
+    tool_call_parser: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class ApiKey(Base):

@@ -175,6 +175,12 @@ class PassthroughEngine(Protocol):
         adapter name); None when it serves no such model."""
         ...
 
+    def tool_call_parser(self) -> str | None:
+        """The parser the engine's server reads the model's tool calls with when it chooses
+        them itself (vLLM's --tool-call-parser); None when it reads none. An engine that is
+        not pass-through serves no tools."""
+        ...
+
 
 class EngineFactory(Protocol):
     """Makes an engine (not yet started) for a node's settings, reading time from `clock`

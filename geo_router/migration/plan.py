@@ -9,10 +9,12 @@ past, and strips them again unless the client asked for them itself.
 Chat streams with tools migrate when the model chooses freely (`tool_choice` "auto", or
 absent): the calls are plain text the node's parser reads, and the router replays that
 parser on the continuation's text (geo_router.migration.tool_calls: vLLM's `pythonic`
-format only). A named or "required" `tool_choice` and any structured output (JSON schema,
-regex, grammar, `response_format`) are refused: the node constrains every token with a
-grammar whose state lives in the engine, and a /v1/completions continuation cannot resume
-it, so its tokens would no longer be the constrained ones.
+format only). Which parser a node runs is known from its registration: such a stream is
+planned whatever its node, and moves only between nodes that advertise `pythonic`
+(geo_router.migration.decide). A named or "required" `tool_choice` and any structured
+output (JSON schema, regex, grammar, `response_format`) are refused: the node constrains
+every token with a grammar whose state lives in the engine, and a /v1/completions
+continuation cannot resume it, so its tokens would no longer be the constrained ones.
 
 Everything else streams exactly as before: a break after the first byte ends it with an
 error event. The refusals are deliberate, not gaps in parsing: a grammar's state and a

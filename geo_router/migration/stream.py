@@ -6,6 +6,10 @@ the next replica of the request's own candidates (so, of the tenant's zone), the
 learns from that replica what text the ids so far make (`/detokenize`) to send on what the
 client has not seen, and opens a /v1/completions stream there from the prompt's ids plus
 the generated ids. The client sees one stream, one `id`, every token once.
+
+A stream with tool calls moves only off and onto nodes that advertise the tool-call parser
+the router replays (decide.py); on any other node it behaves as it did before streams could
+move: it keeps the read timeout, and a break ends it with an error event (`tool_format`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,16 @@ from ..sse import SSEFramer, StreamTally, error_event
 from ..streaming import StreamHost, run_close_callbacks
 from ..upstream import FailureReason, UpstreamConnection, UpstreamError
 from .budget import MigrationBudget
-from .decide import BreakReason, Move, Refusal, Refuse, decide, next_replica
+from .decide import (
+    BreakReason,
+    Move,
+    Refusal,
+    Refuse,
+    decide,
+    next_replica,
+    replays_tool_calls,
+    tool_replicas,
+)
 from .events import DONE, Continuation, encode, for_client, is_error, split_events, tool_seam
 from .ledger import StreamLedger, unsent_tail
 from .plan import COMPLETIONS_ROUTE, MigrationPlan
@@ -120,6 +133,8 @@ class MigratingStream:
         self._deadline, self._received_at = deadline, received_at
         self._ledger = StreamLedger(ctx.plan.api)
         self._failed: set[str] = set()
+        # Where it may continue: with tool calls, only on replicas whose parser is replayed.
+        self._replicas = tool_replicas(ctx.candidates) if ctx.plan.tools else ctx.candidates
         self._migrations = 0
         self._complete = False
         self._closed = False
@@ -197,8 +212,10 @@ class MigratingStream:
 
     async def _read(self, piece: Piece) -> bytes:
         loop = asyncio.get_running_loop()
-        # A stream that could not move anyway (no ids from its node) keeps the read timeout.
-        wait_s = self._host.inter_token_timeout_s if self._ledger.resumable else self._host.read_timeout_s
+        # A stream that could not move anyway (no ids from its node, or tool calls read by a
+        # parser the router does not replay) keeps the read timeout.
+        movable = self._ledger.resumable and self._tool_format(piece.candidate)
+        wait_s = self._host.inter_token_timeout_s if movable else self._host.read_timeout_s
         until = min(self._deadline, loop.time() + wait_s)
         try:
             async with asyncio.timeout_at(until):
@@ -232,11 +249,11 @@ class MigratingStream:
         while True:
             loop = asyncio.get_running_loop()
             cost = len(ledger.prompt_ids or ()) + len(ledger.generated)
-            replica = next_replica(self._ctx.candidates, self._failed, source.region.name, self._host.is_ejected,
+            replica = next_replica(self._replicas, self._failed, source.region.name, self._host.is_ejected,
                                    self._host.silence.is_suspect)
             decision: Move | Refuse = decide(
                 resumable=ledger.resumable, migrations=self._migrations, max_migrations=self._host.max_migrations,
-                replica=replica, time_left_s=self._deadline - loop.time())
+                replica=replica, time_left_s=self._deadline - loop.time(), tool_format=self._tool_format(source))
             if isinstance(decision, Move) and not await self._host.budget.acquire(cost):
                 decision = Refuse(Refusal.BUDGET)
             if not isinstance(decision, Move):
@@ -326,6 +343,10 @@ class MigratingStream:
             return _Seam(resume_at, "", text)
         return _Seam(resume_at, held, text)
 
+    def _tool_format(self, node: Candidate) -> bool:
+        """Whether the router can replay what `node` makes of this stream's tool calls."""
+        return not self._ctx.plan.tools or replays_tool_calls(node.node)
+
     def _trailer(self, node: Candidate) -> dict[str, object] | None:
         if not self._migrations:
             return None
@@ -353,6 +374,7 @@ class MigratingStream:
 
 _REFUSED = {
     Refusal.NOT_RESUMABLE: "this answer cannot be resumed elsewhere",
+    Refusal.TOOL_FORMAT: "its tool calls are in a format that cannot be resumed elsewhere",
     Refusal.LIMIT: "it was resumed as many times as a request may be",
     Refusal.BUDGET: "the fabric is resuming too many answers to resume this one",
     Refusal.NO_REPLICA: "no other replica in your residency zone can resume it",

@@ -10,8 +10,10 @@ with what the client was already sent per call. Replaying the streaming algorith
 than parsing the final text keeps the client's view identical to an unbroken stream's, a
 truncated (`length`) answer included, and lets the continuation stream its arguments as
 they come. What was sent must stay a prefix of what the text now says; when it does not
-(another parser's format, a text that changed under the seam), `ToolCallMismatch` ends the
-stream with an error rather than sending calls that contradict the ones sent.
+(a text that changed under the seam), `ToolCallMismatch` ends the stream with an error
+rather than sending calls that contradict the ones sent. Streams from nodes that read tool
+calls with another parser are never replayed here: each node advertises its parser and
+only `pythonic` ones are resumed (decide.py).
 
 Pure functions and one small state class: no I/O, and no vLLM import (the router has none).
 """

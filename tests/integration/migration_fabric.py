@@ -45,8 +45,10 @@ class MigrationRig:
 
 
 @contextlib.asynccontextmanager
-async def migration_rig(node_url: str, journal: Any, engine: str = "torch",
+async def migration_rig(node_url: str, journal: Any, engine: str = "torch", tool_call_parser: str | None = None,
                         **router: Any) -> AsyncIterator[MigrationRig]:
+    """`tool_call_parser`: what both names of the node advertise (RoutingNode.tool_call_parser);
+    the router resumes tool-call streams only between nodes that advertise "pythonic"."""
     parts = urlsplit(node_url)
     async with running_proxy(parts.hostname or "127.0.0.1", parts.port or 80) as proxy:
         near_url = f"http://127.0.0.1:{proxy.port}"
@@ -54,9 +56,9 @@ async def migration_rig(node_url: str, journal: Any, engine: str = "torch",
             version=1, generated_at=datetime.now(UTC), regions=list(REGIONS.values()), deployments=[],
             tenants=[CAROL.entry()],
             nodes=[RoutingNode(node_id="near", region=REGIONS["us"].name, url=near_url, models=[MODEL],
-                               status=NodeStatus.READY, engine=engine),
+                               status=NodeStatus.READY, engine=engine, tool_call_parser=tool_call_parser),
                    RoutingNode(node_id="far", region=REGIONS["eu"].name, url=node_url, models=[MODEL],
-                               status=NodeStatus.READY, engine=engine)])
+                               status=NodeStatus.READY, engine=engine, tool_call_parser=tool_call_parser)])
         settings = router_settings(**{"probe_enabled": False, "read_timeout_s": 120.0, "request_timeout_s": 180.0,
                                       "max_request_bytes": 1_000_000, "request_journal_path": journal,
                                       "default_client_location": REGIONS["us"].name,

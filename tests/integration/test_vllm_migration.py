@@ -8,7 +8,9 @@ prompt is the token ids, and asks vLLM's /detokenize for text held back at the s
 
 Tool calls: the node loads a test-only logits processor (script_logits.py) that makes a
 request write a given pythonic call list, so vLLM's own pythonic parser streams real
-tool-call deltas; a stream broken inside them must give the client the same calls.
+tool-call deltas; a stream broken inside them must give the client the same calls. The
+routing table says what the node's spec says: it reads tool calls as pythonic. Advertised
+as another parser, the same node's tool-call streams are not resumed.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from migration_fabric import MigrationRig, Streamed, migration_rig, stream, stream_response
-from tenant_fabric import MODEL
+from tenant_fabric import MODEL, TenantFabric
 from tokenizers import Tokenizer
 from vllm_fabric import require_vllm, vllm_fabric
 
+from data_plane.engine.vllm.spec import load_deployment_spec
 from data_plane.model.make_tiny import EOT_TOKEN
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -48,11 +51,19 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def rig(root: Path) -> AsyncIterator[MigrationRig]:
+async def node(root: Path) -> AsyncIterator[TenantFabric]:
     require_vllm()
     plugin = ["--logits-processors", "script_logits:ScriptLogitsProcessor"]
-    async with (vllm_fabric(root, vllm_args=plugin, vllm_env={"PYTHONPATH": str(Path(__file__).parent)}) as fabric,
-                migration_rig(fabric.node_url, root / "router.jsonl", engine="vllm") as r):
+    async with vllm_fabric(root, vllm_args=plugin, vllm_env={"PYTHONPATH": str(Path(__file__).parent)}) as fabric:
+        yield fabric
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def rig(node: TenantFabric, root: Path) -> AsyncIterator[MigrationRig]:
+    # As the node registers it: the parser its deployment spec runs vLLM with.
+    parser = load_deployment_spec(root / "spec.json").tool_call_parser
+    assert parser == "pythonic"
+    async with migration_rig(node.node_url, root / "router.jsonl", engine="vllm", tool_call_parser=parser) as r:
         yield r
 
 
@@ -160,6 +171,17 @@ async def test_a_vllm_tool_call_stream_resumes_with_the_same_calls(rig: Migratio
         assert finish_reason(got) == "tool_calls" and got.token_ids == unbroken.token_ids
         assert got.events[-1]["usage"]["completion_tokens"] == tokens
         assert got.trailer is not None and got.trailer["node"] == "far", break_after
+
+
+@pytest.mark.parametrize("advertised", ["hermes", None])
+async def test_a_vllm_tool_call_stream_from_a_node_advertising_another_parser_is_not_replayed(
+        node: TenantFabric, root: Path, tool_chat: dict[str, Any], advertised: str | None) -> None:
+    async with migration_rig(node.node_url, root / f"router-{advertised}.jsonl", engine="vllm",
+                             tool_call_parser=advertised) as other:
+        got = await stream(other, "/v1/chat/completions", tool_chat, break_after=3)
+    assert got.error is not None and got.error["code"] == "upstream_disconnected" and not got.done
+    assert "format that cannot be resumed" in got.error["message"]
+    assert got.trailer is None
 
 
 def _token_events(got: Streamed) -> list[dict[str, Any]]:

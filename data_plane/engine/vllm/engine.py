@@ -384,6 +384,9 @@ class VllmEngine:
         name = adapter if sep and base == self._served else model
         return name if name in self._lora_paths else None
 
+    def tool_call_parser(self) -> str | None:
+        return self.spec.tool_call_parser
+
     # --- metrics relay ---------------------------------------------------------------------
 
     async def raw_metrics(self, drop_families: Collection[str] = ()) -> str:

@@ -13,11 +13,15 @@ node minutes later.
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from meridian.contracts import TOOL_CALL_PARSER_PATTERN
 
 # vLLM's QuantizationMethods that serve pre-quantized or on-the-fly quantized checkpoints
 # on NVIDIA GPUs (vllm/model_executor/layers/quantization/__init__.py).
@@ -68,6 +72,32 @@ MANAGED_FLAGS: frozenset[str] = frozenset({
 })
 
 AdapterName = Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")]
+
+
+def tool_call_parser(args: Sequence[str]) -> str | None:
+    """The tool-call parser `vllm serve` runs with these arguments: `--tool-call-parser`'s
+    value (`--flag value` or `--flag=value`) when `--enable-auto-tool-choice` is on, else
+    None (vLLM then parses no tool calls from the text). Read as vLLM's parser reads them:
+    underscores in a flag's name are dashes, and the last occurrence of a flag wins.
+
+    The node advertises the result to routers, which resume a broken tool-call stream only
+    where they can replay its parser; a config file (`--config`) is not read, so a parser
+    set only there reads as None, the side that never replays a stream wrongly.
+    """
+    enabled, parser = False, None
+    for i, arg in enumerate(args):
+        if not arg.startswith("--"):
+            continue
+        flag, eq, value = arg.partition("=")
+        flag = flag.replace("_", "-")
+        if flag == "--enable-auto-tool-choice" and not eq:
+            enabled = True
+        elif flag == "--no-enable-auto-tool-choice" and not eq:
+            enabled = False
+        elif flag == "--tool-call-parser":
+            following = args[i + 1] if i + 1 < len(args) else "-"
+            parser = value if eq else (None if following.startswith("-") else following)
+    return parser if enabled and parser else None
 
 
 class DeploymentSpecError(ValueError):
@@ -173,6 +203,10 @@ class DeploymentSpec(_Spec):
             flag = arg.split("=", 1)[0]
             if flag in MANAGED_FLAGS:
                 raise ValueError(f"extra_args may not set {flag}: the node manages it (use the spec's fields)")
+        parser = tool_call_parser(args)
+        if parser is not None and not re.fullmatch(TOOL_CALL_PARSER_PATTERN, parser):
+            # The node advertises it to routers, which accept only a short identifier.
+            raise ValueError(f"--tool-call-parser {parser[:80]!r} is not a parser name")
         return args
 
     @field_validator("env")
@@ -207,6 +241,11 @@ class DeploymentSpec(_Spec):
     def served_name(self) -> str:
         """The name requests use for the base model."""
         return self.served_model_name or self.model
+
+    @property
+    def tool_call_parser(self) -> str | None:
+        """The parser vLLM reads the model's tool calls with (None: it reads none)."""
+        return tool_call_parser(self.extra_args)
 
     def parallelism(self, gpu_count: int) -> tuple[int, int]:
         """(tensor, pipeline) parallel sizes on a node with `gpu_count` GPUs (0: vLLM's

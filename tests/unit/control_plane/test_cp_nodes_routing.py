@@ -107,6 +107,26 @@ async def test_kv_event_endpoints_reach_the_routing_table(cp: ControlPlane) -> N
     assert r.status_code == 422
 
 
+async def test_the_tool_call_parser_reaches_the_routing_table(cp: ControlPlane) -> None:
+    await cp.register("node-a", status="ready", engine="vllm", tool_call_parser="pythonic")
+    v = await cp.version()
+    assert (await cp.table()).json()["nodes"][0]["tool_call_parser"] == "pythonic"
+
+    # Routers must stop resuming its tool-call streams when the node changes parser.
+    await cp.register("node-a", status="ready", engine="vllm", tool_call_parser="hermes")
+    table = (await cp.table()).json()
+    assert table["version"] == v + 1 and table["nodes"][0]["tool_call_parser"] == "hermes"
+
+    # A node that parses no tool calls advertises none, and old routers see no new field.
+    await cp.register("node-a", status="ready", engine="vllm")
+    table = (await cp.table()).json()
+    assert table["version"] == v + 2 and "tool_call_parser" not in table["nodes"][0]
+
+    for bad in ("", "py thonic", "x" * 65, "pythonic\n", "../etc"):
+        r = await cp.register("node-a", tool_call_parser=bad)
+        assert r.status_code == 422, bad
+
+
 async def test_deregistered_node_leaves_the_table(cp: ControlPlane) -> None:
     await cp.register("node-a")
     v = await cp.version()

@@ -24,6 +24,10 @@ from node_testkit import (
 )
 
 from data_plane.agent import NodeAgent, advertise_kv_events
+from data_plane.engine.base import Engine
+from data_plane.engine.vllm.engine import VllmEngine
+from data_plane.engine.vllm.spec import DeploymentSpec
+from data_plane.runtime import NodeRuntime
 from data_plane.server.app import create_app
 from meridian.clock import ManualClock
 from meridian.contracts import NodeLoad, NodeStatus
@@ -219,3 +223,29 @@ async def test_registration_carries_the_kv_event_endpoints(
         await agent.close()
     assert cp.registrations()[0].kv_events == f"tcp://127.0.0.1:{port}"
     assert cp.registrations()[0].kv_events_replay is None
+
+
+@pytest.mark.parametrize(("engine", "expected"), [
+    ("vllm-pythonic", "pythonic"),
+    ("vllm-hermes", "hermes"),
+    ("vllm", None),  # no auto tool choice: vLLM reads no tool calls
+    ("torch", None),  # the torch engine serves no tools
+])
+async def test_registration_carries_the_tool_call_parser(
+    control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path, engine: str, expected: str | None,
+) -> None:
+    cp, url = control_plane
+    settings = agent_settings(tiny_checkpoint, url, engine=engine.partition("-")[0])
+    node_engine: Engine = GatedEngine(settings)
+    if engine.startswith("vllm"):
+        parser = engine.partition("-")[2]
+        args = ["--enable-auto-tool-choice", "--tool-call-parser", parser] if parser else []
+        node_engine = VllmEngine(settings, spec=DeploymentSpec(name="chat", model="tiny", extra_args=args))
+    agent = NodeRuntime(settings, node_engine).agent
+    assert agent is not None
+    await agent.start()
+    try:
+        assert await agent.wait_registered(5.0)
+    finally:
+        await agent.close()
+    assert cp.registrations()[0].tool_call_parser == expected

@@ -48,12 +48,16 @@ class MigrationFabric:
         return httpx.AsyncClient(base_url=self.router_url, headers={"authorization": f"Bearer {key}"}, timeout=20)
 
 
-async def _fabric(tmp_path: Any, layout: dict[str, str], **settings: Any) -> AsyncIterator[MigrationFabric]:
+async def _fabric(tmp_path: Any, layout: dict[str, str], parsers: dict[str, str | None] | None = None,
+                  **settings: Any) -> AsyncIterator[MigrationFabric]:
+    """Token nodes by name and region; each advertises the tool-call parser `parsers` names
+    (by default "pythonic": the stand-in reads tool calls as vLLM's pythonic parser does)."""
     servers = ServerGroup()
     nodes = {name: TokenNode(name) for name in layout}
+    parsers = parsers or {}
     try:
         routing = [RoutingNode(node_id=name, region=REGIONS[region].name, url=await servers.start(token_node_app(n)),
-                               models=[MODEL], status=NodeStatus.READY)
+                               models=[MODEL], status=NodeStatus.READY, tool_call_parser=parsers.get(name, "pythonic"))
                for (name, region), n in zip(layout.items(), nodes.values(), strict=True)]
         journal = tmp_path / "router.jsonl"
         values = {"inter_token_timeout_s": 0.5, "request_journal_path": journal, "probe_enabled": False, **settings}

@@ -8,6 +8,7 @@ from meridian.contracts import (
     NodeLoad,
     NodeRegistration,
     NodeStatus,
+    RoutingNode,
     RoutingTable,
     TenantEntry,
     openai_error,
@@ -59,3 +60,17 @@ def test_heartbeat_request_counters_are_optional_on_the_wire():
     for bad in ({"requests_completed": -1}, {"latency_s_sum": -0.5}, {"latency_s_sum": float("nan")}):
         with pytest.raises(ValidationError):
             NodeLoad(**bad)
+
+
+def test_the_tool_call_parser_is_optional_on_the_wire():
+    """A node with no parser sends what an older control plane accepts, and a routing node
+    from an older snapshot (no parser) is valid; names are short identifiers."""
+    reg = NodeRegistration(node_id="n1", region="aws:us-east-1", url="http://h:1")
+    assert "tool_call_parser" not in reg.model_dump(mode="json")
+    old = {"node_id": "n1", "region": "aws:us-east-1", "url": "http://h:1", "models": [], "status": "ready"}
+    assert RoutingNode.model_validate(old).tool_call_parser is None
+    node = RoutingNode.model_validate({**old, "tool_call_parser": "granite-20b-fc"})
+    assert RoutingNode.model_validate_json(node.model_dump_json()) == node
+    for bad in ("", "-x", "a b", "x" * 65, "pythonic\n"):
+        with pytest.raises(ValidationError):
+            NodeRegistration(node_id="n1", region="aws:us-east-1", url="http://h:1", tool_call_parser=bad)
