@@ -257,17 +257,11 @@ class MigratingStream:
             if isinstance(decision, Move) and not await self._host.budget.acquire(cost):
                 decision = Refuse(Refusal.BUDGET)
             if not isinstance(decision, Move):
-                self._host.refused(decision.why)
-                return error_event(f"The model server stopped responding in the middle of the answer "
-                                   f"({broken.reason or 'timeout'}); {_REFUSED[decision.why]}.",
-                                   "upstream_disconnected")
+                return self._refuse(decision.why, broken)
             try:
                 piece = await self._resume(decision.candidate)
             except _Unresumable:
-                self._host.refused(Refusal.NOT_RESUMABLE)
-                return error_event(f"The model server stopped responding in the middle of the answer "
-                                   f"({broken.reason or 'timeout'}); {_REFUSED[Refusal.NOT_RESUMABLE]}.",
-                                   "upstream_disconnected")
+                return self._refuse(Refusal.NOT_RESUMABLE, broken)
             except PieceFailed as exc:
                 log.warning("request %s: resuming on %s failed (%s)", self._ctx.request_id,
                             decision.candidate.node.node_id, exc)
@@ -342,6 +336,12 @@ class MigratingStream:
                         self._ctx.request_id)
             return _Seam(resume_at, "", text)
         return _Seam(resume_at, held, text)
+
+    def _refuse(self, why: Refusal, broken: _Broken) -> bytes:
+        """The stream's last event when it may not move: an error event saying why."""
+        self._host.refused(why)
+        return error_event(f"The model server stopped responding in the middle of the answer "
+                           f"({broken.reason or 'timeout'}); {_REFUSED[why]}.", "upstream_disconnected")
 
     def _tool_format(self, node: Candidate) -> bool:
         """Whether the router can replay what `node` makes of this stream's tool calls."""
