@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 from data_plane.weights.origins import (
     OriginDenied,
@@ -150,6 +152,77 @@ async def test_an_upload_cancelled_again_while_it_aborts_still_leaves_no_upload(
     assert _pending_uploads(moto_s3, origin.bucket) == []
     with pytest.raises(OriginNotFound):
         await origin.size("again.bin")
+
+
+class _FailingFirstAbort:
+    """A loopback HTTP proxy in front of moto that answers the first AbortMultipartUpload
+    with S3's 500 InternalError, as S3 may while a part it was still receiving settles
+    (CI saw moto do it when a cancelled part was still landing)."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.aborts = 0
+        self._client = httpx.AsyncClient(timeout=30)
+
+    async def __call__(self, scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        query = scope["query_string"].decode()
+        if scope["method"] == "DELETE" and "uploadId=" in query:
+            self.aborts += 1
+            if self.aborts == 1:
+                error = b"<Error><Code>InternalError</Code><Message>try again</Message></Error>"
+                await send({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/xml")]})
+                await send({"type": "http.response.body", "body": error})
+                return
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        url = f"{self.upstream}{scope['raw_path'].decode()}" + (f"?{query}" if query else "")
+        answer = await self._client.request(scope["method"], url, headers=headers, content=body)
+        drop = {"content-length", "content-encoding", "transfer-encoding", "connection"}
+        out = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in drop]
+        await send({"type": "http.response.start", "status": answer.status_code, "headers": out})
+        await send({"type": "http.response.body", "body": answer.content})
+
+
+@pytest.fixture
+async def failing_abort_proxy(moto_s3: str) -> AsyncIterator[tuple[str, _FailingFirstAbort]]:
+    proxy = _FailingFirstAbort(moto_s3)
+    server = uvicorn.Server(uvicorn.Config(proxy, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        assert not serving.done(), "the proxy did not start"
+        await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", proxy
+    finally:
+        server.should_exit = True
+        await serving
+        await proxy._client.aclose()
+
+
+async def test_an_abort_answered_with_a_server_error_is_retried(
+    failing_abort_proxy: tuple[str, _FailingFirstAbort], s3_bucket: str, tmp_path: Path, moto_s3: str
+) -> None:
+    endpoint, proxy = failing_abort_proxy
+    origin = S3Origin(OriginURI.parse(f"s3://{s3_bucket}/models"), _settings(s3_endpoint_url=endpoint, retry_base_s=0.01))
+    source = tmp_path / "big.bin"
+    source.write_bytes(os.urandom(11 * MIB))
+    try:
+        writing: asyncio.Task[None] = asyncio.create_task(
+            origin.write("weights.bin", source, lambda n: writing.cancel())
+        )
+        # The caller sees its own cancellation, not the abort's first answer.
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(writing, timeout=60)
+    finally:
+        await origin.aclose()
+    assert proxy.aborts == 2
+    assert _pending_uploads(moto_s3, s3_bucket) == []
 
 
 async def test_region_is_unknown_behind_a_custom_endpoint(moto_s3: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -42,6 +43,8 @@ from data_plane.weights.origins.transport import (
 )
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.settings import WeightSettings
+
+_log = logging.getLogger(__name__)
 
 # S3 allows at most this many parts per multipart upload.
 MAX_PARTS = 10_000
@@ -265,12 +268,22 @@ class S3Origin:
             # abort runs to its end even when the caller cancels again meanwhile (a second
             # Ctrl-C, a shutdown, a part finishing after the first cancel): cut short, it
             # would leave the upload and its parts behind.
-            abort = asyncio.ensure_future(self._send("DELETE", name, query=upload_query, what="AbortMultipartUpload"))
+            # S3 may answer a 5xx while a part it was still receiving settles (the client cut
+            # the part short, the server had not): the abort is retried like any other call.
+            abort = asyncio.ensure_future(
+                retry_transient(
+                    self._settings,
+                    self._clock,
+                    lambda: self._send("DELETE", name, query=upload_query, what="AbortMultipartUpload"),
+                )
+            )
             while not abort.done():
-                with contextlib.suppress(asyncio.CancelledError):
+                with contextlib.suppress(asyncio.CancelledError, OriginError):
                     await asyncio.shield(abort)
-            with contextlib.suppress(OriginError):
-                abort.result()
+            if not abort.cancelled() and (error := abort.exception()) is not None:
+                # The caller's own failure stays the one reported; the left-behind upload is
+                # logged so an operator can abort it (or a lifecycle rule reaps it).
+                _log.warning("multipart upload %s of %s left behind: %s", upload_id, describe(self.uri, name), error)
             # Parts fail for one cause (credentials, network): report the first.
             if isinstance(failure, BaseExceptionGroup):
                 raise first_error(failure) from failure
