@@ -16,8 +16,12 @@ __all__ = ["create_app", "serve"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import app
+    if name == "create_app":
+        from .app import create_app
 
-        return getattr(app, name)
+        return create_app
+    if name == "serve":
+        from .listener import serve
+
+        return serve
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

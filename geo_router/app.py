@@ -18,8 +18,7 @@ from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontext
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
-import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 
 from meridian.clock import SYSTEM_CLOCK, Clock
@@ -33,15 +32,13 @@ from meridian.contracts import (
     TenantEntry,
 )
 from meridian.geo import Point
-from meridian.http_server import limited_config, openai_error_body
-from meridian.logs import configure_logging
 from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
 from meridian.settings import RouterSettings
 from meridian.tracing import Tracing
 
 from .access_log import AccessRecord
 from .accounting import account, count_request, model_label
-from .admin_listener import create_metrics_app, metrics_page, run_with_admin_listener, scraper_tokens
+from .admin_listener import metrics_page, scraper_tokens
 from .affinity import Affinity
 from .auth import authenticate
 from .errors import (
@@ -51,6 +48,7 @@ from .errors import (
     RateLimited,
     RouterError,
     RoutingTableUnavailable,
+    error_response,
     install_error_handlers,
 )
 from .health import Ejection, FleetState, InProcessFleetState
@@ -88,12 +86,9 @@ from .table import LoadedTable, RoutingTableClient, TableSource
 from .tokens import estimate_tokens
 from .tracing import begin as begin_trace
 from .upstream import make_upstream_client
+from .websocket import RESPONSES_PATH, ResponsesSocket
 
 log = logging.getLogger(__name__)
-
-# uvicorn waits this long for open streams to finish on SIGTERM before cutting them.
-_SHUTDOWN_GRACE_S = 30
-
 
 @dataclass(slots=True)
 class RouterState:
@@ -309,6 +304,18 @@ def _add_other_routes(app: FastAPI, state: RouterState) -> None:
         if model_id not in tenant_models(request):
             raise ModelNotFound(model_id[:MAX_MODEL_NAME_CHARS])
         return JSONResponse(ModelCard(id=model_id).model_dump())
+
+    @app.websocket(RESPONSES_PATH)
+    async def responses_socket(ws: WebSocket) -> None:
+        # The key is checked on the upgrade (a bad one gets no socket: 401 with the error
+        # JSON, as OpenAI answers) and again by every turn's own request.
+        try:
+            authenticate(state.table(), ws.headers.get("authorization"), ws.headers.get("x-api-key"))
+        except RouterError as exc:
+            await ws.send_denial_response(error_response(exc))
+            return
+        turn = ResponsesSocket(ws, settings, state.clock, lambda request: _route(state, request, RESPONSES_PATH))
+        await turn.run()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -550,37 +557,3 @@ async def _stored_response(state: RouterState, request: Request, response_id: st
         exhausted=NoHealthyReplica(candidates[0].node.models[0], 5),
         method=method, rewrite=state.response_ids.rewriter(tenant),
     )
-
-
-def serve(settings: RouterSettings) -> None:
-    """Run the router under uvicorn until SIGTERM/SIGINT."""
-    configure_logging()
-    config = limited_config(
-        create_app(settings),
-        settings,
-        openai_error_body,
-        host=settings.host,
-        port=settings.port,
-        lifespan="on",
-        timeout_graceful_shutdown=_SHUTDOWN_GRACE_S,
-        # The fast C implementations (uvicorn[standard]); named so that a missing one fails
-        # at start-up instead of silently costing every request (the protocol is httptools').
-        loop="uvloop",
-        # uvicorn's access line knows none of the request's routing: the router writes its
-        # own (geo_router.access_log, MERIDIAN_ROUTER_ACCESS_LOG).
-        access_log=False,
-        server_header=False,
-        # The router reads X-Forwarded-For itself, trusting only settings.trusted_proxies
-        # (ClientLocator); uvicorn's own rewrite would trust 127.0.0.1 on top of that.
-        proxy_headers=False,
-        # Longer than the idle timeout of the load balancers that usually sit in front (60 s
-        # on AWS ALB and GCP), so that they, not the router, close idle connections: the
-        # other way round, a request sent as the router closes gets a 502.
-        timeout_keep_alive=75,
-    )
-    server = uvicorn.Server(config)
-    if settings.metrics_port is None:
-        server.run()
-        return
-    state: RouterState = config.app.state.router
-    run_with_admin_listener(server, create_metrics_app(settings, state.metrics, state.prober), settings)

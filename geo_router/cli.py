@@ -29,7 +29,7 @@ def router_serve(
     ] = None,
 ) -> None:
     """Run the geo router, the global inference endpoint."""
-    from geo_router.app import serve
+    from geo_router.listener import serve
 
     serve(settings_or_exit(RouterSettings, host=host, port=port, control_plane_url=control_plane_url,
                            snapshot_path=snapshot_path, default_client_location=default_client_location))

@@ -247,6 +247,13 @@ class RouterSettings(ListenerSettings):
     ejection_base_s: float = Field(5.0, gt=0)
     ejection_max_s: float = Field(60.0, gt=0)
     max_request_bytes: int = Field(1_000_000, gt=0)
+    # Responses API WebSocket mode (GET /v1/responses upgraded): a connection with no event
+    # for ws_idle_timeout_s, or open for ws_max_connection_s (OpenAI's limit: 60 min), is
+    # closed between turns (code 1001: the client reconnects); at most ws_max_lanes
+    # conversations (`stream_id`) per connection. A message is at most max_request_bytes.
+    ws_idle_timeout_s: float = Field(300.0, gt=0)
+    ws_max_connection_s: float = Field(3600.0, gt=0)
+    ws_max_lanes: int = Field(16, ge=1, le=1024)
     # Name of the RoutingPolicy (geo_router.policies registry) that orders replicas:
     # affinity (default), nearest, least-load or round-robin.
     routing_policy: str = "affinity"

@@ -26,6 +26,7 @@ from tenant_fabric import MODEL, Tenant
 
 from chaos.faults.tcp_proxy import FaultProxy, running_proxy
 from geo_router import create_app as create_router_app
+from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
 from meridian.contracts import NodeStatus, RoutingNode, RoutingTable
 
@@ -67,7 +68,9 @@ async def migration_rig(node_url: str, journal: Any, engine: str = "torch", tool
         servers = ServerGroup()
         try:
             app = create_router_app(settings, table_source=StaticTableSource(table))
-            yield MigrationRig(await servers.start(app), proxy, journal)
+            # The production listener (limits, WebSocket upgrade), as `meridian router serve` runs it.
+            config = listener_config(app, settings, log_level="warning", timeout_graceful_shutdown=2)
+            yield MigrationRig(await servers.start(app, config=config), proxy, journal)
         finally:
             await servers.stop()
 

@@ -1,0 +1,248 @@
+"""The Responses API's WebSocket mode: `GET /v1/responses` upgraded, one turn at a time.
+
+The client authenticates on the upgrade (its API key, as on HTTP: a bad one is answered
+401 with OpenAI's error JSON and no socket), then sends `response.create` events and
+receives, for each, the events the streamed HTTP Responses API sends (one JSON text message
+each). Each turn is one streamed `POST /v1/responses` through the router's own pipeline
+(`route`: the app's, with tenant, limits, residency, candidates, affinity, forwarding,
+failover, migration, accounting, access log and tracing): an ASGI request is made from the
+upgrade's headers and the turn's body, and the answer it gets is written to the socket. So
+nothing about routing, residency or limits is WebSocket-specific, and the key is checked
+again on every turn (a revoked key stops the next one).
+
+Turns of one connection run one after another, in the order sent (events that arrive
+during a turn wait; at most ws_max_lanes * 4 of them, beyond which the connection is closed
+1008, since a client that floods cannot be served anyway). A bad event is answered with an
+`error` event and the connection stays open. The client leaving mid-turn is the HTTP
+client leaving: the forward is cancelled and the node's request with it. A connection idle
+for ws_idle_timeout_s, or open for ws_max_connection_s, is closed between turns with 1001
+(going away), on which OpenAI's client reconnects. Message size is uvicorn's ws_max_size
+(= max_request_bytes; larger closes 1009), and its pings find dead peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Message
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+from meridian.clock import Clock, first_or_timeout
+from meridian.http_server import DISCONNECT_EXTENSION
+from meridian.settings import RouterSettings
+
+from ..errors import RequestTooLarge, RouterError, error_response
+from ..sse import SSEFramer
+from .conversation import Conversation, Turn
+from .events import FINAL, answered_error, error_message, sse_messages, warm_up_messages
+
+log = logging.getLogger(__name__)
+
+RESPONSES_PATH = "/v1/responses"
+# WebSocket close codes (RFC 6455 7.4.1).
+GOING_AWAY = 1001
+POLICY_VIOLATION = 1008
+
+Route = Callable[[Request], Awaitable[Response]]
+
+
+class ResponsesSocket:
+    """One accepted connection: reads events, runs turns, writes their events."""
+
+    def __init__(self, ws: WebSocket, settings: RouterSettings, clock: Clock, route: Route) -> None:
+        self._ws = ws
+        self._settings = settings
+        self._clock = clock
+        self._route = route
+        self._conversation = Conversation(max_lanes=settings.ws_max_lanes)
+        self._inbox: asyncio.Queue[str | None] = asyncio.Queue(maxsize=settings.ws_max_lanes * 4)
+        self._gone = asyncio.Event()
+        self._on_gone: list[Callable[[], None]] = []
+
+    async def run(self) -> None:
+        await self._ws.accept()
+        reader = asyncio.create_task(self._read(), name="ws-reader")
+        opened = self._clock.monotonic()
+        try:
+            while True:
+                left = opened + self._settings.ws_max_connection_s - self._clock.monotonic()
+                text = await self._next(min(left, self._settings.ws_idle_timeout_s))
+                if text is None:
+                    break
+                await self._turn(text)
+            if not self._gone.is_set():
+                await self._close(GOING_AWAY, "idle or open too long: reconnect")
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+    async def _next(self, seconds: float) -> str | None:
+        """The next event's text; None when the time passed or the client left."""
+        if not self._inbox.empty():
+            return self._inbox.get_nowait()
+        if seconds <= 0:
+            return None
+        getting = asyncio.ensure_future(self._inbox.get())
+        try:
+            done = await first_or_timeout(self._clock, seconds, getting)
+        finally:
+            getting.cancel()
+        return getting.result() if done else None
+
+    async def _read(self) -> None:
+        try:
+            while True:
+                message = await self._ws.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                text = message.get("text")
+                if text is None:
+                    raw = message.get("bytes") or b""
+                    text = raw.decode("utf-8", "replace")
+                try:
+                    self._inbox.put_nowait(text)
+                except asyncio.QueueFull:
+                    await self._close(POLICY_VIOLATION, "too many events waiting: one response at a time")
+                    break
+        except (WebSocketDisconnect, RuntimeError):
+            pass
+        finally:
+            self._left()
+
+    def _left(self) -> None:
+        self._gone.set()
+        with contextlib.suppress(asyncio.QueueFull):
+            self._inbox.put_nowait(None)
+        callbacks, self._on_gone = self._on_gone, []
+        for callback in callbacks:
+            callback()
+
+    async def _turn(self, text: str) -> None:
+        try:
+            event = json.loads(text)
+        except ValueError:
+            await self.send_event(error_message(RouterError("The message is not JSON.", status=400), None))
+            return
+        lane = event.get("stream_id") if isinstance(event, dict) and isinstance(event.get("stream_id"), str) else None
+        try:
+            turn = self._conversation.prepare(event)
+        except RouterError as exc:
+            await self.send_event(error_message(exc, lane))
+            return
+        if not turn.generate:
+            for message in warm_up_messages(self._conversation.warm_up(turn), turn.lane):
+                await self.send_event(message)
+            return
+        body = json.dumps(turn.payload, separators=(",", ":")).encode()
+        if len(body) > self._settings.max_request_bytes:
+            await self.send_event(error_message(RequestTooLarge(self._settings.max_request_bytes), turn.lane))
+            return
+        await self._forward(turn, body)
+
+    async def _forward(self, turn: Turn, body: bytes) -> None:
+        scope = self._http_scope(len(body))
+        receive = self._receiver(body)
+        try:
+            response = await self._route(Request(scope, receive))
+        except RouterError as exc:
+            response = error_response(exc, scope["state"].get("request_id"))
+        except asyncio.CancelledError:
+            if not self._gone.is_set():
+                raise
+            return  # the client left while the turn waited (ClientWatch cancelled it)
+        except Exception:
+            log.exception("WebSocket turn failed")
+            response = error_response(RouterError("The router hit an internal error.", status=500,
+                                                  code="internal_error"))
+        sink = _Sink(self, turn)
+        with contextlib.suppress(OSError):  # the client left mid-answer (the sink's own signal)
+            await response(scope, receive, sink.send)
+        if sink.final is not None:
+            self._conversation.record(turn, sink.final)
+
+    def _http_scope(self, length: int) -> dict[str, Any]:
+        """The HTTP request a turn is, to the router: the upgrade's headers (key, request id,
+        trace context, forwarded-for) with a JSON body of `length` bytes."""
+        ws_scope = self._ws.scope
+        skip = {b"content-length", b"content-type", b"upgrade", b"connection", b"sec-websocket-key",
+                b"sec-websocket-version", b"sec-websocket-extensions", b"sec-websocket-protocol"}
+        headers = [(k, v) for k, v in ws_scope["headers"] if k.lower() not in skip]
+        headers += [(b"content-type", b"application/json"), (b"content-length", str(length).encode())]
+        return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                "scheme": "https" if ws_scope.get("scheme") == "wss" else "http", "path": RESPONSES_PATH,
+                "raw_path": RESPONSES_PATH.encode(), "query_string": b"", "root_path": "",
+                "headers": headers, "client": ws_scope.get("client"), "server": ws_scope.get("server"),
+                "state": {}, "app": ws_scope.get("app"),
+                "extensions": {DISCONNECT_EXTENSION: self._on_gone.append}}
+
+    def _receiver(self, body: bytes) -> Callable[[], Awaitable[Message]]:
+        sent = False
+
+        async def receive() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await self._gone.wait()
+            return {"type": "http.disconnect"}
+
+        return receive
+
+    async def send_event(self, message: dict[str, Any]) -> bool:
+        if self._gone.is_set() or self._ws.application_state != WebSocketState.CONNECTED:
+            return False
+        try:
+            await self._ws.send_text(json.dumps(message, separators=(",", ":")))
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self._left()
+            return False
+        return True
+
+    async def _close(self, code: int, reason: str) -> None:
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+            if self._ws.application_state == WebSocketState.CONNECTED:
+                await self._ws.close(code, reason)
+
+
+class _Sink:
+    """The ASGI `send` of a turn's HTTP answer: its events become socket messages."""
+
+    def __init__(self, socket: ResponsesSocket, turn: Turn) -> None:
+        self._socket = socket
+        self._turn = turn
+        self._framer = SSEFramer(True)
+        self._status = 200
+        self._headers: dict[str, str] = {}
+        self._streamed = False
+        self._body = b""
+        self.final: dict[str, Any] | None = None
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self._status = message["status"]
+            self._headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in message.get("headers", [])}
+            self._streamed = self._status == 200 and self._headers.get("content-type", "").startswith("text/event-stream")
+            return
+        if message["type"] != "http.response.body":
+            return
+        chunk = message.get("body", b"")
+        more = message.get("more_body", False)
+        if not self._streamed:
+            self._body += chunk
+            if not more:
+                await self._socket.send_event(answered_error(self._status, self._body, self._headers, self._turn.lane))
+            return
+        events = self._framer.feed(chunk) + (b"" if more else self._framer.flush())
+        for event in sse_messages(events, self._turn.lane):
+            if event.get("type") in FINAL and isinstance(event.get("response"), dict):
+                self.final = event["response"]
+            if not await self._socket.send_event(event):
+                raise OSError("the client left")  # ends the answer: its stream is closed upstream
