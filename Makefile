@@ -15,7 +15,7 @@ PIP := $(BIN)/python -m pip install --progress-bar on -c constraints-cpu.txt
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: install install-base vllm demo test lint bench clean
+.PHONY: install install-base vllm demo test lint bench clean protos
 
 $(BIN)/python:
 	@echo "==> creating $(VENV) with $$($(PYTHON) --version)"
@@ -66,3 +66,10 @@ bench: install vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .meridian .pytest_cache
+
+# The KServe v2 gRPC messages and stubs (geo_router/kserve), checked in. They live in a
+# descriptor pool of their own: a process that also imports tritonclient (whose
+# grpc_service.proto defines the same `inference.*` names) must load both.
+protos: install
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. geo_router/kserve/kserve_v2.proto
+	sed -i 's/_descriptor_pool.Default().AddSerializedFile(/_descriptor_pool.DescriptorPool().AddSerializedFile(/' geo_router/kserve/kserve_v2_pb2.py

@@ -26,19 +26,17 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Message
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from meridian.clock import Clock, first_or_timeout
-from meridian.http_server import DISCONNECT_EXTENSION
 from meridian.settings import RouterSettings
 
 from ..errors import RequestTooLarge, RouterError, error_response
+from ..internal_call import Departure, Head, Route, answer, http_request
 from ..sse import SSEFramer
 from .conversation import Conversation, Turn
 from .events import FINAL, answered_error, error_message, sse_messages, warm_up_messages
@@ -50,9 +48,6 @@ RESPONSES_PATH = "/v1/responses"
 GOING_AWAY = 1001
 POLICY_VIOLATION = 1008
 
-Route = Callable[[Request], Awaitable[Response]]
-
-
 class ResponsesSocket:
     """One accepted connection: reads events, runs turns, writes their events."""
 
@@ -63,8 +58,7 @@ class ResponsesSocket:
         self._route = route
         self._conversation = Conversation(max_lanes=settings.ws_max_lanes)
         self._inbox: asyncio.Queue[str | None] = asyncio.Queue(maxsize=settings.ws_max_lanes * 4)
-        self._gone = asyncio.Event()
-        self._on_gone: list[Callable[[], None]] = []
+        self._departure = Departure()
 
     async def run(self) -> None:
         await self._ws.accept()
@@ -77,7 +71,7 @@ class ResponsesSocket:
                 if text is None:
                     break
                 await self._turn(text)
-            if not self._gone.is_set():
+            if not self._departure.gone.is_set():
                 await self._close(GOING_AWAY, "idle or open too long: reconnect")
         finally:
             reader.cancel()
@@ -118,12 +112,9 @@ class ResponsesSocket:
             self._left()
 
     def _left(self) -> None:
-        self._gone.set()
         with contextlib.suppress(asyncio.QueueFull):
             self._inbox.put_nowait(None)
-        callbacks, self._on_gone = self._on_gone, []
-        for callback in callbacks:
-            callback()
+        self._departure.left()
 
     async def _turn(self, text: str) -> None:
         try:
@@ -148,56 +139,54 @@ class ResponsesSocket:
         await self._forward(turn, body)
 
     async def _forward(self, turn: Turn, body: bytes) -> None:
-        scope = self._http_scope(len(body))
-        receive = self._receiver(body)
+        ws = self._ws
+        request = http_request(RESPONSES_PATH, list(ws.scope["headers"]), body, self._departure,
+                               client=ws.scope.get("client"), app=ws.scope.get("app"),
+                               scheme="https" if ws.scope.get("scheme") == "wss" else "http")
         try:
-            response = await self._route(Request(scope, receive))
+            response = await self._route(request)
         except RouterError as exc:
-            response = error_response(exc, scope["state"].get("request_id"))
+            response = error_response(exc, getattr(request.state, "request_id", None))
         except asyncio.CancelledError:
-            if not self._gone.is_set():
+            if not self._departure.gone.is_set():
                 raise
             return  # the client left while the turn waited (ClientWatch cancelled it)
         except Exception:
             log.exception("WebSocket turn failed")
             response = error_response(RouterError("The router hit an internal error.", status=500,
                                                   code="internal_error"))
-        sink = _Sink(self, turn)
-        with contextlib.suppress(OSError):  # the client left mid-answer (the sink's own signal)
-            await response(scope, receive, sink.send)
-        if sink.final is not None:
-            self._conversation.record(turn, sink.final)
+        final = await self._relay(response, request, turn)
+        if final is not None:
+            self._conversation.record(turn, final)
 
-    def _http_scope(self, length: int) -> dict[str, Any]:
-        """The HTTP request a turn is, to the router: the upgrade's headers (key, request id,
-        trace context, forwarded-for) with a JSON body of `length` bytes."""
-        ws_scope = self._ws.scope
-        skip = {b"content-length", b"content-type", b"upgrade", b"connection", b"sec-websocket-key",
-                b"sec-websocket-version", b"sec-websocket-extensions", b"sec-websocket-protocol"}
-        headers = [(k, v) for k, v in ws_scope["headers"] if k.lower() not in skip]
-        headers += [(b"content-type", b"application/json"), (b"content-length", str(length).encode())]
-        return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                "scheme": "https" if ws_scope.get("scheme") == "wss" else "http", "path": RESPONSES_PATH,
-                "raw_path": RESPONSES_PATH.encode(), "query_string": b"", "root_path": "",
-                "headers": headers, "client": ws_scope.get("client"), "server": ws_scope.get("server"),
-                "state": {}, "app": ws_scope.get("app"),
-                "extensions": {DISCONNECT_EXTENSION: self._on_gone.append}}
-
-    def _receiver(self, body: bytes) -> Callable[[], Awaitable[Message]]:
-        sent = False
-
-        async def receive() -> Message:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            await self._gone.wait()
-            return {"type": "http.disconnect"}
-
-        return receive
+    async def _relay(self, response: Response, request: Request, turn: Turn) -> dict[str, Any] | None:
+        """Write the turn's answer to the socket; the response object of its final event."""
+        head, body, final = Head(500, {}), b"", None
+        framer = SSEFramer(True)
+        parts = answer(response, request)
+        try:
+            async for part in parts:
+                if isinstance(part, Head):
+                    head = part
+                elif not head.streamed:
+                    body += part
+                else:
+                    for event in sse_messages(framer.feed(part), turn.lane):
+                        if event.get("type") in FINAL and isinstance(event.get("response"), dict):
+                            final = event["response"]
+                        if not await self.send_event(event):
+                            return None  # the client left: closing `parts` ends the answer
+        finally:
+            await parts.aclose()
+        if head.streamed:
+            for event in sse_messages(framer.flush(), turn.lane):
+                await self.send_event(event)
+        else:
+            await self.send_event(answered_error(head.status, body, head.headers, turn.lane))
+        return final
 
     async def send_event(self, message: dict[str, Any]) -> bool:
-        if self._gone.is_set() or self._ws.application_state != WebSocketState.CONNECTED:
+        if self._departure.gone.is_set() or self._ws.application_state != WebSocketState.CONNECTED:
             return False
         try:
             await self._ws.send_text(json.dumps(message, separators=(",", ":")))
@@ -210,39 +199,3 @@ class ResponsesSocket:
         with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
             if self._ws.application_state == WebSocketState.CONNECTED:
                 await self._ws.close(code, reason)
-
-
-class _Sink:
-    """The ASGI `send` of a turn's HTTP answer: its events become socket messages."""
-
-    def __init__(self, socket: ResponsesSocket, turn: Turn) -> None:
-        self._socket = socket
-        self._turn = turn
-        self._framer = SSEFramer(True)
-        self._status = 200
-        self._headers: dict[str, str] = {}
-        self._streamed = False
-        self._body = b""
-        self.final: dict[str, Any] | None = None
-
-    async def send(self, message: Message) -> None:
-        if message["type"] == "http.response.start":
-            self._status = message["status"]
-            self._headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in message.get("headers", [])}
-            self._streamed = self._status == 200 and self._headers.get("content-type", "").startswith("text/event-stream")
-            return
-        if message["type"] != "http.response.body":
-            return
-        chunk = message.get("body", b"")
-        more = message.get("more_body", False)
-        if not self._streamed:
-            self._body += chunk
-            if not more:
-                await self._socket.send_event(answered_error(self._status, self._body, self._headers, self._turn.lane))
-            return
-        events = self._framer.feed(chunk) + (b"" if more else self._framer.flush())
-        for event in sse_messages(events, self._turn.lane):
-            if event.get("type") in FINAL and isinstance(event.get("response"), dict):
-                self.final = event["response"]
-            if not await self._socket.send_event(event):
-                raise OSError("the client left")  # ends the answer: its stream is closed upstream
