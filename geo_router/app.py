@@ -21,6 +21,7 @@ from urllib.parse import urlencode
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
 
+from meridian import __version__ as meridian_version
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import (
     GENERATION_ROUTES,
@@ -53,6 +54,8 @@ from .errors import (
 )
 from .health import Ejection, FleetState, InProcessFleetState
 from .isolation import salted
+from .kserve.server import GrpcListener
+from .kserve.service import COMPLETIONS, InferenceService
 from .kv_index import KVIndex
 from .kv_subscriber import KVEventSubscriber
 from .locate import ClientLocator, RttEstimator
@@ -114,6 +117,8 @@ class RouterState:
     rtt: RttEstimator
     response_ids: ResponseIds
     tracing: Tracing
+    # The gRPC listener (geo_router.kserve), when settings.grpc_port is set.
+    grpc: GrpcListener | None = None
 
     def table(self) -> LoadedTable:
         loaded = self.table_source.current()
@@ -234,7 +239,21 @@ def _build_state(
         policy = state.policy
         metrics.count_fallbacks_of(lambda: policy.imbalance_fallbacks)
     source.add_listener(lambda loaded: _on_table(state, loaded))
+    if settings.grpc_port is not None:
+        state.grpc = _grpc_listener(state)
     return state, shared_fleet
+
+
+def _grpc_listener(state: RouterState) -> GrpcListener:
+    """The KServe v2 gRPC endpoint of this app: its inferences go through `_route` as
+    /v1/completions requests."""
+
+    def models(loaded: LoadedTable, tenant: TenantEntry) -> set[str]:
+        return set(models_for(loaded, tenant)) | set(deployed_models(loaded, tenant))
+
+    service = InferenceService(lambda request: _route(state, request, COMPLETIONS), state.table_source.current,
+                               models, meridian_version, state.settings.grpc_max_requests_per_stream)
+    return GrpcListener(state.settings, service)
 
 
 def _lifespan(
@@ -271,6 +290,10 @@ def _lifespan(
                 _on_table(state, loaded)
             refine = asyncio.create_task(_refine_rtt(state), name="rtt-refinement")
             stack.push_async_callback(_cancel, refine)
+            if state.grpc is not None:
+                await state.grpc.start()
+                stack.push_async_callback(state.grpc.stop)
+                await state.grpc.serving(source.current() is not None)
             yield
 
     return lifespan
@@ -349,6 +372,8 @@ def _on_table(state: RouterState, loaded: LoadedTable) -> None:
     """A new routing table: follow its nodes (probes, KV event subscriptions), forget the gone."""
     state.prober.on_table(loaded)
     state.kv_events.on_table(loaded)
+    if state.grpc is not None:
+        state.grpc.table_loaded()
     present = {n.node_id for n in loaded.table.nodes}
     for node_id in state.kv_index.nodes():
         if node_id not in present:

@@ -254,6 +254,18 @@ class RouterSettings(ListenerSettings):
     ws_idle_timeout_s: float = Field(300.0, gt=0)
     ws_max_connection_s: float = Field(3600.0, gt=0)
     ws_max_lanes: int = Field(16, ge=1, le=1024)
+    # gRPC (KServe Open Inference Protocol v2 with Triton's streaming, geo_router.kserve) on
+    # this port when set (0: any free port); on grpc_host, else host. At most
+    # grpc_max_concurrent_rpcs calls at once (more: RESOURCE_EXHAUSTED), that many streams per
+    # connection, and grpc_max_requests_per_stream requests of one ModelStreamInfer at once.
+    grpc_port: int | None = Field(None, ge=0, le=65535)
+    grpc_host: str | None = None
+    grpc_max_concurrent_rpcs: int = Field(1024, ge=1)
+    grpc_max_streams_per_connection: int = Field(100, ge=1)
+    grpc_max_requests_per_stream: int = Field(64, ge=1)
+    # TLS for the public listeners (HTTP and gRPC) when both are set: PEM files.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
     # Name of the RoutingPolicy (geo_router.policies registry) that orders replicas:
     # affinity (default), nearest, least-load or round-robin.
     routing_policy: str = "affinity"

@@ -39,6 +39,7 @@ class MigrationRig:
     router_url: str
     proxy: FaultProxy
     journal: Any
+    grpc_port: int | None = None  # the router's gRPC listener, when the rig asked for one
 
     def client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.router_url, timeout=180,
@@ -70,7 +71,9 @@ async def migration_rig(node_url: str, journal: Any, engine: str = "torch", tool
             app = create_router_app(settings, table_source=StaticTableSource(table))
             # The production listener (limits, WebSocket upgrade), as `meridian router serve` runs it.
             config = listener_config(app, settings, log_level="warning", timeout_graceful_shutdown=2)
-            yield MigrationRig(await servers.start(app, config=config), proxy, journal)
+            url = await servers.start(app, config=config)
+            listener = app.state.router.grpc
+            yield MigrationRig(url, proxy, journal, listener.port if listener is not None else None)
         finally:
             await servers.stop()
 
