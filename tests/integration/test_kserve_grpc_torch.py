@@ -10,17 +10,13 @@ migrates it), and the last response says it is the last.
 from __future__ import annotations
 
 import asyncio
-import json
-import queue
 from collections.abc import AsyncIterator
-from typing import Any
 
-import numpy as np
 import pytest
 import pytest_asyncio
-import tritonclient.grpc as triton_sync
 import tritonclient.grpc.aio as triton
-from migration_fabric import CAROL, PACE_BYTES_PER_S, MigrationRig, migration_rig, stream
+from migration_fabric import PACE_BYTES_PER_S, MigrationRig, migration_rig
+from protocol_clients import HEADERS, completion_text, triton_inputs, triton_stream, triton_text
 from router_harness import ServerGroup
 from tenant_fabric import MODEL, node_settings
 
@@ -31,7 +27,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PROMPT = "the sea is"
 SAMPLING = {"max_tokens": 32, "temperature": 0, "ignore_eos": True}
-HEADERS = {"authorization": f"Bearer {CAROL.key}"}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -49,70 +44,23 @@ async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Migrati
         await servers.stop()
 
 
-def _inputs(module: Any, *, stream: bool, exclude: bool | None = None) -> list[Any]:
-    text = module.InferInput("text_input", [1], "BYTES")
-    text.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
-    flag = module.InferInput("stream", [1], "BOOL")
-    flag.set_data_from_numpy(np.array([stream], dtype=bool))
-    params = module.InferInput("sampling_parameters", [1], "BYTES")
-    params.set_data_from_numpy(np.array([json.dumps(SAMPLING).encode()], dtype=np.object_))
-    inputs = [text, flag, params]
-    if exclude is not None:
-        ex = module.InferInput("exclude_input_in_output", [1], "BOOL")
-        ex.set_data_from_numpy(np.array([exclude], dtype=bool))
-        inputs.append(ex)
-    return inputs
-
-
 async def _http_text(rig: MigrationRig) -> str:
-    body = {"model": MODEL, "prompt": PROMPT, **SAMPLING, "stream": True}
-    return (await stream(rig, "/v1/completions", body)).text
-
-
-def _stream_sync(target: str, on_piece: Any = None) -> list[Any]:
-    """start_stream + async_stream_infer with the thread-based client, as its users do."""
-    results: queue.Queue[tuple[Any, Any]] = queue.Queue()
-    client = triton_sync.InferenceServerClient(target)
-    client.start_stream(callback=lambda result, error: results.put((result, error)), headers=HEADERS)
-    try:
-        client.async_stream_infer(MODEL, _inputs(triton_sync, stream=True), request_id="s1",
-                                  enable_empty_final_response=True)
-        got = []
-        while True:
-            result, error = results.get(timeout=60)
-            assert error is None, error
-            got.append(result)
-            if on_piece is not None:
-                on_piece(len(got))
-            if result.get_response().parameters["triton_final_response"].bool_param:
-                return got
-    finally:
-        client.stop_stream()
-        client.close()
-
-
-def _text(results: list[Any]) -> str:
-    out = []
-    for r in results:
-        array = r.as_numpy("text_output")
-        if array is not None:
-            out.extend(x.decode() for x in array)
-    return "".join(out)
+    return await completion_text(rig, PROMPT, SAMPLING)
 
 
 async def test_infer_answers_what_completions_answers(rig: MigrationRig) -> None:
     expected = await _http_text(rig)
     async with triton.InferenceServerClient(f"127.0.0.1:{rig.grpc_port}") as client:
-        result = await client.infer(MODEL, _inputs(triton, stream=False), headers=HEADERS)
-        excluded = await client.infer(MODEL, _inputs(triton, stream=False, exclude=True), headers=HEADERS)
+        result = await client.infer(MODEL, triton_inputs(triton, PROMPT, SAMPLING, stream=False), headers=HEADERS)
+        excluded = await client.infer(MODEL, triton_inputs(triton, PROMPT, SAMPLING, stream=False, exclude=True), headers=HEADERS)
     assert result.as_numpy("text_output")[0].decode() == PROMPT + expected
     assert excluded.as_numpy("text_output")[0].decode() == expected and expected
 
 
 async def test_a_stream_sends_the_text_piece_by_piece(rig: MigrationRig) -> None:
     expected = await _http_text(rig)
-    results = await asyncio.to_thread(_stream_sync, f"127.0.0.1:{rig.grpc_port}")
-    assert _text(results) == expected
+    results = await asyncio.to_thread(triton_stream, f"127.0.0.1:{rig.grpc_port}", PROMPT, SAMPLING)
+    assert triton_text(results) == expected
     assert len(results) > 5  # pieces, not one answer
     assert {r.get_response().id for r in results} == {"s1"}
     # The empty final response the client asked for ends it.
@@ -125,9 +73,9 @@ async def test_a_node_killed_mid_stream_costs_the_stream_nothing(rig: MigrationR
     loop = asyncio.get_running_loop()
     try:
         results = await asyncio.to_thread(
-            _stream_sync, f"127.0.0.1:{rig.grpc_port}",
+            triton_stream, f"127.0.0.1:{rig.grpc_port}", PROMPT, SAMPLING,
             lambda n: n == 8 and loop.call_soon_threadsafe(rig.proxy.reset))
     finally:
         rig.proxy.heal()
-    assert _text(results) == expected
+    assert triton_text(results) == expected
     assert rig.proxy.stats.reset >= 1

@@ -14,11 +14,11 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import openai
 import pytest
 import pytest_asyncio
 import websockets
 from migration_fabric import CAROL, PACE_BYTES_PER_S, MigrationRig, migration_rig, stream_response
+from protocol_clients import as_http, openai_client, text_of, turn, whole_conversation_text
 from router_harness import ServerGroup
 from tenant_fabric import MODEL, node_settings
 
@@ -48,52 +48,20 @@ async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Migrati
         await servers.stop()
 
 
-def _client(rig: MigrationRig, key: str = CAROL.key) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=rig.router_url + "/v1", api_key=key, max_retries=0, timeout=120)
-
-
-async def _turn(conn: Any, event: dict[str, Any], on_delta: Any = None) -> list[Any]:
-    """Send one response.create; the events up to the one that ends it."""
-    await conn.send({"type": "response.create", **event})
-    events = []
-    while True:
-        e = await conn.recv()
-        events.append(e)
-        if e.type == "response.output_text.delta" and on_delta is not None:
-            on_delta(sum(x.type == "response.output_text.delta" for x in events))
-        if e.type in ("response.completed", "response.incomplete", "response.failed", "error"):
-            return events
-
-
-def _text(events: list[Any]) -> str:
-    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
-
-
-def _http(event: dict[str, Any]) -> dict[str, Any]:
-    """A turn's fields as `client.responses.create` takes them (vLLM's extras in extra_body)."""
-    body = {k: v for k, v in event.items() if k != "ignore_eos"}
-    return body | {"extra_body": {"ignore_eos": True}} if event.get("ignore_eos") else body
-
-
 async def _reference(rig: MigrationRig, first: list[Any]) -> str:
-    """What the second turn says when sent over HTTP as one self-contained request: the
-    whole conversation so far."""
-    history = [{"role": "user", "content": FIRST["input"]},
-               {"role": "assistant", "content": first[-1].response.output_text}]
-    whole = {**SECOND, "input": [*history, {"role": "user", "content": SECOND["input"]}]}
-    return (await stream_response(rig, _http(whole))).text
+    return await whole_conversation_text(rig, FIRST, first[-1].response.output_text, SECOND)
 
 
 async def test_two_turns_on_one_socket_continue_an_unstored_response(rig: MigrationRig) -> None:
-    async with _client(rig) as client, client.responses.connect() as conn:
-        first = await _turn(conn, FIRST)
+    async with openai_client(rig) as client, client.responses.connect() as conn:
+        first = await turn(conn, FIRST)
         assert first[-1].type == "response.completed", first[-1]
-        assert first[0].type == "response.created" and _text(first)
-        second = await _turn(conn, {**SECOND, "previous_response_id": first[-1].response.id})
+        assert first[0].type == "response.created" and text_of(first)
+        second = await turn(conn, {**SECOND, "previous_response_id": first[-1].response.id})
     assert second[-1].type == "response.completed", second[-1]
     # The second turn's prompt held the first turn (its input and answer): it says what the
     # whole conversation sent at once over HTTP says.
-    assert _text(second) == await _reference(rig, first)
+    assert text_of(second) == await _reference(rig, first)
     used = second[-1].response.usage
     assert used.input_tokens > first[-1].response.usage.total_tokens
     # Every event is the HTTP stream's, one response id per turn.
@@ -102,57 +70,57 @@ async def test_two_turns_on_one_socket_continue_an_unstored_response(rig: Migrat
 
 
 async def test_a_node_killed_between_turns_costs_the_second_turn_nothing(rig: MigrationRig) -> None:
-    async with _client(rig) as client, client.responses.connect() as conn:
-        first = await _turn(conn, FIRST)
+    async with openai_client(rig) as client, client.responses.connect() as conn:
+        first = await turn(conn, FIRST)
         rig.proxy.reset()  # `near`, the clients' region, dies: its connections and new ones reset
         try:
-            second = await _turn(conn, {**SECOND, "previous_response_id": first[-1].response.id})
+            second = await turn(conn, {**SECOND, "previous_response_id": first[-1].response.id})
         finally:
             rig.proxy.heal()
         expected = await _reference(rig, first)
     assert second[-1].type == "response.completed", second[-1]
-    assert _text(second) == expected
+    assert text_of(second) == expected
 
 
 async def test_a_node_killed_within_a_turn_resumes_on_another(rig: MigrationRig) -> None:
-    async with _client(rig) as client, client.responses.connect() as conn:
-        unbroken = await _turn(conn, FIRST)
+    async with openai_client(rig) as client, client.responses.connect() as conn:
+        unbroken = await turn(conn, FIRST)
         rig.proxy.set_bandwidth(PACE_BYTES_PER_S, "downstream")  # the break lands mid-answer
         try:
-            broken = await _turn(conn, FIRST, on_delta=lambda n: n == 9 and rig.proxy.reset())
+            broken = await turn(conn, FIRST, on_delta=lambda n: n == 9 and rig.proxy.reset())
         finally:
             rig.proxy.heal()
         # The socket goes on after a migrated turn, continuing the migrated response.
-        after = await _turn(conn, {**SECOND, "previous_response_id": broken[-1].response.id})
+        after = await turn(conn, {**SECOND, "previous_response_id": broken[-1].response.id})
     assert broken[-1].type == "response.completed", broken[-1]
-    assert _text(broken) == _text(unbroken)
+    assert text_of(broken) == text_of(unbroken)
     trailer = (broken[-1].model_extra or {}).get("meridian")
     assert trailer is not None and trailer["migrations"] == 1 and trailer["node"] == "far"
-    assert after[-1].type == "response.completed" and _text(after) == await _reference(rig, unbroken)
+    assert after[-1].type == "response.completed" and text_of(after) == await _reference(rig, unbroken)
 
 
 async def test_a_warm_up_is_continued_like_a_response(rig: MigrationRig) -> None:
-    async with _client(rig) as client, client.responses.connect() as conn:
-        warm = await _turn(conn, {"model": MODEL, "input": FIRST["input"], "generate": False, "store": False})
+    async with openai_client(rig) as client, client.responses.connect() as conn:
+        warm = await turn(conn, {"model": MODEL, "input": FIRST["input"], "generate": False, "store": False})
         assert [e.type for e in warm] == ["response.created", "response.completed"]
         assert warm[-1].response.output == []
-        turn = await _turn(conn, {**SECOND, "input": [], "previous_response_id": warm[-1].response.id})
+        warmed = await turn(conn, {**SECOND, "input": [], "previous_response_id": warm[-1].response.id})
     # Continuing the warm-up is the same as sending its input with the turn.
-    alone = await stream_response(rig, _http({**SECOND, "input": FIRST["input"]}))
-    assert turn[-1].type == "response.completed" and _text(turn) == alone.text
+    alone = await stream_response(rig, as_http({**SECOND, "input": FIRST["input"]}))
+    assert warmed[-1].type == "response.completed" and text_of(warmed) == alone.text
 
 
 async def test_bad_events_get_error_events_and_the_socket_stays_usable(rig: MigrationRig) -> None:
-    async with _client(rig) as client, client.responses.connect() as conn:
-        unknown = await _turn(conn, {"model": "no-such-model", "input": "hi", "store": False})
+    async with openai_client(rig) as client, client.responses.connect() as conn:
+        unknown = await turn(conn, {"model": "no-such-model", "input": "hi", "store": False})
         assert unknown[-1].type == "error" and unknown[-1].status == 404
         assert unknown[-1].error.code == "model_not_found"
-        stale = await _turn(conn, {**SECOND, "previous_response_id": "resp_0123456789abcdef"})
+        stale = await turn(conn, {**SECOND, "previous_response_id": "resp_0123456789abcdef"})
         assert stale[-1].type == "error" and stale[-1].error.code == "previous_response_not_found"
-        background = await _turn(conn, {**FIRST, "background": True})
+        background = await turn(conn, {**FIRST, "background": True})
         assert background[-1].type == "error" and background[-1].error.param == "background"
-        ok = await _turn(conn, FIRST)
-    assert ok[-1].type == "response.completed" and _text(ok)
+        ok = await turn(conn, FIRST)
+    assert ok[-1].type == "response.completed" and text_of(ok)
 
 
 async def test_messages_that_are_not_events_are_answered_not_fatal(rig: MigrationRig) -> None:

@@ -11,17 +11,34 @@ request write a given pythonic call list, so vLLM's own pythonic parser streams 
 tool-call deltas; a stream broken inside them must give the client the same calls. The
 routing table says what the node's spec says: it reads tool calls as pythonic. Advertised
 as another parser, the same node's tool-call streams are not resumed.
+
+The router's other protocols reach the same vLLM node here (its start is this module's):
+`openai`'s Responses WebSocket mode (a turn continuing an unstored one, a node killed within
+a turn) and `tritonclient.grpc` on the KServe v2 endpoint (infer and a stream).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
-from migration_fabric import MigrationRig, Streamed, migration_rig, stream, stream_response
+import tritonclient.grpc.aio as triton
+from migration_fabric import PACE_BYTES_PER_S, MigrationRig, Streamed, migration_rig, stream, stream_response
+from protocol_clients import (
+    HEADERS,
+    completion_text,
+    openai_client,
+    text_of,
+    triton_inputs,
+    triton_stream,
+    triton_text,
+    turn,
+    whole_conversation_text,
+)
 from tenant_fabric import MODEL, TenantFabric
 from tokenizers import Tokenizer
 from vllm_fabric import require_vllm, vllm_fabric
@@ -63,7 +80,8 @@ async def rig(node: TenantFabric, root: Path) -> AsyncIterator[MigrationRig]:
     # As the node registers it: the parser its deployment spec runs vLLM with.
     parser = load_deployment_spec(root / "spec.json").tool_call_parser
     assert parser == "pythonic"
-    async with migration_rig(node.node_url, root / "router.jsonl", engine="vllm", tool_call_parser=parser) as r:
+    async with migration_rig(node.node_url, root / "router.jsonl", engine="vllm", tool_call_parser=parser,
+                             grpc_port=0) as r:
         yield r
 
 
@@ -248,3 +266,39 @@ async def test_a_vllm_responses_stream_resumes_token_identical(rig: MigrationRig
     assert [e.sequence_number for e in got.events] == list(range(len(got.events)))
     trailer = (got.completed.model_extra or {}).get("meridian")
     assert trailer is not None and trailer["node"] == "far" and trailer["migrations"] == 1
+
+
+# --- the other protocols, to the same vLLM node -----------------------------------------
+
+FIRST = {"model": MODEL, "input": "write a long poem about the sea", "max_output_tokens": 32, "temperature": 0,
+         "store": False, "ignore_eos": True}
+SECOND = {"model": MODEL, "input": "and now the mountains", "max_output_tokens": 32, "temperature": 0,
+          "store": False, "ignore_eos": True}
+
+
+async def test_a_vllm_websocket_turn_continues_an_unstored_one(rig: MigrationRig) -> None:
+    async with openai_client(rig) as client, client.responses.connect() as conn:
+        first = await turn(conn, FIRST)
+        second = await turn(conn, {**SECOND, "previous_response_id": first[-1].response.id})
+        rig.proxy.set_bandwidth(PACE_BYTES_PER_S, "downstream")
+        try:
+            broken = await turn(conn, FIRST, on_delta=lambda n: n == 10 and rig.proxy.reset())
+        finally:
+            rig.proxy.heal()
+    assert first[-1].type == second[-1].type == "response.completed", (first[-1], second[-1])
+    assert text_of(second) == await whole_conversation_text(rig, FIRST, first[-1].response.output_text, SECOND)
+    assert broken[-1].type == "response.completed" and text_of(broken) == text_of(first)
+    trailer = (broken[-1].model_extra or {}).get("meridian")
+    assert trailer is not None and trailer["migrations"] == 1
+
+
+async def test_vllm_over_kserve_grpc_infer_and_stream(rig: MigrationRig) -> None:
+    sampling = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    expected = await completion_text(rig, "the sea is", sampling)
+    async with triton.InferenceServerClient(f"127.0.0.1:{rig.grpc_port}") as client:
+        result = await client.infer(MODEL, triton_inputs(triton, "the sea is", sampling, stream=False, exclude=True),
+                                    headers=HEADERS)
+    assert result.as_numpy("text_output")[0].decode() == expected and expected
+    results = await asyncio.to_thread(triton_stream, f"127.0.0.1:{rig.grpc_port}", "the sea is", sampling)
+    assert triton_text(results) == expected and len(results) > 3
+
