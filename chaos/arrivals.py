@@ -39,6 +39,7 @@ class Arrival:
     conversation: int | None
     turn: int
     long: bool = False  # one of load.long_streams (chaos.streams)
+    protocol: str = "http"  # one of chaos.protocols.PROTOCOLS (load.protocols' weights)
 
 
 def make_schedule(load: Load, seed: int) -> list[Arrival]:
@@ -70,9 +71,20 @@ def _poisson_schedule(load: Load, seed: int) -> list[Arrival]:
             conversation = rng.randrange(CONVERSATIONS_PER_TENANT)
             turn = turns.get((tenant, conversation), 0)
             turns[tenant, conversation] = turn + 1
-        out.append(Arrival(t, tenant, stream, conversation, turn))
+        protocol = _protocol(load, seed, len(out))
+        # A WebSocket turn always streams (the socket's events are the streamed API's).
+        out.append(Arrival(t, tenant, stream or protocol == "websocket", conversation, turn, protocol=protocol))
         t += rng.expovariate(load.arrivals_per_s)
     return out
+
+
+def _protocol(load: Load, seed: int, n: int) -> str:
+    """The n-th arrival's protocol, by load.protocols' weights; from its own random stream,
+    so a drill that names no protocols sends exactly the schedule it always did."""
+    if len(load.protocols) == 1:
+        return next(iter(load.protocols))
+    names = list(load.protocols)
+    return random.Random(f"protocol:{seed}:{n}").choices(names, [load.protocols[p] for p in names])[0]
 
 
 def burst_schedule(load: Load, count: int, at_s: float, seed: int, spread_s: float = 0.5) -> list[Arrival]:

@@ -150,6 +150,10 @@ class Load(_Spec):
     # After this the client gives up and records the request as indeterminate.
     request_timeout_s: float = Field(30.0, gt=0)
     long_streams: LongStreams | None = None
+    # Share of the arrivals sent over each of the router's protocols (relative weights):
+    # http (the OpenAI API), websocket (the Responses API's WebSocket mode), grpc (KServe v2).
+    # Long streams are HTTP.
+    protocols: dict[Literal["http", "websocket", "grpc"], float] = Field(default_factory=lambda: {"http": 1.0})
 
     @model_validator(mode="after")
     def _unique_tenants(self) -> Load:
@@ -159,6 +163,8 @@ class Load(_Spec):
         unknown = sorted(set(self.long_streams.tenants or ()) - set(names)) if self.long_streams else []
         if unknown:
             raise ValueError(f"long_streams.tenants {unknown} are not tenants of the load")
+        if not self.protocols or any(w < 0 for w in self.protocols.values()) or sum(self.protocols.values()) <= 0:
+            raise ValueError(f"protocols must give a positive weight to at least one protocol, got {self.protocols}")
         return self
 
 

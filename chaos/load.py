@@ -34,11 +34,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
 import httpx
 
 from chaos.arrivals import Arrival, conversation_messages, fresh_prompt, make_schedule, system_prompt
 from chaos.drill import Load
 from chaos.history import ClientOp, HistoryWriter, Outcome, StreamDetail
+from chaos.protocols import infer_request, prompt_of, send_grpc, send_websocket
 from chaos.streams import (
     LongRequest,
     StreamReading,
@@ -65,6 +67,9 @@ class LoadTarget:
     router_urls: tuple[str, ...]
     api_keys: Mapping[str, str]  # drill tenant name -> API key
     model: str
+    # Each router's gRPC listener (host:port), in router_urls' order; needed when the load
+    # sends over gRPC (Load.protocols).
+    grpc_targets: tuple[str, ...] = ()
 
 
 @dataclass
@@ -156,6 +161,8 @@ class LoadGenerator:
             raise ValueError(f"no API key for tenants {missing}")
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        if "grpc" in load.protocols and len(target.grpc_targets) != len(target.router_urls):
+            raise ValueError("the load sends over gRPC: LoadTarget.grpc_targets must name each router's listener")
         if not _KEY_PATTERN.match(f"{key_prefix}-000000"):
             raise ValueError(f"key_prefix {key_prefix!r} does not make valid request ids ({_KEY_PATTERN.pattern})")
         self.load = load
@@ -168,6 +175,8 @@ class LoadGenerator:
         self._http = http
         self._zones = {t.name: t.zone for t in load.tenants}
         self._urls = tuple(u.rstrip("/") + CHAT_PATH for u in target.router_urls)
+        self._ws_urls = tuple(u.rstrip("/").replace("http", "ws", 1) + "/v1/responses" for u in target.router_urls)
+        self._channels: list[grpc.aio.Channel] = []
         self._timeout = httpx.Timeout(
             connect=min(CONNECT_TIMEOUT_S, load.request_timeout_s),
             read=load.request_timeout_s,
@@ -208,6 +217,8 @@ class LoadGenerator:
             limits=httpx.Limits(max_connections=self._max_in_flight, max_keepalive_connections=self._max_in_flight),
         )
         tasks: set[asyncio.Task[None]] = set()
+        if "grpc" in self.load.protocols:
+            self._channels = [grpc.aio.insecure_channel(t) for t in self.target.grpc_targets]
         try:
             for n, arrival in enumerate(self._schedule):
                 delay = start + arrival.at_s - time.monotonic()
@@ -229,6 +240,8 @@ class LoadGenerator:
                 await asyncio.gather(*tasks, return_exceptions=True)
             if self._http is None:
                 await client.aclose()
+            for channel in self._channels:
+                await channel.close()
 
     # --- one request ------------------------------------------------------------------
 
@@ -319,6 +332,8 @@ class LoadGenerator:
             HEADER_IDEMPOTENCY_KEY: key,
             "accept": "text/event-stream" if arrival.stream else "application/json",
         }
+        if arrival.protocol != "http" and not arrival.long:
+            return await self._send_other(n, key, arrival, start, seen, headers)
         url = self._urls[n % len(self._urls)]
         async with client.stream("POST", url, json=body, headers=headers, timeout=self._timeout) as resp:
             seen.status = resp.status_code
@@ -335,6 +350,21 @@ class LoadGenerator:
                 return await _read_stream(resp, start, seen)
             raw = await resp.aread()
             return _judge_body(resp, raw)
+
+    async def _send_other(self, n: int, key: str, arrival: Arrival, start: float, seen: _Seen,
+                          headers: dict[str, str]) -> _End:
+        """The request over the Responses WebSocket or KServe gRPC (chaos.protocols)."""
+        messages = self._messages(n, arrival)
+        if arrival.protocol == "websocket":
+            ended = await send_websocket(self._ws_urls[n % len(self._ws_urls)], headers, self.target.model,
+                                         messages, self.load.max_tokens, start)
+        else:
+            request = infer_request(self.target.model, prompt_of(messages), self.load.max_tokens, arrival.stream, key)
+            metadata = tuple((k, v) for k, v in headers.items() if k != "accept")
+            ended = await send_grpc(self._channels[n % len(self._channels)], metadata, request, arrival.stream,
+                                    self._deadline_s(arrival), start)
+        seen.status, seen.first_byte_s = ended.status, ended.first_byte_s
+        return _End(ended.outcome, ended.error_code, ended.retry_after, ended.stream_error_event)
 
     def _deadline_s(self, arrival: Arrival) -> float:
         ls = self.load.long_streams

@@ -190,7 +190,7 @@ class _Run:
         the warm-up; the load's target and the control plane's region -> zones."""
         admin = AdminApi(info.control_plane_url, info.admin_key)
         keys = {t: k.secret for t, k in (await admin.create_tenant_keys(self.drill.load.tenants)).items()}
-        target = LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL)
+        target = LoadTarget(tuple(info.router_urls), keys, DEMO_MODEL, tuple(info.grpc_targets))
         await warm_up(target, on_step=self._step)
         await self._warm_nodes(fabric, info.cluster_token)
         _empty_journals(journals)

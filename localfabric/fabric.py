@@ -43,7 +43,7 @@ from meridian.security import generate_api_key
 from meridian.settings import LogSettings
 
 from .checkpoint import origin_holds
-from .procs import die_with_parent, port_or_free, renice
+from .procs import die_with_parent, fabric_port, port_or_free, renice
 from .spec import FabricInfo, FabricSpec, Proc
 
 logger = logging.getLogger(__name__)
@@ -74,6 +74,7 @@ class LocalFabric:
         self._scaler_stop = threading.Event()
         self._scaled = 0
         self._routers = 0
+        self._grpc_targets: list[str] = []
         # Holds the nodes' KV event sockets; short, as a socket path may not exceed ~100 bytes.
         self._kv_dir: Path | None = None
         self._kv_sockets = 0
@@ -132,6 +133,7 @@ class LocalFabric:
                 keys=keys,
                 nodes={p.region: p for p in self._procs if p.region},
                 router_urls=[r.url for r in routers],
+                grpc_targets=list(self._grpc_targets),
             )
             self._wait_serving()
             self._write_state()
@@ -466,8 +468,12 @@ class LocalFabric:
         # model served from a URI has no local copy: its requests are routed without it).
         model_dir = (self.spec.model_dir or self.spec.work_dir / "models" / self.spec.model_name).resolve()
         tokenizers = {} if self.spec.model_uri and not self.spec.model_dir else {self.spec.model_name: str(model_dir)}
+        # Every router also speaks gRPC (KServe v2): its listener's port is the fabric's choice.
+        grpc_port = fabric_port(self.spec.host)
+        self._grpc_targets.append(f"{self.spec.host}:{grpc_port}")
         env = {
             "MERIDIAN_ROUTER_TOKENIZER_DIRS": json.dumps(tokenizers),
+            "MERIDIAN_ROUTER_GRPC_PORT": str(grpc_port),
             **self._journal_env("MERIDIAN_ROUTER_REQUEST_JOURNAL_PATH", name),
             **env,
         }
@@ -503,6 +509,7 @@ class LocalFabric:
         assert self.info is not None
         state = {
             "router_url": self.info.router_url,
+            "grpc_target": self.info.grpc_targets[0] if self.info.grpc_targets else None,
             "control_plane_url": self.info.control_plane_url,
             "admin_key": self.info.admin_key,
             "keys": self.info.keys,

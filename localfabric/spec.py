@@ -130,5 +130,7 @@ class FabricInfo:
     nodes: dict[str, Proc] = field(default_factory=dict)
     # Every router's URL, the first being router_url.
     router_urls: list[str] = field(default_factory=list)
+    # Every router's gRPC listener (host:port, KServe v2), in router_urls' order.
+    grpc_targets: list[str] = field(default_factory=list)
     # Every control-plane replica's URL, the first being control_plane_url.
     control_plane_urls: list[str] = field(default_factory=list)

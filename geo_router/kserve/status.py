@@ -67,9 +67,11 @@ def to_status(http_status: int, error: dict[str, Any], headers: dict[str, str]) 
 
 def stream_error(http_status: int, error: dict[str, Any], headers: dict[str, str]) -> str:
     """The `error_message` of a ModelStreamInferResponse (Triton's in-stream error): text
-    only, so it leads with the gRPC code and ends with when to retry."""
+    only, so it leads with the gRPC code and the OpenAI code, `UNAVAILABLE
+    (no_replica_in_zone): …`, and ends with when to retry."""
     code = code_for(http_status)
-    text = f"{code.name}: {error.get('message') or f'HTTP {http_status}'}"
+    named = f" ({error['code']})" if isinstance(error.get("code"), str) else ""
+    text = f"{code.name}{named}: {error.get('message') or f'HTTP {http_status}'}"
     retry = retry_after_s(headers)
     return f"{text} (retry after {retry} s)" if retry is not None else text
 
