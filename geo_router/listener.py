@@ -47,6 +47,9 @@ def listener_config(app: FastAPI, settings: RouterSettings, **kwargs: Any) -> uv
         "ws_ping_interval": 20.0,
         "ws_ping_timeout": 20.0,
     }
+    if settings.tls_cert_file and settings.tls_key_file:
+        # The same certificate as the gRPC listener's (geo_router.kserve.server).
+        options |= {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
     return limited_config(app, settings, openai_error_body, **(options | kwargs))
 
 

@@ -4,14 +4,23 @@ rate limit with its retry delay), residency from the key, health and reflection.
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc.aio as triton
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -32,6 +41,7 @@ from tritonclient.utils import InferenceServerException
 from geo_router import create_app
 from geo_router.kserve import kserve_v2_pb2 as pb
 from geo_router.kserve import kserve_v2_pb2_grpc as pb_grpc
+from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
 from meridian.contracts import TenantEntry
 from meridian.security import hash_api_key
@@ -172,3 +182,44 @@ async def test_health_liveness_and_reflection(rig: GrpcRig) -> None:
     names = {s.name for s in answers[0].list_services_response.service}
     assert {"inference.GRPCInferenceService", "grpc.health.v1.Health"} <= names
     assert answers[1].file_descriptor_response.file_descriptor_proto
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, PEM."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.now(UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - timedelta(minutes=1))
+            .not_valid_after(now + timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
+    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_file, key_file
+
+
+async def test_with_a_certificate_both_listeners_serve_tls(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    behaviour = NodeBehaviour("us")
+    servers = ServerGroup()
+    try:
+        node_url = await servers.start(node_app(behaviour))
+        settings = router_settings(grpc_port=0, tls_cert_file=cert, tls_key_file=key)
+        app = create_app(settings, table_source=StaticTableSource(make_table([node("us", node_url)])))
+        url = await servers.start(app, config=listener_config(app, settings, log_level="warning",
+                                                               timeout_graceful_shutdown=2))
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cert))) as http:
+            assert (await http.get(url.replace("http://", "https://") + "/health")).status_code == 200
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{app.state.router.grpc.port}", credentials) as channel:
+            live = await pb_grpc.GRPCInferenceServiceStub(channel).ServerLive(pb.ServerLiveRequest(), timeout=5)
+            assert live.live
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{app.state.router.grpc.port}") as plain:
+            with pytest.raises(grpc.aio.AioRpcError):
+                await pb_grpc.GRPCInferenceServiceStub(plain).ServerLive(pb.ServerLiveRequest(), timeout=2)
+    finally:
+        await servers.stop()
