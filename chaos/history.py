@@ -100,6 +100,7 @@ class ClientOp:
     node: str | None = None  # x-meridian-node
     stream_error_event: bool = False  # the stream ended with an SSE error event
     detail: StreamDetail | None = None  # long streams only (chaos.streams)
+    protocol: str = "http"  # how it was sent (chaos.protocols.PROTOCOLS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,6 +217,7 @@ class _ClientLine(_Line):
     node: str | None = None
     stream_error_event: bool = False
     detail: _DetailLine | None = None
+    protocol: Literal["http", "websocket", "grpc"] = "http"
 
 
 class _RoutedLine(_Line):

@@ -256,7 +256,7 @@ class LoadGenerator:
             self.stats.overloaded += 1
             self._writer.append(
                 ClientOp(key, arrival.tenant, zone, arrival.stream, now_s, None, now_s, Outcome.FAIL,
-                         error_code="generator_overloaded")
+                         error_code="generator_overloaded", protocol=arrival.protocol)
             )
             self.stats.record_end(now_s, Outcome.FAIL)
             return
@@ -265,7 +265,7 @@ class LoadGenerator:
         # A long stream is marked as one from the start (an empty detail), so that one that
         # never ends still counts among the long streams.
         self._writer.append(ClientOp(key, arrival.tenant, zone, arrival.stream, now_s,
-                                     detail=StreamDetail() if arrival.long else None))
+                                     detail=StreamDetail() if arrival.long else None, protocol=arrival.protocol))
         self.stats.in_flight += 1
         task = asyncio.create_task(self._request(n, key, arrival, zone, now_s, start, client), name=key)
         tasks.add(task)
@@ -319,6 +319,7 @@ class LoadGenerator:
                 error_code=end.error_code, retry_after=end.retry_after, region=seen.region, node=seen.node,
                 stream_error_event=end.stream_error_event,
                 detail=seen.reading.detail() if seen.reading is not None else StreamDetail() if arrival.long else None,
+                protocol=arrival.protocol,
             )
         )
 

@@ -98,6 +98,8 @@ async def test_answers_over_every_protocol_are_ok_and_journaled(rig: Rig, tmp_pa
         gen, ops = await _drive(rig, _load({"acme": "global"}), {"acme": GLOBAL_KEY}, writer)
     by_protocol = Counter(a.protocol for a in gen.schedule())
     assert min(by_protocol.values()) > 0
+    # The history says how each request went, for the report's breakdown.
+    assert Counter(op.protocol for op in ops.values()) == by_protocol
     assert {op.outcome for op in ops.values()} == {Outcome.OK}, Counter((o.outcome, o.error_code) for o in ops.values())
     assert all(op.first_byte_s is not None for op in ops.values())
     routed = {json.loads(line)["key"] for line in rig.journal.read_text().splitlines()}
