@@ -50,6 +50,8 @@ def listener_config(app: FastAPI, settings: RouterSettings, **kwargs: Any) -> uv
     if settings.tls_cert_file and settings.tls_key_file:
         # The same certificate as the gRPC listener's (geo_router.kserve.server).
         options |= {"ssl_certfile": str(settings.tls_cert_file), "ssl_keyfile": str(settings.tls_key_file)}
+    if settings.http2_enabled:
+        options["http2_max_streams"] = settings.http2_max_streams_per_connection
     return limited_config(app, settings, openai_error_body, **(options | kwargs))
 
 

@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from meridian.http2 import AlpnConfig, H2Handoff, speaks_h2
 from meridian.settings import ListenerSettings
 
 # scope["extensions"][DISCONNECT_EXTENSION](callback): call `callback()` if the client goes
@@ -89,6 +90,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ListenerLimits] = ListenerLimits()
     error_body: ClassVar[ErrorBody] = staticmethod(openai_error_body)
+    # Where connections that speak HTTP/2 go (None: HTTP/1.1 only).
+    h2: ClassVar[H2Handoff | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -110,6 +113,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._on_disconnect: deque[list[Callable[[], None]]] = deque()
         # When the head or body being read must be whole (loop time; inf: nothing due).
         self._deadline = math.inf
+        # The connection's first bytes, held until they say whether it speaks HTTP/2.
+        self._sniffing = self.h2 is not None
+        self._sniffed = b""
 
     # --- connection -------------------------------------------------------------------
 
@@ -121,6 +127,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._head_clock = True
         self._arm(self.limits.header_timeout_s)
+        ssl_object = transport.get_extra_info("ssl_object")
+        if self.h2 is not None and ssl_object is not None and ssl_object.selected_alpn_protocol() == "h2":
+            self._hand_to_h2(b"")
+
+    def _hand_to_h2(self, first: bytes) -> None:
+        """From now on hypercorn's HTTP/2 protocol serves this connection."""
+        assert self.h2 is not None
+        self._disarm()
+        self._sniffing = False
+        self.connections.discard(self)
+        self.h2.take(self.transport, first, self.connections)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -141,6 +158,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._lingering or self.transport.is_closing():
             return
+        if self._sniffing:
+            self._sniffed += data
+            h2 = speaks_h2(self._sniffed)
+            if h2 is None:
+                return  # part of the preface: wait for the rest
+            if h2:
+                self._hand_to_h2(self._sniffed)
+                return
+            self._sniffing = False
+            data, self._sniffed = self._sniffed, b""
         if self._in_head:
             if not self._head_clock:
                 self._head_clock = True
@@ -274,15 +301,23 @@ class _Sweeper:
                     del self._running[state]
 
 
-def limited_protocol(limits: ListenerLimits, error_body: ErrorBody = openai_error_body) -> type[LimitedHttpToolsProtocol]:
-    """A protocol class for uvicorn.Config(http=...) with these limits and error format."""
+def limited_protocol(limits: ListenerLimits, error_body: ErrorBody = openai_error_body,
+                     h2: H2Handoff | None = None) -> type[LimitedHttpToolsProtocol]:
+    """A protocol class for uvicorn.Config(http=...) with these limits and error format
+    (and HTTP/2 connections handed to `h2`, when given)."""
     return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,),
-                {"limits": limits, "error_body": staticmethod(error_body)})
+                {"limits": limits, "error_body": staticmethod(error_body), "h2": h2})
 
 
 def limited_config(app: Any, settings: ListenerSettings, error_body: ErrorBody = openai_error_body,
-                   **kwargs: Any) -> Config:
+                   *, http2_max_streams: int | None = None, **kwargs: Any) -> Config:
     """uvicorn's Config for `app` served over the httptools protocol with the listener
-    limits of `settings`. Logging is meridian.logs' (configure_logging), not uvicorn's."""
+    limits of `settings`; with `http2_max_streams`, HTTP/2 is served on the same port too
+    (meridian.http2). Logging is meridian.logs' (configure_logging), not uvicorn's."""
     kwargs.setdefault("log_config", None)
-    return Config(app, http=limited_protocol(ListenerLimits.of(settings), error_body), **kwargs)
+    limits = ListenerLimits.of(settings)
+    if http2_max_streams is None:
+        return Config(app, http=limited_protocol(limits, error_body), **kwargs)
+    h2 = H2Handoff(app, max_streams=http2_max_streams, max_header_bytes=limits.max_header_bytes,
+                   keep_alive_s=kwargs.get("timeout_keep_alive", 5))
+    return AlpnConfig(app, http=limited_protocol(limits, error_body, h2), **kwargs)

@@ -263,6 +263,10 @@ class RouterSettings(ListenerSettings):
     grpc_max_concurrent_rpcs: int = Field(1024, ge=1)
     grpc_max_streams_per_connection: int = Field(100, ge=1)
     grpc_max_requests_per_stream: int = Field(64, ge=1)
+    # HTTP/2 on the public HTTP port next to HTTP/1.1 (h2c by prior knowledge; h2 by ALPN
+    # with TLS), at most this many concurrent streams per connection (meridian.http2).
+    http2_enabled: bool = True
+    http2_max_streams_per_connection: int = Field(100, ge=1)
     # TLS for the public listeners (HTTP and gRPC) when both are set: PEM files.
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None

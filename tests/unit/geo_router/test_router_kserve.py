@@ -4,12 +4,10 @@ rate limit with its retry delay), residency from the key, health and reflection.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import grpc
@@ -17,10 +15,6 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc.aio as triton
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -35,6 +29,7 @@ from router_harness import (
     node,
     node_app,
     router_settings,
+    self_signed_cert,
 )
 from tritonclient.utils import InferenceServerException
 
@@ -184,26 +179,8 @@ async def test_health_liveness_and_reflection(rig: GrpcRig) -> None:
     assert answers[1].file_descriptor_response.file_descriptor_proto
 
 
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-    """A certificate for 127.0.0.1 and its key, PEM."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.now(UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - timedelta(minutes=1))
-            .not_valid_after(now + timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
-    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
-    cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return cert_file, key_file
-
-
 async def test_with_a_certificate_both_listeners_serve_tls(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     behaviour = NodeBehaviour("us")
     servers = ServerGroup()
     try:
