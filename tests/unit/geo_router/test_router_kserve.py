@@ -200,3 +200,15 @@ async def test_with_a_certificate_both_listeners_serve_tls(tmp_path: Path) -> No
                 await pb_grpc.GRPCInferenceServiceStub(plain).ServerLive(pb.ServerLiveRequest(), timeout=2)
     finally:
         await servers.stop()
+
+
+async def test_the_calls_deadline_bounds_the_work(rig: GrpcRig) -> None:
+    rig.behaviours["us"].mode = "hang"  # a node that takes the request and never answers
+    async with grpc.aio.insecure_channel(rig.target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        request = pb.ModelInferRequest(model_name=MODEL)
+        request.inputs.add(name="text_input", datatype="BYTES", shape=[1]).contents.bytes_contents.append(b"hi")
+        with pytest.raises(grpc.aio.AioRpcError) as late:
+            await stub.ModelInfer(request, metadata=(("authorization", f"Bearer {GLOBAL_KEY}"),), timeout=0.5)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert rig.behaviours["us"].hits == 1  # it reached the node, and was not retried elsewhere

@@ -29,8 +29,11 @@ from geo_router import create_app
 from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
 from meridian.clock import ManualClock
+from meridian.contracts import TenantEntry
+from meridian.security import hash_api_key
 
 CREATE = {"type": "response.create", "model": MODEL, "input": "hi", "store": False}
+LIMITED = "mrd_one-request-a-minute"
 
 
 @dataclass
@@ -52,7 +55,10 @@ async def rig() -> AsyncIterator[SocketRig]:
     clock = ManualClock()
     try:
         urls = {name: await servers.start(node_app(b)) for name, b in behaviours.items()}
-        source = StaticTableSource(make_table([node(n, u) for n, u in urls.items()]))
+        table = make_table([node(n, u) for n, u in urls.items()])
+        table.tenants.append(TenantEntry(key_hash=hash_api_key(LIMITED), key_prefix=LIMITED[:10], tenant="slow",
+                                         zone="global", requests_per_minute=1))
+        source = StaticTableSource(table)
         settings = router_settings(ws_idle_timeout_s=30.0, ws_max_connection_s=100.0)
         app = create_app(settings, table_source=source, clock=clock)
         config = listener_config(app, settings, log_level="warning", timeout_graceful_shutdown=2)
@@ -120,3 +126,18 @@ async def test_a_connection_open_too_long_is_closed_between_turns(rig: SocketRig
             await asyncio.wait_for(ws.recv(), 10)
     assert closed.value.rcvd is not None and closed.value.rcvd.code == 1001
     await eventually(lambda: rig.behaviours["us"].hits == 4)
+
+
+async def test_errors_of_the_pipeline_are_error_events(rig: SocketRig) -> None:
+    async with rig.connect(LIMITED) as ws:
+        await ws.send(json.dumps(CREATE))
+        assert (await _until_final(ws))[-1]["type"] == "response.completed"
+        await ws.send(json.dumps(CREATE))
+        limited = (await _until_final(ws))[-1]
+    async with rig.connect() as ws:
+        await ws.send(json.dumps({**CREATE, "model": "no-such-model"}))
+        unknown = (await _until_final(ws))[-1]
+    assert limited["status"] == 429 and limited["error"]["code"] == "rate_limit_exceeded"
+    assert int(limited["error"]["headers"]["retry-after"]) >= 1
+    assert unknown["status"] == 404 and unknown["error"]["code"] == "model_not_found"
+
