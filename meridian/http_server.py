@@ -13,7 +13,10 @@ header until it ends). `LimitedHttpToolsProtocol` adds, per connection:
 - `body_timeout_s`: the body must arrive whole within this long of the head: 408 (when
   no answer has started) and close. The app sees a disconnect;
 - `max_connections`: beyond this many open connections a new one is answered 503 with
-  `Retry-After` at once and closed, before anything of it is read.
+  `Retry-After` at once and closed, before anything of it is read;
+- `max_connections_per_client` (when set): the same for one client address. The count is
+  of live transports, whatever protocol now serves them (a WebSocket upgrade or an HTTP/2
+  hand-off replaces this protocol, not the connection).
 
 It also tells the app when a client hangs up, without the app having to wait on
 `receive()` in a task of its own for every request: the ASGI scope's
@@ -78,11 +81,12 @@ class ListenerLimits:
     max_connections: int = 4096
     # Seconds a client told "too many connections" should wait.
     retry_after_s: int = 1
+    max_connections_per_client: int = 0
 
     @classmethod
     def of(cls, settings: ListenerSettings) -> ListenerLimits:
         return cls(settings.max_header_bytes, settings.header_timeout_s, settings.body_timeout_s,
-                   settings.max_connections)
+                   settings.max_connections, max_connections_per_client=settings.max_connections_per_client)
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -124,6 +128,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, f"The server has too many open connections ({self.limits.max_connections}). "
                               "Retry later.", retry_after=True)
+            return
+        if self.limits.max_connections_per_client and not _PerClient.admit(self, transport):
+            self._refuse(503, "Too many open connections from your address "
+                              f"({self.limits.max_connections_per_client}). Retry later.", retry_after=True)
             return
         self._head_clock = True
         self._arm(self.limits.header_timeout_s)
@@ -264,6 +272,29 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write_eof()
         self._lingering = True
         self.loop.call_later(_LINGER_S, self.transport.close)
+
+
+class _PerClient:
+    """Live transports of one server by client address (closed ones are dropped as met)."""
+
+    _servers: ClassVar[weakref.WeakKeyDictionary[Any, dict[str, list[Any]]]] = weakref.WeakKeyDictionary()
+    _PRUNE_EVERY = 1024
+
+    @classmethod
+    def admit(cls, protocol: LimitedHttpToolsProtocol, transport: Any) -> bool:
+        peer = transport.get_extra_info("peername")
+        if not peer:
+            return True
+        table = cls._servers.setdefault(protocol.server_state, {})
+        if len(table) >= cls._PRUNE_EVERY:
+            for host in [h for h, ts in table.items() if all(t.is_closing() for t in ts)]:
+                del table[host]
+        live = [t for t in table.get(peer[0], ()) if not t.is_closing()]
+        if len(live) >= protocol.limits.max_connections_per_client:
+            table[peer[0]] = live
+            return False
+        table[peer[0]] = [*live, transport]
+        return True
 
 
 class _Sweeper:

@@ -117,6 +117,9 @@ class ListenerSettings(FileSettings):
     body_timeout_s: float = Field(60.0, gt=0)
     # Open connections beyond this are answered 503 with Retry-After and closed at once.
     max_connections: int = Field(4096, ge=1)
+    # The same, per client address (0: no such limit). Leave it off behind a load balancer
+    # or proxy, whose few addresses carry every client's connections.
+    max_connections_per_client: int = Field(0, ge=0)
 
 
 class ControlPlaneSettings(ListenerSettings):

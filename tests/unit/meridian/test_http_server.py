@@ -30,10 +30,10 @@ def echo_app() -> FastAPI:
 
 
 @contextlib.asynccontextmanager
-async def serving(error_body=openai_error_body) -> AsyncIterator[int]:  # type: ignore[no-untyped-def]
+async def serving(error_body=openai_error_body, limits: ListenerSettings = LIMITS) -> AsyncIterator[int]:  # type: ignore[no-untyped-def]
     app = echo_app()
     servers = ServerGroup()
-    config = limited_config(app, LIMITS, error_body, log_level="warning", timeout_keep_alive=5,
+    config = limited_config(app, limits, error_body, log_level="warning", timeout_keep_alive=5,
                             timeout_graceful_shutdown=2)
     try:
         url = await servers.start(app, config=config)
@@ -95,6 +95,22 @@ async def test_connections_past_the_cap_are_refused_with_retry_after() -> None:
         assert answer.startswith(b"HTTP/1.1 503 ") and b"retry-after: 1\r\n" in answer
         for _, w in held:
             w.close()
+
+
+async def test_connections_past_a_clients_cap_are_refused_and_freed_when_it_closes_one() -> None:
+    limits = LIMITS.model_copy(update={"max_connections": 50, "max_connections_per_client": 2})
+    async with serving(limits=limits) as port:
+        held = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        answer = await exchange(port, post(b"{}"))
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"your address" in answer
+        held[0][1].close()
+        for _ in range(100):  # until the server has seen it close
+            answer = await exchange(port, post(b"{}"))
+            if answer.startswith(b"HTTP/1.1 200 "):
+                break
+            await asyncio.sleep(0.02)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        held[1][1].close()
 
 
 @pytest.mark.parametrize("limit", [1023, 0])
