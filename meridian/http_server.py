@@ -39,13 +39,15 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
-from meridian.http2 import AlpnConfig, H2Handoff, speaks_h2
 from meridian.settings import ListenerSettings
+
+if TYPE_CHECKING:
+    from meridian.http2 import H2Handoff
 
 # scope["extensions"][DISCONNECT_EXTENSION](callback): call `callback()` if the client goes
 # away before this request's answer is complete.
@@ -168,7 +170,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         if self._sniffing:
             self._sniffed += data
-            h2 = speaks_h2(self._sniffed)
+            h2 = _speaks_h2(self._sniffed)
             if h2 is None:
                 return  # part of the preface: wait for the rest
             if h2:
@@ -274,6 +276,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.loop.call_later(_LINGER_S, self.transport.close)
 
 
+def _speaks_h2(first: bytes) -> bool | None:
+    from meridian.http2 import speaks_h2  # loaded once the listener serves HTTP/2
+
+    return speaks_h2(first)
+
+
 class _PerClient:
     """Live transports of one server by client address (closed ones are dropped as met)."""
 
@@ -349,6 +357,9 @@ def limited_config(app: Any, settings: ListenerSettings, error_body: ErrorBody =
     limits = ListenerLimits.of(settings)
     if http2_max_streams is None:
         return Config(app, http=limited_protocol(limits, error_body), **kwargs)
+    # Imported here: only listeners that serve HTTP/2 (the router's public one) load hypercorn.
+    from meridian.http2 import AlpnConfig, H2Handoff
+
     h2 = H2Handoff(app, max_streams=http2_max_streams, max_header_bytes=limits.max_header_bytes,
                    keep_alive_s=kwargs.get("timeout_keep_alive", 5))
     return AlpnConfig(app, http=limited_protocol(limits, error_body, h2), **kwargs)
