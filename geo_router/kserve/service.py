@@ -196,23 +196,43 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     await out.put(_streamed(response(g, "".join(text), finish_reason=finish, usage=usage,
                                                      final=True)))
                     return
-                pending: Piece | None = None
-                async for piece in self._pieces(g, context, departure):
-                    if pending is not None:
-                        await out.put(_streamed(response(g, pending.text, finish_reason=pending.finish_reason,
-                                                         final=False)))
-                    pending = piece
-                last = pending or Piece("")
-                await out.put(_streamed(response(g, last.text, finish_reason=last.finish_reason, usage=last.usage,
-                                                 final=not g.empty_final)))
-                if g.empty_final:
-                    await out.put(_streamed(empty_final(g)))
+                await self._stream_pieces(g, context, departure, out)
         except CallFailed as failed:
             await out.put(pb.ModelStreamInferResponse(
                 error_message=stream_error(failed.status, failed.error, failed.headers),
                 infer_response=pb.ModelInferResponse(model_name=g.model, id=g.request_id)))
         except TimeoutError:
             await out.put(pb.ModelStreamInferResponse(error_message="DEADLINE_EXCEEDED: the call's deadline passed"))
+
+    async def _stream_pieces(self, g: Generation, context: Any, departure: Departure,
+                             out: asyncio.Queue[pb.ModelStreamInferResponse | None]) -> None:
+        """A streamed request's responses: each piece as soon as it comes (never held for the
+        next one), the one that finishes the answer marked final (Triton's
+        `triton_final_response`), or an empty final response when the client asked for one
+        or the answer ended without saying so. When token counts were asked for, the
+        finishing piece waits for the usage that follows it."""
+        counts = bool({"num_input_tokens", "num_output_tokens"} & g.extras)
+        held: Piece | None = None
+        final_sent = False
+        async for piece in self._pieces(g, context, departure):
+            if held is not None:
+                held = Piece(held.text + piece.text, held.finish_reason, piece.usage or held.usage)
+                continue
+            if piece.finish_reason is not None and counts and piece.usage is None:
+                held = piece
+                continue
+            final = piece.finish_reason is not None and not g.empty_final
+            if piece.text or piece.finish_reason is not None:
+                await out.put(_streamed(response(g, piece.text, finish_reason=piece.finish_reason,
+                                                 usage=piece.usage, final=final)))
+                final_sent = final_sent or final
+        if held is not None:
+            final = not g.empty_final
+            await out.put(_streamed(response(g, held.text, finish_reason=held.finish_reason, usage=held.usage,
+                                             final=final)))
+            final_sent = final_sent or final
+        if not final_sent:
+            await out.put(_streamed(empty_final(g)))
 
     async def _pieces(self, g: Generation, context: Any, departure: Departure) -> AsyncIterator[Piece]:
         """The generated text of `g`, piece by piece, from the pipeline (CallFailed on an error)."""
@@ -264,7 +284,9 @@ def _piece(event: dict[str, Any], head: Head) -> Piece:
         raise CallFailed(_status_of(event["error"]), event["error"], head.headers)
     choices = event.get("choices") or []
     choice = choices[0] if choices else {}
-    return Piece(str(choice.get("text") or ""), choice.get("finish_reason"), event.get("usage"))
+    # A completion chunk's text (a chat-shaped chunk's content, from a node that answers so).
+    text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return Piece(str(text), choice.get("finish_reason"), event.get("usage"))
 
 
 def _events(data: bytes) -> list[dict[str, Any]]:

@@ -4,6 +4,7 @@ rate limit with its retry delay), residency from the key, health and reflection.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import ssl
 from collections.abc import AsyncIterator
@@ -212,3 +213,22 @@ async def test_the_calls_deadline_bounds_the_work(rig: GrpcRig) -> None:
             await stub.ModelInfer(request, metadata=(("authorization", f"Bearer {GLOBAL_KEY}"),), timeout=0.5)
     assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert rig.behaviours["us"].hits == 1  # it reached the node, and was not retried elsewhere
+
+
+async def test_a_streamed_piece_is_sent_as_soon_as_it_comes(rig: GrpcRig) -> None:
+    """Never held back for the next one (to mark the last final): a client's first text
+    arrives with the node's first event, however long the node takes for the second."""
+    behaviour = rig.behaviours["us"]
+    behaviour.mode = "slow"  # one event, then nothing until released
+
+    async def requests() -> AsyncIterator[dict]:
+        yield {"model_name": MODEL, "inputs": _inputs(stream=True), "request_id": "r"}
+
+    async with rig.client() as client:
+        answers = client.stream_infer(requests(), headers=_bearer(GLOBAL_KEY))
+        first, error = await asyncio.wait_for(answers.__anext__(), 10)
+        assert error is None and first.as_numpy("text_output")[0] == b"us0 "
+        assert not first.get_response().parameters["triton_final_response"].bool_param
+        behaviour.release.set()
+        rest = [r async for r, e in answers if e is None]
+    assert rest[-1].get_response().parameters["triton_final_response"].bool_param
