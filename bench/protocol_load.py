@@ -143,9 +143,9 @@ class KServeClient:
         """One streamed request on a ModelStreamInfer stream of its own: seconds to the first
         response with text, seconds to the final response, and the whole text."""
         t0 = time.perf_counter()
-        call = self._stub.ModelStreamInfer(iter([request]), metadata=self.metadata, timeout=timeout_s)
-        first, text = 0.0, []
-        async for item in call:
+        first, last, text = 0.0, 0.0, []
+        # The request stream ends after this one request, so the call ends after its answer.
+        async for item in self._stub.ModelStreamInfer(iter([request]), metadata=self.metadata, timeout=timeout_s):
             if item.error_message:
                 raise RuntimeError(f"ModelStreamInfer: {item.error_message}")
             piece = text_output(item.infer_response)
@@ -153,9 +153,10 @@ class KServeClient:
                 first = time.perf_counter() - t0
             text.append(piece)
             if item.infer_response.parameters["triton_final_response"].bool_param:
-                break
-        call.cancel()
-        return first, time.perf_counter() - t0, "".join(text)
+                last = time.perf_counter() - t0
+        if not last:
+            raise RuntimeError("ModelStreamInfer ended without a final response")
+        return first, last, "".join(text)
 
     async def close(self) -> None:
         await self._channel.close()
