@@ -1,7 +1,7 @@
 """The router's three protocols: its added latency on each at a fixed open-loop rate, and the
 time to first token of a streamed request over SSE, WebSocket and gRPC, one run.
 
-    python -m bench.protocols [--rate 500] [--seconds 3] [--rounds 3] [--requests 30]
+    python -m bench.protocols [--rate 500] [--seconds 3] [--rounds 3] [--requests 50]
                               [--max-tokens 16] [--no-ws-deflate] [--only added|ttft]
 
 The geo router serves the OpenAI API over HTTP/1.1 + SSE, the Responses API's WebSocket mode
@@ -65,7 +65,7 @@ import httpx
 import uvloop
 
 from bench.common import Figure, median, percentile
-from bench.http_load import DRAIN_S, LatencyRun, Target, _group_cpu_s, open_loop, wait_idle
+from bench.http_load import DRAIN_S, MAX_IN_FLIGHT, LatencyRun, Target, _group_cpu_s, open_loop, wait_idle
 from bench.nginx import NginxServer, nginx_available
 from bench.protocol_load import (
     CallErrors,
@@ -159,18 +159,33 @@ class Settings:
     seconds: float = 3.0
     warmup_s: float = 0.5
     rounds: int = 3
-    requests: int = 30  # TTFT: measured requests per protocol
+    # Another open-loop rate for one protocol (None: `rate`), for when `rate` saturates the router.
+    grpc_rate: float | None = None
+    ws_rate: float | None = None
+    requests: int = 50  # TTFT: measured requests per protocol
     max_tokens: int = 16  # TTFT
     ws_deflate: bool = True
     parts: tuple[str, ...] = ("added", "ttft")
+
+    def rate_of(self, protocol: str) -> float:
+        own = {"grpc": self.grpc_rate, "ws": self.ws_rate}.get(protocol)
+        return own if own is not None else self.rate
+
+
+PROTOCOLS = ("http", "grpc", "ws")
+# gRPC calls in flight at most: under the router's 100 streams per HTTP/2 connection
+# (grpc_max_streams_per_connection), which it refuses beyond (RST_STREAM REFUSED_STREAM),
+# and under which its own count of streams still closing stays when it is saturated.
+GRPC_IN_FLIGHT = 64
 
 
 @dataclass
 class PathFigures:
     p50_ms: list[float] = field(default_factory=list)
     p99_ms: list[float] = field(default_factory=list)
-    router_cpu_us: list[float] = field(default_factory=list)  # the router's CPU per request
+    router_busy: list[float] = field(default_factory=list)  # the router's CPU over the phase, in cores
     client_cpu_us: list[float] = field(default_factory=list)  # this process's CPU per request
+    router_cpu_us: list[float] = field(default_factory=list)  # the router's CPU per request
     errors: int = 0
     unanswered: int = 0
     sent: int = 0
@@ -178,30 +193,36 @@ class PathFigures:
 
 @dataclass(frozen=True)
 class PathUnderTest:
-    """One path under test: how to run an open-loop phase on it, and the router's process
-    group (None: straight to the node)."""
+    """One path under test: its protocol, how to run an open-loop phase on it (rate, seconds,
+    warm-up), and the router's process group (None: straight to the node)."""
 
     name: str
+    protocol: str
     phase: Callable[[float, float, float], Awaitable[LatencyRun]]
     pgid: int | None
 
 
 async def _phase(path: PathUnderTest, s: Settings, figs: PathFigures, r: int) -> None:
-    cpu0, router0 = time.process_time(), _group_cpu_s(path.pgid) if path.pgid else 0.0
-    run = await path.phase(s.rate, s.seconds, s.warmup_s)
-    total = run.sent + int(s.rate * s.warmup_s)
+    rate = s.rate_of(path.protocol)
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    router0 = _group_cpu_s(path.pgid) if path.pgid else 0.0
+    run = await path.phase(rate, s.seconds, s.warmup_s)
+    total = run.sent + int(rate * s.warmup_s)
     figs.client_cpu_us.append((time.process_time() - cpu0) / total * 1e6)
     if path.pgid:
-        figs.router_cpu_us.append((_group_cpu_s(path.pgid) - router0) / total * 1e6)
+        router_s = _group_cpu_s(path.pgid) - router0
+        figs.router_cpu_us.append(router_s / total * 1e6)
+        figs.router_busy.append(router_s / (time.perf_counter() - wall0))
     figs.errors, figs.unanswered, figs.sent = figs.errors + run.errors, figs.unanswered + run.unanswered, \
         figs.sent + run.sent
     if run.latencies_ms:
         figs.p50_ms.append(percentile(run.latencies_ms, 0.50))
         figs.p99_ms.append(percentile(run.latencies_ms, 0.99))
-    router_cpu = f"  router CPU {figs.router_cpu_us[-1]:6.0f} us/req" if path.pgid else ""
-    print(f"# round {r + 1} {path.name:13s} p50 {figs.p50_ms[-1] if figs.p50_ms else float('nan'):8.3f} ms"
-          f"  p99 {figs.p99_ms[-1] if figs.p99_ms else float('nan'):8.3f} ms{router_cpu}"
-          f"  client CPU {figs.client_cpu_us[-1]:5.0f} us/req  errors {run.errors}"
+    router = (f"  router CPU {figs.router_cpu_us[-1]:5.0f} us/req ({figs.router_busy[-1]:4.0%} of a core)"
+              if path.pgid else "")
+    print(f"# round {r + 1} {path.name:11s} {rate:5g} req/s  p50 {figs.p50_ms[-1] if figs.p50_ms else float('nan'):8.3f}"
+          f" ms  p99 {figs.p99_ms[-1] if figs.p99_ms else float('nan'):8.3f} ms{router}"
+          f"  client CPU {figs.client_cpu_us[-1]:4.0f} us/req  errors {run.errors}"
           f"  unanswered after {DRAIN_S:g} s {run.unanswered}", file=sys.stderr, flush=True)
     await wait_idle(Target(path.name, 0, b"", path.pgid))
 
@@ -217,18 +238,21 @@ async def _added(node_port: int, router_port: int, grpc_port: int, pgid: int, s:
         if await grpc.infer(infer) != " ok":
             raise RuntimeError("ModelInfer answered another text")
 
-    def http(name: str, target: Target) -> PathUnderTest:
-        return PathUnderTest(name, lambda rate, sec, warm: open_loop(target, rate, sec, warm), target.pgid)
+    def http(name: str, protocol: str, target: Target) -> PathUnderTest:
+        return PathUnderTest(name, protocol, lambda rate, sec, warm: open_loop(target, rate, sec, warm), target.pgid)
 
-    def calls(name: str, call: Callable[[], Awaitable[None]]) -> PathUnderTest:
-        return PathUnderTest(name, lambda rate, sec, warm: open_loop_calls(call, rate, sec, warm, errors=errors[name]), pgid)
+    def calls(name: str, call: Callable[[], Awaitable[None]], in_flight: int) -> PathUnderTest:
+        return PathUnderTest(name, name, lambda rate, sec, warm: open_loop_calls(
+            call, rate, sec, warm, max_in_flight=in_flight, errors=errors[name]), pgid)
 
+    # Each protocol's baseline at that protocol's rate: the node's request, straight to it.
     paths = [
-        http("direct", http_target("direct", node_port, COMPLETIONS, COMPLETION_BODY, "none")),
-        http("http", http_target("http", router_port, COMPLETIONS, COMPLETION_BODY, TENANT_KEY, pgid)),
-        calls("grpc", grpc_call),
-        http("direct stream", http_target("direct stream", node_port, CHAT, STREAM_CHAT_BODY, "none")),
-        calls("ws", lambda: sockets.turn(turn)),
+        http("http direct", "http", http_target("http direct", node_port, COMPLETIONS, COMPLETION_BODY, "none")),
+        http("http", "http", http_target("http", router_port, COMPLETIONS, COMPLETION_BODY, TENANT_KEY, pgid)),
+        http("grpc direct", "grpc", http_target("grpc direct", node_port, COMPLETIONS, COMPLETION_BODY, "none")),
+        calls("grpc", grpc_call, GRPC_IN_FLIGHT),
+        http("ws direct", "ws", http_target("ws direct", node_port, CHAT, STREAM_CHAT_BODY, "none")),
+        calls("ws", lambda: sockets.turn(turn), MAX_IN_FLIGHT),
     ]
     out = {p.name: PathFigures() for p in paths}
     try:
@@ -284,24 +308,30 @@ def run_added(s: Settings) -> list[Figure]:
 
 def _added_figures(figs: dict[str, PathFigures], s: Settings) -> list[Figure]:
     out: list[Figure] = []
-    for name, base_name, what in (("http", "direct", "non-streamed POST /v1/completions"),
-                                  ("grpc", "direct", "non-streamed POST /v1/completions"),
-                                  ("ws", "direct stream", "streamed POST /v1/chat/completions")):
-        f, base = figs[name], figs[base_name]
+    failed = []
+    for name, what in (("http", "non-streamed POST /v1/completions"), ("grpc", "non-streamed POST /v1/completions"),
+                       ("ws", "streamed POST /v1/chat/completions")):
+        f, base, rate = figs[name], figs[f"{name} direct"], s.rate_of(name)
         if f.errors or not f.p50_ms:
-            raise AssertionError(f"{name}: {f.errors} of {f.sent} requests failed through the router")
+            failed.append(f"{name}: {f.errors} of {f.sent} requests failed through the router")
+            continue
         added = [a - b for a, b in zip(f.p50_ms, base.p50_ms, strict=True)]
         added99 = [a - b for a, b in zip(f.p99_ms, base.p99_ms, strict=True)]
-        print(f"# {name:5s} added p50 {median(added):7.3f} ms  p99 {median(added99):7.3f} ms  "
-              f"router CPU {median(f.router_cpu_us):5.0f} us/req  client CPU {median(f.client_cpu_us):4.0f} us/req"
-              f" (baseline's {median(base.client_cpu_us):4.0f})  unanswered {f.unanswered}/{f.sent}",
-              file=sys.stderr, flush=True)
-        bound = (f" (a lower bound: {f.unanswered} of {f.sent} unanswered {DRAIN_S:g} s after the last request)"
-                 if f.unanswered else "")
-        base_name = f"the node direct over HTTP: {what}, at {s.rate:g} req/s"
+        busy = median(f.router_busy)
+        print(f"# {name:5s} {rate:g} req/s  added p50 {median(added):7.3f} ms  p99 {median(added99):7.3f} ms  "
+              f"router CPU {median(f.router_cpu_us):5.0f} us/req ({busy:.0%} of a core)  client CPU "
+              f"{median(f.client_cpu_us):4.0f} us/req (its baseline's {median(base.client_cpu_us):4.0f})"
+              f"  unanswered {f.unanswered}/{f.sent}", file=sys.stderr, flush=True)
+        load = f"at {rate:g} req/s, the router {busy:.0%} busy (one core)"
+        if f.unanswered:
+            load += (f", saturated: a lower bound ({f.unanswered} of {f.sent} unanswered {DRAIN_S:g} s after"
+                     " the last request)")
         for q, ours, theirs in (("p50", f.p50_ms, base.p50_ms), ("p99", f.p99_ms, base.p99_ms)):
-            out.append(Figure(BENCH, f"{name}_{q}_ms", median(ours), median(theirs), base_name,
-                              f"added (ours - baseline) reported{bound}", "ms"))
+            out.append(Figure(BENCH, f"{name}_{q}_ms", median(ours), median(theirs),
+                              f"the node direct over HTTP: {what}, at {rate:g} req/s",
+                              f"added (ours - baseline) reported; {load}", "ms"))
+    if failed:
+        raise AssertionError("; ".join(failed))
     return out
 
 
@@ -397,12 +427,15 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=500.0, help="open-loop request rate (req/s), every protocol")
     ap.add_argument("--seconds", type=float, default=3.0, help="measured seconds per path and round")
     ap.add_argument("--rounds", type=int, default=3, help="latency rounds (each path once per round)")
-    ap.add_argument("--requests", type=int, default=30, help="TTFT: measured streamed requests per protocol")
+    ap.add_argument("--grpc-rate", type=float, help="gRPC's own open-loop rate (default: --rate)")
+    ap.add_argument("--ws-rate", type=float, help="the WebSocket's own open-loop rate (default: --rate)")
+    ap.add_argument("--requests", type=int, default=50, help="TTFT: measured streamed requests per protocol")
     ap.add_argument("--max-tokens", type=int, default=16, help="TTFT: tokens a stream asks for")
     ap.add_argument("--no-ws-deflate", action="store_true", help="WebSocket client without permessage-deflate")
     ap.add_argument("--only", choices=("added", "ttft"), help="one part only")
     args = ap.parse_args()
-    s = Settings(rate=args.rate, seconds=args.seconds, rounds=args.rounds, requests=args.requests,
+    s = Settings(rate=args.rate, seconds=args.seconds, rounds=args.rounds, grpc_rate=args.grpc_rate,
+                 ws_rate=args.ws_rate, requests=args.requests,
                  max_tokens=args.max_tokens, ws_deflate=not args.no_ws_deflate,
                  parts=(args.only,) if args.only else ("added", "ttft"))
     for fig in run(s):
