@@ -177,6 +177,9 @@ PROTOCOLS = ("http", "grpc", "ws")
 # (grpc_max_streams_per_connection), which it refuses beyond (RST_STREAM REFUSED_STREAM),
 # and under which its own count of streams still closing stays when it is saturated.
 GRPC_IN_FLIGHT = 64
+# The router (one process, one event loop) is saturated from this share of a core on: its
+# latency is then its queue's, growing with the run's length.
+SATURATED = 0.9
 
 
 @dataclass
@@ -326,6 +329,8 @@ def _added_figures(figs: dict[str, PathFigures], s: Settings) -> list[Figure]:
         if f.unanswered:
             load += (f", saturated: a lower bound ({f.unanswered} of {f.sent} unanswered {DRAIN_S:g} s after"
                      " the last request)")
+        elif busy >= SATURATED:
+            load += ", saturated: its queue, not its cost (lower the rate: --grpc-rate, --ws-rate)"
         for q, ours, theirs in (("p50", f.p50_ms, base.p50_ms), ("p99", f.p99_ms, base.p99_ms)):
             out.append(Figure(BENCH, f"{name}_{q}_ms", median(ours), median(theirs),
                               f"the node direct over HTTP: {what}, at {rate:g} req/s",
