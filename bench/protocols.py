@@ -17,8 +17,8 @@ on) in front of nginx answering from memory (bench/router.py says why nginx), op
 or not earlier requests were answered, each timed from when it was due (bench/http_load.py,
 and bench/protocol_load.py for gRPC and WebSocket). Per protocol, through the router:
   http  a non-streamed POST /v1/completions (raw keep-alive HTTP/1.1 connections);
-  grpc  ModelInfer (unary, one HTTP/2 channel, raw grpc.aio with our stubs); the router
-        makes it a non-streamed POST /v1/completions to the node;
+  grpc  ModelInfer (unary, one HTTP/2 channel, at most 64 calls in flight, raw grpc.aio with
+        our stubs); the router makes it a non-streamed POST /v1/completions to the node;
   ws    one `response.create` turn (store false, on an already-open connection, one turn at
         a time per connection, up to 128 connections; permessage-deflate as OpenAI's client
         offers it unless --no-ws-deflate) until `response.completed`; the router serves it as
@@ -30,6 +30,11 @@ node's cost): a non-streamed POST /v1/completions for http and grpc, the streame
 so added = ours - baseline; figures are medians over `--rounds` rounds, the paths taking
 turns in an order that rotates each round, the router idle again between phases. Raw
 figures, the router's CPU per request and the load generator's go to stderr as `#` lines.
+The router is one process on one event loop: a protocol whose CPU per request times the rate
+exceeds what it gets of a core saturates it, and its latency is then its queue's. So each
+figure's goal says how busy the router was (and "saturated" from 90% of a core), and
+`--grpc-rate` / `--ws-rate` measure a protocol at a rate of its own (on a 2 vCPU box 500 req/s
+saturates it with WebSocket turns and nearly with gRPC calls: BENCHMARKS.md).
 
 TTFT (figures `ttft_ws_ms`, `ttft_grpc_ms`): a local fabric (localfabric) with one torch
 node serving the tiny generated checkpoint, its router with the gRPC listener on. Streamed
