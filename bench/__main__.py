@@ -6,6 +6,7 @@ from bench import (
     failover,
     migration,
     placement,
+    protocols,
     router,
     router_overhead,
     routing,
@@ -21,6 +22,8 @@ def main() -> None:
     for fig in router.run():
         print(fig.json_line(), flush=True)
     for fig in stream_relay.run(seconds=2.0, rounds=2):
+        print(fig.json_line(), flush=True)
+    for fig in protocols.run(protocols.Settings(seconds=2.0, rounds=2, requests=20)):
         print(fig.json_line(), flush=True)
     for fig in routing.run():
         print(fig.json_line(), flush=True)
