@@ -54,7 +54,10 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
         curl = (f"curl -sS -D - {info.router_url}/v1/chat/completions "
                 f"-H 'authorization: Bearer {key}' -H 'content-type: application/json' -d {shlex.quote(body)}")
         console.print(Panel.fit(
-            f"[bold]endpoint[/bold]  {info.router_url}/v1  (OpenAI-compatible)\n"
+            f"[bold]endpoint[/bold]  {info.router_url}/v1  (OpenAI-compatible; HTTP/1.1, HTTP/2, "
+            f"Responses WebSocket)\n"
+            f"[bold]gRPC[/bold]      {info.grpc_targets[0] if info.grpc_targets else 'off'}  "
+            f"(KServe v2 / Triton clients)\n"
             f"[bold]model[/bold]     {escape(model.name)}  [dim]({escape(model.source)})[/dim]\n"
             f"[bold]keys[/bold]      global, eu, us, apac in {work_dir / 'fabric.json'} (mode 0600)\n"
             f"[bold]admin[/bold]     control plane {info.control_plane_url}\n"
