@@ -26,7 +26,7 @@ import httpx
 from chaos.admin_api import AdminApi, TenantKey
 from chaos.deployed_environment import DeployedEnvironment
 from chaos.deployment import CommandAction, Deployment, JournalSource, template_fields
-from chaos.drill import Drill
+from chaos.drill import Drill, Load
 from chaos.environment import InjectionError
 from chaos.faults.deployed import create_deployed_injector, run_command
 from chaos.faults.injector import NotRunnable
@@ -95,14 +95,15 @@ class _DeployedRun:
             # One at a time, so that every key made is revoked even when a later one fails.
             for tenant in self.drill.load.tenants:
                 keys[tenant.name] = await admin.create_tenant_key(tenant, name=f"chaos-{self.run_id}")
-            target = LoadTarget(tuple(dep.routers), {t: k.secret for t, k in keys.items()}, dep.model)
+            target = LoadTarget(tuple(dep.routers), {t: k.secret for t, k in keys.items()}, dep.model,
+                                tuple(dep.grpc_routers))
+            load = self._load(state)
             await warm_up(target, on_step=self._step)
             region_zones = await admin.region_zones()
             action = dep.actions[self.drill.fault.kind]
             self._step(f"running {self.drill.name} against {dep.name} (run {self.run_id})")
             with HistoryWriter(client_log) as writer:
-                generator = LoadGenerator(self.drill.load, target, writer, seed=self.options.seed,
-                                          key_prefix=self.run_id)
+                generator = LoadGenerator(load, target, writer, seed=self.options.seed, key_prefix=self.run_id)
                 await drive(self.drill, generator, env, state,
                             lambda f: create_deployed_injector(f, action, env),
                             injection_errors=(InjectionError, OSError), on_tick=self.options.on_tick)
@@ -116,6 +117,16 @@ class _DeployedRun:
             await self._revoke(admin, [k.key_id for k in keys.values()], state)
         return finish(self.drill, short=self.options.short, started_at=started_at, history=history,
                       region_zones=region_zones, env=env, state=state, invariants=invariants, out_dir=out)
+
+    def _load(self, state: FaultState) -> Load:
+        """The drill's load, less a gRPC share the deployment names no listener for."""
+        load, dep = self.drill.load, self.deployment
+        if "grpc" not in load.protocols or len(dep.grpc_routers) == len(dep.routers):
+            return load
+        rest = {p: w for p, w in load.protocols.items() if p != "grpc"} or {"http": 1.0}
+        state.not_checked.append(f"gRPC clients: {dep.name} names no gRPC listener for each router (grpc_routers), "
+                                 "so that share of the load went over " + " and ".join(sorted(rest)))
+        return load.model_copy(update={"protocols": rest})
 
     async def _revoke(self, admin: AdminApi, key_ids: list[str], state: FaultState) -> None:
         try:

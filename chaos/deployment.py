@@ -140,6 +140,9 @@ class Deployment(_Spec):
     name: str = Field(pattern=_NAME)
     control_plane: str
     routers: list[str] = Field(min_length=1)
+    # Each router's gRPC listener (host:port, KServe v2), in `routers`' order; without them a
+    # drill's gRPC share of the load goes over the other protocols (the report says so).
+    grpc_routers: list[str] = Field(default_factory=list)
     model: str = Field(min_length=1)
     admin_key_env: str = Field("MERIDIAN_CHAOS_ADMIN_KEY", pattern=r"^[A-Z_][A-Z0-9_]*$")
     # The routers' metrics token (or the cluster token): their /metrics answers no one else.

@@ -167,6 +167,8 @@ def test_node_crash_by_terminating_its_instance_through_the_aws_api(
     path = tmp_path / "standin.yaml"
     path.write_text(yaml.safe_dump({
         "name": "standin", "control_plane": info.control_plane_url, "routers": info.router_urls,
+        # The drill's gRPC clients reach the routers' KServe listeners too.
+        "grpc_routers": info.grpc_targets,
         "model": DEMO_MODEL, "admin_key_env": "STANDIN_ADMIN_KEY",
         "journals": [{"name": "fabric", "path": f"{journals}/*.jsonl"}],
         "actions": {"process_crash": {"type": "terminate_instance", "replacement_timeout_s": 60}},

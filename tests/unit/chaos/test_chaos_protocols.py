@@ -33,9 +33,12 @@ from router_harness import (
 )
 
 from chaos.arrivals import make_schedule
-from chaos.drill import Load
+from chaos.deployed import DeployedRunOptions, _DeployedRun
+from chaos.deployment import Deployment
+from chaos.drill import Load, load_drills
 from chaos.history import ClientOp, HistoryWriter, Outcome, read_records
 from chaos.load import LoadGenerator, LoadTarget
+from chaos.schedule import FaultState
 from geo_router import create_app
 from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
@@ -120,3 +123,18 @@ async def test_refusals_are_definite_failures_with_their_code_on_every_protocol(
         assert op.retry_after is retry_after, protocols[op.key]
         assert not op.stream_error_event
     assert rig.behaviours["us"].hits == 0
+
+
+def test_a_deployment_without_grpc_listeners_sends_that_share_over_the_others_and_says_so(tmp_path: Path) -> None:
+    drill = next(d for d in load_drills() if d.name == "node-crash")
+    assert "grpc" in drill.load.protocols
+    base = {"name": "prod", "control_plane": "https://cp.example", "routers": ["https://r1.example"],
+            "model": "m", "journals": [{"name": "nodes", "path": "/var/log/*.jsonl"}]}
+    state = FaultState()
+    load = _DeployedRun(drill, Deployment.model_validate(base), DeployedRunOptions(tmp_path))._load(state)
+    assert set(load.protocols) == {"http", "websocket"}
+    assert any("gRPC" in note for note in state.not_checked)
+    with_grpc = Deployment.model_validate({**base, "grpc_routers": ["r1.example:9000"]})
+    fresh = FaultState()
+    assert _DeployedRun(drill, with_grpc, DeployedRunOptions(tmp_path))._load(fresh).protocols == drill.load.protocols
+    assert not fresh.not_checked
