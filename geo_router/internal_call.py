@@ -24,6 +24,9 @@ from starlette.types import Message
 
 from meridian.http_server import DISCONNECT_EXTENSION
 
+from .migration.events import split_events
+from .sse import SSEFramer
+
 Route = Callable[[Request], Awaitable[Response]]
 # Headers of the outer protocol that mean nothing to the HTTP request made from it.
 _HOP = frozenset({b"content-length", b"content-type", b"upgrade", b"connection", b"te", b"sec-websocket-key",
@@ -114,3 +117,32 @@ async def answer(response: Response, request: Request) -> AsyncIterator[Head | b
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+
+async def answer_events(response: Response, request: Request) -> AsyncIterator[Head | dict[str, Any] | bytes]:
+    """`answer` as its consumers read it: the Head, then a streamed answer's events (each
+    whole SSE event's JSON; `[DONE]` and anything not JSON left out) or any other answer's
+    whole body. Run it under contextlib.aclosing: leaving early must end the answer."""
+    head, body = Head(500, {}), b""
+    framer = SSEFramer(True)
+    parts = answer(response, request)
+    try:
+        async for part in parts:
+            if isinstance(part, Head):
+                head = part
+                yield head
+            elif not head.streamed:
+                body += part
+            else:
+                for _, event in split_events(framer.feed(part)):
+                    if event is not None:
+                        yield event
+    finally:
+        await parts.aclose()
+    if not head.streamed:
+        yield body
+        return
+    for _, event in split_events(framer.flush()):
+        if event is not None:
+            yield event
+

@@ -37,8 +37,7 @@ from meridian.contracts import TenantEntry
 
 from ..auth import authenticate
 from ..errors import ModelNotFound, RouterError, RoutingTableUnavailable, error_response
-from ..internal_call import Departure, Head, Route, answer, http_request
-from ..sse import SSEFramer
+from ..internal_call import Departure, Head, Route, answer_events, http_request
 from ..table import LoadedTable
 from . import kserve_v2_pb2 as pb
 from . import kserve_v2_pb2_grpc as pb_grpc
@@ -242,22 +241,15 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         except RouterError as exc:
             answered = error_response(exc)
         head, body = Head(500, {}), b""
-        framer = SSEFramer(True)
-        parts = answer(answered, request)
-        try:
+        async with contextlib.aclosing(answer_events(answered, request)) as parts:
             async for part in parts:
                 if isinstance(part, Head):
                     head = part
-                elif not head.streamed:
-                    body += part
+                elif isinstance(part, bytes):
+                    body = part
                 else:
-                    for event in _events(framer.feed(part)):
-                        yield _piece(event, head)
-        finally:
-            await parts.aclose()
+                    yield _piece(part, head)
         if head.streamed:
-            for event in _events(framer.flush()):
-                yield _piece(event, head)
             return
         payload = _json(body)
         if head.status != 200 or not isinstance(payload, dict) or "choices" not in payload:
@@ -287,15 +279,6 @@ def _piece(event: dict[str, Any], head: Head) -> Piece:
     # A completion chunk's text (a chat-shaped chunk's content, from a node that answers so).
     text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
     return Piece(str(text), choice.get("finish_reason"), event.get("usage"))
-
-
-def _events(data: bytes) -> list[dict[str, Any]]:
-    out = []
-    for block in data.replace(b"\r\n", b"\n").split(b"\n\n"):
-        raw = b"\n".join(line[5:].lstrip(b" ") for line in block.split(b"\n") if line.startswith(b"data:"))
-        if raw and raw != b"[DONE]" and isinstance(event := _json(raw), dict):
-            out.append(event)
-    return out
 
 
 def _status_of(error: dict[str, Any]) -> int:

@@ -36,10 +36,9 @@ from meridian.clock import Clock, first_or_timeout
 from meridian.settings import RouterSettings
 
 from ..errors import RequestTooLarge, RouterError, error_response
-from ..internal_call import Departure, Head, Route, answer, http_request
-from ..sse import SSEFramer
+from ..internal_call import Departure, Head, Route, answer_events, http_request
 from .conversation import Conversation, Turn
-from .events import FINAL, answered_error, error_message, sse_messages, warm_up_messages
+from .events import FINAL, answered_error, error_message, socket_message, warm_up_messages
 
 log = logging.getLogger(__name__)
 
@@ -161,28 +160,19 @@ class ResponsesSocket:
 
     async def _relay(self, response: Response, request: Request, turn: Turn) -> dict[str, Any] | None:
         """Write the turn's answer to the socket; the response object of its final event."""
-        head, body, final = Head(500, {}), b"", None
-        framer = SSEFramer(True)
-        parts = answer(response, request)
-        try:
+        head, final = Head(500, {}), None
+        async with contextlib.aclosing(answer_events(response, request)) as parts:
             async for part in parts:
                 if isinstance(part, Head):
                     head = part
-                elif not head.streamed:
-                    body += part
+                elif isinstance(part, bytes):
+                    await self.send_event(answered_error(head.status, part, head.headers, turn.lane))
                 else:
-                    for event in sse_messages(framer.feed(part), turn.lane):
-                        if event.get("type") in FINAL and isinstance(event.get("response"), dict):
-                            final = event["response"]
-                        if not await self.send_event(event):
-                            return None  # the client left: closing `parts` ends the answer
-        finally:
-            await parts.aclose()
-        if head.streamed:
-            for event in sse_messages(framer.flush(), turn.lane):
-                await self.send_event(event)
-        else:
-            await self.send_event(answered_error(head.status, body, head.headers, turn.lane))
+                    event = socket_message(part, turn.lane)
+                    if event.get("type") in FINAL and isinstance(event.get("response"), dict):
+                        final = event["response"]
+                    if not await self.send_event(event):
+                        return None  # the client left: leaving ends the answer
         return final
 
     async def send_event(self, message: dict[str, Any]) -> bool:

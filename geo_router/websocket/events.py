@@ -12,7 +12,6 @@ same shape. Pure: geo_router.websocket.endpoint sends what these return.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 from meridian.errors import OpenAIError
@@ -51,22 +50,12 @@ def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def sse_messages(events: bytes, lane: str | None) -> Iterator[dict[str, Any]]:
-    """The socket messages for a run of whole SSE events (geo_router.sse.SSEFramer's)."""
-    for block in events.replace(b"\r\n", b"\n").split(b"\n\n"):
-        data = b"\n".join(line[5:].lstrip(b" ") for line in block.split(b"\n") if line.startswith(b"data:"))
-        if not data or data == b"[DONE]":
-            continue
-        try:
-            event = json.loads(data)
-        except ValueError:
-            continue  # not an event a client could have parsed either
-        if not isinstance(event, dict):
-            continue
-        if "type" not in event and isinstance(event.get("error"), dict):
-            # The router's own mid-stream error event (geo_router.sse.error_event).
-            event = {"type": "error", "error": event["error"]}
-        yield _laned(event, lane)
+def socket_message(event: dict[str, Any], lane: str | None) -> dict[str, Any]:
+    """The socket message for one event of the streamed HTTP answer (its JSON)."""
+    if "type" not in event and isinstance(event.get("error"), dict):
+        # The router's own mid-stream error event (geo_router.sse.error_event).
+        event = {"type": "error", "error": event["error"]}
+    return _laned(event, lane)
 
 
 def warm_up_messages(response: dict[str, Any], lane: str | None) -> list[dict[str, Any]]:

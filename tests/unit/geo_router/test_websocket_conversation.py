@@ -9,7 +9,7 @@ import pytest
 
 from geo_router.errors import BadRequest, RateLimited
 from geo_router.websocket.conversation import Conversation, PreviousResponseNotFound
-from geo_router.websocket.events import answered_error, error_message, sse_messages, warm_up_messages
+from geo_router.websocket.events import answered_error, error_message, socket_message, warm_up_messages
 
 ANSWER = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
           "content": [{"type": "output_text", "text": "waves", "annotations": []}]}
@@ -91,14 +91,13 @@ def test_a_connection_holds_a_bounded_number_of_lanes() -> None:
     assert conversation.prepare(_create(input="x", stream_id="a")).lane == "a"
 
 
-def test_sse_events_become_messages_with_the_lane() -> None:
-    sse = (b'event: response.created\ndata: {"type":"response.created","sequence_number":0}\n\n'
-           b'data: {"error":{"message":"broke","type":"server_error","code":"upstream_disconnected"}}\n\n'
-           b"data: [DONE]\n\n")
-    messages = list(sse_messages(sse, "lane"))
-    assert messages == [{"type": "response.created", "sequence_number": 0, "stream_id": "lane"},
-                        {"type": "error", "stream_id": "lane",
-                         "error": {"message": "broke", "type": "server_error", "code": "upstream_disconnected"}}]
+def test_streamed_events_become_messages_with_the_lane() -> None:
+    created = {"type": "response.created", "sequence_number": 0}
+    broke = {"error": {"message": "broke", "type": "server_error", "code": "upstream_disconnected"}}
+    assert [socket_message(e, "lane") for e in (created, broke)] == [
+        {"type": "response.created", "sequence_number": 0, "stream_id": "lane"},
+        {"type": "error", "stream_id": "lane",
+         "error": {"message": "broke", "type": "server_error", "code": "upstream_disconnected"}}]
 
 
 def test_errors_carry_status_code_and_retry_after() -> None:
