@@ -43,6 +43,13 @@ class Target:
     pgid: int | None = None
 
 
+def post_target(name: str, port: int, route: str, body: bytes, api_key: str, pgid: int | None = None) -> Target:
+    """A Target that POSTs `body` (JSON) to `route` on loopback `port` with a bearer key."""
+    head = (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {api_key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    return Target(name, port, head.encode() + body, pgid)
+
+
 def _group_cpu_s(pgid: int) -> float:
     """CPU seconds used so far by the processes of a process group."""
     total = 0

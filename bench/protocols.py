@@ -70,7 +70,16 @@ import httpx
 import uvloop
 
 from bench.common import Figure, median, percentile
-from bench.http_load import DRAIN_S, MAX_IN_FLIGHT, LatencyRun, Target, _group_cpu_s, open_loop, wait_idle
+from bench.http_load import (
+    DRAIN_S,
+    MAX_IN_FLIGHT,
+    LatencyRun,
+    Target,
+    _group_cpu_s,
+    open_loop,
+    post_target,
+    wait_idle,
+)
 from bench.nginx import NginxServer, nginx_available
 from bench.protocol_load import (
     CallErrors,
@@ -149,10 +158,7 @@ def protocol_node(work_dir: Path) -> NginxServer:
 
 def http_target(name: str, port: int, route: str, body: dict[str, object], api_key: str,
                 pgid: int | None = None) -> Target:
-    raw = json.dumps(body, separators=(",", ":")).encode()
-    head = (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {api_key}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n")
-    return Target(name, port, head.encode() + raw, pgid)
+    return post_target(name, port, route, json.dumps(body, separators=(",", ":")).encode(), api_key, pgid)
 
 
 # --- added latency ----------------------------------------------------------------------------

@@ -60,7 +60,7 @@ import httpx
 import uvloop
 
 from bench.common import Figure, median, percentile
-from bench.http_load import DRAIN_S, Target, closed_loop, open_loop, wait_idle
+from bench.http_load import DRAIN_S, Target, closed_loop, open_loop, post_target, wait_idle
 from bench.litellm_proxy import LiteLLMProxy, ensure_litellm
 from bench.nginx import NginxServer, nginx_available
 from geo_router.snapshot import write_snapshot
@@ -219,10 +219,7 @@ def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | No
 
 
 def make_target(name: str, url: str, api_key: str, pgid: int | None = None) -> Target:
-    port = int(url.rsplit(":", 1)[1])
-    head = (f"POST {ROUTE} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {api_key}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(REQUEST_BODY)}\r\n\r\n")
-    return Target(name, port, head.encode() + REQUEST_BODY, pgid)
+    return post_target(name, int(url.rsplit(":", 1)[1]), ROUTE, REQUEST_BODY, api_key, pgid)
 
 
 # --- the run --------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from pathlib import Path
 import uvloop
 
 from bench.common import Figure, median
-from bench.http_load import Target, closed_loop, wait_idle
+from bench.http_load import Target, closed_loop, post_target, wait_idle
 from bench.nginx import NginxServer, nginx_available
 from bench.router import IDLE_NODE_METRICS, MODEL, ROUTE, TENANT_KEY, _NginxConf, router_process
 
@@ -74,10 +74,7 @@ def stream_node(work_dir: Path, events: int) -> NginxServer:
 def _target(name: str, url: str, pgid: int) -> Target:
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Go on."}], "stream": True,
                        "max_tokens": 1024}).encode()
-    port = int(url.rsplit(":", 1)[1])
-    head = (f"POST {ROUTE} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {TENANT_KEY}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-    return Target(name, port, head.encode() + body, pgid)
+    return post_target(name, int(url.rsplit(":", 1)[1]), ROUTE, body, TENANT_KEY, pgid)
 
 
 async def _measure(targets: list[Target], seconds: float, rounds: int, concurrency: int) -> dict[str, list[float]]:
