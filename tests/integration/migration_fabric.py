@@ -16,15 +16,18 @@ import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 import openai
 from router_harness import REGIONS, ServerGroup, router_settings
-from tenant_fabric import MODEL, Tenant
+from tenant_fabric import MODEL, Tenant, node_settings
 
 from chaos.faults.tcp_proxy import FaultProxy, running_proxy
+from data_plane.model.make_tiny import make_tiny_checkpoint
+from data_plane.server.app import create_app as create_node_app
 from geo_router import create_app as create_router_app
 from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
@@ -76,6 +79,21 @@ async def migration_rig(node_url: str, journal: Any, engine: str = "torch", tool
             yield MigrationRig(url, proxy, journal, listener.port if listener is not None else None)
         finally:
             await servers.stop()
+
+
+@contextlib.asynccontextmanager
+async def torch_rig(root: Path, **router: Any) -> AsyncIterator[MigrationRig]:
+    """A migration rig around one real torch node serving the tiny checkpoint (made in `root`)."""
+    checkpoint = make_tiny_checkpoint(root / MODEL, seed=0)
+    servers = ServerGroup()
+    try:
+        node = create_node_app(node_settings(checkpoint, max_tokens_limit=128))
+        node_url = await servers.start(node)
+        await node.state.runtime.wait_ready()
+        async with migration_rig(node_url, root / "router.jsonl", **router) as rig:
+            yield rig
+    finally:
+        await servers.stop()
 
 
 @dataclass

@@ -15,13 +15,9 @@ from collections.abc import AsyncIterator
 import pytest
 import pytest_asyncio
 import tritonclient.grpc.aio as triton
-from migration_fabric import PACE_BYTES_PER_S, MigrationRig, migration_rig
+from migration_fabric import PACE_BYTES_PER_S, MigrationRig, torch_rig
 from protocol_clients import HEADERS, completion_text, triton_inputs, triton_stream, triton_text
-from router_harness import ServerGroup
-from tenant_fabric import MODEL, node_settings
-
-from data_plane.model.make_tiny import make_tiny_checkpoint
-from data_plane.server.app import create_app as create_node_app
+from tenant_fabric import MODEL
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -31,17 +27,8 @@ SAMPLING = {"max_tokens": 32, "temperature": 0, "ignore_eos": True}
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[MigrationRig]:
-    root = tmp_path_factory.mktemp("kserve")
-    checkpoint = make_tiny_checkpoint(root / MODEL, seed=0)
-    servers = ServerGroup()
-    try:
-        node = create_node_app(node_settings(checkpoint, max_tokens_limit=128))
-        node_url = await servers.start(node)
-        await node.state.runtime.wait_ready()
-        async with migration_rig(node_url, root / "router.jsonl", inter_token_timeout_s=1.0, grpc_port=0) as r:
-            yield r
-    finally:
-        await servers.stop()
+    async with torch_rig(tmp_path_factory.mktemp("kserve"), inter_token_timeout_s=1.0, grpc_port=0) as r:
+        yield r
 
 
 async def _http_text(rig: MigrationRig) -> str:

@@ -17,13 +17,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import websockets
-from migration_fabric import CAROL, PACE_BYTES_PER_S, MigrationRig, migration_rig, stream_response
+from migration_fabric import CAROL, PACE_BYTES_PER_S, MigrationRig, stream_response, torch_rig
 from protocol_clients import as_http, openai_client, text_of, turn, whole_conversation_text
-from router_harness import ServerGroup
-from tenant_fabric import MODEL, node_settings
-
-from data_plane.model.make_tiny import make_tiny_checkpoint
-from data_plane.server.app import create_app as create_node_app
+from tenant_fabric import MODEL
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -35,17 +31,8 @@ SECOND = {"model": MODEL, "input": "and now one about the mountains", "max_outpu
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[MigrationRig]:
-    root = tmp_path_factory.mktemp("websocket")
-    checkpoint = make_tiny_checkpoint(root / MODEL, seed=0)
-    servers = ServerGroup()
-    try:
-        node = create_node_app(node_settings(checkpoint, max_tokens_limit=128))
-        node_url = await servers.start(node)
-        await node.state.runtime.wait_ready()
-        async with migration_rig(node_url, root / "router.jsonl", inter_token_timeout_s=1.0) as r:
-            yield r
-    finally:
-        await servers.stop()
+    async with torch_rig(tmp_path_factory.mktemp("websocket"), inter_token_timeout_s=1.0) as r:
+        yield r
 
 
 async def _reference(rig: MigrationRig, first: list[Any]) -> str:

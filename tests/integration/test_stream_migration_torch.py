@@ -14,13 +14,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from migration_fabric import MigrationRig, migration_rig, stream, stream_response
+from migration_fabric import MigrationRig, stream, stream_response, torch_rig
 from openai.types.responses import ResponseCompletedEvent
-from router_harness import ServerGroup
-from tenant_fabric import MODEL, node_settings
-
-from data_plane.model.make_tiny import make_tiny_checkpoint
-from data_plane.server.app import create_app as create_node_app
+from tenant_fabric import MODEL
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -33,17 +29,8 @@ COMPLETION = {"model": MODEL, "prompt": "the sea is", "max_tokens": 48, "tempera
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[MigrationRig]:
-    root = tmp_path_factory.mktemp("migration")
-    checkpoint = make_tiny_checkpoint(root / MODEL, seed=0)
-    servers = ServerGroup()
-    try:
-        node = create_node_app(node_settings(checkpoint, max_tokens_limit=128))
-        node_url = await servers.start(node)
-        await node.state.runtime.wait_ready()
-        async with migration_rig(node_url, root / "router.jsonl", inter_token_timeout_s=1.0) as r:
-            yield r
-    finally:
-        await servers.stop()
+    async with torch_rig(tmp_path_factory.mktemp("migration"), inter_token_timeout_s=1.0) as r:
+        yield r
 
 
 @pytest.mark.parametrize("break_after", [1, 7, 24, 42])
