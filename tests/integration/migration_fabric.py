@@ -22,14 +22,13 @@ from urllib.parse import urlsplit
 
 import httpx
 import openai
-from router_harness import REGIONS, ServerGroup, router_settings
+from router_harness import REGIONS, ServerGroup, router_settings, serve_router
 from tenant_fabric import MODEL, Tenant, node_settings
 
 from chaos.faults.tcp_proxy import FaultProxy, running_proxy
 from data_plane.model.make_tiny import make_tiny_checkpoint
 from data_plane.server.app import create_app as create_node_app
 from geo_router import create_app as create_router_app
-from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
 from meridian.contracts import NodeStatus, RoutingNode, RoutingTable
 
@@ -72,9 +71,7 @@ async def migration_rig(node_url: str, journal: Any, engine: str = "torch", tool
         servers = ServerGroup()
         try:
             app = create_router_app(settings, table_source=StaticTableSource(table))
-            # The production listener (limits, WebSocket upgrade), as `meridian router serve` runs it.
-            config = listener_config(app, settings, log_level="warning", timeout_graceful_shutdown=2)
-            url = await servers.start(app, config=config)
+            url = await serve_router(servers, app, settings)
             listener = app.state.router.grpc
             yield MigrationRig(url, proxy, journal, listener.port if listener is not None else None)
         finally:

@@ -30,6 +30,7 @@ from router_harness import (
     node,
     node_app,
     router_settings,
+    serve_router,
 )
 
 from chaos.arrivals import make_schedule
@@ -40,7 +41,6 @@ from chaos.history import ClientOp, HistoryWriter, Outcome, read_records
 from chaos.load import LoadGenerator, LoadTarget
 from chaos.schedule import FaultState
 from geo_router import create_app
-from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
 
 
@@ -60,8 +60,7 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
         urls = {name: await servers.start(node_app(b)) for name, b in behaviours.items()}
         settings = router_settings(grpc_port=0, request_journal_path=tmp_path / "router.jsonl")
         app = create_app(settings, table_source=StaticTableSource(make_table([node(n, u) for n, u in urls.items()])))
-        url = await servers.start(app, config=listener_config(app, settings, log_level="warning",
-                                                               timeout_graceful_shutdown=2))
+        url = await serve_router(servers, app, settings)
         yield Rig(url, f"127.0.0.1:{app.state.router.grpc.port}", tmp_path / "router.jsonl", behaviours)
     finally:
         await servers.stop()

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
+from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
 from meridian.contracts import (
     DeploymentEntry,
@@ -314,6 +315,13 @@ class ServerGroup:
         for _, _, sock in self._running:
             sock.close()
         self._running.clear()
+
+
+async def serve_router(servers: ServerGroup, app: FastAPI, settings: RouterSettings) -> str:
+    """Serve a router app as `meridian router serve` does (geo_router.listener: limits,
+    WebSocket upgrade, HTTP/2, TLS); returns its base URL."""
+    return await servers.start(app, config=listener_config(app, settings, log_level="warning",
+                                                           timeout_graceful_shutdown=2))
 
 
 @contextlib.asynccontextmanager

@@ -21,10 +21,10 @@ from router_harness import (
     node_app,
     router_settings,
     self_signed_cert,
+    serve_router,
 )
 
 from geo_router import create_app
-from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -35,8 +35,7 @@ async def _router(servers: ServerGroup, behaviour: NodeBehaviour, **settings: ob
     node_url = await servers.start(node_app(behaviour))
     config = router_settings(**settings)
     app = create_app(config, table_source=StaticTableSource(make_table([node("us", node_url)])))
-    return await servers.start(app, config=listener_config(app, config, log_level="warning",
-                                                           timeout_graceful_shutdown=2))
+    return await serve_router(servers, app, config)
 
 
 @pytest.fixture

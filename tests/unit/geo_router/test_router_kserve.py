@@ -31,13 +31,13 @@ from router_harness import (
     node_app,
     router_settings,
     self_signed_cert,
+    serve_router,
 )
 from tritonclient.utils import InferenceServerException
 
 from geo_router import create_app
 from geo_router.kserve import kserve_v2_pb2 as pb
 from geo_router.kserve import kserve_v2_pb2_grpc as pb_grpc
-from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
 from meridian.contracts import TenantEntry
 from meridian.security import hash_api_key
@@ -188,8 +188,7 @@ async def test_with_a_certificate_both_listeners_serve_tls(tmp_path: Path) -> No
         node_url = await servers.start(node_app(behaviour))
         settings = router_settings(grpc_port=0, tls_cert_file=cert, tls_key_file=key)
         app = create_app(settings, table_source=StaticTableSource(make_table([node("us", node_url)])))
-        url = await servers.start(app, config=listener_config(app, settings, log_level="warning",
-                                                               timeout_graceful_shutdown=2))
+        url = await serve_router(servers, app, settings)
         async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=str(cert))) as http:
             assert (await http.get(url.replace("http://", "https://") + "/health")).status_code == 200
         credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())

@@ -23,10 +23,10 @@ from router_harness import (
     node,
     node_app,
     router_settings,
+    serve_router,
 )
 
 from geo_router import create_app
-from geo_router.listener import listener_config
 from geo_router.table import StaticTableSource
 from meridian.clock import ManualClock
 from meridian.contracts import TenantEntry
@@ -61,8 +61,7 @@ async def rig() -> AsyncIterator[SocketRig]:
         source = StaticTableSource(table)
         settings = router_settings(ws_idle_timeout_s=30.0, ws_max_connection_s=100.0)
         app = create_app(settings, table_source=source, clock=clock)
-        config = listener_config(app, settings, log_level="warning", timeout_graceful_shutdown=2)
-        url = (await servers.start(app, config=config)).replace("http://", "ws://") + "/v1/responses"
+        url = (await serve_router(servers, app, settings)).replace("http://", "ws://") + "/v1/responses"
         yield SocketRig(url, behaviours, urls, source, clock)
     finally:
         for b in behaviours.values():
