@@ -20,6 +20,7 @@ from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import HTTPConnection
 
 from meridian import __version__ as meridian_version
 from meridian.clock import SYSTEM_CLOCK, Clock
@@ -333,7 +334,7 @@ def _add_other_routes(app: FastAPI, state: RouterState) -> None:
         # The key is checked on the upgrade (a bad one gets no socket: 401 with the error
         # JSON, as OpenAI answers) and again by every turn's own request.
         try:
-            authenticate(state.table(), ws.headers.get("authorization"), ws.headers.get("x-api-key"))
+            _tenant(state.table(), ws)
         except RouterError as exc:
             await ws.send_denial_response(error_response(exc))
             return
@@ -363,7 +364,7 @@ def _add_model_route(app: FastAPI, state: RouterState, route: str) -> None:
     app.add_api_route(route, endpoint, methods=["POST"], name=route)
 
 
-def _tenant(loaded: LoadedTable, request: Request) -> TenantEntry:
+def _tenant(loaded: LoadedTable, request: HTTPConnection) -> TenantEntry:
     # Anthropic's clients send their key as x-api-key.
     return authenticate(loaded, request.headers.get("authorization"), request.headers.get("x-api-key"))
 

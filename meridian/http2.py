@@ -33,17 +33,7 @@ from uvicorn.config import Config
 
 log = logging.getLogger(__name__)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 ALPN = ["h2", "http/1.1"]
-
-
-def speaks_h2(first: bytes) -> bool | None:
-    """Whether a connection whose first bytes are `first` speaks HTTP/2 by prior knowledge;
-    None while too few bytes have come to tell."""
-    n = min(len(first), len(PREFACE))
-    if first[:n] != PREFACE[:n]:
-        return False
-    return True if n == len(PREFACE) else None
 
 
 class H2Handoff:

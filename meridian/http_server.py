@@ -53,6 +53,9 @@ if TYPE_CHECKING:
 # away before this request's answer is complete.
 DISCONNECT_EXTENSION = "meridian.on_disconnect"
 
+# The first bytes of an HTTP/2 connection by prior knowledge (RFC 9113, 3.4).
+H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
 # How long a refused connection's further bytes are read and dropped before it is closed.
 _LINGER_S = 2.0
 
@@ -277,9 +280,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def _speaks_h2(first: bytes) -> bool | None:
-    from meridian.http2 import speaks_h2  # loaded once the listener serves HTTP/2
-
-    return speaks_h2(first)
+    """Whether a connection whose first bytes are `first` speaks HTTP/2 by prior knowledge
+    (meridian.http2); None while too few bytes have come to tell."""
+    n = min(len(first), len(H2_PREFACE))
+    if first[:n] != H2_PREFACE[:n]:
+        return False
+    return True if n == len(H2_PREFACE) else None
 
 
 class _PerClient:
