@@ -127,17 +127,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                                 "stream = true needs ModelStreamInfer (a decoupled stream of responses)")
         departure = Departure()
         context.add_done_callback(lambda _: departure.left())
-        text, finish, usage = ([g.prompt] if g.include_prompt else []), None, None
         try:
             async with _deadline(context):
-                async for piece in self._pieces(g, context, departure):
-                    text.append(piece.text)
-                    finish, usage = piece.finish_reason or finish, piece.usage or usage
+                return await self._whole(g, context, departure)
         except CallFailed as failed:
             await context.abort_with_status(to_status(failed.status, failed.error, failed.headers))
         except TimeoutError:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before the answer")
-        return response(g, "".join(text), finish_reason=finish, usage=usage)
+        raise AssertionError("unreachable: abort raises")
 
     async def ModelStreamInfer(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.ModelInferRequest], context: Any
@@ -188,12 +185,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         try:
             async with _deadline(context):
                 if not g.stream:
-                    text, finish, usage = ([g.prompt] if g.include_prompt else []), None, None
-                    async for piece in self._pieces(g, context, departure):
-                        text.append(piece.text)
-                        finish, usage = piece.finish_reason or finish, piece.usage or usage
-                    await out.put(_streamed(response(g, "".join(text), finish_reason=finish, usage=usage,
-                                                     final=True)))
+                    await out.put(_streamed(await self._whole(g, context, departure, final=True)))
                     return
                 await self._stream_pieces(g, context, departure, out)
         except CallFailed as failed:
@@ -202,6 +194,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 infer_response=pb.ModelInferResponse(model_name=g.model, id=g.request_id)))
         except TimeoutError:
             await out.put(pb.ModelStreamInferResponse(error_message="DEADLINE_EXCEEDED: the call's deadline passed"))
+
+    async def _whole(self, g: Generation, context: Any, departure: Departure,
+                     final: bool | None = None) -> pb.ModelInferResponse:
+        """A non-streamed request's one response: the whole text (after the prompt unless
+        excluded), with the finish reason and usage the answer gave."""
+        text, finish, usage = ([g.prompt] if g.include_prompt else []), None, None
+        async for piece in self._pieces(g, context, departure):
+            text.append(piece.text)
+            finish, usage = piece.finish_reason or finish, piece.usage or usage
+        return response(g, "".join(text), finish_reason=finish, usage=usage, final=final)
 
     async def _stream_pieces(self, g: Generation, context: Any, departure: Departure,
                              out: asyncio.Queue[pb.ModelStreamInferResponse | None]) -> None:
