@@ -40,7 +40,15 @@ import httpx
 from chaos.arrivals import Arrival, conversation_messages, fresh_prompt, make_schedule, system_prompt
 from chaos.drill import Load
 from chaos.history import ClientOp, HistoryWriter, Outcome, StreamDetail
-from chaos.protocols import infer_request, prompt_of, send_grpc, send_websocket
+from chaos.protocols import (
+    Ended,
+    body_error_code,
+    error_code,
+    infer_request,
+    prompt_of,
+    send_grpc,
+    send_websocket,
+)
 from chaos.streams import (
     LongRequest,
     StreamReading,
@@ -122,14 +130,6 @@ class _Seen:
     node: str | None = None
     first_byte_s: float | None = None
     reading: StreamReading | None = None  # a long stream's events so far
-
-
-@dataclass(frozen=True, slots=True)
-class _End:
-    outcome: Outcome
-    error_code: str | None = None
-    retry_after: bool = False
-    stream_error_event: bool = False
 
 
 class LoadGenerator:
@@ -280,29 +280,29 @@ class LoadGenerator:
                 async with asyncio.timeout(self._deadline_s(arrival)):
                     end = await self._send(n, key, arrival, start, client, seen)
             except TimeoutError:  # the overall deadline (asyncio) or one of httpx's
-                end = _End(Outcome.INDETERMINATE, "timeout")
+                end = Ended(Outcome.INDETERMINATE, "timeout")
             except httpx.TimeoutException as e:
                 end = _timeout_end(e)
             except httpx.ConnectError:
-                end = _End(Outcome.FAIL, "connect_error")
+                end = Ended(Outcome.FAIL, "connect_error")
             except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.CloseError):
-                end = _End(Outcome.INDETERMINATE, "stream_cut" if seen.first_byte_s is not None else "connection_lost")
+                end = Ended(Outcome.INDETERMINATE, "stream_cut" if seen.first_byte_s is not None else "connection_lost")
             except Exception:
                 # A generator bug or an httpx error nobody expected: the request may have
                 # left, so claim nothing about it, but never leave it without an end.
                 log.exception("request %s failed in the load generator", key)
-                end = _End(Outcome.INDETERMINATE, "client_error")
+                end = Ended(Outcome.INDETERMINATE, "client_error")
         except asyncio.CancelledError:
             # Cancelled from outside (the runner gave up on the run): without an end a
             # non-streaming request would count as lost, which it is not.
-            self._finish(key, arrival, zone, invoke_s, start, seen, _End(Outcome.INDETERMINATE, "cancelled"))
+            self._finish(key, arrival, zone, invoke_s, start, seen, Ended(Outcome.INDETERMINATE, "cancelled"))
             raise
         if arrival.long:
             self.tracker.end(key)
         self._finish(key, arrival, zone, invoke_s, start, seen, end)
 
     def _finish(
-        self, key: str, arrival: Arrival, zone: str, invoke_s: float, start: float, seen: _Seen, end: _End
+        self, key: str, arrival: Arrival, zone: str, invoke_s: float, start: float, seen: _Seen, end: Ended
     ) -> None:
         end_s = time.monotonic() - start
         self.stats.in_flight -= 1
@@ -325,7 +325,7 @@ class LoadGenerator:
 
     async def _send(
         self, n: int, key: str, arrival: Arrival, start: float, client: httpx.AsyncClient, seen: _Seen
-    ) -> _End:
+    ) -> Ended:
         body = self._body(n, arrival)
         headers = {
             "authorization": f"Bearer {self.target.api_keys[arrival.tenant]}",
@@ -346,14 +346,14 @@ class LoadGenerator:
                 seen.reading = StreamReading(start, entry)
                 await read_events(resp, seen.reading)
                 outcome, code = seen.reading.outcome()
-                return _End(outcome, code, stream_error_event=seen.reading.error_code is not None)
+                return Ended(outcome, code, stream_error_event=seen.reading.error_code is not None)
             if arrival.stream and resp.status_code == 200:
                 return await _read_stream(resp, start, seen)
             raw = await resp.aread()
             return _judge_body(resp, raw)
 
     async def _send_other(self, n: int, key: str, arrival: Arrival, start: float, seen: _Seen,
-                          headers: dict[str, str]) -> _End:
+                          headers: dict[str, str]) -> Ended:
         """The request over the Responses WebSocket or KServe gRPC (chaos.protocols)."""
         messages = self._messages(n, arrival)
         if arrival.protocol == "websocket":
@@ -365,7 +365,7 @@ class LoadGenerator:
             ended = await send_grpc(self._channels[n % len(self._channels)], metadata, request, arrival.stream,
                                     self._deadline_s(arrival), start)
         seen.status, seen.first_byte_s = ended.status, ended.first_byte_s
-        return _End(ended.outcome, ended.error_code, ended.retry_after, ended.stream_error_event)
+        return ended
 
     def _deadline_s(self, arrival: Arrival) -> float:
         ls = self.load.long_streams
@@ -401,47 +401,28 @@ class LoadGenerator:
 # --- judging answers ------------------------------------------------------------------
 
 
-def _timeout_end(e: httpx.TimeoutException) -> _End:
+def _timeout_end(e: httpx.TimeoutException) -> Ended:
     if isinstance(e, httpx.ConnectTimeout | httpx.PoolTimeout):
         # No connection, so the request never left: a definite failure.
-        return _End(Outcome.FAIL, "connect_error")
-    return _End(Outcome.INDETERMINATE, "timeout")
+        return Ended(Outcome.FAIL, "connect_error")
+    return Ended(Outcome.INDETERMINATE, "timeout")
 
 
-def _openai_error_code(raw: bytes) -> str | None:
-    """The OpenAI error JSON's `code` (its `type` when the code is null); None for any other body."""
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    return _error_code(data.get("error")) if isinstance(data, dict) else None
-
-
-def _error_code(error: object) -> str | None:
-    if not isinstance(error, dict):
-        return None
-    for name in ("code", "type"):
-        value = error.get(name)
-        if value is not None:
-            return str(value)
-    return None
-
-
-def _judge_body(resp: httpx.Response, raw: bytes) -> _End:
+def _judge_body(resp: httpx.Response, raw: bytes) -> Ended:
     """A whole (non-streaming, or refused streaming) answer."""
     if resp.status_code >= 400:
-        return _End(Outcome.FAIL, _openai_error_code(raw), retry_after="retry-after" in resp.headers)
+        return Ended(Outcome.FAIL, body_error_code(raw), retry_after="retry-after" in resp.headers)
     if resp.status_code == 200:
         try:
             data = json.loads(raw)
         except ValueError:
             data = None
         if isinstance(data, dict) and isinstance(data.get("choices"), list):
-            return _End(Outcome.OK)
-    return _End(Outcome.FAIL, "bad_response")
+            return Ended(Outcome.OK)
+    return Ended(Outcome.FAIL, "bad_response")
 
 
-async def _read_stream(resp: httpx.Response, start: float, seen: _Seen) -> _End:
+async def _read_stream(resp: httpx.Response, start: float, seen: _Seen) -> Ended:
     """Read SSE events to `[DONE]`, an error event, or the end of the body."""
     async for payload in sse_payloads(resp.aiter_lines()):
         end = _on_event(payload, start, seen)
@@ -449,23 +430,23 @@ async def _read_stream(resp: httpx.Response, start: float, seen: _Seen) -> _End:
             return end
     if seen.first_byte_s is None:
         # The router answered 200 and closed cleanly without a single event.
-        return _End(Outcome.FAIL, "bad_response")
+        return Ended(Outcome.FAIL, "bad_response")
     # Ended without [DONE] or an error event: the answer may be whole or not.
-    return _End(Outcome.INDETERMINATE, "stream_cut")
+    return Ended(Outcome.INDETERMINATE, "stream_cut")
 
 
-def _on_event(payload: str, start: float, seen: _Seen) -> _End | None:
+def _on_event(payload: str, start: float, seen: _Seen) -> Ended | None:
     """One SSE data event; the request's end when the event ends it."""
     if seen.first_byte_s is None:
         seen.first_byte_s = time.monotonic() - start
     if payload.strip() == "[DONE]":
-        return _End(Outcome.OK)
+        return Ended(Outcome.OK)
     try:
         event = json.loads(payload)
     except ValueError:
-        return _End(Outcome.FAIL, "bad_response")
+        return Ended(Outcome.FAIL, "bad_response")
     if isinstance(event, dict) and event.get("error") is not None:
-        return _End(Outcome.FAIL, _error_code(event["error"]) or "stream_error", stream_error_event=True)
+        return Ended(Outcome.FAIL, error_code(event["error"]) or "stream_error", stream_error_event=True)
     return None
 
 

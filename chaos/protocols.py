@@ -41,7 +41,8 @@ PROTOCOLS = ("http", "websocket", "grpc")
 
 @dataclass(frozen=True, slots=True)
 class Ended:
-    """How one request ended (chaos.load turns it into the history's record)."""
+    """How one request ended, whatever carried it (chaos.load turns it into the history's
+    record; status and first byte are the other protocols', which have no response head)."""
 
     outcome: Outcome
     error_code: str | None = None
@@ -79,13 +80,12 @@ async def send_websocket(url: str, headers: dict[str, str], model: str, messages
                     return Ended(Outcome.OK, status=200, first_byte_s=first)
                 if kind == "error":
                     error = message.get("error") or {}
-                    code = error.get("code") or error.get("type")
                     headers_seen = error.get("headers") or {}
                     streamed = message.get("status") is None
-                    return Ended(Outcome.FAIL, str(code) if code else "stream_error", "retry-after" in headers_seen,
+                    return Ended(Outcome.FAIL, error_code(error) or "stream_error", "retry-after" in headers_seen,
                                  stream_error_event=streamed, status=message.get("status"), first_byte_s=first)
     except websockets.InvalidStatus as refused:
-        return Ended(Outcome.FAIL, _body_code(refused.response.body), "retry-after" in refused.response.headers,
+        return Ended(Outcome.FAIL, body_error_code(refused.response.body or b""), "retry-after" in refused.response.headers,
                      status=refused.response.status_code)
     except (OSError, TimeoutError) as exc:
         if first is None and isinstance(exc, ConnectionRefusedError | TimeoutError):
@@ -97,13 +97,24 @@ async def send_websocket(url: str, headers: dict[str, str], model: str, messages
     return Ended(Outcome.INDETERMINATE, "stream_cut" if first is not None else "connection_lost", first_byte_s=first)
 
 
-def _body_code(body: bytes | None) -> str | None:
+def body_error_code(raw: bytes) -> str | None:
+    """The OpenAI error JSON's `code` (its `type` when the code is null); None for any other body."""
     try:
-        error = json.loads(body or b"").get("error") or {}
-    except (ValueError, AttributeError):
+        data = json.loads(raw)
+    except ValueError:
         return None
-    code = error.get("code") or error.get("type")
-    return str(code) if code else None
+    return error_code(data.get("error")) if isinstance(data, dict) else None
+
+
+def error_code(error: object) -> str | None:
+    """An OpenAI error object's `code`, else its `type` (what the checker groups errors by)."""
+    if not isinstance(error, dict):
+        return None
+    for name in ("code", "type"):
+        value = error.get(name)
+        if value is not None:
+            return str(value)
+    return None
 
 
 def infer_request(model: str, prompt: str, max_tokens: int, stream: bool, key: str) -> pb.ModelInferRequest:
