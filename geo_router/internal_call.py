@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,4 +146,22 @@ async def answer_events(response: Response, request: Request) -> AsyncIterator[H
     for _, event in split_events(framer.flush()):
         if event is not None:
             yield event
+
+
+def json_of(body: bytes) -> Any:
+    """A non-streamed answer's JSON (None when it is not JSON)."""
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def error_object(payload: Any, status: int) -> dict[str, Any]:
+    """The OpenAI error object of an error answer's JSON; one naming the status when the
+    answer carried none (a proxy's HTML page, an empty body)."""
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error
+    return {"type": "server_error" if status >= 500 else "invalid_request_error", "code": None, "param": None,
+            "message": f"The request failed with HTTP status {status}."}
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from meridian.contracts import TenantEntry
 
 from ..auth import authenticate
 from ..errors import ModelNotFound, RouterError, RoutingTableUnavailable, error_response
-from ..internal_call import Departure, Head, Route, answer_events, http_request
+from ..internal_call import Departure, Head, Route, answer_events, error_object, http_request, json_of
 from ..table import LoadedTable
 from . import kserve_v2_pb2 as pb
 from . import kserve_v2_pb2_grpc as pb_grpc
@@ -253,9 +252,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     yield _piece(part, head)
         if head.streamed:
             return
-        payload = _json(body)
+        payload = json_of(body)
         if head.status != 200 or not isinstance(payload, dict) or "choices" not in payload:
-            raise CallFailed(head.status if head.status != 200 else 502, _error_of(payload, head.status), head.headers)
+            status = head.status if head.status != 200 else 502  # a 200 that is no completion: bad gateway
+            raise CallFailed(status, error_object(payload, status), head.headers)
         choice = (payload.get("choices") or [{}])[0]
         yield Piece(str(choice.get("text") or ""), choice.get("finish_reason"), payload.get("usage"))
 
@@ -286,20 +286,6 @@ def _piece(event: dict[str, Any], head: Head) -> Piece:
 def _status_of(error: dict[str, Any]) -> int:
     # A stream that broke (and could not move) is the node's failure, not the caller's.
     return 503 if error.get("code") in ("upstream_disconnected", "migration_refused") else 500
-
-
-def _error_of(payload: Any, status: int) -> dict[str, Any]:
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if isinstance(error, dict) and isinstance(error.get("message"), str):
-        return error
-    return {"message": f"The model server answered HTTP {status} without an error.", "type": "server_error"}
-
-
-def _json(data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None
 
 
 def _streamed(infer: pb.ModelInferResponse) -> pb.ModelStreamInferResponse:

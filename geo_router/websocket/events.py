@@ -11,10 +11,11 @@ same shape. Pure: geo_router.websocket.endpoint sends what these return.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from meridian.errors import OpenAIError
+
+from ..internal_call import error_object, json_of
 
 # Events after which a turn is over (the response object they carry is the turn's result).
 FINAL = frozenset({"response.completed", "response.incomplete", "response.failed"})
@@ -32,14 +33,7 @@ def error_message(exc: OpenAIError, lane: str | None, headers: dict[str, str] | 
 
 def answered_error(status: int, body: bytes, headers: dict[str, str], lane: str | None) -> dict[str, Any]:
     """The `error` event for a non-streamed answer (an error JSON the node or router wrote)."""
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        parsed = None
-    error = parsed.get("error") if isinstance(parsed, dict) else None
-    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
-        error = {"type": "server_error" if status >= 500 else "invalid_request_error", "code": None,
-                 "param": None, "message": f"The request failed with HTTP status {status}."}
+    error = error_object(json_of(body), status)
     exc = OpenAIError(error["message"], status=status, code=_str(error.get("code")), param=_str(error.get("param")))
     if isinstance(error.get("type"), str):
         exc.type_ = error["type"]  # the answering part's own type (a node's, vLLM's)
