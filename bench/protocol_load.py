@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -95,26 +94,6 @@ async def open_loop_calls(call: Callable[[], Awaitable[None]], rate: float, seco
 
 
 # --- KServe v2 over gRPC ------------------------------------------------------------------
-
-
-def _bytes_element(data: bytes) -> bytes:
-    return struct.pack("<I", len(data)) + data
-
-
-def infer_request(model: str, prompt: str, sampling: dict[str, Any], *, stream: bool,
-                  request_id: str = "") -> pb.ModelInferRequest:
-    """A ModelInferRequest in Triton's vLLM-backend convention (raw contents, as tritonclient sends
-    them), answering only the new text (`exclude_input_in_output`)."""
-    request = pb.ModelInferRequest(model_name=model, id=request_id)
-    for name, datatype, raw in (
-        ("text_input", "BYTES", _bytes_element(prompt.encode())),
-        ("stream", "BOOL", b"\x01" if stream else b"\x00"),
-        ("sampling_parameters", "BYTES", _bytes_element(json.dumps(sampling).encode())),
-        ("exclude_input_in_output", "BOOL", b"\x01"),
-    ):
-        request.inputs.add(name=name, datatype=datatype, shape=[1])
-        request.raw_input_contents.append(raw)
-    return request
 
 
 def text_output(response: pb.ModelInferResponse) -> str:

@@ -85,11 +85,11 @@ from bench.protocol_load import (
     CallErrors,
     KServeClient,
     ResponsesSockets,
-    infer_request,
     open_loop_calls,
     sse_ttft,
 )
 from bench.router import IDLE_NODE_METRICS, MODEL, TENANT_KEY, _NginxConf, router_process
+from chaos.protocols import infer_request
 from localfabric import DEMO_MODEL, FabricSpec, local_fabric
 from meridian.ports import free_port
 

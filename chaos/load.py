@@ -360,7 +360,9 @@ class LoadGenerator:
             ended = await send_websocket(self._ws_urls[n % len(self._ws_urls)], headers, self.target.model,
                                          messages, self.load.max_tokens, start)
         else:
-            request = infer_request(self.target.model, prompt_of(messages), self.load.max_tokens, arrival.stream, key)
+            sampling = {"max_tokens": self.load.max_tokens, "temperature": 0}
+            request = infer_request(self.target.model, prompt_of(messages), sampling, stream=arrival.stream,
+                                    request_id=key)
             metadata = tuple((k, v) for k, v in headers.items() if k != "accept")
             ended = await send_grpc(self._channels[n % len(self._channels)], metadata, request, arrival.stream,
                                     self._deadline_s(arrival), start)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -117,16 +118,25 @@ def error_code(error: object) -> str | None:
     return None
 
 
-def infer_request(model: str, prompt: str, max_tokens: int, stream: bool, key: str) -> pb.ModelInferRequest:
-    """Triton's vLLM-backend request for `prompt` (the answer without the prompt in front)."""
-    request = pb.ModelInferRequest(model_name=model, id=key)
-    for name, datatype, value in (("text_input", "BYTES", prompt.encode()),
-                                  ("sampling_parameters", "BYTES",
-                                   json.dumps({"max_tokens": max_tokens, "temperature": 0}).encode())):
-        request.inputs.add(name=name, datatype=datatype, shape=[1]).contents.bytes_contents.append(value)
-    for name, value in (("stream", stream), ("exclude_input_in_output", True)):
-        request.inputs.add(name=name, datatype="BOOL", shape=[1]).contents.bool_contents.append(value)
+def infer_request(model: str, prompt: str, sampling: dict[str, Any], *, stream: bool,
+                  request_id: str = "") -> pb.ModelInferRequest:
+    """A ModelInferRequest in Triton's vLLM-backend convention, its contents raw as tritonclient
+    sends them, asking for the new text only (`exclude_input_in_output`)."""
+    request = pb.ModelInferRequest(model_name=model, id=request_id)
+    for name, datatype, raw in (
+        ("text_input", "BYTES", _bytes_element(prompt.encode())),
+        ("stream", "BOOL", b"\x01" if stream else b"\x00"),
+        ("sampling_parameters", "BYTES", _bytes_element(json.dumps(sampling).encode())),
+        ("exclude_input_in_output", "BOOL", b"\x01"),
+    ):
+        request.inputs.add(name=name, datatype=datatype, shape=[1])
+        request.raw_input_contents.append(raw)
     return request
+
+
+def _bytes_element(data: bytes) -> bytes:
+    """One serialized BYTES element: its 4-byte little-endian length, then the bytes."""
+    return struct.pack("<I", len(data)) + data
 
 
 def prompt_of(messages: list[dict[str, str]]) -> str:

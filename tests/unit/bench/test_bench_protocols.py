@@ -4,8 +4,9 @@ stand-in node's chat stream is one the router turns into a completed Responses s
 
 from __future__ import annotations
 
-from bench.protocol_load import _event_type, _sse_text, infer_request, text_output
+from bench.protocol_load import _event_type, _sse_text, text_output
 from bench.protocols import chat_stream_answer
+from chaos.protocols import infer_request
 from geo_router.kserve.tensors import read_request, response
 from geo_router.migration.events import split_events
 from geo_router.migration.responses_stream import ResponsesEvents
