@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     field_validator,
+    model_validator,
     model_serializer,
 )
 
@@ -101,6 +102,47 @@ class NodeStatus(StrEnum):
     LOST = "lost"  # heartbeats stopped; kept for a while so status can show it
 
 
+class NodeRole(StrEnum):
+    """What a node does for a prefill/decode disaggregated deployment (DESIGN.md)."""
+
+    BOTH = "both"  # co-located: prefills and decodes its own requests (every node before P/D)
+    PREFILL = "prefill"  # computes prompts' KV and hands it to a decode worker
+    DECODE = "decode"  # pulls a prompt's KV from a prefill worker and generates
+
+
+class KVConnector(StrEnum):
+    """How a node's KV blocks move between a prefill and a decode worker."""
+
+    # vLLM's NIXL connector: UCX (RDMA on GPUs; host memory over TCP with kv_buffer_device cpu).
+    NIXL = "NixlConnector"
+    # The torch engine's: the decode node pulls the blocks from the prefill node's HTTP API.
+    MERIDIAN = "MeridianConnector"
+
+
+# host:port (IPv6 host in brackets) where a node's peers pull KV: the NIXL side channel, or
+# the torch node's own listener.
+KV_ENDPOINT_PATTERN = r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9][A-Za-z0-9._-]*):[0-9]{1,5}$"
+
+
+class KVTransferInfo(_Wire):
+    """A disaggregated node's KV transfer: its connector, where peers reach it, and how long
+    a prefill worker keeps a request's blocks for the decode worker that has not pulled them
+    (after that the decode worker must have the prompt prefilled again)."""
+
+    connector: KVConnector
+    endpoint: str = Field(max_length=262, pattern=KV_ENDPOINT_PATTERN)
+    lease_s: float = Field(gt=0, le=86_400, allow_inf_nan=False)
+
+
+def _is_both(value: object) -> bool:
+    return value is NodeRole.BOTH or value == NodeRole.BOTH.value
+
+
+# A node's role, left out of the JSON when co-located, so peers of an older version
+# (extra="forbid") still accept what every co-located node sends.
+_ROLE = Field(NodeRole.BOTH, exclude_if=_is_both)
+
+
 class NodeLoad(_Wire):
     """Load figures a node reports with each heartbeat (vLLM's metric semantics)."""
 
@@ -109,6 +151,9 @@ class NodeLoad(_Wire):
     kv_cache_usage: float = Field(0.0, ge=0.0, le=1.0)
     # LoRA adapters resident on the node now: a request for one of them starts without a load.
     lora_adapters: list[ModelName] = Field(default_factory=list, max_length=256)
+    # Prompt tokens of the requests waiting for their prefill (None: not measured): what a
+    # prefill pool is scaled on, as a decode pool is on running sequences and KV usage.
+    waiting_prompt_tokens: int | None = Field(None, ge=0, exclude_if=_is_none)
     # Cumulative since the node started: requests it finished and the sum of their end-to-end
     # latencies (vllm:e2e_request_latency_seconds' count and sum). Successive heartbeats give
     # a request rate and a mean latency (the web console draws them per region); None from a
@@ -137,6 +182,15 @@ class NodeRegistration(_Wire):
     # the torch engine). Routers resume a broken tool-call stream only where they can
     # replay its parser (geo_router.migration.decide).
     tool_call_parser: ToolCallParserName | None = _OMITTED_WHEN_UNSET
+    # Prefill/decode disaggregation: the node's role and, unless co-located, its KV transfer.
+    role: NodeRole = _ROLE
+    kv_transfer: KVTransferInfo | None = _OMITTED_WHEN_UNSET
+
+    @model_validator(mode="after")
+    def _disaggregated_has_transfer(self) -> NodeRegistration:
+        if self.role is not NodeRole.BOTH and self.kv_transfer is None:
+            raise ValueError(f"a {self.role.value} node must say how its KV moves (kv_transfer)")
+        return self
 
     @field_validator("url")
     @classmethod
@@ -235,6 +289,9 @@ class RoutingNode(_Wire):
     kv_events: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
     kv_events_replay: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
     tool_call_parser: ToolCallParserName | None = _OMITTED_WHEN_UNSET
+    # The node's P/D role and KV transfer (see NodeRegistration); co-located when absent.
+    role: NodeRole = _ROLE
+    kv_transfer: KVTransferInfo | None = _OMITTED_WHEN_UNSET
 
 
 def allows_model(models: Sequence[str] | None, model: str) -> bool:

@@ -28,7 +28,7 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
-from meridian.contracts import ProviderName
+from meridian.contracts import KVConnector, NodeRole, ProviderName
 
 _CLUSTER_TOKEN = Field(
     validation_alias=AliasChoices("MERIDIAN_CLUSTER_TOKEN", "cluster_token"),
@@ -408,6 +408,12 @@ class RouterSettings(ListenerSettings):
     scale_from_zero_retry_after_s: int = Field(5, ge=1)
     # Timeout of one scale-up call to the control plane.
     scale_up_timeout_s: float = Field(5.0, gt=0)
+    # Prefill/decode disaggregation: with a region's prefill and decode pools both up, a
+    # request is prefilled on one (within pd_prefill_timeout_s, on at most pd_prefill_attempts
+    # workers) and decoded on the other; with either pool empty, or this off, co-located.
+    pd_enabled: bool = True
+    pd_prefill_timeout_s: float = Field(30.0, gt=0)
+    pd_prefill_attempts: int = Field(2, ge=1, le=10)
 
 
 class WeightSettings(FileSettings):
@@ -516,6 +522,15 @@ class NodeSettings(ListenerSettings):
     # derived from the ones above, a wildcard host replaced by the advertised URL's host.
     kv_events_advertise: str | None = None
     kv_events_replay_advertise: str | None = None
+    # Prefill/decode disaggregation (meridian.kv_transfer): the node's role, its KV connector
+    # (None: the engine's own, NIXL for vLLM and Meridian's HTTP one for torch), the port of
+    # the connector's side channel (NIXL's; 0 picks a free one; the torch engine serves KV on
+    # the node's own port), and how long a prefill worker holds a request's KV blocks for
+    # the decode worker that has not pulled them (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+    role: NodeRole = NodeRole.BOTH
+    kv_connector: KVConnector | None = None
+    kv_side_channel_port: int = Field(0, ge=0, le=65535)
+    kv_lease_s: float = Field(60.0, gt=0, le=86_400)
     drain_timeout_s: float = Field(30.0, ge=0)
     control_plane_timeout_s: float = Field(5.0, gt=0)
     # OpenTelemetry traces, as the router's: the default collector, and one per residency
