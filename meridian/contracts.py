@@ -19,8 +19,8 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     field_validator,
-    model_validator,
     model_serializer,
+    model_validator,
 )
 
 # Providers are registered by name (providers.provider.PROVIDERS; the kernel does not know
