@@ -43,6 +43,8 @@ from .accounting import account, count_request, model_label
 from .admin_listener import metrics_page, scraper_tokens
 from .affinity import Affinity
 from .auth import authenticate
+from .disagg.bodies import refuse_client_params
+from .disagg.pools import plan as pd_plan
 from .errors import (
     ModelNotFound,
     NoHealthyReplica,
@@ -433,6 +435,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         received_at = time.perf_counter()
         # Prefix caches are per tenant (or sharing group): no tenant can probe another's.
         inference = salted(parse_inference_request(body), tenant)
+        refuse_client_params(inference.payload)
         access.model = inference.model
         if trace is not None:
             trace.tenant(tenant, inference.model)
@@ -446,6 +449,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         if stored is not None:
             candidates = pinned(loaded, candidates, stored, inference.model)
         ordered = _ordered(state, candidates, tenant, inference, location, request_id)
+        pd = pd_plan(ordered)
         # Until the answer starts, nothing else notices the client leaving: the node would
         # go on generating a whole non-streamed answer (or a stream's prefill) for nobody.
         watch = ClientWatch(request.scope, request.receive)
@@ -453,13 +457,14 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
             response = await state.forwarder.forward(
                 route,
                 inference,
-                ordered,
+                pd.decode,
                 request_id,
                 received_at,
                 exhausted=exhausted_error(tenant, inference.model),
                 queued_s=queued_s,
                 rewrite=state.response_ids.rewriter(tenant) if route == "/v1/responses" else None,
                 trace=trace,
+                pd=pd if pd.prefill else None,
             )
         except asyncio.CancelledError:
             if not watch.fired:

@@ -69,6 +69,17 @@ class RouterMetrics:
         self.resume_latency = self._histogram(
             "meridian_router_migration_resume_seconds", (),
             "Time from a stream's break being seen to the first event of its continuation.", _LATENCY_BUCKETS)
+        self.pd_requests = self._counter(
+            "meridian_router_pd_requests", ("region", "how"),
+            "Decode attempts on prefill/decode-disaggregated replicas, by how they were served: "
+            "disaggregated, prefill_failed (the decode worker prefilled) or no_prefill_pool.")
+        self.pd_prefills = self._counter(
+            "meridian_router_pd_prefills", ("region", "node", "outcome"),
+            "Prefill hops by prefill worker and outcome (ok, refused: the request's own 4xx, failed).")
+        self.pd_prefill_latency = self._histogram(
+            "meridian_router_pd_prefill_seconds", ("region",),
+            "Time of a prefill hop that was answered, from sending it to the prefill worker's answer.",
+            _LATENCY_BUCKETS)
         self.latency = self._histogram(
             "meridian_router_request_duration_seconds", ("region",),
             "Time from request received to last byte sent, by serving region.", _LATENCY_BUCKETS)

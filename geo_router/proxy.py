@@ -35,6 +35,10 @@ from meridian.contracts import (
 from meridian.request_journal import RequestJournal
 from meridian.settings import RouterSettings
 
+from .disagg.bodies import prefill_body
+from .disagg.flow import PDRequest
+from .disagg.handoff import Prefiller
+from .disagg.pools import PDPlan
 from .errors import RouterError, UpstreamLost, UpstreamTimeout
 from .health import Ejection, FailureKind, FleetState
 from .metrics import RouterMetrics
@@ -148,6 +152,8 @@ class UpstreamForwarder:
         self._fleet = fleet
         self._metrics = metrics
         self._calls = NodeCaller(settings, client or make_upstream_client(settings))
+        self._clock = clock
+        self.prefiller = Prefiller(settings, self._calls, self, metrics, clock)
         self.read_timeout_s = settings.read_timeout_s
         # Labelled children of the per-request metrics, looked up once per label set:
         # prometheus_client's labels() validates and locks on every call.
@@ -179,6 +185,7 @@ class UpstreamForwarder:
             waiter.task.cancel()
 
     async def aclose(self) -> None:
+        await self.prefiller.aclose()
         await self._calls.client.aclose()
         self._journal.close()
 
@@ -227,13 +234,16 @@ class UpstreamForwarder:
         method: str = "POST",
         rewrite: Rewrite | None = None,
         trace: AttemptTrace | None = None,
+        pd: PDPlan | None = None,
     ) -> Response:
         """Answer `request` from the first candidate that works; `exhausted` when none does.
 
         `received_at` is `time.perf_counter()` when the request body had been read;
         `queued_s` is how long it then waited for a replica (scale-from-zero), which is
         not router overhead. `rewrite(node_id, bytes)`, when given, is applied to the
-        answer: to a whole body, and to a stream's events one whole event at a time.
+        answer: to a whole body, and to a stream's events one whole event at a time. `pd`,
+        when a region's replicas are prefill/decode-disaggregated, has `candidates` as its
+        decode order and each decode attempt is preceded by a prefill hop (geo_router.disagg).
         """
         budget = self._retry_budget
         if budget is not None:
@@ -241,7 +251,7 @@ class UpstreamForwarder:
         streaming = False
         try:
             response = await self._forward(
-                route, request, candidates, request_id, received_at, exhausted, queued_s, method, rewrite, trace
+                route, request, candidates, request_id, received_at, exhausted, queued_s, method, rewrite, trace, pd
             )
             streaming = isinstance(response, UpstreamStreamingResponse)
             return response
@@ -261,9 +271,9 @@ class UpstreamForwarder:
         method: str,
         rewrite: Rewrite | None,
         trace: AttemptTrace | None = None,
+        pd_plan: PDPlan | None = None,
     ) -> Response:
         s = self._settings
-        budget = self._retry_budget
         deadline = asyncio.get_running_loop().time() + s.request_timeout_s
         plan, as_chat = None, None
         if s.migration_enabled and request.stream:
@@ -275,6 +285,47 @@ class UpstreamForwarder:
                                          responses_echo=as_chat.echo if as_chat is not None else None)
             if as_chat is not None:
                 rewrite = None  # the chat stream holds no vLLM response ids to wrap
+        pd = self._disaggregation(pd_plan, route, request, request_id, trace, as_chat is not None)
+        served = False
+        try:
+            response = await self._attempts(route, request, candidates, request_id, received_at, exhausted,
+                                            queued_s, method, rewrite, trace, migration, deadline, pd)
+            served = True
+            return response
+        finally:
+            if pd is not None:
+                pd.ended(served)
+
+    def _disaggregation(self, plan: PDPlan | None, route: str, request: InferenceRequest, request_id: str,
+                        trace: AttemptTrace | None, as_chat: bool) -> PDRequest | None:
+        """The request's prefill hops, when its replicas are disaggregated and it can be."""
+        if plan is None or not self._settings.pd_enabled or not plan.disaggregated:
+            return None
+        body = prefill_body(route, request.payload)
+        if body is None:
+            return None
+        return PDRequest(plan, self.prefiller, self._metrics, self._clock, route, body, request_id,
+                         trace.headers if trace is not None else "", responses_as_chat=as_chat)
+
+    async def _attempts(
+        self,
+        route: str,
+        request: InferenceRequest,
+        candidates: Sequence[Candidate],
+        request_id: str,
+        received_at: float,
+        exhausted: RouterError,
+        queued_s: float,
+        method: str,
+        rewrite: Rewrite | None,
+        trace: AttemptTrace | None,
+        migration: MigrationContext | None,
+        deadline: float,
+        pd: PDRequest | None,
+    ) -> Response:
+        """Each candidate in turn until one answers (see forward)."""
+        s = self._settings
+        budget = self._retry_budget
         upstream_wait = queued_s
         previous: Candidate | None = None
         previous_gone = False
@@ -303,12 +354,22 @@ class UpstreamForwarder:
             if trace is not None:
                 trace.attempt(attempt, node, candidate.region.name)
             try:
+                attempt_request = request
+                if pd is not None:
+                    body = await pd.body_for(candidate, request.body, deadline)
+                    if isinstance(body, Response):  # the prefill worker refused the request itself
+                        self._fleet.end(node)
+                        body.headers.update({HEADER_REQUEST_ID: request_id})
+                        return body
+                    attempt_request = InferenceRequest(body, request.model, request.stream, request.payload)
                 response = await self._attempt(
-                    route, request, candidate, request_id, deadline, received_at, reply_headers,
+                    route, attempt_request, candidate, request_id, deadline, received_at, reply_headers,
                     method, rewrite, trace.headers if trace is not None else "", migration,
                 )
             except _NodeFailed as exc:
                 self._fleet.end(node)
+                if pd is not None:
+                    pd.attempt_failed(candidate, exc.reason)
                 upstream_wait += time.perf_counter() - sent_at
                 log.warning("request %s: node %s failed (%s); trying the next replica",
                             request_id, node, exc)
@@ -332,6 +393,16 @@ class UpstreamForwarder:
             self._child("requests", candidate.region.name, node, str(response.status_code)).inc()
             return response
         raise exhausted
+
+    # --- the host of prefill hops (geo_router.disagg.handoff.PrefillHost) ---
+
+    def prefill_began(self, candidate: Candidate) -> None:
+        self._fleet.begin(candidate.node.node_id)
+
+    def prefill_ended(self, candidate: Candidate, ok: bool) -> None:
+        self._fleet.end(candidate.node.node_id)
+        if ok:
+            self._fleet.record_success(candidate.node.node_id)
 
     # --- the host of migrating streams (geo_router.migration.stream.MigrationHost) ---
 
