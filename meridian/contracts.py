@@ -358,6 +358,9 @@ class NodeView(_Wire):
     last_heartbeat: datetime
     cold_start: ColdStart | None = None
     weights: list[str] = Field(default_factory=list)
+    # Its prefill/decode role (co-located: both) and KV transfer, as it registered them.
+    role: NodeRole = _ROLE
+    kv_transfer: KVTransferInfo | None = _OMITTED_WHEN_UNSET
 
 
 # --- OpenAI-compatible listing and errors ---------------------------------------------
