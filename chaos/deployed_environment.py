@@ -20,7 +20,7 @@ from chaos.drill import Fault, Target
 from chaos.environment import InjectionError
 from chaos.observe import RouterMetrics, answers, busiest
 from chaos.timeline import Timeline
-from meridian.contracts import NodeStatus, NodeView
+from meridian.contracts import NodeRole, NodeStatus, NodeView
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +33,12 @@ class DeployedNode:
     url: str
     models: tuple[str, ...]
     status: str
+    role: NodeRole = NodeRole.BOTH
 
     @classmethod
     def of(cls, view: NodeView) -> DeployedNode:
         return cls(node_id=view.node_id, region=view.region, provider=view.provider, url=view.url,
-                   models=tuple(view.models), status=view.status)
+                   models=tuple(view.models), status=view.status, role=view.role)
 
     def fields(self) -> dict[str, str]:
         """What a command template may say about the node (chaos.deployment.NODE_FIELDS)."""
@@ -65,7 +66,7 @@ class DeployedEnvironment(Timeline):
 
     async def nodes(self, target: Target) -> list[DeployedNode]:
         """Ready nodes matching the target; `node: any` picks the busiest of them."""
-        found = [n for n in await self.ready_nodes() if target.matches(n.node_id, n.region, n.models)]
+        found = [n for n in await self.ready_nodes() if target.matches(n.node_id, n.region, n.models, n.role)]
         if not found:
             raise InjectionError(f"no ready node of {self.deployment.name} matches the target "
                                  f"{target.model_dump(exclude_none=True)}")

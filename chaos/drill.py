@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from meridian.contracts import REGION_PATTERN, ZONE_PATTERN, ProviderName
+from meridian.contracts import REGION_PATTERN, ZONE_PATTERN, NodeRole, ProviderName
 from meridian.registry import UnknownName
 from providers.provider import PROVIDERS
 
@@ -44,6 +44,7 @@ FaultKind = Literal[
     "packet_loss",
     "mid_stream_crash",
     "mid_stream_hang",
+    "pd_worker_crash",
 ]
 
 # Parameters each injector understands: (required, optional). Anything else is a typo the
@@ -71,6 +72,9 @@ FAULT_PARAMS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     # streams, once every long stream has received min_events events (or wait_s passed).
     "mid_stream_crash": (frozenset(), frozenset({"also_region", "min_events", "wait_s"})),
     "mid_stream_hang": (frozenset(), frozenset({"also_region", "min_events", "wait_s"})),
+    # The target's busiest prefill worker at the start, its busiest decode worker
+    # decode_after_s later (default: half the window); both restart at the end.
+    "pd_worker_crash": (frozenset(), frozenset({"decode_after_s"})),
 }
 
 # Properties that are not visible in a request history; the runner observes them (leader
@@ -91,6 +95,7 @@ Invariant = Literal[
     "node_recovers_after_space_freed",
     "single_leader",
     "no_healthy_node_flapped",
+    "pd_served_disaggregated",
 ]
 
 Service = Literal["control_plane", "router", "node", "redis", "postgres", "weights_origin"]
@@ -176,6 +181,8 @@ class Topology(_Spec):
     nodes_per_region: int = Field(1, ge=1, le=8)
     # Exceptions to nodes_per_region (e.g. two nodes only where the fault strikes).
     region_nodes: dict[str, int] = Field(default_factory=dict)
+    # Prefill/decode disaggregated regions: the role of each node there (instead of a count).
+    region_roles: dict[str, list[NodeRole]] = Field(default_factory=dict)
     routers: int = Field(1, ge=1, le=8)
     control_plane_replicas: int = Field(1, ge=1, le=4)
     redis: bool = False
@@ -188,12 +195,14 @@ class Topology(_Spec):
 
     @model_validator(mode="after")
     def _check(self) -> Topology:
-        named = [*(self.regions or ()), *self.region_nodes, *self.netns_regions]
+        named = [*(self.regions or ()), *self.region_nodes, *self.region_roles, *self.netns_regions]
         bad = [r for r in named if not re.match(REGION_PATTERN, r)]
         if bad:
             raise ValueError(f"regions {bad} do not look like <provider>:<location>")
         if any(not 1 <= n <= 8 for n in self.region_nodes.values()):
             raise ValueError(f"region_nodes counts must be 1 to 8, got {self.region_nodes}")
+        if any(not 1 <= len(roles) <= 8 for roles in self.region_roles.values()):
+            raise ValueError("region_roles must list 1 to 8 nodes per region")
         bad = [k for k in self.env if not re.match(r"^MERIDIAN_[A-Z0-9_]+$", k)]
         if bad:
             raise ValueError(f"env keys {bad} are not MERIDIAN_* settings")
@@ -209,11 +218,14 @@ class Target(_Spec):
     provider: ProviderName | None = None
     service: Service | None = None
     model: str | None = None
+    # Only nodes of this prefill/decode role.
+    role: NodeRole | None = None
 
-    def matches(self, node_id: str, region: str, models: Iterable[str]) -> bool:
-        """Whether a node (its id, region and the models it serves) is hit by this target."""
+    def matches(self, node_id: str, region: str, models: Iterable[str], role: NodeRole = NodeRole.BOTH) -> bool:
+        """Whether a node (its id, region, the models it serves, its role) is hit by this target."""
         return (
-            (self.region is None or region == self.region)
+            (self.role is None or role == self.role)
+            and (self.region is None or region == self.region)
             and (self.provider is None or region.split(":", 1)[0] == self.provider)
             and (self.node in (None, "any") or node_id == self.node)
             and (self.model is None or self.model in models)

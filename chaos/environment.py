@@ -67,7 +67,7 @@ class DrillEnvironment(Timeline):
     async def nodes(self, target: Target) -> list[Proc]:
         """Live nodes matching the target; `node: any` picks the busiest of them."""
         found = [p for p in self.live_nodes()
-                 if target.matches(p.node_id or "", p.region or "", [p.model] if p.model else [])]
+                 if target.matches(p.node_id or "", p.region or "", [p.model] if p.model else [], p.role)]
         if not found:
             raise InjectionError(f"no live node matches the target {target.model_dump(exclude_none=True)}")
         if target.node == "any":

@@ -234,6 +234,7 @@ class _Run:
             regions=tuple(topo.regions or DEMO_REGIONS),
             nodes_per_region=topo.nodes_per_region,
             region_nodes=dict(topo.region_nodes),
+            region_roles={r: tuple(roles) for r, roles in topo.region_roles.items()},
             routers=topo.routers,
             seed=self.options.seed,
             router_env=router_env,

@@ -38,7 +38,7 @@ import httpx
 
 from meridian.admin_api import ApiKeyCreate, DeploymentUpsert, Scope
 from meridian.admin_client import AdminAPIError, AdminClient
-from meridian.contracts import GLOBAL_ZONE, DeploymentView, NodeStatus, RegionInfo
+from meridian.contracts import GLOBAL_ZONE, DeploymentView, NodeRole, NodeStatus, RegionInfo
 from meridian.security import generate_api_key
 from meridian.settings import LogSettings
 
@@ -117,10 +117,12 @@ class LocalFabric:
             self._create_deployments(cp.url)
             i = 0
             for region in spec.regions:
-                for k in range(spec.nodes_in(region)):
+                for k, role in enumerate(spec.roles_in(region)):
                     port = spec.node_ports[i] if i < len(spec.node_ports) else 0
                     node_id = _node_id(region) + (f"-{k + 1}" if spec.nodes_in(region) > 1 else "")
-                    self._start_node(region, model_uri, cp.url, port, node_id=node_id)
+                    if role is not NodeRole.BOTH:
+                        node_id = f"{_node_id(region)}-{role.value}-{k + 1}"
+                    self._start_node(region, model_uri, cp.url, port, node_id=node_id, role=role)
                     i += 1
             routers = [self._start_router(cp.url, spec.router_port, spec.router_env)]
             routers += [self._start_router(cp.url, 0, spec.router_env) for _ in range(spec.routers - 1)]
@@ -216,7 +218,7 @@ class LocalFabric:
             raise FabricError(f"{proc.name} is still running (pid {proc.popen.pid})")
         fresh = self._spawn(proc.name, proc.args, {**proc.env, **(env or {})}, proc.url, niceness,
                             proc.command_prefix)
-        fresh.region, fresh.node_id, fresh.model = proc.region, proc.node_id, proc.model
+        fresh.region, fresh.node_id, fresh.model, fresh.role = proc.region, proc.node_id, proc.model, proc.role
         fresh.kv_events, fresh.kv_events_replay = proc.kv_events, proc.kv_events_replay
         with self._lock:
             self._procs = [p for p in self._procs if p is not proc]
@@ -347,7 +349,7 @@ class LocalFabric:
 
     def _start_node(self, region: str, model_uri: str, cp_url: str, port: int,
                     model_name: str | None = None, node_id: str | None = None, niceness: int = 0,
-                    env: dict[str, str] | None = None) -> Proc:
+                    env: dict[str, str] | None = None, role: NodeRole = NodeRole.BOTH) -> Proc:
         model_name = model_name or self.spec.model_name
         node_id = node_id or _node_id(region)
         placement = self.spec.node_placement(node_id, region) if self.spec.node_placement else None
@@ -370,6 +372,7 @@ class LocalFabric:
             "MERIDIAN_NODE_KV_EVENTS_ENDPOINT": kv_events,
             "MERIDIAN_NODE_KV_EVENTS_REPLAY_ENDPOINT": kv_events_replay,
             **self._engine_env(model_name),
+            **({"MERIDIAN_NODE_ROLE": role.value} if role is not NodeRole.BOTH else {}),
             **self.spec.node_env,
             **extra_env,
         }
@@ -377,7 +380,7 @@ class LocalFabric:
             env["MERIDIAN_NODE_ADVERTISE_URL"] = self.spec.node_front(node_id, port)
         p = self._spawn(node_id, args, env, f"http://{host}:{port}", niceness,
                         placement.command_prefix if placement else ())
-        p.region, p.node_id, p.model = region, node_id, model_name
+        p.region, p.node_id, p.model, p.role = region, node_id, model_name, role
         p.kv_events, p.kv_events_replay = kv_events, kv_events_replay
         return p
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meridian.contracts import GLOBAL_ZONE
+from meridian.contracts import GLOBAL_ZONE, NodeRole
 
 DEMO_REGIONS = ("aws:us-east-1", "gcp:europe-west4", "onprem:tokyo-1")
 DEMO_MODEL = "tiny-llama"
@@ -61,6 +61,9 @@ class FabricSpec:
     # per-region exceptions to it.
     nodes_per_region: int = 1
     region_nodes: dict[str, int] = field(default_factory=dict)
+    # Prefill/decode disaggregated regions: the role of each node started there (e.g.
+    # ("prefill", "decode", "decode")), instead of region_nodes' co-located count.
+    region_roles: dict[str, tuple[NodeRole, ...]] = field(default_factory=dict)
 
     # Serve this checkpoint instead of generating the tiny one (its name is model_name): it is
     # pushed to the fabric's file:// origin (again when its files change).
@@ -97,7 +100,12 @@ class FabricSpec:
 
     def nodes_in(self, region: str) -> int:
         """How many nodes start in `region`."""
-        return self.region_nodes.get(region, self.nodes_per_region)
+        roles = self.region_roles.get(region)
+        return len(roles) if roles else self.region_nodes.get(region, self.nodes_per_region)
+
+    def roles_in(self, region: str) -> tuple[NodeRole, ...]:
+        """The role of each node that starts in `region` (co-located unless region_roles says)."""
+        return self.region_roles.get(region) or (NodeRole.BOTH,) * self.nodes_in(region)
 
 
 @dataclass
@@ -113,6 +121,7 @@ class Proc:
     region: str | None = None
     node_id: str | None = None
     model: str | None = None
+    role: NodeRole = NodeRole.BOTH
     # The node's KV event endpoints (ZMQ PUB and replay), which routers subscribe to.
     kv_events: str | None = None
     kv_events_replay: str | None = None

@@ -72,6 +72,7 @@ INJECTORS: Registry[InjectorFactory] = Registry("fault injector", builtins={
     "mid_stream_crash": "chaos.faults.mid_stream:MidStreamCrash",
     "mid_stream_hang": "chaos.faults.mid_stream:MidStreamHang",
     "packet_loss": "chaos.faults.packet_loss:PacketLoss",
+    "pd_worker_crash": "chaos.faults.pd:PDWorkerCrash",
     "postgres_restart": "chaos.faults.network:PostgresRestart",
     "process_crash": _NODE_CRASH,
     "process_hang": "chaos.faults.process:NodeHang",
