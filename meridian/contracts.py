@@ -19,8 +19,8 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     field_validator,
-    model_validator,
     model_serializer,
+    model_validator,
 )
 
 # Providers are registered by name (providers.provider.PROVIDERS; the kernel does not know
@@ -358,6 +358,9 @@ class NodeView(_Wire):
     last_heartbeat: datetime
     cold_start: ColdStart | None = None
     weights: list[str] = Field(default_factory=list)
+    # Its prefill/decode role and KV transfer, as it registered them (co-located when absent).
+    role: NodeRole = _ROLE
+    kv_transfer: KVTransferInfo | None = _OMITTED_WHEN_UNSET
 
 
 # --- OpenAI-compatible listing and errors ---------------------------------------------

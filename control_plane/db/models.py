@@ -93,6 +93,10 @@ class Node(Base):
     kv_events_replay: Mapped[str | None] = mapped_column(String(256), nullable=True)
     # vLLM's --tool-call-parser of the node (None: it parses no tool calls), as it advertised it.
     tool_call_parser: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Prefill/decode disaggregation: a meridian.contracts.NodeRole value and, for a prefill or
+    # decode node, its meridian.contracts.KVTransferInfo (connector, endpoint, lease) as JSON.
+    role: Mapped[str] = mapped_column(String(16), default="both", server_default="both")
+    kv_transfer: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class ApiKey(Base):
