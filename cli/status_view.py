@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 from rich.table import Table
 
 from meridian.cli_format import folding_table
-from meridian.contracts import ColdStart, NodeStatus, NodeView, RegionInfo
+from meridian.contracts import ColdStart, NodeRole, NodeStatus, NodeView, RegionInfo
 
 _STATUS_STYLE = {
     NodeStatus.READY: "green",
@@ -31,7 +31,7 @@ def status_table(regions: list[RegionInfo], nodes: list[NodeView], now: datetime
         table.add_row(
             n.region,
             zones,
-            n.node_id,
+            n.node_id if n.role is NodeRole.BOTH else f"{n.node_id} ({n.role.value})",
             f"[{style}]{n.status.value}[/{style}]" if style else n.status.value,
             ", ".join([*n.models, *(f"+{a}" for a in n.load.lora_adapters)]) or "-",
             str(n.load.running),

@@ -13,6 +13,12 @@ nodes report in their heartbeats (running + waiting requests) and `decide`s a re
 - **scale to zero** (min_replicas 0) only after a whole stable window without traffic, and never
   within a stable window of a router's scale-from-zero request.
 
+A prefill/decode disaggregated deployment scales its pools separately: the decode pool
+(`desired_replicas`) as above on the running and waiting requests of its decode nodes, the
+prefill pool (`desired_prefill_replicas`, `decide_prefill`) by the same algorithm on the prompt
+tokens waiting for prefill on its prefill nodes (NodeLoad.waiting_prompt_tokens) against a
+per-replica target, within the prefill pool's bounds.
+
 `decide` is a pure function of its inputs and state, so the algorithm is tested without a
 database. Samples and state live in the leader's memory: a new leader starts observing afresh
 and scales nothing down until it has watched a full stable window.
@@ -25,7 +31,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -33,12 +39,12 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane import audit
+from control_plane import audit, deployment_store
 from control_plane.audit import Actor
 from control_plane.context import AppContext
 from control_plane.db.models import AutoscalerDecision, Deployment, Node
 from control_plane.leader import Fence, check_fence
-from meridian.contracts import AutoscalingSpec, NodeStatus
+from meridian.contracts import AutoscalingSpec, DisaggregationSpec, NodeRole, NodeStatus
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +266,35 @@ def decide(
     return Decision(desired=desired, mode=mode, reason=f"{verdict}; " + "; ".join(notes), inputs=inputs, state=new_state)
 
 
+def prefill_spec(autoscaling: AutoscalingSpec, topology: DisaggregationSpec) -> AutoscalingSpec:
+    """The prefill pool's KPA: the deployment's windows, delays and rates, aimed at waiting
+    prompt tokens per replica instead of requests in flight (a target the spec's own bound on
+    target_concurrency does not cover, hence a copy rather than a validated spec)."""
+    return autoscaling.model_copy(update={"target_concurrency": float(topology.target_waiting_prompt_tokens)})
+
+
+def decide_prefill(
+    autoscaling: AutoscalingSpec,
+    topology: DisaggregationSpec,
+    *,
+    samples: Iterable[Sample],
+    current: int,
+    ready: int,
+    now: float,
+    state: KpaState,
+    since_scale_request_s: float | None = None,
+) -> Decision:
+    """The prefill pool's count now: `decide` on samples of waiting prompt tokens (a Sample's
+    `concurrency`) within [min_prefill_replicas, max_prefill_replicas]."""
+    d = decide(
+        prefill_spec(autoscaling, topology), min_replicas=topology.min_prefill_replicas,
+        max_replicas=topology.max_prefill_replicas, samples=samples, current=current, ready=ready, now=now,
+        state=state, since_scale_request_s=since_scale_request_s,
+    )
+    inputs = {**d.inputs, "pool": NodeRole.PREFILL.value, "signal": "waiting_prompt_tokens"}
+    return replace(d, inputs=inputs, reason=f"prefill {d.reason}")
+
+
 # --- the leader's loop -------------------------------------------------------------------
 
 
@@ -275,31 +310,71 @@ class Observed:
     last_scale_request_at: datetime | None
     ready: int
     concurrency: float
+    # A disaggregated deployment's prefill pool (then ready and concurrency are its decode pool's).
+    prefill: PrefillObserved | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillObserved:
+    """A disaggregated deployment's prefill pool as one pass reads it."""
+
+    topology: DisaggregationSpec
+    desired: int
+    ready: int
+    waiting_prompt_tokens: float
+
+
+@dataclass
+class _Pool:
+    ready: int = 0
+    in_flight: float = 0.0
+    waiting: float = 0.0
+    # Prompt tokens waiting, from the nodes that measure them.
+    prompt_tokens: float = 0.0
+
+    def add(self, load: dict[str, Any]) -> None:
+        self.ready += 1
+        self.in_flight += float(load.get("running", 0)) + float(load.get("waiting", 0))
+        self.waiting += float(load.get("waiting", 0))
+        self.prompt_tokens += float(load.get("waiting_prompt_tokens") or 0)
+
+
+def _pools(session: Session) -> dict[tuple[str, str], _Pool]:
+    """Load of the ready nodes per (model, role)."""
+    pools: dict[tuple[str, str], _Pool] = {}
+    for node in session.scalars(select(Node).where(Node.status == NodeStatus.READY.value)):
+        for model in node.models or ():
+            # A node serving several models reports one figure; each model is charged all of it.
+            pools.setdefault((model, node.role), _Pool()).add(node.load or {})
+    return pools
+
+
+def _observed(d: Deployment, pools: dict[tuple[str, str], _Pool]) -> Observed:
+    topology = deployment_store.disaggregation_of(d)
+    roles = list(NodeRole) if topology is None else [NodeRole.DECODE, NodeRole.BOTH]
+    serving = [pools[(d.model, r.value)] for r in roles if (d.model, r.value) in pools]
+    prefill = None
+    if topology is not None:
+        p = pools.get((d.model, NodeRole.PREFILL.value), _Pool())
+        prefill = PrefillObserved(topology=topology, desired=d.desired_prefill_replicas or 0, ready=p.ready,
+                                  waiting_prompt_tokens=p.prompt_tokens)
+    return Observed(
+        model=d.model,
+        spec=AutoscalingSpec.model_validate(d.autoscaling or {}),
+        min_replicas=d.min_replicas,
+        max_replicas=d.max_replicas,
+        desired=d.desired_replicas,
+        last_scale_request_at=d.last_scale_request_at,
+        ready=sum(p.ready for p in serving),
+        concurrency=sum(p.in_flight for p in serving),
+        prefill=prefill,
+    )
 
 
 def observe(session: Session) -> list[Observed]:
-    """Every deployment with the load its ready nodes report now."""
-    ready: dict[str, int] = {}
-    load: dict[str, float] = {}
-    for node in session.scalars(select(Node).where(Node.status == NodeStatus.READY.value)):
-        in_flight = float((node.load or {}).get("running", 0)) + float((node.load or {}).get("waiting", 0))
-        for model in node.models or ():
-            ready[model] = ready.get(model, 0) + 1
-            # A node serving several models reports one figure; each model is charged all of it.
-            load[model] = load.get(model, 0.0) + in_flight
-    return [
-        Observed(
-            model=d.model,
-            spec=AutoscalingSpec.model_validate(d.autoscaling or {}),
-            min_replicas=d.min_replicas,
-            max_replicas=d.max_replicas,
-            desired=d.desired_replicas,
-            last_scale_request_at=d.last_scale_request_at,
-            ready=ready.get(d.model, 0),
-            concurrency=load.get(d.model, 0.0),
-        )
-        for d in session.scalars(select(Deployment).order_by(Deployment.model))
-    ]
+    """Every deployment with the load its ready nodes report now (per pool when disaggregated)."""
+    pools = _pools(session)
+    return [_observed(d, pools) for d in session.scalars(select(Deployment).order_by(Deployment.model))]
 
 
 @dataclass
@@ -334,29 +409,49 @@ class Autoscaler:
         wall = self._clock.now()
         decisions: list[tuple[str, Decision]] = []
         for obs in observed:
-            tracked = self._tracked.setdefault(obs.model, _Tracked())
-            tracked.samples.append(Sample(now, obs.concurrency))
-            horizon = now - obs.spec.stable_window_s - self._ctx.settings.autoscale_interval_s
-            while tracked.samples and tracked.samples[0].at < horizon:
-                tracked.samples.popleft()
+            pools = [NodeRole.BOTH] if obs.prefill is None else [NodeRole.DECODE, NodeRole.PREFILL]
+            for pool in pools:
+                decision = await self._step(fence, obs, pool, now, wall)
+                if decision is not None:
+                    decisions.append((obs.model, decision))
+        for key in set(self._tracked) - {_key(o.model, p) for o in observed for p in NodeRole}:
+            del self._tracked[key]
+        return decisions
+
+    async def _step(
+        self, fence: Fence, obs: Observed, pool: NodeRole, now: float, wall: datetime
+    ) -> Decision | None:
+        """Sample one pool of a deployment, decide, and write what changed (None: not applied)."""
+        tracked = self._tracked.setdefault(_key(obs.model, pool), _Tracked())
+        prefill = obs.prefill if pool is NodeRole.PREFILL else None
+        tracked.samples.append(Sample(now, obs.concurrency if prefill is None else prefill.waiting_prompt_tokens))
+        horizon = now - obs.spec.stable_window_s - self._ctx.settings.autoscale_interval_s
+        while tracked.samples and tracked.samples[0].at < horizon:
+            tracked.samples.popleft()
+        request_age = self._request_age(tracked, obs.last_scale_request_at, now, wall)
+        if prefill is None:
             decision = decide(
                 obs.spec, min_replicas=obs.min_replicas, max_replicas=obs.max_replicas,
                 samples=tracked.samples, current=obs.desired, ready=obs.ready, now=now, state=tracked.state,
-                since_scale_request_s=self._request_age(tracked, obs.last_scale_request_at, now, wall),
+                since_scale_request_s=request_age,
             )
-            hold_due = tracked.last_recorded is None or now - tracked.last_recorded >= (
-                self._ctx.settings.autoscale_hold_record_s
+        else:
+            decision = decide_prefill(
+                obs.spec, prefill.topology, samples=tracked.samples, current=prefill.desired, ready=prefill.ready,
+                now=now, state=tracked.state, since_scale_request_s=request_age,
             )
-            if decision.changes(obs.desired) or hold_due:
-                applied = await self._apply(fence, obs, decision, wall)
-                if not applied:
-                    continue  # the deployment changed under us; decide again next tick
-                tracked.last_recorded = now
-            tracked.state = decision.state
-            decisions.append((obs.model, decision))
-        for model in set(self._tracked) - {o.model for o in observed}:
-            del self._tracked[model]
-        return decisions
+        if pool is NodeRole.DECODE:
+            decision = replace(decision, inputs={**decision.inputs, "pool": NodeRole.DECODE.value})
+        current = obs.desired if prefill is None else prefill.desired
+        hold_due = tracked.last_recorded is None or now - tracked.last_recorded >= (
+            self._ctx.settings.autoscale_hold_record_s
+        )
+        if decision.changes(current) or hold_due:
+            if not await self._apply(fence, obs, decision, wall, prefill=prefill is not None):
+                return None  # the deployment changed under us; decide again next tick
+            tracked.last_recorded = now
+        tracked.state = decision.state
+        return decision
 
     def _read(self) -> list[Observed]:
         with self._ctx.read() as session:
@@ -370,7 +465,14 @@ class Autoscaler:
             tracked.request_at, tracked.request_seen = request_at, now
         return max(0.0, min((wall - request_at).total_seconds(), now - tracked.request_seen))
 
-    async def _apply(self, fence: Fence, obs: Observed, decision: Decision, wall: datetime) -> bool:
+    async def _apply(
+        self, fence: Fence, obs: Observed, decision: Decision, wall: datetime, *, prefill: bool = False
+    ) -> bool:
+        """Record the decision and set the pool's count (desired_replicas, or
+        desired_prefill_replicas for a prefill pool), unless the deployment changed since the read."""
+        column = "desired_prefill_replicas" if prefill else "desired_replicas"
+        current = obs.prefill.desired if prefill and obs.prefill is not None else obs.desired
+
         def write() -> bool:
             with self._ctx.write() as session:
                 check_fence(session, fence)
@@ -378,24 +480,43 @@ class Autoscaler:
                 # A scale-up request or an operator's edit since the read: decide again on fresh data.
                 if row is None or row.desired_replicas != obs.desired or (
                     row.last_scale_request_at != obs.last_scale_request_at
-                ) or (row.min_replicas, row.max_replicas) != (obs.min_replicas, obs.max_replicas):
+                ) or (row.min_replicas, row.max_replicas) != (obs.min_replicas, obs.max_replicas) or (
+                    _prefill_fields(row) != _observed_prefill(obs)
+                ):
                     return False
                 session.add(AutoscalerDecision(
-                    model=obs.model, at=wall, mode=decision.mode.value, inputs=decision.inputs, current=obs.desired,
+                    model=obs.model, at=wall, mode=decision.mode.value, inputs=decision.inputs, current=current,
                     desired=decision.desired, reason=decision.reason[:500], epoch=fence.epoch,
                 ))
-                if decision.changes(obs.desired):
-                    row.desired_replicas = decision.desired
+                if decision.changes(current):
+                    setattr(row, column, decision.desired)
                     row.last_scale_reason = f"autoscaler: {decision.reason}"[:200]
                     row.updated_at = wall
                     audit.record(session, ACTOR, action="scale", resource_type="deployment", resource_id=obs.model,
-                                 before={"desired_replicas": obs.desired},
-                                 after={"desired_replicas": decision.desired, "mode": decision.mode.value},
+                                 before={column: current},
+                                 after={column: decision.desired, "mode": decision.mode.value},
                                  now=wall)
                 return True
 
         applied = await asyncio.to_thread(write)
-        if applied and decision.changes(obs.desired):
+        if applied and decision.changes(current):
             log.info("autoscaler: %s %s", obs.model, decision.reason)
         return applied
 
+
+
+def _key(model: str, pool: NodeRole) -> str:
+    """The leader's memory key of one pool (a co-located deployment's is its model's name)."""
+    return model if pool is NodeRole.BOTH or pool is NodeRole.DECODE else f"{model}\x00{pool.value}"
+
+
+def _prefill_fields(row: Deployment) -> tuple[object, ...]:
+    if row.disaggregation is None:
+        return (None, None)
+    return (row.disaggregation, row.desired_prefill_replicas or 0)
+
+
+def _observed_prefill(obs: Observed) -> tuple[object, ...]:
+    if obs.prefill is None:
+        return (None, None)
+    return (obs.prefill.topology.model_dump(mode="json"), obs.prefill.desired)

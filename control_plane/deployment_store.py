@@ -12,7 +12,14 @@ from sqlalchemy.orm import Session
 from control_plane.db.models import Deployment
 from control_plane.errors import NotFound
 from control_plane.routing_table import bump_version
-from meridian.contracts import AutoscalingSpec, DeploymentView, PlacementSpec, RegionInfo, ScaleUpRequest
+from meridian.contracts import (
+    AutoscalingSpec,
+    DeploymentView,
+    DisaggregationSpec,
+    PlacementSpec,
+    RegionInfo,
+    ScaleUpRequest,
+)
 
 
 def _routing_fields(row: Deployment) -> tuple[object, ...]:
@@ -25,7 +32,22 @@ def _clamp(value: int, low: int, high: int) -> int:
 
 
 def _spec_fields(row: Deployment) -> tuple[object, ...]:
-    return (row.zone, row.min_replicas, row.max_replicas, row.placement, row.autoscaling)
+    return (row.zone, row.min_replicas, row.max_replicas, row.placement, row.autoscaling, row.disaggregation)
+
+
+def disaggregation_of(row: Deployment) -> DisaggregationSpec | None:
+    """The deployment's prefill/decode topology; None: co-located."""
+    return DisaggregationSpec.model_validate(row.disaggregation) if row.disaggregation is not None else None
+
+
+def _desired_prefill(row: Deployment, spec: DisaggregationSpec | None) -> int | None:
+    """The prefill pool's count: kept (clamped into the new bounds) across updates, started at
+    its minimum, None while co-located."""
+    if spec is None:
+        return None
+    current = row.desired_prefill_replicas
+    start = spec.min_prefill_replicas if current is None else current
+    return _clamp(start, spec.min_prefill_replicas, spec.max_prefill_replicas)
 
 
 def find(session: Session, model: str, *, for_update: bool = False) -> Deployment | None:
@@ -45,6 +67,7 @@ def upsert(
     now: datetime,
     placement: PlacementSpec | None = None,
     autoscaling: AutoscalingSpec | None = None,
+    disaggregation: DisaggregationSpec | None = None,
     row: Deployment | None = None,
 ) -> tuple[Deployment, bool, bool]:
     """Create or update the deployment of `model`; returns it, whether it was created, and
@@ -69,7 +92,9 @@ def upsert(
     row.max_replicas = max_replicas
     row.placement = (placement or PlacementSpec()).model_dump(mode="json")
     row.autoscaling = (autoscaling or AutoscalingSpec()).model_dump(mode="json")
+    row.disaggregation = disaggregation.model_dump(mode="json") if disaggregation is not None else None
     row.desired_replicas = _clamp(row.desired_replicas, min_replicas, max_replicas)
+    row.desired_prefill_replicas = _desired_prefill(row, disaggregation)
     changed = created or _spec_fields(row) != before_spec
     if changed and not created:
         row.resource_version += 1
@@ -106,6 +131,11 @@ def request_scale_up(
     row = get(session, model, for_update=True)
     wanted = _clamp(max(1, row.min_replicas), 1, row.max_replicas)
     row.desired_replicas = max(row.desired_replicas, wanted)
+    spec = disaggregation_of(row)
+    if spec is not None and row.desired_prefill_replicas is not None:
+        # A decode worker without a prefill worker serves nothing: ask for one of each.
+        prefill = _clamp(max(1, spec.min_prefill_replicas), 1, spec.max_prefill_replicas)
+        row.desired_prefill_replicas = max(row.desired_prefill_replicas, prefill)
     row.last_scale_request_at = now
     row.last_scale_reason = f"{req.reason} ({req.queued_requests} queued)"[:200]
     # A hint only: a region this control plane does not know is not recorded.
@@ -124,6 +154,8 @@ def view(row: Deployment) -> DeploymentView:
         desired_replicas=row.desired_replicas,
         placement=PlacementSpec.model_validate(row.placement or {}),
         autoscaling=AutoscalingSpec.model_validate(row.autoscaling or {}),
+        disaggregation=disaggregation_of(row),
+        desired_prefill_replicas=row.desired_prefill_replicas,
         resource_version=row.resource_version,
         last_scale_request_at=row.last_scale_request_at,
         last_scale_reason=row.last_scale_reason,

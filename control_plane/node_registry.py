@@ -9,12 +9,13 @@ from sqlalchemy.orm import Session
 from control_plane import weight_registry
 from control_plane.db.models import Node, NodeDrain
 from control_plane.errors import BadRequest, NotFound
-from control_plane.routing_table import bump_version, current_version
+from control_plane.routing_table import bump_version, current_version, node_kv_transfer
 from meridian.contracts import (
     ColdStart,
     NodeHeartbeat,
     NodeLoad,
     NodeRegistration,
+    NodeRole,
     NodeStatus,
     NodeView,
     RegionInfo,
@@ -24,7 +25,7 @@ from meridian.contracts import (
 def _routing_fields(node: Node) -> tuple[object, ...]:
     """What routers see of a node; a change here is a new routing version."""
     return (node.region, node.url, tuple(node.models), node.engine, node.status, node.kv_events,
-            node.kv_events_replay, node.tool_call_parser)
+            node.kv_events_replay, node.tool_call_parser, node.role, node.kv_transfer)
 
 
 def _status(session: Session, node_id: str, reported: NodeStatus) -> str:
@@ -59,6 +60,8 @@ def register(session: Session, reg: NodeRegistration, regions: dict[str, RegionI
     node.kv_events = reg.kv_events
     node.kv_events_replay = reg.kv_events_replay
     node.tool_call_parser = reg.tool_call_parser
+    node.role = reg.role.value
+    node.kv_transfer = reg.kv_transfer.model_dump(mode="json") if reg.kv_transfer is not None else None
     node.status = _status(session, reg.node_id, reg.status)
     node.load = NodeLoad(running=0, waiting=0, kv_cache_usage=0.0).model_dump()
     node.registered_at = now
@@ -125,7 +128,10 @@ def view(session: Session, n: Node) -> NodeView:
         last_heartbeat=n.last_heartbeat,
         cold_start=ColdStart.model_validate(n.cold_start) if n.cold_start else None,
         weights=weight_registry.cached_digests(session, n.node_id),
+        role=NodeRole(n.role),
+        kv_transfer=node_kv_transfer(n),
     )
+
 
 
 def get(session: Session, node_id: str) -> NodeView:

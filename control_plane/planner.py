@@ -18,23 +18,25 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane import audit, capacity_store, model_store
+from control_plane import audit, capacity_store, deployment_store, model_store
 from control_plane.audit import Actor
 from control_plane.db.models import Deployment, ModelRecord, PlacementPlan
 from control_plane.errors import Conflict, NotFound
 from control_plane.placement.diff import PlanDiff, diff
-from control_plane.placement.fit import fit_model
+from control_plane.placement.fit import ModelFit, fit_model, prefill_per_decode
+from control_plane.placement.pools import PoolPlan, split_pools
 from control_plane.placement.problem import (
     Assignment,
     PlacementResult,
     Problem,
+    ReplicaShape,
     SolveOptions,
     shapes_from_fit,
 )
 from control_plane.placement.problem import Deployment as PlacementDeployment
 from control_plane.placement.solver import solve
 from meridian.admin_api import PlanStatus
-from meridian.contracts import PlacementSpec, RegionInfo
+from meridian.contracts import DisaggregationSpec, PlacementSpec, RegionInfo
 from providers.catalog import Catalog
 
 
@@ -46,6 +48,8 @@ class PlanningState:
     base_plan_id: str | None
     # Deployments that cannot be placed before solving (no model spec, fits no SKU).
     blockers: tuple[str, ...]
+    # Disaggregated deployments: how their regions split into prefill and decode pools.
+    pools: Mapping[str, PoolPlan] = dataclasses.field(default_factory=dict)
 
 
 def current_plan(session: Session) -> PlacementPlan | None:
@@ -61,8 +65,18 @@ def assignment_of(data: Mapping[str, Any]) -> Assignment:
     return Assignment(**{f.name: data[f.name] for f in dataclasses.fields(Assignment) if f.name in data})
 
 
+def _pool_plan(spec: DisaggregationSpec, fit: ModelFit) -> PoolPlan:
+    """The ratio per SKU (the deployment's, else fit's from its mix) and the explicit pools."""
+    ratios = {
+        sku: spec.prefill_per_decode if spec.prefill_per_decode is not None
+        else prefill_per_decode(f, spec.mean_prompt_tokens, spec.mean_output_tokens)
+        for sku, f in fit.per_sku.items()
+    }
+    return PoolPlan(ratios, {r: (p.prefill, p.decode) for r, p in spec.pools.items()})
+
+
 def _deployment(
-    row: Deployment, model: ModelRecord | None, catalog: Catalog, blockers: list[str]
+    row: Deployment, model: ModelRecord | None, catalog: Catalog, blockers: list[str], pools: dict[str, PoolPlan]
 ) -> PlacementDeployment | None:
     if model is None:
         blockers.append(f"deployment {row.model}: no model spec; PUT /v1/models/{row.model} first")
@@ -73,9 +87,15 @@ def _deployment(
         blockers.append(f"deployment {row.model}: the model fits on no GPU SKU (even at tensor parallelism 8)")
         return None
     spec = PlacementSpec.model_validate(row.placement or {})
+    shapes = shapes_from_fit(fit)
+    topology = deployment_store.disaggregation_of(row)
+    if topology is not None:
+        # Only decode replicas generate: a replica counts for the decode share of its rate.
+        pools[row.model] = plan = _pool_plan(topology, fit)
+        shapes = {sku: ReplicaShape(s.tp, s.tokens_per_s * plan.decode_share(sku)) for sku, s in shapes.items()}
     return PlacementDeployment(
         name=row.model,
-        shapes=shapes_from_fit(fit),
+        shapes=shapes,
         zone=row.zone,
         demand_tokens_per_s=dict(spec.demand),
         min_replicas_near=dict(spec.replicas),
@@ -85,6 +105,7 @@ def _deployment(
         min_providers=None if spec.min_providers == 2 else spec.min_providers,
         allowed_skus=frozenset(spec.allowed_skus) if spec.allowed_skus is not None else None,
         spot_allowed=spec.spot,
+        disaggregated=topology is not None,
     )
 
 
@@ -93,8 +114,9 @@ def read_state(session: Session, catalog: Catalog, regions: Mapping[str, RegionI
     models = {m.name: m for m in session.scalars(select(ModelRecord)).all()}
     blockers: list[str] = []
     deployments = []
+    pools: dict[str, PoolPlan] = {}
     for row in session.scalars(select(Deployment).order_by(Deployment.model)).all():
-        d = _deployment(row, models.get(row.model), catalog, blockers)
+        d = _deployment(row, models.get(row.model), catalog, blockers, pools)
         if d is not None:
             deployments.append(d)
     current = current_plan(session)
@@ -106,14 +128,23 @@ def read_state(session: Session, catalog: Catalog, regions: Mapping[str, RegionI
         capacity={(c.region, c.sku): c.max_gpus for c in capacity_store.effective(session, catalog)},
         current=[assignment_of(a) for a in current.assignments] if current else (),
     )
-    return PlanningState(problem=problem, base_plan_id=current.id if current else None, blockers=tuple(blockers))
+    return PlanningState(problem=problem, base_plan_id=current.id if current else None, blockers=tuple(blockers),
+                         pools=pools)
 
 
 def solve_state(state: PlanningState, options: SolveOptions | None = None) -> PlacementResult:
     """Solve (pure, slow: run it outside any transaction)."""
     if state.blockers:
         return PlacementResult("infeasible", explanation=state.blockers)
-    return solve(state.problem, options)
+    result = solve(state.problem, options)
+    if not result.feasible or not state.pools:
+        return result
+    # Each node of a disaggregated deployment gets its role (the reconciler launches it so).
+    split: list[Assignment] = []
+    for d in state.problem.deployments:
+        mine = [a for a in result.assignments if a.deployment == d.name]
+        split.extend(split_pools(state.pools[d.name], mine) if d.name in state.pools else mine)
+    return dataclasses.replace(result, assignments=tuple(split))
 
 
 def diff_as_dict(d: PlanDiff) -> dict[str, Any]:

@@ -11,6 +11,8 @@ from control_plane.db.models import ApiKey, Deployment, Node, RoutingState, Tena
 from control_plane.scopes import Scope
 from meridian.contracts import (
     DeploymentEntry,
+    KVTransferInfo,
+    NodeRole,
     NodeStatus,
     RegionInfo,
     RoutingNode,
@@ -66,6 +68,8 @@ def build_routing_table(session: Session, regions: dict[str, RegionInfo], now: d
                 kv_events=n.kv_events,
                 kv_events_replay=n.kv_events_replay,
                 tool_call_parser=n.tool_call_parser,
+                role=NodeRole(n.role),
+                kv_transfer=node_kv_transfer(n),
             )
             for n in nodes
         ],
@@ -75,6 +79,11 @@ def build_routing_table(session: Session, regions: dict[str, RegionInfo], now: d
             for d in deployments
         ],
     )
+
+
+def node_kv_transfer(n: Node) -> KVTransferInfo | None:
+    """The node's KV transfer as it registered it (None: co-located)."""
+    return KVTransferInfo.model_validate(n.kv_transfer) if n.kv_transfer is not None else None
 
 
 def _tenant_entry(key: ApiKey, tenant: Tenant | None) -> TenantEntry:

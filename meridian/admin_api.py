@@ -24,6 +24,7 @@ from meridian.contracts import (
     PRINTABLE_PATTERN,
     AutoscalingSpec,
     CacheGroupName,
+    DisaggregationSpec,
     ModelName,
     NodeView,
     PlacementSpec,
@@ -141,6 +142,8 @@ class DeploymentUpsert(BaseModel):
     max_replicas: int = Field(1, ge=1, le=1000)
     placement: PlacementSpec = PlacementSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()
+    # Prefill/decode disaggregation; None (the default): co-located.
+    disaggregation: DisaggregationSpec | None = None
 
     @model_validator(mode="after")
     def _bounds(self) -> DeploymentUpsert:

@@ -358,7 +358,7 @@ class NodeView(_Wire):
     last_heartbeat: datetime
     cold_start: ColdStart | None = None
     weights: list[str] = Field(default_factory=list)
-    # Its prefill/decode role (co-located: both) and KV transfer, as it registered them.
+    # Its prefill/decode role and KV transfer, as it registered them (co-located when absent).
     role: NodeRole = _ROLE
     kv_transfer: KVTransferInfo | None = _OMITTED_WHEN_UNSET
 
@@ -489,6 +489,44 @@ class AutoscalingSpec(_Wire):
     max_scale_down_rate: float = Field(2.0, gt=1)
 
 
+class PoolSizes(_Wire):
+    """A region's prefill and decode pools of a disaggregated deployment, in replicas."""
+
+    prefill: int = Field(ge=1, le=1000)
+    decode: int = Field(ge=1, le=1000)
+
+
+class DisaggregationSpec(_Wire):
+    """Prefill/decode disaggregation of a deployment: in every region it runs, a prefill pool
+    computes prompts' KV and hands it over `connector` to a decode pool of the same region,
+    so KV never leaves the region (nor its zone). A deployment without one is co-located.
+
+    Pool sizes come, in this order, from `pools` (per region), from `prefill_per_decode`, or
+    from model fit on the placed SKU and the prompt/generation mix (prefill is compute-bound,
+    decode memory-bound). The deployment's min/max/desired replicas count its decode pool.
+    """
+
+    connector: KVConnector = KVConnector.NIXL
+    # Explicit pool sizes per region (placement puts both pools there or nowhere).
+    pools: dict[RegionName, PoolSizes] = Field(default_factory=dict, max_length=64)
+    # Prefill replicas per decode replica elsewhere; None: fit derives it from the mix.
+    prefill_per_decode: float | None = Field(None, gt=0, le=64, allow_inf_nan=False)
+    # The prompt/generation mix: mean prompt and generated tokens per request.
+    mean_prompt_tokens: int = Field(1024, ge=1, le=10_000_000)
+    mean_output_tokens: int = Field(256, ge=1, le=1_000_000)
+    # The prefill pool's bounds (the decode pool's are the deployment's min/max replicas) and
+    # its autoscaling target: prompt tokens waiting for prefill that one prefill replica carries.
+    min_prefill_replicas: int = Field(1, ge=0, le=1000)
+    max_prefill_replicas: int = Field(8, ge=1, le=1000)
+    target_waiting_prompt_tokens: int = Field(8192, ge=1, le=100_000_000)
+
+    @model_validator(mode="after")
+    def _prefill_bounds(self) -> DisaggregationSpec:
+        if self.min_prefill_replicas > self.max_prefill_replicas:
+            raise ValueError("min_prefill_replicas must not exceed max_prefill_replicas")
+        return self
+
+
 class DeploymentView(_Wire):
     """A deployment as the admin API, `meridian status` and scalers see it."""
 
@@ -499,6 +537,10 @@ class DeploymentView(_Wire):
     desired_replicas: int = Field(ge=0)
     placement: PlacementSpec = PlacementSpec()
     autoscaling: AutoscalingSpec = AutoscalingSpec()
+    # Prefill/decode pools; absent: co-located. desired_prefill_replicas: the prefill pool's
+    # count now (the autoscaler's), as desired_replicas is the decode pool's.
+    disaggregation: DisaggregationSpec | None = _OMITTED_WHEN_UNSET
+    desired_prefill_replicas: int | None = Field(None, ge=0, exclude_if=_is_none)
     # Optimistic concurrency: send it back as If-Match to update.
     resource_version: int = Field(1, ge=1)
     # The last scale-up request: when, why, and the region of the client that waited.

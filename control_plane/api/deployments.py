@@ -16,9 +16,10 @@ from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_cluster_token, require_scopes
 from control_plane.db.models import Deployment
 from control_plane.errors import BadRequest, Conflict
+from control_plane.placement.problem import in_zone
 from control_plane.scopes import FLEET_READERS, Scope
 from meridian.admin_api import DeploymentUpsert
-from meridian.contracts import PRINTABLE_PATTERN, DeploymentView, ScaleUpRequest
+from meridian.contracts import PRINTABLE_PATTERN, DeploymentView, DisaggregationSpec, ScaleUpRequest
 
 router = APIRouter(prefix="/v1", tags=["deployments"])
 OperatorActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN, Scope.OPERATOR]))]
@@ -54,6 +55,8 @@ def put_deployment(
         unknown = sorted(r for r in regions if r not in ctx.regions)
         if unknown:
             raise BadRequest(f"placement.{field} names unknown regions: {', '.join(unknown)}")
+    if body.disaggregation is not None:
+        _check_pools(ctx, body.zone, body.disaggregation)
     now = ctx.clock.now()
     try:
         with ctx.write() as session:
@@ -70,6 +73,7 @@ def put_deployment(
                 max_replicas=body.max_replicas,
                 placement=body.placement,
                 autoscaling=body.autoscaling,
+                disaggregation=body.disaggregation,
                 now=now,
                 row=existing,
             )
@@ -83,6 +87,16 @@ def put_deployment(
     response.status_code = 201 if created else 200
     set_etag(response, view.resource_version)
     return view
+
+
+def _check_pools(ctx: Ctx, zone: str, spec: DisaggregationSpec) -> None:
+    """Pools go only to known regions of the deployment's zone: residency is a hard filter."""
+    unknown = sorted(r for r in spec.pools if r not in ctx.regions)
+    if unknown:
+        raise BadRequest(f"disaggregation.pools names unknown regions: {', '.join(unknown)}")
+    outside = sorted(r for r in spec.pools if not in_zone(ctx.regions[r], zone))
+    if outside:
+        raise BadRequest(f"disaggregation.pools names regions outside zone {zone!r}: {', '.join(outside)}")
 
 
 @router.get("/deployments", dependencies=fleet_readers)

@@ -93,6 +93,10 @@ class Node(Base):
     kv_events_replay: Mapped[str | None] = mapped_column(String(256), nullable=True)
     # vLLM's --tool-call-parser of the node (None: it parses no tool calls), as it advertised it.
     tool_call_parser: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Prefill/decode disaggregation: a meridian.contracts.NodeRole value and, for a prefill or
+    # decode node, its meridian.contracts.KVTransferInfo (connector, endpoint, lease) as JSON.
+    role: Mapped[str] = mapped_column(String(16), default="both", server_default="both")
+    kv_transfer: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
 
 
 class ApiKey(Base):
@@ -155,6 +159,11 @@ class Deployment(Base):
     # Autoscaler (KPA): concurrency target, windows, scale-down delay, panic threshold
     # (control_plane.api.deployments.AutoscalingSpec as JSON).
     autoscaling: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Prefill/decode pools (meridian.contracts.DisaggregationSpec as JSON); None: co-located.
+    # Then desired_replicas is the decode pool's count and desired_prefill_replicas the
+    # prefill pool's (None while co-located).
+    disaggregation: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    desired_prefill_replicas: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Optimistic concurrency: the ETag of the resource; bumped on every change.
     resource_version: Mapped[int] = mapped_column(Integer, default=1)
 

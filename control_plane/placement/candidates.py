@@ -146,7 +146,9 @@ def build_candidates(problem: Problem) -> tuple[list[Candidates], list[str]]:
                         no_quota.add(r)  # not even one instance fits the quota
                         continue
                     held = current_instances.get((d.name, r, off.instance_type, off.sku, spot), 0)
-                    useful = max(1, math.ceil(reach_demand / tokens), math.ceil(reach_count / replicas), held)
+                    # A disaggregated region holds two instances at least (a prefill and a decode node).
+                    least = 2 if d.disaggregated else 1
+                    useful = max(least, math.ceil(reach_demand / tokens), math.ceil(reach_count / replicas), held)
                     groups[off.sku].append(Option(off, spot, price, replicas, tokens, useful))
             for group in groups.values():
                 options.extend(_prune(group, current_keys.get(d.name, set())))

@@ -97,6 +97,7 @@ def deployment_violations(
     out: list[str] = []
     supply: dict[str, float] = defaultdict(float)
     replicas: dict[str, int] = defaultdict(int)
+    instances: dict[str, int] = defaultdict(int)
     for a in assignments:
         off = offerings.get((a.region, a.instance_type))
         shape = d.shapes.get(a.sku)
@@ -112,6 +113,12 @@ def deployment_violations(
                        f" replicas of TP {shape.tp}")
         supply[a.region] += a.replicas * shape.tokens_per_s
         replicas[a.region] += a.replicas
+        instances[a.region] += a.instances
+    if d.disaggregated:
+        for r, n in sorted(instances.items()):
+            if n < 2:
+                out.append(f"pools: deployment {d.name} has {n} instance in {r}; a disaggregated region needs"
+                           " a prefill and a decode node")
     clients = d.client_regions
     reach = {c: [r for r in replicas
                  if r in problem.regions and rtt_ms(problem.regions[c], problem.regions[r]) <= d.rtt_objective_ms]

@@ -30,6 +30,15 @@ Throughput (a roofline):
 
 A replica's serving throughput (what placement covers demand with) is its decode rate:
 generated tokens per second at the target concurrency.
+
+Prefill/decode pools (`size_pools`): a disaggregated deployment runs prompts on prefill
+replicas and generation on decode replicas. For a mix of P prompt and G generated tokens per
+request, demand D generated tokens/s is D/G requests/s, so D·P/G prompt tokens/s for the
+prefill pool (compute-bound: the prefill rate above) and D generated tokens/s for the decode
+pool (memory-bound: the decode rate above, now free of prefill interference). Prefill
+replicas per decode replica are therefore (P/G) × decode rate / prefill rate: prompt-heavy
+mixes and bandwidth-rich, FLOP-poor SKUs want more prefill. Attention's own FLOPs (quadratic
+in the prompt) are left out, as in the prefill rate.
 """
 
 from __future__ import annotations
@@ -246,3 +255,41 @@ def fit_model(
         if fit is not None:
             per_sku[name] = fit
     return ModelFit(model=model, per_sku=per_sku)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSizing:
+    """A disaggregated deployment's pools on one SKU for a prompt/generation mix and a demand."""
+
+    sku: str
+    prefill_replicas: int
+    decode_replicas: int
+    # Prefill replicas per decode replica the mix needs on this SKU, before rounding.
+    prefill_per_decode: float
+    requests_per_s: float
+    prompt_tokens_per_s: float
+
+
+def prefill_per_decode(fit: SkuFit, prompt_tokens: float, output_tokens: float) -> float:
+    """Prefill replicas one decode replica needs on this SKU for the mix (see the module's doc)."""
+    if prompt_tokens <= 0 or output_tokens <= 0:
+        raise ValueError("a mix needs positive prompt and generated tokens per request")
+    return (prompt_tokens / output_tokens) * fit.decode_tokens_per_s / fit.prefill_tokens_per_s
+
+
+def size_pools(fit: SkuFit, *, prompt_tokens: float, output_tokens: float, demand_tokens_per_s: float) -> PoolSizing:
+    """Prefill and decode replicas that serve `demand_tokens_per_s` generated tokens/s of the mix;
+    at least one of each (a disaggregated region runs both pools or none)."""
+    if demand_tokens_per_s < 0:
+        raise ValueError("demand must be >= 0")
+    ratio = prefill_per_decode(fit, prompt_tokens, output_tokens)
+    requests = demand_tokens_per_s / output_tokens
+    prompt_rate = requests * prompt_tokens
+    return PoolSizing(
+        sku=fit.sku,
+        prefill_replicas=max(1, math.ceil(prompt_rate / fit.prefill_tokens_per_s)),
+        decode_replicas=max(1, math.ceil(demand_tokens_per_s / fit.decode_tokens_per_s)),
+        prefill_per_decode=ratio,
+        requests_per_s=requests,
+        prompt_tokens_per_s=prompt_rate,
+    )

@@ -108,6 +108,8 @@ class PlacementModel:
             self.n.append(cols)
             self._demand(cand, by_region)
             self._spread(problem, cand, by_region)
+            if d.disaggregated:
+                self._both_pools(by_region)
 
         for key, terms in sorted(gpu_terms.items()):
             quota = capacity.get(key)
@@ -156,6 +158,15 @@ class PlacementModel:
                 for c, fcol in served:
                     cap = d.demand_tokens_per_s[c]
                     self.milp.row([(fcol, 1.0)] + [(col, -min(o.tokens_per_s, cap)) for o, col in opts], upper=0.0)
+
+    def _both_pools(self, by_region: Mapping[str, list[tuple[Option, int]]]) -> None:
+        """A disaggregated deployment's region holds no instance or at least two (a prefill and
+        a decode node): u_r binary, 2·u_r ≤ Σ n ≤ M·u_r."""
+        for opts in by_region.values():
+            big = sum(self.milp.col_upper[col] for _, col in opts)
+            u = self.milp.var(0.0, 0.0, 1.0, integer=True)
+            self.milp.row([(col, 1.0) for _, col in opts] + [(u, -2.0)], lower=0.0)
+            self.milp.row([(col, 1.0) for _, col in opts] + [(u, -big)], upper=0.0)
 
     def _spread(self, problem: Problem, cand: Candidates, by_region: Mapping[str, list[tuple[Option, int]]]) -> None:
         if cand.min_regions <= 1 and cand.min_providers <= 1 and cand.deployment.client_regions:

@@ -56,6 +56,8 @@ class Deployment:
     min_providers: int | None = None
     allowed_skus: frozenset[str] | None = None  # None: any SKU in shapes
     spot_allowed: bool = False
+    # Prefill/decode disaggregated: each region it uses holds >= 2 instances (both pools).
+    disaggregated: bool = False
 
     def __post_init__(self) -> None:
         if any(v < 0 for v in self.demand_tokens_per_s.values()) or any(
@@ -92,6 +94,9 @@ class Assignment:
     replicas: int
     spot: bool = False
     cost_per_hour: float = 0.0
+    # The nodes' prefill/decode role (a meridian.contracts.NodeRole value): "both" unless the
+    # deployment is disaggregated (control_plane.placement.pools).
+    role: str = "both"
 
     @property
     def key(self) -> tuple[str, str, str, str, bool]:

@@ -18,7 +18,7 @@ TABLES = {
     "models", "capacity", "placement_plans", "tenants", "audit_log",
     "leadership", "node_groups", "node_drains", "reconcile_steps", "autoscaler_decisions",
 }
-HEAD = "0008"
+HEAD = "0010"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from cli.status_view import status_table
-from meridian.contracts import NodeLoad, NodeStatus, NodeView
+from meridian.contracts import KVConnector, KVTransferInfo, NodeLoad, NodeRole, NodeStatus, NodeView
 from meridian.ports import free_port
 from providers.regions import region_catalog
 
@@ -82,6 +82,19 @@ def test_status_table_lists_resident_lora_adapters_with_the_model():
     console.print(status_table(list(region_catalog().values()), [node], now=now))
     line = next(line for line in console.export_text().splitlines() if "n-eu" in line)
     assert "tiny-llama, +support, +legal" in line
+
+
+def test_status_table_shows_a_disaggregated_nodes_role():
+    now = datetime.now(UTC)
+    transfer = KVTransferInfo(connector=KVConnector.NIXL, endpoint="10.0.0.7:5600", lease_s=30)
+    prefill = _node("n-p", "gcp:europe-west4", NodeStatus.READY, 1, now).model_copy(
+        update={"role": NodeRole.PREFILL, "kv_transfer": transfer})
+    both = _node("n-c", "gcp:europe-west4", NodeStatus.READY, 1, now)
+    console = Console(width=200, record=True)
+    console.print(status_table(list(region_catalog().values()), [prefill, both], now=now))
+    lines = console.export_text().splitlines()
+    assert "n-p (prefill)" in next(line for line in lines if "n-p" in line)
+    assert "(" not in next(line for line in lines if "n-c" in line).split("ready")[0]
 
 
 def test_status_table_with_no_nodes_says_so():

@@ -12,12 +12,12 @@ import pytest
 from cp_harness import ControlPlane
 from sqlalchemy import select
 
-from control_plane.autoscaler import Autoscaler, Decision, KpaState, Sample, decide
+from control_plane.autoscaler import Autoscaler, Decision, KpaState, Sample, decide, decide_prefill
 from control_plane.context import AppContext
 from control_plane.db.models import AuditEntry
 from control_plane.leader import FLEET, Deposed, Fence, claim
 from meridian.clock import ManualClock
-from meridian.contracts import AutoscalingSpec
+from meridian.contracts import AutoscalingSpec, DisaggregationSpec
 
 TICK_S = 2.0
 
@@ -198,6 +198,32 @@ loops_off = pytest.mark.parametrize(
 MODEL = "tiny-llama"
 
 
+def test_the_prefill_pool_follows_queued_prompt_tokens_within_its_bounds() -> None:
+    topology = DisaggregationSpec(target_waiting_prompt_tokens=4096, min_prefill_replicas=1, max_prefill_replicas=6)
+    state, samples, current = KpaState(), [], 1
+    now = 0.0
+    for _ in range(30):  # a minute of 20,000 prompt tokens waiting: ceil(20000 / 4096) = 5
+        now += TICK_S
+        samples.append(Sample(now, 20_000))
+        d = decide_prefill(spec(), topology, samples=samples, current=current, ready=current, now=now, state=state)
+        state, current = d.state, d.desired
+    assert current == 5
+    assert d.inputs["pool"] == "prefill" and d.inputs["target_concurrency"] == 4096
+    assert d.reason.startswith("prefill ")
+    for _ in range(60):  # a burst beyond the pool's bound stops at max_prefill_replicas
+        now += TICK_S
+        samples.append(Sample(now, 200_000))
+        d = decide_prefill(spec(), topology, samples=samples, current=current, ready=current, now=now, state=state)
+        state, current = d.state, d.desired
+    assert current == 6
+    for _ in range(120):  # the queue drains: down to the pool's minimum, never to zero
+        now += TICK_S
+        samples.append(Sample(now, 0))
+        d = decide_prefill(spec(), topology, samples=samples, current=current, ready=current, now=now, state=state)
+        state, current = d.state, d.desired
+    assert current == 1
+
+
 @pytest.fixture
 def clock_kind() -> str:
     # The app (the autoscaler and the scale-up route that stamps requests) runs on a
@@ -297,3 +323,36 @@ async def test_a_deposed_autoscaler_changes_nothing(cp: ControlPlane) -> None:
         await Autoscaler(cp.app.state.ctx).tick(old)
     assert await desired(cp) == 0
     assert await decisions(cp) == []
+
+
+@loops_off
+async def test_a_disaggregated_deployment_scales_its_pools_separately(cp: ControlPlane, clock: ManualClock) -> None:
+    autoscaling = {"target_concurrency": 2, "stable_window_s": 6, "panic_threshold_pct": 1000,
+                   "scale_down_delay_s": 0, "max_scale_down_rate": 100}
+    topology = {"target_waiting_prompt_tokens": 1000, "min_prefill_replicas": 1, "max_prefill_replicas": 4}
+    r = await cp.http.put(f"/v1/deployments/{MODEL}", headers=cp.admin, json={
+        "min_replicas": 1, "max_replicas": 5, "autoscaling": autoscaling, "disaggregation": topology})
+    assert r.status_code == 201, r.text
+    transfer = {"connector": "NixlConnector", "endpoint": "10.0.0.7:5600", "lease_s": 30}
+    for node, role in (("p1", "prefill"), ("d1", "decode")):
+        assert (await cp.register(node, models=[MODEL], role=role, kv_transfer=transfer)).status_code == 200
+    # Prompts pile up on the prefill node while the decode node is calm: only prefill grows.
+    await cp.heartbeat("p1", load={"running": 1, "waiting": 9, "waiting_prompt_tokens": 3500})
+    await cp.heartbeat("d1", load={"running": 1, "waiting": 0})
+    scaler = Autoscaler(cp.app.state.ctx)
+    fence = lead(cp)
+    await scaler.tick(fence)
+    view = (await cp.http.get(f"/v1/deployments/{MODEL}", headers=cp.admin)).json()
+    assert (view["desired_prefill_replicas"], view["desired_replicas"]) == (4, 1)  # ceil(3500 / 1000); 1 in flight
+
+    # Then generation is the bottleneck: the decode pool grows; the drained prefill queue
+    # brings its pool back to its minimum after a window.
+    await cp.heartbeat("p1", load={"running": 0, "waiting": 0, "waiting_prompt_tokens": 0})
+    await cp.heartbeat("d1", load={"running": 7, "waiting": 1})
+    for _ in range(4):
+        clock.advance(2)
+        await scaler.tick(fence)
+    view = (await cp.http.get(f"/v1/deployments/{MODEL}", headers=cp.admin)).json()
+    assert (view["desired_prefill_replicas"], view["desired_replicas"]) == (1, 4)  # 8 in flight / 2
+    pools = {(d["inputs"]["pool"], d["desired"]) for d in await decisions(cp)}
+    assert ("prefill", 4) in pools and ("prefill", 1) in pools and ("decode", 4) in pools

@@ -108,6 +108,61 @@ async def test_invalid_deployments_are_refused(cp: ControlPlane) -> None:
     cp.assert_problem(await _scale_up(cp, "m", queued_requests=-1), 422)
 
 
+async def test_a_disaggregated_topology_is_declared_shown_and_removed(cp: ControlPlane) -> None:
+    topology = {"connector": "NixlConnector", "pools": {"gcp:europe-west4": {"prefill": 1, "decode": 3}},
+                "prefill_per_decode": 0.5, "mean_prompt_tokens": 4000, "mean_output_tokens": 200,
+                "min_prefill_replicas": 1, "max_prefill_replicas": 4}
+    r = await _put(cp, "m", zone="eu", min_replicas=2, max_replicas=6, disaggregation=topology)
+    assert r.status_code == 201
+    made = r.json()
+    assert made["disaggregation"]["pools"] == topology["pools"]
+    assert made["disaggregation"]["connector"] == "NixlConnector"
+    assert made["disaggregation"]["target_waiting_prompt_tokens"] == 8192  # the default
+    # The decode pool starts at min_replicas, the prefill pool at its own minimum.
+    assert (made["desired_replicas"], made["desired_prefill_replicas"]) == (2, 1)
+    assert (await cp.http.get("/v1/deployments/m", headers=cp.admin)).json() == made
+
+    # Raising the prefill pool's minimum raises its count; a new version.
+    r = await _put(cp, "m", zone="eu", min_replicas=2, max_replicas=6,
+                   disaggregation={**topology, "min_prefill_replicas": 3})
+    assert r.json()["desired_prefill_replicas"] == 3
+    assert r.json()["resource_version"] == made["resource_version"] + 1
+
+    # Back to co-located: the topology and the prefill count go.
+    r = await _put(cp, "m", zone="eu", min_replicas=2, max_replicas=6)
+    assert r.status_code == 200
+    assert "disaggregation" not in r.json() and "desired_prefill_replicas" not in r.json()
+
+
+async def test_a_scale_from_zero_asks_for_a_prefill_worker_too(cp: ControlPlane) -> None:
+    await _put(cp, "m", min_replicas=0, max_replicas=4,
+               disaggregation={"min_prefill_replicas": 0, "max_prefill_replicas": 2})
+    r = await _scale_up(cp, "m", reason="scale-from-zero")
+    assert (r.json()["desired_replicas"], r.json()["desired_prefill_replicas"]) == (1, 1)
+
+
+async def test_invalid_topologies_are_refused(cp: ControlPlane) -> None:
+    for bad in (
+        {"connector": "LMCacheConnector"},
+        {"pools": {"gcp:europe-west4": {"prefill": 0, "decode": 1}}},
+        {"pools": {"gcp:europe-west4": {"prefill": 1}}},
+        {"prefill_per_decode": 0},
+        {"prefill_per_decode": "nan"},
+        {"mean_prompt_tokens": 0},
+        {"min_prefill_replicas": 5, "max_prefill_replicas": 2},
+        {"lease_s": 3},
+    ):
+        cp.assert_problem(await _put(cp, "m", zone="eu", disaggregation=bad), 422)
+    body = cp.assert_problem(await _put(cp, "m", zone="eu", disaggregation={
+        "pools": {"aws:nowhere-1": {"prefill": 1, "decode": 1}}}), 400)
+    assert "aws:nowhere-1" in body["detail"]
+    # Residency: an EU deployment's pools (and the KV between them) stay in the EU.
+    body = cp.assert_problem(await _put(cp, "m", zone="eu", disaggregation={
+        "pools": {"aws:us-east-1": {"prefill": 1, "decode": 1}}}), 400)
+    assert "outside zone 'eu'" in body["detail"] and "aws:us-east-1" in body["detail"]
+    assert (await cp.http.get("/v1/deployments", headers=cp.admin)).json() == []
+
+
 async def test_who_may_do_what(cp: ControlPlane) -> None:
     operator = await _key(cp, "operator")
     reader = await _key(cp, "read-only")

@@ -127,6 +127,58 @@ async def test_the_tool_call_parser_reaches_the_routing_table(cp: ControlPlane) 
         assert r.status_code == 422, bad
 
 
+async def test_a_disaggregated_nodes_role_and_kv_transfer_reach_the_table_and_status(cp: ControlPlane) -> None:
+    transfer = {"connector": "NixlConnector", "endpoint": "10.0.0.7:5600", "lease_s": 30.0}
+    await cp.register("node-p", status="ready", role="prefill", kv_transfer=transfer)
+    await cp.register("node-d", status="ready", role="decode",
+                      kv_transfer={**transfer, "endpoint": "10.0.0.8:5600"})
+    await cp.register("node-c", status="ready")
+    v = await cp.version()
+    table = (await cp.table()).json()
+    by_id = {n["node_id"]: n for n in table["nodes"]}
+    assert (by_id["node-p"]["role"], by_id["node-p"]["kv_transfer"]) == ("prefill", transfer)
+    assert by_id["node-d"]["role"] == "decode"
+    assert by_id["node-d"]["kv_transfer"]["endpoint"] == "10.0.0.8:5600"
+    # A co-located node sends what it always did: old routers see no new field.
+    assert "role" not in by_id["node-c"] and "kv_transfer" not in by_id["node-c"]
+
+    nodes = {n["node_id"]: n for n in (await cp.http.get("/v1/nodes", headers=cp.admin)).json()}
+    assert (nodes["node-p"]["role"], nodes["node-p"]["kv_transfer"]) == ("prefill", transfer)
+    assert "role" not in nodes["node-c"]
+
+    # Routers must re-pair when a node changes role or moves its KV endpoint.
+    await cp.register("node-p", status="ready", role="decode", kv_transfer=transfer)
+    assert (await cp.version()) == v + 1
+    await cp.register("node-p", status="ready", role="decode", kv_transfer={**transfer, "endpoint": "10.0.0.7:5700"})
+    assert (await cp.version()) == v + 2
+    # A load-only heartbeat changes nothing routers see.
+    await cp.heartbeat("node-p", load={"running": 0, "waiting": 3, "kv_cache_usage": 0.0,
+                                        "waiting_prompt_tokens": 4096})
+    assert (await cp.version()) == v + 2
+    node = (await cp.http.get("/v1/nodes/node-p", headers=cp.admin)).json()
+    assert node["load"]["waiting_prompt_tokens"] == 4096 and node["role"] == "decode"
+
+    # Back to co-located: the transfer goes with the role.
+    await cp.register("node-p", status="ready")
+    node = next(n for n in (await cp.table()).json()["nodes"] if n["node_id"] == "node-p")
+    assert "role" not in node and "kv_transfer" not in node
+
+
+async def test_a_disaggregated_node_without_a_usable_kv_transfer_is_refused(cp: ControlPlane) -> None:
+    transfer = {"connector": "NixlConnector", "endpoint": "10.0.0.7:5600", "lease_s": 30.0}
+    for fields in (
+        {"role": "prefill"},
+        {"role": "decode", "kv_transfer": None},
+        {"role": "router", "kv_transfer": transfer},
+        {"role": "prefill", "kv_transfer": {**transfer, "endpoint": "10.0.0.7"}},
+        {"role": "prefill", "kv_transfer": {**transfer, "connector": "LMCacheConnector"}},
+        {"role": "prefill", "kv_transfer": {**transfer, "lease_s": 0}},
+    ):
+        r = await cp.register("node-x", **fields)
+        assert r.status_code == 422, fields
+    assert (await cp.table()).json()["nodes"] == []
+
+
 async def test_deregistered_node_leaves_the_table(cp: ControlPlane) -> None:
     await cp.register("node-a")
     v = await cp.version()

@@ -99,3 +99,25 @@ async def test_read_only_keys_see_plans_but_cannot_make_them(cp: ControlPlane) -
     ro = {"authorization": f"Bearer {r.json()['key']}"}
     cp.assert_problem(await cp.http.post("/v1/placement/plans", headers=ro), 403)
     assert (await cp.http.get("/v1/placement/plans", headers=ro)).status_code == 200
+
+
+async def test_a_disaggregated_deployment_is_planned_as_prefill_and_decode_nodes_per_region(cp: ControlPlane) -> None:
+    await _model(cp, "rag-8b")
+    body = {"zone": "eu", "min_replicas": 1, "max_replicas": 8,
+            "placement": {"demand": {"gcp:europe-west4": 1500.0}, "rtt_objective_ms": 40},
+            "disaggregation": {"mean_prompt_tokens": 8000, "mean_output_tokens": 200}}
+    r = await cp.http.put("/v1/deployments/rag-8b", json=body, headers=cp.admin)
+    assert r.status_code == 201, r.text
+    plan = await _preview(cp)
+    assert plan["status"] == "preview", plan["explanation"]
+    eu = {r["name"] for r in (await cp.http.get("/v1/regions", headers=cp.admin)).json() if "eu" in r["zones"]}
+    by_region: dict[str, dict[str, int]] = {}
+    for a in plan["assignments"]:
+        by_region.setdefault(a["region"], {}).setdefault(a["role"], 0)
+        by_region[a["region"]][a["role"]] += a["instances"]
+    assert set(by_region) <= eu and len(by_region) >= 2
+    # Both pools in every region; a prompt-heavy mix (40 prompt tokens per generated one) wants
+    # as many prefill nodes as decode nodes at least.
+    for pools in by_region.values():
+        assert set(pools) == {"prefill", "decode"}
+        assert pools["prefill"] >= pools["decode"] >= 1

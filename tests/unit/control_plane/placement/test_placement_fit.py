@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -9,9 +10,12 @@ import pytest
 from control_plane.placement.fit import (
     GIB,
     ModelSpec,
+    SkuFit,
     fit_model,
     fit_on_sku,
     fit_sku,
+    prefill_per_decode,
+    size_pools,
     tp_degree_allowed,
 )
 from control_plane.placement.models import LLAMA_3_8B, known_models
@@ -131,3 +135,59 @@ def test_invalid_specs_are_refused() -> None:
         ModelSpec("x", 7.0, 32, 8, 128, quantization="int3")
     with pytest.raises(ValueError, match="positive"):
         ModelSpec("x", 0.0, 32, 8, 128)
+
+
+# --- prefill/decode pools --------------------------------------------------------------
+
+
+def _llama8b(sku: str) -> SkuFit:
+    fit = fit_sku(LLAMA_3_8B, SKUS[sku])
+    assert fit is not None
+    return fit
+
+
+def test_pools_serve_the_mix_by_the_roofline() -> None:
+    fit = _llama8b("H100-80GB-SXM")
+    # 20,000 generated tokens/s of 4,000-token prompts and 200-token answers: 100 requests/s,
+    # 400,000 prompt tokens/s for the prefill pool.
+    pools = size_pools(fit, prompt_tokens=4000, output_tokens=200, demand_tokens_per_s=20_000)
+    assert pools.requests_per_s == pytest.approx(100.0)
+    assert pools.prompt_tokens_per_s == pytest.approx(400_000.0)
+    assert pools.prefill_replicas == math.ceil(400_000 / fit.prefill_tokens_per_s)
+    assert pools.decode_replicas == math.ceil(20_000 / fit.decode_tokens_per_s)
+    # Each pool carries its share: a replica fewer would not.
+    assert (pools.prefill_replicas - 1) * fit.prefill_tokens_per_s < 400_000 <= pools.prefill_replicas * (
+        fit.prefill_tokens_per_s)
+    assert pools.prefill_per_decode == pytest.approx(20 * fit.decode_tokens_per_s / fit.prefill_tokens_per_s)
+
+
+def test_a_disaggregated_region_runs_both_pools_even_without_demand() -> None:
+    pools = size_pools(_llama8b("L4-24GB"), prompt_tokens=1024, output_tokens=256, demand_tokens_per_s=0)
+    assert (pools.prefill_replicas, pools.decode_replicas) == (1, 1)
+
+
+def test_prompt_heavy_mixes_want_more_prefill() -> None:
+    fit = _llama8b("H100-80GB-SXM")
+    chat = prefill_per_decode(fit, 1000, 500)
+    rag = prefill_per_decode(fit, 8000, 200)
+    assert rag == pytest.approx(chat * 20)
+    assert chat < 1 < rag
+
+
+def test_skus_rich_in_bandwidth_but_not_flops_want_more_prefill_per_decode() -> None:
+    mix = (2048, 256)
+    h100 = prefill_per_decode(_llama8b("H100-80GB-SXM"), *mix)
+    # H200: H100's FLOP/s, 43% more HBM bandwidth: decode speeds up, prefill does not.
+    assert prefill_per_decode(_llama8b("H200-141GB"), *mix) > 1.3 * h100
+    # A100: a third of the FLOP/s for 60% of the bandwidth: prefill is the bottleneck.
+    assert prefill_per_decode(_llama8b("A100-80GB"), *mix) > 1.5 * h100
+    # L4: little bandwidth for its FLOP/s: decode is, so fewer prefill workers per decode worker.
+    assert prefill_per_decode(_llama8b("L4-24GB"), *mix) < h100
+
+
+def test_a_mix_without_tokens_or_a_negative_demand_is_refused() -> None:
+    fit = _llama8b("H100-80GB-SXM")
+    with pytest.raises(ValueError):
+        prefill_per_decode(fit, 0, 100)
+    with pytest.raises(ValueError):
+        size_pools(fit, prompt_tokens=10, output_tokens=10, demand_tokens_per_s=-1)
