@@ -16,12 +16,21 @@ from typing import Any
 
 import httpx
 import pytest
-from node_testkit import MODEL_NAME, TOKEN, asgi_client, eventually, make_settings, running_server
+from node_testkit import (
+    MODEL_NAME,
+    TOKEN,
+    StandInControlPlane,
+    asgi_client,
+    eventually,
+    make_settings,
+    running_server,
+)
 from prometheus_client.parser import text_string_to_metric_families
 from token_ids_contract import stream
 
 from data_plane.server.app import create_app
 from meridian.clock import ManualClock
+from meridian.contracts import KVConnector, KVTransferInfo, NodeRole
 from meridian.kv_transfer import decode_params, prefill_request_params
 from meridian.ports import free_port
 
@@ -205,3 +214,23 @@ async def test_a_colocated_node_refuses_a_hand_off_it_cannot_honour(client: http
     r = await client.post("/v1/completions", json={**body("completion", "Hi"), "kv_transfer_params": {}})
     assert r.status_code == 200, r.text
     assert "kv_transfer_params" not in r.json()
+
+
+async def test_a_disaggregated_node_registers_its_role_and_kv_transfer(tiny_checkpoint: Path) -> None:
+    cp = StandInControlPlane()
+    async with running_server(cp.app()) as url:
+        settings = make_settings(tiny_checkpoint, control_plane_url=url, region="aws:us-east-1",
+                                 node_id="decode-1", cluster_token=TOKEN, host="127.0.0.1", port=8123,
+                                 role="decode", kv_lease_s=45)
+        async with asgi_client(create_app(settings)):
+            await eventually(lambda: cp.heartbeats())
+        reg = cp.registrations()[0]
+        assert reg.role is NodeRole.DECODE
+        assert reg.kv_transfer == KVTransferInfo(connector=KVConnector.MERIDIAN, endpoint="127.0.0.1:8123",
+                                                 lease_s=45)
+        assert cp.heartbeats()[-1].load.waiting_prompt_tokens == 0
+
+
+def test_the_torch_engine_has_no_nixl_connector(tiny_checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="MeridianConnector"):
+        create_app(make_settings(tiny_checkpoint, role="prefill", kv_connector="NixlConnector"))
