@@ -609,6 +609,11 @@ class TorchEngine:
                 pending.append(cmd.seq)
                 with self._lock:
                     self._inbox_pending -= 1
+                    self._inbox_prompt_tokens -= cmd.seq.num_prompt_tokens
+            elif isinstance(cmd, HeldKVCommand) and self._loop is not None:
+                # The blocks go with the engine; whoever asked for them gets nothing.
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(_set_result, cmd.done, None)
         if self._scheduler is not None:
             pending.extend(self._scheduler.waiting)
             pending.extend(self._scheduler.running)
