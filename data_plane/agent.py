@@ -19,10 +19,13 @@ from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 from meridian.contracts import (
     HEARTBEAT_RETRY_MAX_S,
     ColdStart,
+    KVConnector,
+    KVTransferInfo,
     NodeHeartbeat,
     NodeLoad,
     NodeRegistered,
     NodeRegistration,
+    NodeRole,
     NodeStatus,
 )
 from meridian.settings import NodeSettings
@@ -65,6 +68,23 @@ def advertise_url(settings: NodeSettings) -> str:
         # A wildcard bind address is not reachable; the hostname is the best guess.
         host = socket.gethostname()
     return f"http://{host}:{settings.port}"
+
+
+def advertised_endpoint(settings: NodeSettings) -> tuple[str, int]:
+    """(host, port) of the advertised URL: where peers reach this node's HTTP listener."""
+    url = urlsplit(advertise_url(settings))
+    return url.hostname or settings.host, url.port or (443 if url.scheme == "https" else 80)
+
+
+def torch_kv_transfer(settings: NodeSettings) -> KVTransferInfo | None:
+    """The KV transfer a torch node advertises: Meridian's connector on its own listener,
+    where decode nodes pull held KV (data_plane.server.kv_export); None for a co-located
+    node without a connector."""
+    if settings.role is NodeRole.BOTH and settings.kv_connector is None:
+        return None
+    host, port = advertised_endpoint(settings)
+    endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return KVTransferInfo(connector=KVConnector.MERIDIAN, endpoint=endpoint, lease_s=settings.kv_lease_s)
 
 
 # tcp://host:port as ZMQ writes it (an IPv6 host in brackets).
@@ -147,6 +167,7 @@ class NodeAgent:
         weights: Callable[[], list[str]] | None = None,
         cold_start: Callable[[], ColdStart] | None = None,
         tool_call_parser: str | None = None,
+        kv_transfer: KVTransferInfo | None = None,
         retry_base_s: float = 0.5,
         retry_max_s: float = HEARTBEAT_RETRY_MAX_S,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -179,6 +200,8 @@ class NodeAgent:
             kv_events=kv_events,
             kv_events_replay=kv_events_replay,
             tool_call_parser=tool_call_parser,
+            role=settings.role,
+            kv_transfer=kv_transfer,
         )
         self.node_id = self._registration.node_id
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S

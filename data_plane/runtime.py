@@ -8,7 +8,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from data_plane.agent import NodeAgent, default_node_id
+from data_plane.agent import NodeAgent, default_node_id, torch_kv_transfer
 from data_plane.engine.base import Engine, PassthroughEngine
 from data_plane.kv_events import ZmqEventPublisher, create_publisher
 from data_plane.lifecycle import NodeLifecycle
@@ -59,6 +59,8 @@ class NodeRuntime:
                 cold_start=lambda: self.cold_start,
                 # Routers resume a broken tool-call stream only where they can replay its parser.
                 tool_call_parser=engine.tool_call_parser() if isinstance(engine, PassthroughEngine) else None,
+                # A prefill/decode torch node says where its held KV is pulled from.
+                kv_transfer=None if isinstance(engine, PassthroughEngine) else torch_kv_transfer(settings),
                 clock=clock,
             )
         self.agent = agent
@@ -73,6 +75,7 @@ class NodeRuntime:
         return NodeLoad(
             running=s.running, waiting=s.waiting, kv_cache_usage=min(1.0, max(0.0, s.kv_cache_usage)),
             lora_adapters=list(s.loaded_loras),
+            waiting_prompt_tokens=s.waiting_prompt_tokens,
             requests_completed=totals[0] if totals else None,
             latency_s_sum=totals[1] if totals else None,
         )

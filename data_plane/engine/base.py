@@ -15,6 +15,8 @@ from meridian.settings import NodeSettings
 if TYPE_CHECKING:
     import httpx
 
+    from data_plane.engine.kv_transfer.holds import KVHold
+    from data_plane.engine.kv_transfer.payload import KVPayload
     from meridian.kv_events import KVEventBatch
     from meridian.tokenizer import ChatTokenizer
 
@@ -62,6 +64,12 @@ class GenerationRequest:
     lora_name: str | None = None
     # Isolates this request's prefix-cache entries from other tenants' (vLLM's cache_salt).
     cache_salt: str | None = None
+    # Prefill for another node (meridian.kv_transfer): keep the prompt's KV blocks when the
+    # request finishes, under a handle its last output reports (`kv_hold`).
+    hold_kv: bool = False
+    # Decode after another node's prefill: the prompt's KV it computed (checked to fit);
+    # those tokens are not computed again, but for the last, whose logits are sampled.
+    external_kv: KVPayload | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +94,11 @@ class GenerationOutput:
     completion_tokens: int
     # One entry per token in token_ids when the request asked for logprobs.
     logprobs: list[TokenLogprob] | None = None
-    # Prompt tokens whose KV came from the prefix cache (set on the first output).
+    # Prompt tokens whose KV came from the prefix cache or another node (set on the first
+    # output), as vLLM's usage counts them.
     cached_tokens: int = 0
+    # On the last output of a `hold_kv` request: where its prompt's KV is held.
+    kv_hold: KVHold | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +115,13 @@ class EngineStats:
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     num_preemptions_total: int = 0
+    # Prompt tokens of admitted requests by where their KV came from (vLLM's
+    # vllm:prompt_tokens_by_source): computed here, local prefix cache, another node.
+    prompt_tokens_local_compute_total: int = 0
+    prompt_tokens_local_cache_hit_total: int = 0
+    prompt_tokens_external_kv_transfer_total: int = 0
+    # Prompt tokens of requests waiting for their prefill (None: not measured).
+    waiting_prompt_tokens: int | None = None
     # LoRA adapters of running / waiting requests, resident ones, and the resident limit.
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from data_plane.engine.scheduler import ScheduledChunk, SchedulerOutput
+from data_plane.engine.scheduler import KVImport, ScheduledChunk, SchedulerOutput
 from data_plane.model.llama import LlamaForCausalLM, LoraDelta
 from data_plane.model.paged_attention import PagedAttention, PagedKVCache, PrefillSpan
 from data_plane.sampling import RowSampling, Sampled, SamplingFailed, sample_batch
@@ -32,6 +32,8 @@ class ModelRunner:
     def execute(self, step: SchedulerOutput) -> list[tuple[ScheduledChunk, Sampled | SamplingFailed]]:
         """Run the step; returns the sampled token (or the row's failure) of each chunk that
         samples, in order."""
+        for imp in step.imports:
+            self._write_import(imp)
         # One-token chunks first: they are attended as one padded batch.
         chunks = sorted(step.chunks, key=lambda c: c.num_tokens != 1)
         ids: list[int] = []
@@ -91,6 +93,15 @@ class ModelRunner:
         if not sample_rows:
             return []
         return list(zip(sampled_chunks, sample_batch(logits, sampling), strict=True))
+
+    def _write_import(self, imp: KVImport) -> None:
+        """Write another node's K/V of tokens [start, start + n) into the sequence's slots."""
+        bs = self.kv.block_size
+        end = imp.start + imp.num_tokens
+        table = torch.tensor([b.block_id for b in imp.seq.blocks], device=self.device)
+        slots = (table[:, None] * bs + self._block_offsets).reshape(-1)[imp.start:end]
+        for cache, src in ((self.kv.keys, imp.payload.keys), (self.kv.values, imp.payload.values)):
+            cache.index_copy_(1, slots, src[:, imp.start:end].to(self.device))
 
     def _context_slots(self, table: list[int], length: int) -> torch.Tensor:
         blocks = torch.tensor(table[: -(-length // self.kv.block_size)], device=self.device)

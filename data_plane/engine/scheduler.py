@@ -13,7 +13,11 @@ Every step the scheduler decides which sequences run and how many of their token
    prompt longer than the budget is split across steps and each chunk is fused with
    the running decodes; with it off, a prompt runs whole in one step (the budget is
    raised to max_model_len, as vLLM requires).
-3. When the KV cache has no block for a running sequence, the newest running
+3. A request handed another node's prompt KV (prefill/decode disaggregation) is admitted
+   with blocks for that KV too: the step writes it in (`imports`) and computes only
+   what is left, at least the last prompt token, whose logits are sampled, as after a
+   prefix-cache hit.
+4. When the KV cache has no block for a running sequence, the newest running
    sequence is preempted by recompute: its blocks are freed (full ones stay in the
    prefix cache, so recomputing is often cheap) and it goes back to the front of the
    waiting queue with its generated tokens kept. Nothing crashes and nothing is lost.
@@ -26,7 +30,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from data_plane.engine.kv_cache.block_pool import Block
 from data_plane.engine.kv_cache.manager import KVCacheManager
+from data_plane.engine.kv_transfer.payload import KVPayload
 from data_plane.engine.sequence import SeqStatus, Sequence
 
 
@@ -66,10 +72,26 @@ class ScheduledChunk:
         return self.start + self.num_tokens == self.seq.num_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class KVImport:
+    """Another node's KV for tokens [start, start + num_tokens) of a sequence, to be
+    written into its blocks before this step's forward pass."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    payload: KVPayload
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    imports: list[KVImport] = field(default_factory=list)
+
+    def alone(self, chunk: ScheduledChunk) -> SchedulerOutput:
+        """One chunk of this step as a step of its own (with its sequence's import)."""
+        return SchedulerOutput(chunks=[chunk], imports=[i for i in self.imports if i.seq is chunk.seq])
 
     @property
     def num_tokens(self) -> int:
@@ -117,6 +139,15 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
 
+    def detach(self, seq: Sequence) -> list[Block]:
+        """Take a running sequence out, handing its blocks to the caller (who frees them
+        later) instead of freeing them; its adapter is released."""
+        blocks, seq.blocks = seq.blocks, []
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+        return blocks
+
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq)
         if seq.lora_name is not None and self.lora is not None and seq.lora_slot >= 0:
@@ -155,7 +186,7 @@ class Scheduler:
                     scheduled.add(id(seq))
                     budget -= n
             elif seq.status is SeqStatus.WAITING:
-                n = self._admit(seq, budget)
+                n = self._admit(seq, budget, out)
                 if n:
                     out.chunks.append(ScheduledChunk(seq, seq.num_computed_tokens, n))
                     scheduled.add(id(seq))
@@ -167,7 +198,7 @@ class Scheduler:
             return remaining
         return budget if self.config.enable_chunked_prefill else 0
 
-    def _admit(self, seq: Sequence, budget: int) -> int:
+    def _admit(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Move a waiting sequence to running with its first chunk allocated; 0 if it cannot."""
         if len(self.running) >= self.config.max_num_seqs:
             return 0
@@ -175,13 +206,24 @@ class Scheduler:
             if self.lora is None or not self.lora.can_acquire(seq.lora_name):
                 return 0
         hits = self.kv.find_cached_prefix(seq)
-        remaining = seq.num_remaining - len(hits) * self.kv.block_size
+        hit_tokens = len(hits) * self.kv.block_size
+        imported = self._importable(seq, hit_tokens)
+        remaining = seq.num_remaining - hit_tokens - imported
         n = self._chunk_size(remaining, budget)
-        if n == 0 or not self.kv.allocate(seq, n, hits):
+        if n == 0 or not self.kv.allocate(seq, imported + n, hits):
             return 0
         if seq.cached_prompt_tokens < 0:
-            seq.cached_prompt_tokens = len(hits) * self.kv.block_size
+            seq.cached_prompt_tokens = hit_tokens
             self.kv.record_prefix_query(seq, seq.cached_prompt_tokens)
+        if seq.pending_kv is not None:
+            # Counted as vLLM counts a remote prefill: every transferred prompt token past
+            # the local hit, the last one included although it runs again.
+            supplied = min(seq.pending_kv.num_tokens, seq.num_prompt_tokens)
+            seq.external_prompt_tokens = max(0, supplied - hit_tokens)
+            if imported:
+                out.imports.append(KVImport(seq, seq.num_computed_tokens, imported, seq.pending_kv))
+                seq.num_computed_tokens += imported
+            seq.pending_kv = None
         if seq.lora_name is not None and self.lora is not None:
             seq.lora_slot = self.lora.acquire(seq.lora_name)
         self.waiting.remove(seq)
@@ -189,6 +231,13 @@ class Scheduler:
         keys = [s.arrival for s in self.running]
         self.running.insert(bisect.bisect(keys, seq.arrival), seq)
         return n
+
+    @staticmethod
+    def _importable(seq: Sequence, hit_tokens: int) -> int:
+        """Tokens of another node's KV to write in, past the local hit, short of the last."""
+        if seq.pending_kv is None:
+            return 0
+        return max(0, min(seq.pending_kv.num_tokens, seq.num_tokens - 1) - hit_tokens)
 
     def _allocate_or_preempt(
         self, seq: Sequence, n: int, scheduled: set[int], out: SchedulerOutput

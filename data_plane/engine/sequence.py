@@ -11,6 +11,7 @@ import torch
 
 from data_plane.engine.base import GenerationRequest, SamplingParams
 from data_plane.engine.kv_cache.block_pool import Block
+from data_plane.engine.kv_transfer.payload import KVPayload
 
 
 class SeqStatus(enum.Enum):
@@ -34,6 +35,10 @@ class Sequence:
     num_cached_blocks: int = 0
     # Prompt tokens served from the prefix cache on first admission.
     cached_prompt_tokens: int = -1
+    # Another node's KV for the prompt, until admission writes it into this one's blocks;
+    # and how many prompt tokens it supplied (vLLM's external_kv_transfer count).
+    pending_kv: KVPayload | None = None
+    external_prompt_tokens: int = 0
     generator: torch.Generator | None = None
     lora_slot: int = -1
     # Per-request output plumbing owned by the engine (detokenizer, stop matcher, outbox).

@@ -7,6 +7,11 @@ plus prefill chunks within the token budget), runs it as one batched forward pas
 samples, and hands each output back to the loop with call_soon_threadsafe, where the
 request's asyncio.Queue feeds its consumer. KV cache events of the step go to the
 configured sink (a ZMQ publisher on nodes).
+
+Prefill/decode disaggregation (data_plane.engine.kv_transfer): a `hold_kv` request's
+blocks outlive it under a handle and a lease, until `take_kv` copies them out (one-shot)
+or `release_kv` or the lease frees them; an `external_kv` request is admitted with that
+KV written into its blocks, computing only its last prompt token.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from data_plane.engine.admission import check_request
 from data_plane.engine.base import (
     EngineNotReadyError,
     EngineOverloadedError,
@@ -35,52 +40,27 @@ from data_plane.engine.base import (
     served_model_name,
 )
 from data_plane.engine.kv_cache.manager import KVCacheManager
+from data_plane.engine.kv_transfer.holds import HeldKV, KVHold, Leases
+from data_plane.engine.kv_transfer.payload import KVLayout, KVPayload, dtype_name
 from data_plane.engine.model_runner import LoraBatchFactory, ModelRunner
 from data_plane.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from data_plane.engine.sequence import SeqStatus, Sequence
+from data_plane.engine.worker_inbox import Abort, Add, Client, Command, HeldKVCommand, Item, Stop
 from data_plane.model.llama import LlamaForCausalLM
 from data_plane.model.loader import load_model
 from data_plane.model.paged_attention import PagedKVCache
-from data_plane.sampling import Sampled, SamplingError, SamplingFailed, check_sampling, make_generator
+from data_plane.sampling import Sampled, SamplingFailed, make_generator
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
 from meridian.settings import NodeSettings
 from meridian.stop_strings import StopStringMatcher
-from meridian.tokenizer import ChatTokenizer, IncrementalDetokenizer
+from meridian.tokenizer import ChatTokenizer
 
 if TYPE_CHECKING:
     from data_plane.lora.manager import LoraManager
 
 log = logging.getLogger(__name__)
 
-_Item = GenerationOutput | BaseException
-
-
-@dataclass(eq=False)
-class _Client:
-    """The consumer side of a request: where its outputs go and how text is cut."""
-
-    outbox: asyncio.Queue[_Item]
-    detokenizer: IncrementalDetokenizer
-    stopper: StopStringMatcher
-
-
-@dataclass(frozen=True, slots=True)
-class _Add:
-    seq: Sequence
-
-
-@dataclass(frozen=True, slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _Stop
 
 
 def kv_cache_blocks(settings: NodeSettings, bytes_per_block: int) -> int:
@@ -108,7 +88,7 @@ class TorchEngine:
         self._eos_ids: frozenset[int] = frozenset()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._ready = False
         self._active_ids: set[str] = set()
         self._arrivals = itertools.count()
@@ -120,11 +100,16 @@ class TorchEngine:
         self._scheduler: Scheduler | None = None
         self._kv: KVCacheManager | None = None
         self._runner: ModelRunner | None = None
+        self._held: HeldKV | None = None
+        self._leases = Leases(clock, settings.kv_lease_s, self.release_kv)
         # Counters are written by the worker (and `waiting` by the loop), read by stats().
         self._lock = threading.Lock()
         # Submitted but not yet taken from the inbox by the worker / queued in the scheduler.
         self._inbox_pending = 0
         self._sched_waiting = 0
+        # Prompt tokens of those two: what a prefill pool scales on.
+        self._inbox_prompt_tokens = 0
+        self._sched_waiting_tokens = 0
         self._num_running = 0
         self._kv_usage = 0.0
         self._prompt_tokens_total = 0
@@ -134,6 +119,8 @@ class TorchEngine:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._preemptions = 0
+        # Prompt tokens by source: computed, local prefix cache, another node's KV.
+        self._prompt_by_source = [0, 0, 0]
         self._running_loras: tuple[str, ...] = ()
         self._waiting_loras: tuple[str, ...] = ()
         self._loaded_loras: tuple[str, ...] = ()
@@ -154,7 +141,7 @@ class TorchEngine:
         try:
             await loaded
         except BaseException:
-            self._inbox.put(_Stop())
+            self._inbox.put(Stop())
             await asyncio.to_thread(self._thread.join, 5.0)
             self._thread = None
             raise
@@ -162,10 +149,11 @@ class TorchEngine:
 
     async def stop(self) -> None:
         self._ready = False
+        self._leases.cancel_all()
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        self._inbox.put(_Stop())
+        self._inbox.put(Stop())
         await asyncio.to_thread(thread.join, 30.0)
         if not thread.is_alive():
             # A request submitted while the worker was exiting would otherwise wait forever.
@@ -192,7 +180,7 @@ class TorchEngine:
                 self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(Abort(request_id))
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -207,6 +195,10 @@ class TorchEngine:
                 prefix_cache_queries_total=self._prefix_queries,
                 prefix_cache_hits_total=self._prefix_hits,
                 num_preemptions_total=self._preemptions,
+                prompt_tokens_local_compute_total=self._prompt_by_source[0],
+                prompt_tokens_local_cache_hit_total=self._prompt_by_source[1],
+                prompt_tokens_external_kv_transfer_total=self._prompt_by_source[2],
+                waiting_prompt_tokens=self._inbox_prompt_tokens + self._sched_waiting_tokens,
                 running_loras=self._running_loras,
                 waiting_loras=self._waiting_loras,
                 loaded_loras=self._loaded_loras,
@@ -227,35 +219,40 @@ class TorchEngine:
             raise EngineNotReadyError("the engine has not loaded its tokenizer yet")
         return self._tokenizer
 
+    # --- KV transfer (prefill/decode) ---------------------------------------------------
+
+    def kv_layout(self) -> KVLayout:
+        """What this engine's KV looks like (valid once started)."""
+        if self._held is None:
+            raise EngineNotReadyError("the engine has not loaded its model yet")
+        return self._held.layout
+
+    async def take_kv(self, handle: str) -> KVPayload | None:
+        """A held handle's KV, copied out, and the handle released; None if unknown."""
+        result = await self._held_command(handle, export=True)
+        return result if isinstance(result, KVPayload) else None
+
+    async def release_kv(self, handle: str) -> bool:
+        """Free a held handle's blocks; False if it is unknown (taken, released, expired)."""
+        return await self._held_command(handle, export=False) is True
+
+    async def _held_command(self, handle: str, *, export: bool) -> KVPayload | bool | None:
+        if not self._ready or self._loop is None:
+            return None
+        self._leases.cancel(handle)
+        done: asyncio.Future[KVPayload | bool | None] = self._loop.create_future()
+        self._inbox.put(HeldKVCommand(handle, export, done))
+        return await done
+
     # --- event-loop side ---------------------------------------------------------------
 
-    def _submit(self, request: GenerationRequest) -> tuple[Sequence, _Client]:
+    def _submit(self, request: GenerationRequest) -> tuple[Sequence, Client]:
         if not self._ready or self._tokenizer is None or self._model is None:
             raise EngineNotReadyError("the engine is not running")
-        params = request.sampling_params
+        check_request(request, max_model_len=self._max_model_len, capacity_tokens=self._capacity_tokens,
+                      vocab_size=self._model.config.vocab_size)
         n_prompt = len(request.prompt_token_ids)
-        if n_prompt == 0:
-            raise EngineRequestError("the prompt is empty")
-        if params.max_tokens < 1:
-            raise EngineRequestError("max_tokens must be at least 1")
-        try:
-            check_sampling(params.temperature, params.top_p, params.top_k)
-        except SamplingError as exc:
-            raise EngineRequestError(str(exc)) from None
-        total = n_prompt + params.max_tokens
-        if total > self._max_model_len:
-            raise EngineRequestError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                f"the maximum context length {self._max_model_len}"
-            )
-        if total > self._capacity_tokens:
-            raise EngineRequestError(
-                f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"KV cache capacity of this node ({self._capacity_tokens} tokens)"
-            )
-        vocab = self._model.config.vocab_size
-        if any(t < 0 or t >= vocab for t in request.prompt_token_ids):
-            raise EngineRequestError(f"prompt token ids must be in [0, {vocab})")
+        params = request.sampling_params
         if request.lora_name is not None and self._lora is None:
             raise EngineRequestError(f"unknown LoRA adapter {request.lora_name!r}")
         if request.request_id in self._active_ids:
@@ -267,7 +264,8 @@ class TorchEngine:
                     f"{waiting} requests are already waiting; try again later"
                 )
             self._inbox_pending += 1
-        client = _Client(
+            self._inbox_prompt_tokens += n_prompt
+        client = Client(
             outbox=asyncio.Queue(),
             # Decoded in the prompt's context: a continued generation reads as the unbroken one.
             detokenizer=self._tokenizer.detokenizer(context=request.prompt_token_ids),
@@ -275,15 +273,15 @@ class TorchEngine:
         )
         seq = Sequence(
             request=request, arrival=next(self._arrivals),
-            token_ids=list(request.prompt_token_ids), sink=client,
+            token_ids=list(request.prompt_token_ids), sink=client, pending_kv=request.external_kv,
         )
         self._active_ids.add(request.request_id)
-        self._inbox.put(_Add(seq))
+        self._inbox.put(Add(seq))
         return seq, client
 
-    def _deliver(self, seq: Sequence, item: _Item) -> None:
+    def _deliver(self, seq: Sequence, item: Item) -> None:
         assert self._loop is not None
-        client: _Client = seq.sink
+        client: Client = seq.sink
         # The loop may already be closed at interpreter shutdown: nobody is listening.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(client.outbox.put_nowait, item)
@@ -344,6 +342,11 @@ class TorchEngine:
             self._lora,
         )
         self._runner = ModelRunner(model, cache, lora_batch)
+        self._held = HeldKV(self._kv, cache, KVLayout(
+            model=self._model_name, dtype=dtype_name(model.dtype),
+            num_layers=model.config.num_hidden_layers, num_kv_heads=model.config.num_key_value_heads,
+            head_dim=model.config.head_dim, block_size=s.block_size,
+        ))
         self._model = model
         # A (re)started node holds nothing: consumers drop what they knew of it.
         self._publish([AllBlocksCleared()])
@@ -402,7 +405,7 @@ class TorchEngine:
         assert self._runner is not None
         failed: list[tuple[Sequence, Exception]] = []
         for chunk in step.chunks:
-            alone = SchedulerOutput(chunks=[chunk])
+            alone = step.alone(chunk)
             try:
                 results = self._runner.execute(alone)
             except Exception as exc:  # noqa: BLE001 - attributed below
@@ -427,7 +430,7 @@ class TorchEngine:
         self._publish(self._kv.take_events())
 
     def _append_token(self, seq: Sequence, sampled: Sampled) -> None:
-        client: _Client = seq.sink
+        client: Client = seq.sink
         params = seq.params
         token = sampled.token_id
         seq.token_ids.append(token)
@@ -437,6 +440,9 @@ class TorchEngine:
             # per computed chunk, which would count a preempted request's recompute again).
             if seq.num_output_tokens == 1:
                 self._prompt_tokens_total += seq.num_prompt_tokens
+                local, external = max(0, seq.cached_prompt_tokens), seq.external_prompt_tokens
+                by_source = (seq.num_prompt_tokens - local - external, local, external)
+                self._prompt_by_source = [a + b for a, b in zip(self._prompt_by_source, by_source, strict=True)]
         finish: FinishReason | None = None
         text = ""
         # The text of a token that ends the sequence is not part of the answer.
@@ -466,6 +472,7 @@ class TorchEngine:
         text: str,
         finish: FinishReason | None,
         logprobs: list[TokenLogprob] | None = None,
+        kv_hold: KVHold | None = None,
     ) -> GenerationOutput:
         return GenerationOutput(
             request_id=seq.request_id,
@@ -475,7 +482,8 @@ class TorchEngine:
             prompt_tokens=seq.num_prompt_tokens,
             completion_tokens=seq.num_output_tokens,
             logprobs=logprobs,
-            cached_tokens=max(0, seq.cached_prompt_tokens),
+            cached_tokens=max(0, seq.cached_prompt_tokens) + seq.external_prompt_tokens,
+            kv_hold=kv_hold,
         )
 
     def _drain_inbox(self, *, block: bool, timeout: float | None = None) -> bool:
@@ -486,12 +494,13 @@ class TorchEngine:
             except queue.Empty:
                 return True
             block = False
-            if isinstance(cmd, _Stop):
+            if isinstance(cmd, Stop):
                 return False
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, Add):
                 assert self._scheduler is not None and self._model is not None
                 with self._lock:
                     self._inbox_pending -= 1
+                    self._inbox_prompt_tokens -= cmd.seq.num_prompt_tokens
                 lora = cmd.seq.lora_name
                 # Checked here, not on the event loop: the adapter directory is listed.
                 if lora is not None and (self._lora is None or lora not in self._lora):
@@ -500,10 +509,22 @@ class TorchEngine:
                     continue
                 cmd.seq.generator = make_generator(cmd.seq.params.seed, self._model.device)
                 self._scheduler.add(cmd.seq)
-                with self._lock:
-                    self._sched_waiting = len(self._scheduler.waiting)
+                self._update_gauges()
+            elif isinstance(cmd, HeldKVCommand):
+                self._held_kv(cmd)
             else:
                 self._abort(cmd.request_id)
+
+    def _held_kv(self, cmd: HeldKVCommand) -> None:
+        assert self._held is not None and self._loop is not None
+        result: KVPayload | bool | None = None
+        try:
+            result = self._held.export(cmd.handle) if cmd.export else self._held.release(cmd.handle)
+        except Exception:
+            log.exception("exporting KV %s failed; released", cmd.handle)
+        self._update_gauges()
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(_set_result, cmd.done, result)
 
     def _abort(self, request_id: str) -> None:
         assert self._scheduler is not None
@@ -521,8 +542,12 @@ class TorchEngine:
         reason: FinishReason,
         logprobs: list[TokenLogprob] | None = None,
     ) -> None:
+        hold = None
         if self._scheduler is not None and self._scheduler.find(seq.request_id) is seq:
-            self._scheduler.finish(seq)
+            if seq.request.hold_kv and reason != "abort" and seq.status is SeqStatus.RUNNING:
+                hold = self._hold(seq)
+            else:
+                self._scheduler.finish(seq)
         seq.status = SeqStatus.FINISHED
         # Gauges must already exclude this request when its consumer sees it finish.
         self._update_gauges()
@@ -531,7 +556,18 @@ class TorchEngine:
                 self._aborted_total += 1
             else:
                 self._finished_total += 1
-        self._deliver(seq, self._output(seq, tokens, text, reason, logprobs))
+        self._deliver(seq, self._output(seq, tokens, text, reason, logprobs, hold))
+
+    def _hold(self, seq: Sequence) -> KVHold:
+        """Keep a finished prefill request's prompt KV for the decode node, under a lease."""
+        assert self._scheduler is not None and self._held is not None and self._loop is not None
+        computed = seq.num_computed_tokens
+        blocks = self._scheduler.detach(seq)
+        hold = self._held.hold(blocks, seq.request.prompt_token_ids, computed, seq.lora_name)
+        with contextlib.suppress(RuntimeError):
+            # Queued before the output that names the handle: its lease runs before anyone can take it.
+            self._loop.call_soon_threadsafe(self._leases.start, hold.handle)
+        return hold
 
     def _update_gauges(self) -> None:
         sched = self._scheduler
@@ -543,6 +579,7 @@ class TorchEngine:
         with self._lock:
             self._num_running = len(sched.running)
             self._sched_waiting = len(sched.waiting)
+            self._sched_waiting_tokens = sum(s.num_remaining for s in sched.waiting)
             self._kv_usage = self._kv.usage()
             self._prefix_queries = self._kv.prefix_queries
             self._prefix_hits = self._kv.prefix_hits
@@ -568,10 +605,15 @@ class TorchEngine:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, Add):
                 pending.append(cmd.seq)
                 with self._lock:
                     self._inbox_pending -= 1
+                    self._inbox_prompt_tokens -= cmd.seq.num_prompt_tokens
+            elif isinstance(cmd, HeldKVCommand) and self._loop is not None:
+                # The blocks go with the engine; whoever asked for them gets nothing.
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(_set_result, cmd.done, None)
         if self._scheduler is not None:
             pending.extend(self._scheduler.waiting)
             pending.extend(self._scheduler.running)
@@ -580,9 +622,9 @@ class TorchEngine:
                 self._finish(seq, [], "", "abort")
 
 
-def _set_result(fut: asyncio.Future[None]) -> None:
+def _set_result(fut: asyncio.Future[Any], result: Any = None) -> None:
     if not fut.done():
-        fut.set_result(None)
+        fut.set_result(result)
 
 
 def _set_exception(fut: asyncio.Future[None], exc: BaseException) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -17,6 +17,9 @@ from data_plane.runtime import NodeRuntime
 from data_plane.server.auth import internal_auth
 from data_plane.server.completions import CompletionService
 from data_plane.server.errors import ModelNotFoundError, install_error_handlers
+from data_plane.server.kv_export import KVTransferEngine, kv_routes
+from data_plane.server.kv_pull import KVPuller
+from data_plane.server.kv_transfer import takes_part
 from data_plane.server.metrics import NodeMetrics
 from data_plane.server.passthrough import GET_ROUTES, POST_ROUTES, Passthrough
 from data_plane.server.tokenize import DetokenizeResponse, TokenizationService, TokenizeResponse
@@ -49,7 +52,12 @@ def create_app(
     journal = RequestJournal(settings.request_journal_path)
     tracing = Tracing.create("meridian-node", settings.otlp_endpoint, settings.otlp_zone_endpoints,
                              attributes={"meridian.node": settings.node_id, "meridian.region": settings.region})
-    service = CompletionService(runtime, metrics, journal, tracing)
+    passthrough = isinstance(engine, PassthroughEngine)
+    kv_puller = None
+    if not passthrough and takes_part(settings):
+        kv_engine = cast(KVTransferEngine, engine)
+        kv_puller = KVPuller(settings, kv_engine.kv_layout, on_outcome=metrics.kv_pulled)
+    service = CompletionService(runtime, metrics, journal, tracing, kv_puller)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -58,6 +66,8 @@ def create_app(
             yield
         finally:
             await runtime.shutdown()
+            if kv_puller is not None:
+                await kv_puller.aclose()
             journal.close()
             await asyncio.to_thread(tracing.shutdown)
 
@@ -75,6 +85,8 @@ def create_app(
     # Generation is for routers only; /health and /metrics stay open for probes and scrapers.
     internal = [Depends(internal_auth(settings))]
 
+    if kv_puller is not None:
+        kv_routes(app, cast(KVTransferEngine, engine), internal)
     if isinstance(engine, PassthroughEngine):
         _pass_through(app, Passthrough(runtime, engine, journal), internal)
     else:

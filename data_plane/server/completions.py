@@ -32,6 +32,7 @@ from data_plane.engine.base import (
     SamplingParams,
     TokenLogprob,
 )
+from data_plane.engine.kv_transfer.holds import KVHold
 from data_plane.engine.tracing import traced
 from data_plane.runtime import NodeRuntime
 from data_plane.server.body import parse_body
@@ -43,6 +44,8 @@ from data_plane.server.errors import (
     ModelNotFoundError,
     UnavailableError,
 )
+from data_plane.server.kv_pull import KVPuller
+from data_plane.server.kv_transfer import KVSide, kv_side, prefill_answer
 from data_plane.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from data_plane.server.metrics import NodeMetrics
 from data_plane.server.protocol import (
@@ -138,6 +141,8 @@ class _Exchange:
     # The router's request id (the client's idempotency key): the journal's key.
     key: str | None = None
     journalled: bool = False
+    # A prefill request's held KV (its last output says where).
+    kv_hold: KVHold | None = None
 
     def usage(self) -> UsageInfo:
         details = PromptTokensDetails(cached_tokens=self.cached_tokens) if self.cached_tokens else None
@@ -153,7 +158,7 @@ class CompletionService:
     """The two generation endpoints of a node."""
 
     def __init__(self, runtime: NodeRuntime, metrics: NodeMetrics, journal: RequestJournal | None = None,
-                 tracing: Tracing | None = None) -> None:
+                 tracing: Tracing | None = None, kv_puller: KVPuller | None = None) -> None:
         self._runtime = runtime
         self._tracing = tracing or Tracing.off()
         self._journal = journal or RequestJournal(None)
@@ -161,6 +166,8 @@ class CompletionService:
         self._engine = runtime.engine
         self._metrics = metrics
         self._token_texts: TokenTexts | None = None
+        # Set on a node that takes part in prefill/decode hand-offs.
+        self._kv_puller = kv_puller
 
     async def chat(self, request: Request) -> Response:
         params = await parse_body(
@@ -266,9 +273,14 @@ class CompletionService:
         param: str,
         lora: str | None,
     ) -> Response:
+        side = kv_side(params.kv_transfer_params, enabled=self._kv_puller is not None, stream=params.stream)
         sampling = self._sampling(params, len(prompt_ids), param)
         ex = self._exchange(request, kind, params, prompt_ids, sampling)
-        generation = GenerationRequest(ex.id, prompt_ids, sampling, lora_name=lora, cache_salt=params.cache_salt)
+        external = None
+        if side is KVSide.DECODE and self._kv_puller is not None and params.kv_transfer_params:
+            external = await self._kv_puller.pull(params.kv_transfer_params, prompt_ids, lora)
+        generation = GenerationRequest(ex.id, prompt_ids, sampling, lora_name=lora, cache_salt=params.cache_salt,
+                                       hold_kv=side is KVSide.PREFILL, external_kv=external)
         first, outputs = await self._start(ex, generation)
         if params.stream:
             return _ClosingStreamingResponse(
@@ -343,7 +355,10 @@ class CompletionService:
             raise
         finally:
             await self._close(ex, outputs)
-        return JSONResponse(response.model_dump(mode="json"))
+        body = response.model_dump(mode="json")
+        if ex.kv_hold is not None:
+            body["kv_transfer_params"] = prefill_answer(self._settings, ex.kv_hold)
+        return JSONResponse(body)
 
     def _journal_end(self, ex: _Exchange, *, completed: bool) -> None:
         if ex.key is not None and not ex.journalled:
@@ -367,6 +382,8 @@ class CompletionService:
             ex.last_token_at = now
         if out.finish_reason is not None:
             ex.finish_reason = out.finish_reason
+        if out.kv_hold is not None:
+            ex.kv_hold = out.kv_hold
 
     async def _close(
         self, ex: _Exchange, outputs: AsyncGenerator[GenerationOutput, None]

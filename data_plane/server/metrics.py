@@ -30,10 +30,14 @@ class _EngineCollector(Collector):
         model_name: str,
         stats: Callable[[], EngineStats],
         cache_config: Mapping[str, str] | None = None,
+        *,
+        prompt_sources: bool = True,
     ) -> None:
         self._model = model_name
         self._stats = stats
         self._cache_config = dict(cache_config) if cache_config is not None else None
+        # An engine that exports these itself (vLLM, relayed) must not have them shadowed.
+        self._prompt_sources = prompt_sources
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -60,6 +64,8 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(values, value)
             yield c
+        if self._prompt_sources:
+            yield from _prompt_sources(s, self._model)
         if s.max_loras > 0:
             yield _lora_info(s)
         if self._cache_config is not None:
@@ -93,6 +99,22 @@ class _ColdStartCollector(Collector):
         )
         fetched.add_metric([t.weights_source or "none"], t.fetched_bytes)
         yield fetched
+
+
+def _prompt_sources(s: EngineStats, model: str) -> Iterator[Metric]:
+    """vLLM's prompt tokens by where their KV came from, and the cached ones (local prefix
+    cache + another node's transfer), as vllm/v1/metrics/loggers.py exports them."""
+    by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+                                    labels=["model_name", "source"])
+    for source, value in (("local_compute", s.prompt_tokens_local_compute_total),
+                          ("local_cache_hit", s.prompt_tokens_local_cache_hit_total),
+                          ("external_kv_transfer", s.prompt_tokens_external_kv_transfer_total)):
+        by_source.add_metric([model, source], value)
+    yield by_source
+    cached = CounterMetricFamily("vllm:prompt_tokens_cached",
+                                 "Number of cached prompt tokens (local + external).", labels=["model_name"])
+    cached.add_metric([model], s.prompt_tokens_local_cache_hit_total + s.prompt_tokens_external_kv_transfer_total)
+    yield cached
 
 
 def _lora_info(s: EngineStats) -> Metric:
@@ -156,7 +178,13 @@ class NodeMetrics:
             "vllm:request_success", "Finished requests by finish reason.",
             ["model_name", "finished_reason"], registry=registry,
         )
-        self.registry.register(_EngineCollector(model_name, stats, cache_config))
+        self.registry.register(_EngineCollector(model_name, stats, cache_config,
+                                                prompt_sources=request_metrics))
+        # A decode node's pulls of prefilled KV from its peers, by outcome (data_plane.server.kv_pull).
+        self._kv_pulls = Counter(
+            "meridian_node_kv_pulls", "Prefilled KV pulls from prefill nodes, by outcome.",
+            ["outcome"], registry=self.registry,
+        )
         # The e2e histogram's count and sum, kept here too for the heartbeats (NodeLoad).
         self._measures_requests = request_metrics
         self._completed = 0
@@ -165,6 +193,9 @@ class NodeMetrics:
     def track_cold_start(self, timeline: Callable[[], ColdStart]) -> None:
         """Export the node's cold-start timeline (seconds from agent start to each step)."""
         self.registry.register(_ColdStartCollector(timeline))
+
+    def kv_pulled(self, outcome: str) -> None:
+        self._kv_pulls.labels(outcome).inc()
 
     def request_finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason).inc()

@@ -72,6 +72,9 @@ class GenerationParams(BaseModel):
     return_tokens_as_token_ids: bool | None = None
     # The prompt's and the generated token ids in the answer (vLLM's; stream migration).
     return_token_ids: bool | None = None
+    # Prefill/decode hand-off (meridian.kv_transfer, vLLM's keys): served by a node that takes
+    # part in one (data_plane.server.kv_transfer), a 400 on any other.
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("n")
     @classmethod
