@@ -171,7 +171,9 @@ def check(
     fs = drill.fault.start_s if fault_start_s is None else fault_start_s
     fe = drill.fault.end_s if fault_end_s is None else fault_end_s
     ops = join_client(history.client)
-    completions = Counter(s.key for s in history.served if s.completed)
+    # A prefill worker's hop is not an answer: the decode worker's is (or the prefill hop
+    # of one attempt and the decode of another would read as the request served twice).
+    completions = Counter(s.key for s in history.served if s.completed and not s.prefill)
     handled = {r.key for r in history.routed} | {s.key for s in history.served}
 
     acked = [k for k, op in ops.items() if op.outcome is Outcome.OK]

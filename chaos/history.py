@@ -123,6 +123,8 @@ class Served:
     key: str
     node: str
     completed: bool
+    # Only a P/D prefill hop for a decode worker: not the request's answer.
+    prefill: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +237,7 @@ class _ServedLine(_Line):
     key: str = Field(min_length=1)
     node: str
     completed: bool
+    prefill: bool = False
 
 
 class _ReferenceLine(_Line):

@@ -95,10 +95,15 @@ class RequestJournal:
                 line.update(migration=migration, resume_tokens=resume_tokens)
             self._file.append(line)
 
-    def served(self, key: str, node: str, completed: bool) -> None:
-        """A node stopped working on `key`: at its end (`completed`) or before it."""
+    def served(self, key: str, node: str, completed: bool, *, prefill: bool = False) -> None:
+        """A node stopped working on `key`: at its end (`completed`) or before it. `prefill`:
+        the node only prefilled the request for a decode worker (a P/D hand-off), which
+        serves it; such a line is not the request's answer."""
         if self._file is not None:
-            self._file.append({"type": "served", "key": key, "node": node, "completed": completed})
+            line: dict[str, object] = {"type": "served", "key": key, "node": node, "completed": completed}
+            if prefill:
+                line["prefill"] = True
+            self._file.append(line)
 
     def close(self) -> None:
         if self._file is not None:

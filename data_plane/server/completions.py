@@ -363,7 +363,7 @@ class CompletionService:
     def _journal_end(self, ex: _Exchange, *, completed: bool) -> None:
         if ex.key is not None and not ex.journalled:
             ex.journalled = True
-            self._journal.served(ex.key, self._settings.node_id, completed)
+            self._journal.served(ex.key, self._settings.node_id, completed, prefill=ex.kv_hold is not None)
 
     def _observe(self, ex: _Exchange, out: GenerationOutput) -> None:
         ex.completion_tokens = out.completion_tokens

@@ -28,6 +28,8 @@ ISSUE_DRILLS = {
     # Issue 22: long streams struck mid-generation, resumed by the router.
     "mid-stream-crash": "mid_stream_crash",
     "mid-stream-gray": "mid_stream_hang",
+    # Issue 24: a disaggregated region loses a prefill worker, then a decode worker.
+    "pd-worker-crash": "pd_worker_crash",
 }
 
 

@@ -26,7 +26,8 @@ OP = ClientOp(
 
 def test_records_round_trip_through_a_file(tmp_path: Path) -> None:
     path = tmp_path / "h.jsonl"
-    records = [OP, Routed("k1", "n-eu-1", "gcp:europe-west4", 1), Served("k1", "n-eu-1", completed=False)]
+    records = [OP, Routed("k1", "n-eu-1", "gcp:europe-west4", 1), Served("k1", "n-eu-1", completed=False),
+               Served("k1", "n-eu-2", completed=True, prefill=True)]
     with HistoryWriter(path) as w:
         for r in records:
             w.append(r)

@@ -406,3 +406,13 @@ def test_suite_summary_has_a_row_per_run_with_its_first_failure(drill: Drill, tm
     assert rows[0] == "| node-crash | yes | PASS | 0 | 0 | 0.00 |  |"
     assert rows[1].startswith("| node-crash | yes | **FAIL** | 2 | 1 |") and rows[1].endswith("| lost (2) |")
     assert rows[2].endswith("| aborted: error rate above 50% for 5 s |")
+
+
+def test_a_prefill_hop_is_not_a_second_answer(drill: Drill) -> None:
+    # A P/D request: its prefill worker journals the hop, its decode worker the answer.
+    h = healthy()
+    key = h.client[0].key
+    h.served.append(Served(key, "node-us-east-1-prefill-1", True, prefill=True))
+    assert key not in check(h, drill, ZONES, fault_start_s=10.02, fault_end_s=18.01).duplicated
+    h.served.append(Served(key, "node-us-east-1-decode-2", True))  # answered twice: duplicated
+    assert key in check(h, drill, ZONES, fault_start_s=10.02, fault_end_s=18.01).duplicated
