@@ -19,6 +19,7 @@ from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 from meridian.contracts import (
     HEARTBEAT_RETRY_MAX_S,
     ColdStart,
+    KVTransferInfo,
     NodeHeartbeat,
     NodeLoad,
     NodeRegistered,
@@ -147,6 +148,7 @@ class NodeAgent:
         weights: Callable[[], list[str]] | None = None,
         cold_start: Callable[[], ColdStart] | None = None,
         tool_call_parser: str | None = None,
+        kv_transfer: KVTransferInfo | None = None,
         retry_base_s: float = 0.5,
         retry_max_s: float = HEARTBEAT_RETRY_MAX_S,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -179,6 +181,9 @@ class NodeAgent:
             kv_events=kv_events,
             kv_events_replay=kv_events_replay,
             tool_call_parser=tool_call_parser,
+            # A prefill or decode node without a KV transfer fails here, at start-up.
+            role=settings.role,
+            kv_transfer=kv_transfer,
         )
         self.node_id = self._registration.node_id
         self.heartbeat_interval_s = DEFAULT_HEARTBEAT_INTERVAL_S

@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 from data_plane.agent import NodeAgent, default_node_id
-from data_plane.engine.base import Engine, PassthroughEngine
+from data_plane.engine.base import Engine, KVTransferEngine, PassthroughEngine
 from data_plane.kv_events import ZmqEventPublisher, create_publisher
 from data_plane.lifecycle import NodeLifecycle
 from data_plane.weights.node_weights import NodeWeights
@@ -59,6 +59,7 @@ class NodeRuntime:
                 cold_start=lambda: self.cold_start,
                 # Routers resume a broken tool-call stream only where they can replay its parser.
                 tool_call_parser=engine.tool_call_parser() if isinstance(engine, PassthroughEngine) else None,
+                kv_transfer=engine.kv_transfer() if isinstance(engine, KVTransferEngine) else None,
                 clock=clock,
             )
         self.agent = agent
