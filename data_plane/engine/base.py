@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.contracts import KVTransferInfo
 from meridian.registry import Registry
 from meridian.settings import NodeSettings
 
@@ -197,6 +198,16 @@ class PassthroughEngine(Protocol):
         """The parser the engine's server reads the model's tool calls with when it chooses
         them itself (vLLM's --tool-call-parser); None when it reads none. An engine that is
         not pass-through serves no tools."""
+        ...
+
+
+@runtime_checkable
+class KVTransferEngine(Protocol):
+    """An engine that hands a prompt's KV to (or takes it from) another node's, for
+    prefill/decode disaggregation (meridian.kv_transfer)."""
+
+    def kv_transfer(self) -> KVTransferInfo | None:
+        """How the node's peers pull its KV (the node registers it); None when co-located."""
         ...
 
 

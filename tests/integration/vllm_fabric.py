@@ -30,7 +30,7 @@ from data_plane.server.app import create_app as create_node_app
 from geo_router import create_app as create_router_app
 from geo_router.app import RouterState
 from geo_router.table import StaticTableSource
-from meridian.contracts import NodeStatus, RoutingNode, RoutingTable
+from meridian.contracts import NodeRole, NodeStatus, RoutingNode, RoutingTable
 from meridian.ports import free_port
 
 ADAPTER = "sql"
@@ -148,5 +148,41 @@ async def kv_fabric(root: Path) -> AsyncIterator[KVFabric]:
         router = create_router_app(settings, table_source=StaticTableSource(table))
         router_url = await servers.start(router)
         yield KVFabric(router_url, router, nodes)
+    finally:
+        await servers.stop()
+
+
+@dataclass
+class PDNodes:
+    """A prefill node and a decode node running vLLM with its NixlConnector (KV in host
+    memory, moved by UCX), with no router: tests (or a router they start) address them."""
+
+    checkpoint: Path
+    urls: dict[NodeRole, str]
+    node_ids: dict[NodeRole, str]
+    apps: dict[NodeRole, FastAPI]
+
+
+@contextlib.asynccontextmanager
+async def pd_nodes(root: Path) -> AsyncIterator[PDNodes]:
+    """Nodes `eu-prefill-1` and `eu-decode-1`, started together (each vLLM takes ~1 min on two
+    cores, and they share the cores: nobind)."""
+    checkpoint, _ = make_vllm_checkpoint(root)
+    servers = ServerGroup()
+    apps: dict[NodeRole, FastAPI] = {}
+    urls: dict[NodeRole, str] = {}
+    ids = {NodeRole.PREFILL: "eu-prefill-1", NodeRole.DECODE: "eu-decode-1"}
+    try:
+        for role, node_id in ids.items():
+            spec = write_spec(root / f"spec-{role.value}.json", loras=[], cpu_threads_bind="nobind")
+            app = create_node_app(node_settings(
+                checkpoint, node_id=node_id, engine="vllm", vllm_gpu_count=0, vllm_executable="auto",
+                deployment_spec_file=spec, role=role, vllm_startup_timeout_s=300.0, vllm_max_restarts=1,
+                vllm_probe_interval_s=0.5, max_tokens_limit=64,
+                request_journal_path=root / f"journal-{role.value}.jsonl"))
+            urls[role] = await servers.start(app)
+            apps[role] = app
+        await asyncio.gather(*(app.state.runtime.wait_ready() for app in apps.values()))
+        yield PDNodes(checkpoint, urls, ids, apps)
     finally:
         await servers.stop()

@@ -12,6 +12,15 @@ and --disable-uvicorn-access-log (our probes would flood the log); --otlp-traces
 (vLLM's own OpenTelemetry spans, children of the node's span through the `traceparent` the
 node passes on) with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf (vLLM's default is
 gRPC; the fabric's collectors speak OTLP/HTTP).
+
+A prefill or decode node (meridian.kv_transfer) runs vLLM's NixlConnector:
+--kv-transfer-config (KVTransferConfig JSON, vllm/config/kv_transfer.py) with kv_role
+kv_producer / kv_consumer (vLLM 0.32 deprecates kv_both for NIXL, which a co-located node
+that still hands KV on keeps), kv_buffer_device cpu on a node without GPUs (UCX then moves
+host memory to host memory) and the lease as kv_connector_extra_config.kv_lease_duration,
+plus the NIXL side channel's VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT. vLLM binds the side channel
+on that host and writes it into the prefill answer's `remote_host`, so it is the host the
+node advertises. VLLM_NIXL_ABORT_REQUEST_TIMEOUT carries the lease to older vLLM releases.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import shlex
 import shutil
@@ -36,6 +46,8 @@ from data_plane.engine.vllm.spec import (
     LoraAdapterSpec,
     load_deployment_spec,
 )
+from meridian.contracts import KVConnector, KVTransferInfo, NodeRole
+from meridian.ports import free_port
 from meridian.settings import NodeSettings
 from meridian.tracing import traces_url
 
@@ -77,6 +89,79 @@ def kv_events_config(endpoints: KVEventsEndpoints) -> dict[str, Any]:
     if endpoints.replay_endpoint is not None:
         config["replay_endpoint"] = endpoints.replay_endpoint
     return config
+
+
+@dataclass(frozen=True, slots=True)
+class NixlSideChannel:
+    """A prefill/decode node's NIXL connector: its role, where its side channel listens
+    (vLLM binds `host`, and names it to decode workers as `remote_host`), and how long a
+    prefill keeps a request's KV blocks for a decode worker that has not pulled them."""
+
+    role: NodeRole
+    host: str
+    port: int
+    lease_s: float
+
+    @property
+    def endpoint(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def lease_whole_s(self) -> int:
+        # vLLM reads the lease as whole seconds; rounding up never cuts one short.
+        return max(1, math.ceil(self.lease_s))
+
+    def info(self) -> KVTransferInfo:
+        """What the node registers about its KV transfer."""
+        return KVTransferInfo(connector=KVConnector.NIXL, endpoint=self.endpoint, lease_s=self.lease_s)
+
+
+_KV_ROLES = {NodeRole.PREFILL: "kv_producer", NodeRole.DECODE: "kv_consumer", NodeRole.BOTH: "kv_both"}
+
+
+def nixl_kv_transfer_config(side: NixlSideChannel, gpu_count: int) -> dict[str, Any]:
+    """vLLM's KVTransferConfig for the node's NIXL connector (KV buffered in host memory
+    on a node without GPUs)."""
+    return {
+        "kv_connector": KVConnector.NIXL.value,
+        "kv_role": _KV_ROLES[side.role],
+        "kv_buffer_device": "cuda" if gpu_count > 0 else "cpu",
+        "kv_connector_extra_config": {"kv_lease_duration": side.lease_whole_s},
+    }
+
+
+def nixl_env(side: NixlSideChannel | None) -> dict[str, str]:
+    """The NIXL side channel's environment (nothing for a node without a connector)."""
+    if side is None:
+        return {}
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": side.host,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side.port),
+        "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(side.lease_whole_s),
+    }
+
+
+def nixl_side_channel(settings: NodeSettings, advertised_host: str) -> NixlSideChannel | None:
+    """The node's NIXL connector from its settings: one for a prefill or decode node or
+    one that names NIXL, None for a co-located one (port 0: a free one, picked now so that
+    the node registers it and vLLM keeps it across restarts).
+
+    Raises DeploymentSpecError for the torch engine's connector, which vLLM does not run."""
+    if settings.kv_connector is KVConnector.MERIDIAN:
+        raise DeploymentSpecError(
+            "a vLLM node moves KV with NixlConnector; MeridianConnector is the torch engine's"
+        )
+    if settings.role is NodeRole.BOTH and settings.kv_connector is not KVConnector.NIXL:
+        return None
+    try:
+        port = settings.kv_side_channel_port or free_port(advertised_host)
+    except OSError as exc:
+        raise DeploymentSpecError(
+            f"cannot listen for NIXL handshakes on the advertised host {advertised_host!r}: {exc} "
+            "(vLLM binds its side channel on the host it names to peers)"
+        ) from None
+    return NixlSideChannel(role=settings.role, host=advertised_host, port=port, lease_s=settings.kv_lease_s)
 
 
 def speculative_config(spec: DeploymentSpec, draft_model_dir: Path | None) -> dict[str, Any] | None:
@@ -185,9 +270,11 @@ def build_serve_argv(
     draft_model_dir: Path | None = None,
     executable: str | Sequence[str] = "vllm",
     otlp_endpoint: str | None = None,
+    kv_transfer: NixlSideChannel | None = None,
 ) -> list[str]:
     """The full argv that starts vLLM for `spec` on this node (`gpu_count` 0: vLLM's CPU
-    build, which sizes its KV cache from cpu_env instead of gpu_memory_utilization).
+    build, which sizes its KV cache from cpu_env instead of gpu_memory_utilization);
+    `kv_transfer`: the node's NIXL connector (its side channel goes in nixl_env).
 
     Raises DeploymentSpecError when the spec does not fit the node (GPU count, missing
     adapter or draft weights).
@@ -225,6 +312,14 @@ def build_serve_argv(
     # vLLM emits KV events from its prefix cache; without one there is nothing to publish.
     if kv_events is not None and spec.enable_prefix_caching:
         argv += ["--kv-events-config", _json(kv_events_config(kv_events))]
+    if kv_transfer is not None:
+        # A spec may bring its own connector (LMCache...), but not beside the node's.
+        if any(arg.split("=", 1)[0] == "--kv-transfer-config" for arg in spec.extra_args):
+            raise DeploymentSpecError(
+                f"a {kv_transfer.role.value} node sets --kv-transfer-config itself (NixlConnector); "
+                "the spec's extra_args may not"
+            )
+        argv += ["--kv-transfer-config", _json(nixl_kv_transfer_config(kv_transfer, gpu_count))]
     if spec.loras:
         paths = lora_paths or {}
         missing = [lora.name for lora in spec.loras if lora.name not in paths]

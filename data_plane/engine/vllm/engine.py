@@ -20,9 +20,11 @@ from collections.abc import AsyncGenerator, Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
+from data_plane.agent import advertise_url
 from data_plane.engine.base import (
     EngineError,
     EngineNotReadyError,
@@ -38,10 +40,13 @@ from data_plane.engine.base import (
 from data_plane.engine.vllm.command import (
     LOOPBACK,
     KVEventsEndpoints,
+    NixlSideChannel,
     build_serve_argv,
     cpu_env,
     detect_gpu_count,
     load_spec,
+    nixl_env,
+    nixl_side_channel,
     node_lora_paths,
     tracing_env,
 )
@@ -50,6 +55,7 @@ from data_plane.engine.vllm.relay import KVEventRelay
 from data_plane.engine.vllm.spec import DeploymentSpec, DeploymentSpecError
 from data_plane.engine.vllm.supervisor import RestartPolicy, VllmSupervisor
 from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
+from meridian.contracts import KVTransferInfo
 from meridian.ports import free_port
 from meridian.settings import NodeSettings
 from meridian.tokenizer import ChatTokenizer
@@ -229,6 +235,10 @@ class VllmEngine:
         if missing:
             raise DeploymentSpecError(f"LoRA adapter(s) not on this node: {', '.join(missing)}")
         self._lora_paths = {lora.name: available[lora.name] for lora in self.spec.loras}
+        # A prefill/decode node's NIXL connector, its side channel on the host routers reach
+        # the node at (vLLM hands that host to decode workers in kv_transfer_params).
+        host = urlsplit(advertise_url(settings)).hostname or LOOPBACK
+        self.kv_side_channel: NixlSideChannel | None = nixl_side_channel(settings, host)
         self.on_fatal: Callable[[BaseException], None] | None = None
         self.supervisor: VllmSupervisor | None = None
         self.relay: KVEventRelay | None = None
@@ -268,6 +278,7 @@ class VllmEngine:
             self.spec, model_dir=self._model_dir, gpu_count=gpu_count, port=port,
             kv_events=endpoints, lora_paths=self._lora_paths,
             draft_model_dir=s.vllm_draft_model_dir, executable=s.vllm_executable, otlp_endpoint=s.otlp_endpoint,
+            kv_transfer=self.kv_side_channel,
         )
         self._tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, self._model_dir)
         self.base_url = f"http://{LOOPBACK}:{port}"
@@ -291,7 +302,8 @@ class VllmEngine:
                 max_restarts=s.vllm_max_restarts, window_s=s.vllm_restart_window_s,
                 backoff_s=s.vllm_restart_backoff_s, backoff_max_s=s.vllm_restart_backoff_max_s,
             ),
-            env={**tracing_env(s.otlp_endpoint), **(self.spec.env if gpu_count > 0 else cpu_env(self.spec))},
+            env={**tracing_env(s.otlp_endpoint), **nixl_env(self.kv_side_channel),
+                 **(self.spec.env if gpu_count > 0 else cpu_env(self.spec))},
             clock=self._clock,
         )
         supervisor.on_exit = self._on_child_exit
@@ -386,6 +398,10 @@ class VllmEngine:
 
     def tool_call_parser(self) -> str | None:
         return self.spec.tool_call_parser
+
+    def kv_transfer(self) -> KVTransferInfo | None:
+        side = self.kv_side_channel
+        return side.info() if side is not None else None
 
     # --- metrics relay ---------------------------------------------------------------------
 

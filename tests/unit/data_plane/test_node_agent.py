@@ -30,7 +30,7 @@ from data_plane.engine.vllm.spec import DeploymentSpec
 from data_plane.runtime import NodeRuntime
 from data_plane.server.app import create_app
 from meridian.clock import ManualClock
-from meridian.contracts import NodeLoad, NodeStatus
+from meridian.contracts import KVConnector, KVTransferInfo, NodeLoad, NodeRole, NodeStatus
 from meridian.ports import free_port
 
 
@@ -249,3 +249,46 @@ async def test_registration_carries_the_tool_call_parser(
     finally:
         await agent.close()
     assert cp.registrations()[0].tool_call_parser == expected
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_a_prefill_or_decode_vllm_node_registers_its_role_and_nixl_side_channel(
+    control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path, role: str,
+) -> None:
+    cp, url = control_plane
+    port = free_port()
+    settings = agent_settings(tiny_checkpoint, url, engine="vllm", role=role, kv_side_channel_port=port,
+                              kv_lease_s=45.0, advertise_url="http://10.1.2.3:8123")
+    agent = NodeRuntime(settings, VllmEngine(settings, spec=DeploymentSpec(name="chat", model="tiny"))).agent
+    assert agent is not None
+    await agent.start()
+    try:
+        assert await agent.wait_registered(5.0)
+    finally:
+        await agent.close()
+    registration = cp.registrations()[0]
+    assert registration.role == NodeRole(role)
+    # Peers pull KV through the side channel on the host the node advertises.
+    assert registration.kv_transfer == KVTransferInfo(connector=KVConnector.NIXL, endpoint=f"10.1.2.3:{port}",
+                                                      lease_s=45.0)
+
+
+async def test_a_co_located_vllm_node_registers_no_kv_transfer(
+    control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path,
+) -> None:
+    cp, url = control_plane
+    settings = agent_settings(tiny_checkpoint, url, engine="vllm")
+    agent = NodeRuntime(settings, VllmEngine(settings, spec=DeploymentSpec(name="chat", model="tiny"))).agent
+    assert agent is not None
+    await agent.start()
+    try:
+        assert await agent.wait_registered(5.0)
+    finally:
+        await agent.close()
+    assert (cp.registrations()[0].role, cp.registrations()[0].kv_transfer) == (NodeRole.BOTH, None)
+
+
+def test_a_prefill_node_that_cannot_say_how_its_kv_moves_does_not_start(tiny_checkpoint: Path) -> None:
+    settings = agent_settings(tiny_checkpoint, "http://127.0.0.1:1", role="prefill")
+    with pytest.raises(ValueError, match="must say how its KV moves"):
+        NodeAgent(settings, models=["tiny"], status=lambda: NodeStatus.STARTING, load=NodeLoad)

@@ -12,12 +12,16 @@ from pydantic import ValidationError
 from data_plane.engine.vllm.command import (
     API_SERVER_MODULE,
     KVEventsEndpoints,
+    NixlSideChannel,
     build_serve_argv,
     cpu_env,
     executable_argv,
+    nixl_env,
+    nixl_side_channel,
     spec_from_settings,
 )
 from data_plane.engine.vllm.spec import DeploymentSpec, DeploymentSpecError, load_deployment_spec
+from meridian.contracts import KVConnector, KVTransferInfo, NodeRole
 from meridian.settings import NodeSettings
 
 MODEL_DIR = Path("/cache/models/llama-3.1-8b")
@@ -242,3 +246,62 @@ def test_executable_setting_accepts_a_command_line_or_a_list() -> None:
     assert executable_argv(["/usr/bin/python3", "/opt/standin.py"]) == ["/usr/bin/python3", "/opt/standin.py"]
     argv = build_serve_argv(spec(), model_dir=MODEL_DIR, gpu_count=1, port=1, executable=["py", "s.py"])
     assert argv[:4] == ["py", "s.py", "serve", str(MODEL_DIR)]
+
+
+# --- prefill/decode: vLLM's NixlConnector ---------------------------------------------------
+
+def nixl_settings(**fields: Any) -> NodeSettings:
+    return NodeSettings(engine="vllm", model_dir=MODEL_DIR, **fields)
+
+
+def kv_transfer_config(argv: list[str]) -> dict[str, Any]:
+    config: dict[str, Any] = json.loads(flag(argv, "--kv-transfer-config"))
+    return config
+
+
+def test_a_prefill_node_without_gpus_runs_nixl_over_host_memory_with_its_side_channel() -> None:
+    side = nixl_side_channel(nixl_settings(role="prefill", kv_side_channel_port=5601, kv_lease_s=12.5), "10.0.0.7")
+    assert side == NixlSideChannel(role=NodeRole.PREFILL, host="10.0.0.7", port=5601, lease_s=12.5)
+    argv = build_serve_argv(spec(), model_dir=MODEL_DIR, gpu_count=0, port=9000, kv_transfer=side)
+    # vLLM reads the lease in whole seconds: rounded up, never cut short.
+    assert kv_transfer_config(argv) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"kv_lease_duration": 13}}
+    assert nixl_env(side) == {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.7", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
+                              "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": "13"}
+    # What the node registers: peers reach the side channel on the advertised host.
+    assert side.info() == KVTransferInfo(connector=KVConnector.NIXL, endpoint="10.0.0.7:5601", lease_s=12.5)
+
+
+def test_a_decode_node_with_gpus_keeps_its_kv_on_the_gpu() -> None:
+    side = nixl_side_channel(nixl_settings(role="decode", kv_side_channel_port=5602), "fd00::7")
+    assert side is not None
+    config = kv_transfer_config(build_serve_argv(spec(), model_dir=MODEL_DIR, gpu_count=2, port=9000,
+                                                 kv_transfer=side))
+    assert (config["kv_role"], config["kv_buffer_device"]) == ("kv_consumer", "cuda")
+    assert config["kv_connector_extra_config"] == {"kv_lease_duration": 60}
+    assert side.info().endpoint == "[fd00::7]:5602"
+
+
+def test_a_co_located_node_runs_no_connector_unless_it_names_nixl() -> None:
+    assert nixl_side_channel(nixl_settings(), "10.0.0.7") is None
+    assert nixl_env(None) == {}
+    assert "--kv-transfer-config" not in build_serve_argv(spec(), model_dir=MODEL_DIR, gpu_count=0, port=9000)
+    side = nixl_side_channel(nixl_settings(kv_connector="NixlConnector"), "127.0.0.1")
+    assert side is not None and side.role is NodeRole.BOTH
+    # Port 0: a free port, picked once so that the node registers it and vLLM keeps it.
+    assert side.port > 0
+    config = kv_transfer_config(build_serve_argv(spec(), model_dir=MODEL_DIR, gpu_count=0, port=9000,
+                                                 kv_transfer=side))
+    assert config["kv_role"] == "kv_both"
+
+
+def test_a_vllm_node_refuses_the_torch_engines_connector_and_a_second_one_from_its_spec() -> None:
+    with pytest.raises(DeploymentSpecError, match="MeridianConnector is the torch engine's"):
+        nixl_side_channel(nixl_settings(role="prefill", kv_connector="MeridianConnector"), "127.0.0.1")
+    side = NixlSideChannel(role=NodeRole.DECODE, host="127.0.0.1", port=5602, lease_s=60)
+    own = spec(extra_args=["--kv-transfer-config={\"kv_connector\":\"LMCacheConnectorV1\"}"])
+    with pytest.raises(DeploymentSpecError, match="decode node sets --kv-transfer-config itself"):
+        build_serve_argv(own, model_dir=MODEL_DIR, gpu_count=0, port=9000, kv_transfer=side)
+    # A co-located node leaves the spec's own connector alone.
+    assert "--kv-transfer-config=" in build_serve_argv(own, model_dir=MODEL_DIR, gpu_count=0, port=9000)[-1]
