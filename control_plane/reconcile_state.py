@@ -3,7 +3,10 @@
 - its vocabulary: the steps it takes (`StepAction`), their outcomes (`StepOutcome`) and the
   states of a node group (`NodeGroupState`); the database stores their strings;
 - the target: the applied placement plan's groups (`parse_assignments`) and the node count
-  each needs for a deployment's desired replicas (`target_sizes`);
+  each needs for a deployment's desired replicas (`target_sizes`). A group is one role's:
+  a disaggregated deployment's prefill groups are sized from `desired_prefill_replicas`, its
+  decode groups from `desired_replicas` (which counts its decode pool), each pool spread over
+  its own groups as a co-located deployment's replicas are (`deployment_targets`);
 - the snapshot one tick reads (`read_snapshot`) and the choices made on it alone: which nodes
   to drain first (`choose_victims`), which drain marks are stale (`stale_drains`).
 
@@ -26,12 +29,12 @@ from sqlalchemy.orm import Session
 
 from control_plane import planner
 from control_plane.db.models import Deployment, Node, NodeDrain, NodeGroup
-from meridian.contracts import NodeStatus
+from meridian.contracts import NodeRole, NodeStatus
 from providers.driver import GroupSpec
 
 log = logging.getLogger(__name__)
 
-GroupKey = tuple[str, str, str, bool]  # model, region, instance type, spot
+GroupKey = tuple[str, str, str, bool, str]  # model, region, instance type, spot, role (a NodeRole value)
 
 
 class StepAction(StrEnum):
@@ -78,10 +81,11 @@ class PlacedGroup:
     spot: bool
     instances: int
     replicas: int
+    role: NodeRole = NodeRole.BOTH
 
     @property
     def key(self) -> GroupKey:
-        return (self.model, self.region, self.instance_type, self.spot)
+        return (self.model, self.region, self.instance_type, self.spot, self.role.value)
 
     @property
     def provider(self) -> str:
@@ -94,7 +98,8 @@ class PlacedGroup:
 
 def parse_assignments(assignments: Iterable[Mapping[str, Any]]) -> list[PlacedGroup]:
     """The plan's assignments (control_plane.placement.problem.Assignment as JSON) as groups;
-    assignments of one group are summed."""
+    assignments of one group (same place, machine and role) are summed. A row without a role
+    (plans applied before P/D) is co-located; one with a role this version does not know is skipped."""
     merged: dict[GroupKey, PlacedGroup] = {}
     for data in assignments:
         try:
@@ -102,9 +107,14 @@ def parse_assignments(assignments: Iterable[Mapping[str, Any]]) -> list[PlacedGr
         except (KeyError, TypeError):
             log.warning("applied plan has an assignment without deployment/region/instance_type: %s", data)
             continue
+        try:
+            role = NodeRole(a.role)
+        except ValueError:
+            log.warning("applied plan has an assignment with an unknown node role %r: %s", a.role, data)
+            continue
         group = PlacedGroup(
             model=a.deployment, region=a.region, instance_type=a.instance_type, sku=a.sku,
-            spot=a.spot, instances=a.instances, replicas=a.replicas,
+            spot=a.spot, instances=a.instances, replicas=a.replicas, role=role,
         )
         if (old := merged.get(group.key)) is not None:
             group = replace(group, instances=old.instances + a.instances, replicas=old.replicas + a.replicas)
@@ -162,6 +172,26 @@ def target_sizes(desired: int, groups: Sequence[PlacedGroup]) -> dict[GroupKey, 
     return {key: math.ceil(n / by_key[key].replicas_per_node) for key, n in replicas.items()}
 
 
+def deployment_targets(
+    desired: int, desired_prefill: int | None, groups: Sequence[PlacedGroup]
+) -> dict[GroupKey, int]:
+    """Nodes per group of one deployment: each role's groups get their own pool's count, spread
+    over them alone — co-located groups `desired`, decode groups `desired` (a disaggregated
+    deployment's desired_replicas counts its decode pool), prefill groups `desired_prefill`
+    (None, not yet set by the API or the autoscaler: the plan's own prefill replicas)."""
+    by_role: dict[NodeRole, list[PlacedGroup]] = defaultdict(list)
+    for g in groups:
+        by_role[g.role].append(g)
+    out: dict[GroupKey, int] = {}
+    for role, members in by_role.items():
+        if role is NodeRole.PREFILL:
+            count = desired_prefill if desired_prefill is not None else sum(g.replicas for g in members)
+        else:
+            count = desired
+        out.update(target_sizes(count, members))
+    return out
+
+
 # --- what one tick reads -----------------------------------------------------------------
 
 
@@ -182,16 +212,17 @@ class GroupRow:
     state: NodeGroupState
     failures: int
     retry_at: datetime | None
+    role: NodeRole = NodeRole.BOTH
 
     @property
     def key(self) -> GroupKey:
-        return (self.model, self.region, self.instance_type, self.spot)
+        return (self.model, self.region, self.instance_type, self.spot, self.role.value)
 
     @property
     def spec(self) -> GroupSpec:
         return GroupSpec(
             group_id=self.id, model=self.model, provider=self.provider, region=self.region,
-            instance_type=self.instance_type, sku=self.sku, spot=self.spot,
+            instance_type=self.instance_type, sku=self.sku, spot=self.spot, role=self.role,
         )
 
 
@@ -217,21 +248,21 @@ def group_row(g: NodeGroup) -> GroupRow:
     return GroupRow(
         id=g.id, model=g.model, provider=g.provider, region=g.region, instance_type=g.instance_type, sku=g.sku,
         spot=g.spot, desired_size=g.desired_size, current_size=g.current_size, nodes=tuple(g.nodes or ()),
-        state=NodeGroupState(g.state), failures=g.failures, retry_at=g.retry_at,
+        state=NodeGroupState(g.state), failures=g.failures, retry_at=g.retry_at, role=NodeRole(g.role),
     )
 
 
 def read_snapshot(session: Session) -> Snapshot:
     """The applied plan, desired counts, node groups, drains and nodes, in one read."""
     plan = planner.current_plan(session)
-    desired = {d.model: d.desired_replicas for d in session.scalars(select(Deployment))}
+    desired = {d.model: (d.desired_replicas, d.desired_prefill_replicas) for d in session.scalars(select(Deployment))}
     placed_groups = [g for g in parse_assignments(plan.assignments if plan else []) if g.model in desired]
     by_model: dict[str, list[PlacedGroup]] = defaultdict(list)
     for g in placed_groups:
         by_model[g.model].append(g)
     targets: dict[GroupKey, int] = {}
     for model, groups in by_model.items():
-        targets.update(target_sizes(desired[model], groups))
+        targets.update(deployment_targets(*desired[model], groups))
     rows = {row.key: row for row in map(group_row, session.scalars(select(NodeGroup)))}
     drains: dict[str, dict[str, datetime]] = defaultdict(dict)
     for d in session.scalars(select(NodeDrain)):

@@ -27,7 +27,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -56,7 +56,7 @@ from control_plane.reconcile_state import (
 )
 from control_plane.routing_table import bump_version
 from meridian.backoff import Backoff
-from meridian.contracts import NodeStatus
+from meridian.contracts import NodeRole, NodeStatus
 from meridian.registry import UnknownName
 from meridian.settings import ProviderSettings
 from providers.driver import DriverRegistry, GroupSpec, GroupState
@@ -77,7 +77,7 @@ def group_as_dict(g: NodeGroup) -> dict[str, Any]:
     """A node group as the audit log and the API show it."""
     return {
         "id": g.id, "model": g.model, "provider": g.provider, "region": g.region,
-        "instance_type": g.instance_type, "sku": g.sku, "spot": g.spot, "gpus_per_node": g.gpus_per_node,
+        "instance_type": g.instance_type, "sku": g.sku, "spot": g.spot, "role": g.role, "gpus_per_node": g.gpus_per_node,
         "desired_size": g.desired_size, "current_size": g.current_size, "nodes": list(g.nodes or ()),
         "state": g.state, "failures": g.failures,
         "retry_at": g.retry_at.isoformat() if g.retry_at else None, "last_error": g.last_error,
@@ -390,11 +390,17 @@ class Reconciler:
                 session.delete(group)
                 after = None
             audit.record(session, ACTOR, action=action.value, resource_type="node_group",
-                         resource_id=f"{group.model}@{group.region}/{group.instance_type}",
+                         resource_id=_resource_id(group),
                          before=before, after=after, now=now)
             return StepResult(group_id=group.id, action=action, target=target, outcome=outcome, error=message)
 
         return await self._write(fence, write)
+
+
+def _resource_id(g: NodeGroup) -> str:
+    """The audit log's name of a group: a prefill or decode group is suffixed with its role."""
+    base = f"{g.model}@{g.region}/{g.instance_type}"
+    return base if g.role == NodeRole.BOTH.value else f"{base}/{g.role}"
 
 
 def _error_text(error: BaseException) -> str:
@@ -405,17 +411,13 @@ def _error_text(error: BaseException) -> str:
 
 
 def _with_nodes(row: GroupRow, state: GroupState) -> GroupRow:
-    return GroupRow(
-        id=row.id, model=row.model, provider=row.provider, region=row.region, instance_type=row.instance_type,
-        sku=row.sku, spot=row.spot, desired_size=row.desired_size, current_size=state.size, nodes=state.nodes,
-        state=row.state, failures=0, retry_at=None,
-    )
+    return replace(row, current_size=state.size, nodes=state.nodes, failures=0, retry_at=None)
 
 
 def _insert_group(session: Session, placed: PlacedGroup, target: int, now: datetime) -> GroupRow:
     group = NodeGroup(
         id=str(uuid.uuid4()), model=placed.model, provider=placed.provider, region=placed.region,
-        instance_type=placed.instance_type, sku=placed.sku, spot=placed.spot, gpus_per_node=0,
+        instance_type=placed.instance_type, sku=placed.sku, spot=placed.spot, role=placed.role.value, gpus_per_node=0,
         desired_size=target, current_size=0, nodes=[], state=NodeGroupState.CREATING.value, failures=0, resource_version=1,
         created_at=now, updated_at=now,
     )

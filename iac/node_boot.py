@@ -7,7 +7,10 @@ and its weights URI from a table of the region's models, falling back to the buc
 key for a model the plan does not list yet (a group the driver created since).
 
 The node's settings are NodeSettings' environment variables (MERIDIAN_NODE_*); the cluster
-token comes from the cloud's secret store at each start and never sits in the template.
+token comes from the cloud's secret store at each start and never sits in the template. A
+prefill or decode group's instances carry their prefill/decode role the same way as their
+model (providers.aws.naming.PD_ROLE_TAG, providers.gcp.naming.METADATA_PD_ROLE, set by the
+driver), read into MERIDIAN_NODE_ROLE; an instance without one starts co-located, as before.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from iac import layout
 from iac.layout import KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT, NODE_PORT
 from meridian.infra_plan import InfraPlan, InfraRegion
 from providers.aws import naming as aws_naming
+from providers.driver import ROLE_ENV
 from providers.gcp import naming as gcp_naming
 
 RUN_SCRIPT = "/usr/local/sbin/meridian-node-run"
@@ -112,7 +116,8 @@ def _exports(env: Mapping[str, str]) -> list[str]:
 
 
 def _instance_facts(boot: NodeBoot) -> list[str]:
-    """Shell lines that set NODE_ID, ADDR, MODEL and CLUSTER_TOKEN from the cloud's metadata and secrets."""
+    """Shell lines that set NODE_ID, ADDR, MODEL, PD_ROLE (empty: co-located) and CLUSTER_TOKEN from
+    the cloud's metadata and secrets."""
     t = CALL_TIMEOUT_S
     if boot.cloud == "aws":
         return [
@@ -125,6 +130,7 @@ def _instance_facts(boot: NodeBoot) -> list[str]:
             'ADDR="$(imds local-ipv4)"',
             # Instance tags are in the metadata (the launch template enables it); the group sets this one.
             f'MODEL="$(imds tags/instance/{aws_naming.MODEL_TAG} || true)"',
+            f'PD_ROLE="$(imds tags/instance/{aws_naming.PD_ROLE_TAG} || true)"',
             f'CLUSTER_TOKEN="$(timeout {t * 6} aws ssm get-parameter --region {shlex.quote(boot.location)} '
             f"--name {shlex.quote(boot.cluster_token_secret)} --with-decryption "
             '--query Parameter.Value --output text)"',
@@ -137,6 +143,7 @@ def _instance_facts(boot: NodeBoot) -> list[str]:
         'NODE_ID="$(md instance/name)"',
         'ADDR="$(md instance/network-interfaces/0/ip)"',
         f'MODEL="$(md instance/attributes/{gcp_naming.METADATA_MODEL} || true)"',
+        f'PD_ROLE="$(md instance/attributes/{gcp_naming.METADATA_PD_ROLE} || true)"',
         f'CLUSTER_TOKEN="$(timeout {t * 6} gcloud secrets versions access latest '
         f'--secret={shlex.quote(boot.cluster_token_secret)} --project="$(md project/project-id)")"',
     ]
@@ -162,6 +169,8 @@ def run_script(boot: NodeBoot) -> str:
         'export MERIDIAN_NODE_NODE_ID="$NODE_ID" MERIDIAN_NODE_MODEL_NAME="$MODEL"',
         'export MERIDIAN_NODE_MODEL_URI="$MODEL_URI" MERIDIAN_CLUSTER_TOKEN="$CLUSTER_TOKEN"',
         f'export MERIDIAN_NODE_ADVERTISE_URL="http://$ADDR:{NODE_PORT}"',
+        # A prefill or decode group's node (providers.driver.role_env); co-located without the tag.
+        f'if [ -n "$PD_ROLE" ]; then export {ROLE_ENV}="$PD_ROLE"; fi',
         f"exec {VENV}/bin/meridian node run",
         "",
     ]

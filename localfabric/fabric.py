@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from meridian.admin_api import ApiKeyCreate, DeploymentUpsert, Scope
+from meridian.admin_api import ApiKeyCreate, Scope
 from meridian.admin_client import AdminAPIError, AdminClient
 from meridian.contracts import GLOBAL_ZONE, DeploymentView, NodeRole, NodeStatus, RegionInfo
 from meridian.security import generate_api_key
@@ -44,6 +44,7 @@ from meridian.settings import LogSettings
 
 from .checkpoint import origin_holds
 from .procs import die_with_parent, fabric_port, port_or_free, renice
+from .scaling import LocalNode, nodes_to_start
 from .spec import FabricInfo, FabricSpec, Proc
 
 logger = logging.getLogger(__name__)
@@ -342,8 +343,7 @@ class LocalFabric:
         with self._admin(cp_url) as admin:
             for d in self.spec.deployments:
                 try:
-                    admin.put_deployment(d.model_name, DeploymentUpsert(
-                        zone=d.zone, min_replicas=d.min_replicas, max_replicas=d.max_replicas))
+                    admin.put_deployment(d.model_name, d.upsert())
                 except AdminAPIError as e:
                     raise FabricError(f"creating deployment {d.model_name} failed: {e}") from e
 
@@ -434,29 +434,25 @@ class LocalFabric:
                     logger.warning("local scaler: %s; trying again", exc)
 
     def _scale(self, d: DeploymentView, regions: list[RegionInfo], model_uri: str, cp_url: str) -> None:
+        """Start the nodes the deployment wants beyond those it runs (localfabric.scaling): a
+        disaggregated deployment's prefill and decode nodes in their roles, up to each pool's count."""
         with self._lock:
             if self._scaler_stop.is_set():
                 return
-            running = [p for p in self._procs if p.model == d.model and p.popen.poll() is None]
-            for _ in range(d.desired_replicas - len(running)):
-                region = self._place(d, regions)
-                if region is None:
-                    logger.warning("local scaler: no region suits deployment %s (zone %s)", d.model, d.zone)
-                    return
+            running = [LocalNode(p.role, p.region or "") for p in self._procs
+                       if p.model == d.model and p.popen.poll() is None]
+            wanted = nodes_to_start(d, running, regions, self.spec.regions)
+            if wanted is None:
+                logger.warning("local scaler: no region suits deployment %s (zone %s)", d.model, d.zone)
+                return
+            for node in wanted:
                 self._scaled += 1
-                node_id = f"scaled-{_slug(d.model, 40)}-{self._scaled}"
-                self._on_step(f"scaling {d.model} up: starting {node_id} in {region}")
-                self._start_node(region, model_uri, cp_url, 0, model_name=d.model, node_id=node_id)
+                role = "" if node.role is NodeRole.BOTH else f"{node.role.value}-"
+                node_id = f"scaled-{_slug(d.model, 40)}-{role}{self._scaled}"
+                self._on_step(f"scaling {d.model} up: starting {node_id} in {node.region}")
+                self._start_node(node.region, model_uri, cp_url, 0, model_name=d.model, node_id=node_id,
+                                 role=node.role)
                 self._write_state()
-
-    def _place(self, d: DeploymentView, regions: list[RegionInfo]) -> str | None:
-        """The region the last scale-up asked for, else the first region the zone allows
-        (the fabric's own regions first); a local process can stand in any region."""
-        allowed = {r.name for r in regions if d.zone == GLOBAL_ZONE or d.zone in r.zones}
-        if d.last_scale_region in allowed:
-            return d.last_scale_region
-        ordered = [*self.spec.regions, *sorted(allowed)]
-        return next((name for name in ordered if name in allowed), None)
 
     def _start_router(self, cp_url: str, port: int, env: dict[str, str]) -> Proc:
         port = port_or_free(port, self.spec.host)

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meridian.contracts import GLOBAL_ZONE, NodeRole
+from meridian.admin_api import DeploymentUpsert
+from meridian.contracts import GLOBAL_ZONE, DisaggregationSpec, NodeRole
 
 DEMO_REGIONS = ("aws:us-east-1", "gcp:europe-west4", "onprem:tokyo-1")
 DEMO_MODEL = "tiny-llama"
@@ -18,13 +19,21 @@ DEMO_MODEL = "tiny-llama"
 class LocalDeployment:
     """A deployment created at start-up, served from the fabric's tiny checkpoint.
 
-    With min_replicas=0 it has no node until a router asks for one (scale-from-zero).
+    With min_replicas=0 it has no node until a router asks for one (scale-from-zero). With a
+    `disaggregation` its prefill and decode pools are separate nodes, which the local scaler
+    starts in their roles (min/max_replicas then bound the decode pool).
     """
 
     model_name: str
     zone: str = GLOBAL_ZONE
     min_replicas: int = 0
     max_replicas: int = 1
+    disaggregation: DisaggregationSpec | None = None
+
+    def upsert(self) -> DeploymentUpsert:
+        """The body of the PUT that creates it."""
+        return DeploymentUpsert(zone=self.zone, min_replicas=self.min_replicas, max_replicas=self.max_replicas,
+                                disaggregation=self.disaggregation)
 
 
 @dataclass(frozen=True)

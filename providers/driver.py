@@ -9,6 +9,13 @@ Calls are idempotent: `ensure_group` of an existing group and `resize` to the cu
 change nothing, so a reconciler that retries, or a new leader that repeats its predecessor's
 last step, converges. A node's id is its host or instance name; the node agent running on
 it registers with the control plane under that id.
+
+A group's nodes share one prefill/decode role (`GroupSpec.role`, meridian.contracts.NodeRole):
+a disaggregated deployment has a prefill group and a decode group where a co-located one has
+a single group. A driver launches a prefill or decode group's nodes with that role
+(`MERIDIAN_NODE_ROLE`, see `role_env`) and keeps the two groups apart (their own cloud
+group, names and tags); a co-located group (`NodeRole.BOTH`) is named, tagged and launched
+exactly as before roles existed.
 """
 
 from __future__ import annotations
@@ -18,7 +25,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
+from meridian.contracts import NodeRole
 from meridian.registry import Registry
+
+# NodeSettings.role's environment variable (meridian.settings: prefix MERIDIAN_NODE_).
+ROLE_ENV = "MERIDIAN_NODE_ROLE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +43,18 @@ class GroupSpec:
     instance_type: str
     sku: str
     spot: bool = False
+    # The nodes' prefill/decode role; BOTH (co-located) unless the deployment is disaggregated.
+    role: NodeRole = NodeRole.BOTH
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.role is not NodeRole.BOTH
+
+
+def role_env(spec: GroupSpec) -> dict[str, str]:
+    """The node settings a group's role adds to its nodes' environment: `MERIDIAN_NODE_ROLE` for a
+    prefill or decode group, nothing for a co-located one (whose nodes start as they always did)."""
+    return {ROLE_ENV: spec.role.value} if spec.disaggregated else {}
 
 
 @dataclass(frozen=True, slots=True)

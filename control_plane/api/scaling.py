@@ -14,6 +14,7 @@ from control_plane.api.pagination import PageParams, list_page, page_params, pag
 from control_plane.auth import Ctx, require_scopes
 from control_plane.db.models import AutoscalerDecision, NodeDrain, NodeGroup, ReconcileStep
 from control_plane.scopes import FLEET_READERS
+from meridian.contracts import NodeRole
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))], tags=["scaling"])
 Page = Annotated[PageParams, Depends(page_params)]
@@ -45,6 +46,8 @@ class NodeGroupView(BaseModel):
     instance_type: str
     sku: str
     spot: bool
+    # The nodes' prefill/decode role ("both": co-located).
+    role: NodeRole = NodeRole.BOTH
     gpus_per_node: int
     desired_size: int
     current_size: int
@@ -124,7 +127,7 @@ def list_node_groups(
         views = [
             NodeGroupView(
                 id=g.id, model=g.model, provider=g.provider, region=g.region, instance_type=g.instance_type,
-                sku=g.sku, spot=g.spot, gpus_per_node=g.gpus_per_node, desired_size=g.desired_size,
+                sku=g.sku, spot=g.spot, role=NodeRole(g.role), gpus_per_node=g.gpus_per_node, desired_size=g.desired_size,
                 current_size=g.current_size, nodes=list(g.nodes or ()),
                 draining=sorted(n for n in drains.get(g.id, []) if n in (g.nodes or ())),
                 state=g.state, failures=g.failures, retry_at=g.retry_at, last_error=g.last_error,

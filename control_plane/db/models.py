@@ -312,12 +312,12 @@ class Leadership(Base):
 
 
 class NodeGroup(Base):
-    """Nodes of one instance type in one region serving one deployment, as the reconciler
-    runs them through the provider's driver."""
+    """Nodes of one instance type in one region serving one deployment in one role, as the
+    reconciler runs them through the provider's driver."""
 
     __tablename__ = "node_groups"
     __table_args__ = (
-        UniqueConstraint("model", "region", "instance_type", "spot", name="uq_node_groups_group_key"),
+        UniqueConstraint("model", "region", "instance_type", "spot", "role", name="uq_node_groups_group_key"),
         CheckConstraint("desired_size >= 0 AND current_size >= 0", name="sizes_non_negative"),
     )
 
@@ -328,6 +328,9 @@ class NodeGroup(Base):
     instance_type: Mapped[str] = mapped_column(String(64))
     sku: Mapped[str] = mapped_column(String(32))
     spot: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The nodes' prefill/decode role (a meridian.contracts.NodeRole value): a disaggregated
+    # deployment has a prefill and a decode group where a co-located one has one "both" group.
+    role: Mapped[str] = mapped_column(String(16), default="both", server_default="both")
     gpus_per_node: Mapped[int] = mapped_column(Integer)
     desired_size: Mapped[int] = mapped_column(Integer)
     current_size: Mapped[int] = mapped_column(Integer)

@@ -10,8 +10,10 @@ instance type, spot) alone, so a new control plane needs no `known_nodes` and ig
 Every call is idempotent. iac creates the same group (same name) at the plan's first size and
 leaves its size to the control plane afterwards; the driver adopts such a group, tagging it with
 the control plane's group id, and creates the group itself only when none exists. A group under
-that name that is tagged for another model, or launches another instance type, is refused
-(never resized, adopted or deleted).
+that name that is tagged for another model or prefill/decode role, or launches another
+instance type, is refused (never resized, adopted or deleted). A prefill or decode group's
+instances are launched in their role: its name and tags (providers.aws.naming.PD_ROLE_TAG,
+propagated at launch and read into MERIDIAN_NODE_ROLE by the node's boot) say which.
 
 Spot groups ask for spot capacity through a mixed instances policy with no on-demand share.
 `preemption_notices` reads what EC2's API shows of an interruption: the spot request's
@@ -82,15 +84,21 @@ def _template_names(group: Mapping[str, Any]) -> list[str]:
     return [str(t["LaunchTemplateName"]) for t in (plain, mixed) if t.get("LaunchTemplateName")]
 
 
-def foreign_group(group: Mapping[str, Any], model: str, instance_type: str, template: str) -> str | None:
+def foreign_group(
+    group: Mapping[str, Any], model: str, instance_type: str, template: str, role: str = naming.CO_LOCATED
+) -> str | None:
     """Why an Auto Scaling group found under a node group's name is not that node group's (None:
-    it is): its model tag is not `model`, or it launches from another launch template than
-    `template` (iac's template of `instance_type`) or overrides the instance type."""
+    it is): its model tag is not `model`, its prefill/decode role tag is not `role` (absent:
+    co-located), or it launches from another launch template than `template` (iac's template of
+    `instance_type`) or overrides the instance type."""
     tags = {t.get("Key"): t.get("Value") for t in group.get("Tags", [])}
     tagged = tags.get(naming.MODEL_TAG)
     if tagged != model:
         return (f"is tagged {naming.MODEL_TAG}={tagged!r}, not {model!r}" if tagged is not None
                 else f"has no {naming.MODEL_TAG} tag (expected {model!r})")
+    tagged_role = tags.get(naming.PD_ROLE_TAG, naming.CO_LOCATED)
+    if tagged_role != role:
+        return f"runs {tagged_role} nodes ({naming.PD_ROLE_TAG}), not {role}"
     if group.get("LaunchConfigurationName"):
         config = group["LaunchConfigurationName"]
         return f"launches from launch configuration {config}, not launch template {template}"
@@ -186,7 +194,7 @@ class AwsDriver:
     def group_name(self, spec: GroupSpec) -> str:
         """The Auto Scaling group of a node group (providers.aws.naming)."""
         prefix = self._settings.aws_name_prefix
-        return naming.auto_scaling_group_name(prefix, spec.model, spec.instance_type, spec.spot)
+        return naming.auto_scaling_group_name(prefix, spec.model, spec.instance_type, spec.spot, spec.role.value)
 
     def launch_template(self, spec: GroupSpec) -> str:
         """The launch template iac made for the group's instance type."""
@@ -214,7 +222,7 @@ class AwsDriver:
         if not groups:
             return None
         group: dict[str, Any] = groups[0]
-        problem = foreign_group(group, spec.model, spec.instance_type, self.launch_template(spec))
+        problem = foreign_group(group, spec.model, spec.instance_type, self.launch_template(spec), spec.role.value)
         if problem is not None:
             raise _fatal(f"Auto Scaling group {name} in {aws_region} {problem}, so it is not the group of "
                          f"{spec.model} on {spec.instance_type}; rename or delete it")
@@ -300,7 +308,7 @@ class AwsDriver:
         tags = [
             {"Key": k, "Value": v, "PropagateAtLaunch": True, "ResourceId": name,
              "ResourceType": "auto-scaling-group"}
-            for k, v in naming.group_tags(spec.group_id, spec.model).items()
+            for k, v in naming.group_tags(spec.group_id, spec.model, spec.role.value).items()
         ]
         template_spec = {"LaunchTemplateName": template, "Version": "$Default"}
         placement: dict[str, Any]

@@ -9,6 +9,11 @@ the region is implicit, Auto Scaling groups being regional. Both sides call thes
 so a name is spelled in one place only. Pure functions: no SDK is imported here.
 
 Names use lowercase letters, digits and `-` only, which every AWS name field accepts.
+
+A disaggregated deployment's prefill and decode nodes of one instance type are two groups:
+their names end in "-prefill" / "-decode" and they carry PD_ROLE_TAG (propagated to their
+instances, whose boot reads it into MERIDIAN_NODE_ROLE, see iac.node_boot). A co-located
+group's name and tags are what they were before prefill/decode roles existed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ MODEL_TAG = "meridian:model"
 ROLE_TAG = "meridian:role"
 NODE_ROLE = "gpu-node"
 SUBNET_ROLE = "gpu-subnet"
+# A prefill or decode group's prefill/decode role (a meridian.contracts.NodeRole value); absent: co-located.
+PD_ROLE_TAG = "meridian:pd-role"
+CO_LOCATED = "both"
 
 # AWS's limits: launch template names 3-128 characters, Auto Scaling group names 1-255.
 LAUNCH_TEMPLATE_NAME_MAX = 128
@@ -86,9 +94,9 @@ def model_part(model: str, room: int = MODEL_SLUG_MAX) -> str:
     return f"{(cleaned or 'model')[:keep].rstrip('-')}-{model_hash(model)}"
 
 
-def auto_scaling_group_name(prefix: str, model: str, instance_type: str, spot: bool) -> str:
+def auto_scaling_group_name(prefix: str, model: str, instance_type: str, spot: bool, role: str = CO_LOCATED) -> str:
     """The Auto Scaling group of a model's nodes of one instance type (and market) in a region:
-    "<prefix>-<model part>-<instance type slug>[-spot]".
+    "<prefix>-<model part>-<instance type slug>[-spot]", then "-<role>" for a prefill or decode group.
 
     The model part is its slug, cut to MODEL_SLUG_MAX characters with a hash of the full model
     name (`model_part`). The region is not part of the name because Auto Scaling groups are
@@ -98,16 +106,22 @@ def auto_scaling_group_name(prefix: str, model: str, instance_type: str, spot: b
     parts = [_prefix(prefix), model_part(model), _instance_slug(instance_type)]
     if spot:
         parts.append("spot")
+    if role != CO_LOCATED:
+        parts.append(slug(role))
     name = "-".join(parts)
     if len(name) > AUTO_SCALING_GROUP_NAME_MAX:
         raise ValueError(f"Auto Scaling group name {name!r} is longer than {AUTO_SCALING_GROUP_NAME_MAX} characters")
     return name
 
 
-def group_tags(group_id: str, model: str) -> dict[str, str]:
+def group_tags(group_id: str, model: str, role: str = CO_LOCATED) -> dict[str, str]:
     """Tags the driver puts on an Auto Scaling group it creates, propagated to its instances (iac's
-    groups carry MODEL_TAG and ROLE_TAG; the driver adds GROUP_ID_TAG when it adopts one)."""
-    return {GROUP_ID_TAG: group_id, MODEL_TAG: model, ROLE_TAG: NODE_ROLE}
+    groups carry MODEL_TAG and ROLE_TAG; the driver adds GROUP_ID_TAG when it adopts one), and
+    PD_ROLE_TAG on a prefill or decode group."""
+    tags = {GROUP_ID_TAG: group_id, MODEL_TAG: model, ROLE_TAG: NODE_ROLE}
+    if role != CO_LOCATED:
+        tags[PD_ROLE_TAG] = role
+    return tags
 
 
 def subnet_tags() -> dict[str, str]:

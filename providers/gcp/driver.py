@@ -7,8 +7,10 @@ from those four alone, providers.gcp.naming) and adopts it; when there is none (
 before Terraform ran, or no iac at all) it creates it from the template (target size 0, spread
 over the zones the catalog sells the machine type in). It resizes the MIG, deletes named
 instances and deletes it. A MIG under the group's name whose `meridian-model` label (or model
-metadata) is another model's, or whose instance template is for another machine type (or
-market), is refused: never resized, adopted or deleted. The MIG is the durable record of a
+metadata) is another model's, whose prefill/decode role metadata is another role's, or whose
+instance template is for another machine type (or market), is refused: never resized, adopted
+or deleted. A prefill or decode group's MIG has names of its own and gives its VMs their role
+(providers.gcp.naming.METADATA_PD_ROLE, read into MERIDIAN_NODE_ROLE by the node's boot). The MIG is the durable record of a
 group's nodes, so `ensure_group` ignores `known_nodes`. Node ids are the MIG's instance names
 ("<base instance name>-xxxx", see providers.gcp.naming). What the driver decides from the
 API's answers (is a MIG the group's, which MIG to create, a MIG's instances) is the pure
@@ -153,9 +155,10 @@ class GcpDriver:
         offering = self.offering(spec)
         prefix = self._settings.gcp_name_prefix
         try:
-            mig = naming.mig_name(prefix, spec.model, spec.instance_type, spec.spot)
+            role = spec.role.value
+            mig = naming.mig_name(prefix, spec.model, spec.instance_type, spec.spot, role)
             template = naming.instance_template_name(prefix, spec.instance_type, spec.spot)
-            base = naming.base_instance_name(prefix, spec.model, spec.region, spec.instance_type, spec.spot)
+            base = naming.base_instance_name(prefix, spec.model, spec.region, spec.instance_type, spec.spot, role)
         except ValueError as e:
             raise permanent_error(f"cannot name the GCP resources of group {spec.group_id}: {e}") from e
         return Group(
@@ -169,6 +172,7 @@ class GcpDriver:
             base_instance_name=base,
             gpus=offering.gpu_count,
             zones=offering.availability_zones,
+            role=spec.role.value,
         )
 
     async def _group(self, spec: GroupSpec) -> Group:
@@ -269,7 +273,7 @@ class GcpDriver:
             return None
         urls = tuple(template_urls(mig))
         checked = (g.project, g.location, g.mig, mig.id, urls)
-        problem = label_mismatch(mig, g.model)
+        problem = label_mismatch(mig, g.model, g.role)
         if problem is None and checked not in self._checked:
             # Templates are immutable: one look per (MIG, templates) is enough.
             problem = await self._templates_mismatch(g, urls)

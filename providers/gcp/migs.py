@@ -86,8 +86,11 @@ def template_mismatch(template: compute_v1.InstanceTemplate, instance_type: str,
     return None
 
 
-def label_mismatch(mig: compute_v1.InstanceGroupManager, model: str) -> str | None:
-    """Why a MIG's VMs are not labelled (and given the metadata) of `model`; None when they are."""
+def label_mismatch(
+    mig: compute_v1.InstanceGroupManager, model: str, role: str = naming.CO_LOCATED
+) -> str | None:
+    """Why a MIG's VMs are not labelled (and given the metadata) of `model` in prefill/decode role
+    `role` (no role metadata: co-located); None when they are."""
     props = mig.all_instances_config.properties
     label = props.labels.get(naming.LABEL_MODEL)
     if label is None:
@@ -98,6 +101,9 @@ def label_mismatch(mig: compute_v1.InstanceGroupManager, model: str) -> str | No
     exact = props.metadata.get(naming.METADATA_MODEL)
     if exact is not None and exact != model:
         return f"serves {exact!r} (metadata {naming.METADATA_MODEL}), not {model!r}"
+    runs = props.metadata.get(naming.METADATA_PD_ROLE, naming.CO_LOCATED)
+    if runs != role:
+        return f"runs {runs} nodes (metadata {naming.METADATA_PD_ROLE}), not {role}"
     return None
 
 
@@ -115,6 +121,7 @@ class Group:
     base_instance_name: str
     gpus: int
     zones: tuple[str, ...]
+    role: str = naming.CO_LOCATED  # the VMs' prefill/decode role
 
     @property
     def where(self) -> str:
@@ -189,8 +196,8 @@ def mig_resource(g: Group, spec: GroupSpec) -> compute_v1.InstanceGroupManager:
         ),
         all_instances_config=compute_v1.InstanceGroupManagerAllInstancesConfig(
             properties=compute_v1.InstancePropertiesPatch(
-                labels=naming.group_labels(spec.model, spec.group_id),
-                metadata={naming.METADATA_GROUP_ID: spec.group_id, naming.METADATA_MODEL: spec.model},
+                labels=naming.group_labels(spec.model, spec.group_id, pd_role=spec.role.value),
+                metadata=naming.group_metadata(spec.model, spec.group_id, spec.role.value),
             )
         ),
     )

@@ -20,6 +20,12 @@ models sharing a long prefix keep distinct names.
         -> "meridian-meta-llama-llama-3-1-8b-g2-standard-8"
     base_instance_name("meridian", "meta-llama/Llama-3.1-8B", "gcp:us-central1", "g2-standard-8", False)
         -> "meridian-meta-llama-llama-3-1-8b-<8 hex of the region, machine type and Spot>"
+
+A disaggregated deployment's prefill and decode VMs of one machine type are two MIGs: their
+names end in "-prefill" / "-decode", their instance names hash the role too, and their VMs
+carry the role as a label and as metadata (METADATA_PD_ROLE, which the node's boot reads into
+MERIDIAN_NODE_ROLE, see iac.node_boot). A co-located MIG's names, labels and metadata are what
+they were before prefill/decode roles existed.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ ROLE_NODE = "gpu-node"
 # Instance metadata keys the MIG sets on every VM (the node agent may read them from the metadata server).
 METADATA_GROUP_ID = "meridian-group-id"
 METADATA_MODEL = "meridian-model"
+# A prefill or decode MIG's prefill/decode role (a meridian.contracts.NodeRole value), as a
+# label and as metadata; absent: co-located.
+LABEL_PD_ROLE = "meridian-pd-role"
+METADATA_PD_ROLE = "meridian-pd-role"
+CO_LOCATED = "both"
 
 RFC1035 = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 _NOT_NAME = re.compile(r"[^a-z0-9]+")
@@ -97,19 +108,23 @@ def instance_template_name(prefix: str, machine_type: str, spot: bool) -> str:
     return name
 
 
-def mig_name(prefix: str, model: str, machine_type: str, spot: bool) -> str:
+def mig_name(prefix: str, model: str, machine_type: str, spot: bool, role: str = CO_LOCATED) -> str:
     """The regional MIG of a model's VMs of one machine type (Spot or not) in a region:
-    "<prefix>-<model slug>-<machine type>[-spot]", the model slug cut (and hashed) to fit."""
-    after = [slug(machine_type), *(["spot"] if spot else [])]
+    "<prefix>-<model slug>-<machine type>[-spot]", then "-<role>" for a prefill or decode MIG,
+    the model slug cut (and hashed) to fit."""
+    after = [slug(machine_type), *(["spot"] if spot else []), *([slug(role)] if role != CO_LOCATED else [])]
     return _with_model([check_prefix(prefix)], model, after, NAME_MAX)
 
 
-def base_instance_name(prefix: str, model: str, region: str, machine_type: str, spot: bool) -> str:
+def base_instance_name(
+    prefix: str, model: str, region: str, machine_type: str, spot: bool, role: str = CO_LOCATED
+) -> str:
     """The MIG's base instance name "<prefix>-<model slug>-<8 hex>"; its VMs are named
     "<base>-<4 characters>" and those names are Meridian node ids, unique across the fleet. The
-    hex digits hash the group's region, machine type and Spot-ness, so two MIGs of one model
-    (other regions, machine types, Spot) never draw names from the same space."""
-    group = hashlib.sha256(f"{region}|{machine_type}|{'spot' if spot else 'standard'}".encode()).hexdigest()[:8]
+    hex digits hash the group's region, machine type, Spot-ness and (for a prefill or decode
+    MIG) role, so two MIGs of one model never draw names from the same space."""
+    key = f"{region}|{machine_type}|{'spot' if spot else 'standard'}" + (f"|{role}" if role != CO_LOCATED else "")
+    group = hashlib.sha256(key.encode()).hexdigest()[:8]
     return _with_model([check_prefix(prefix)], model, [group], BASE_INSTANCE_NAME_MAX)
 
 
@@ -118,11 +133,24 @@ def label_value(text: str) -> str:
     return _NOT_LABEL.sub("-", text.lower()).strip("-")[:NAME_MAX]
 
 
-def group_labels(model: str, group_id: str, role: str = ROLE_NODE) -> dict[str, str]:
+def group_labels(model: str, group_id: str, role: str = ROLE_NODE, pd_role: str = CO_LOCATED) -> dict[str, str]:
     """Labels every VM of a MIG the driver creates carries (set through its all-instances config); iac's
-    MIGs carry LABEL_MODEL and LABEL_ROLE, and the driver checks LABEL_MODEL before adopting one."""
-    return {
+    MIGs carry LABEL_MODEL and LABEL_ROLE, and the driver checks LABEL_MODEL before adopting one.
+    A prefill or decode MIG's VMs also carry LABEL_PD_ROLE."""
+    labels = {
         LABEL_GROUP_ID: label_value(group_id),
         LABEL_MODEL: label_value(model),
         LABEL_ROLE: label_value(role),
     }
+    if pd_role != CO_LOCATED:
+        labels[LABEL_PD_ROLE] = label_value(pd_role)
+    return labels
+
+
+def group_metadata(model: str, group_id: str, pd_role: str = CO_LOCATED) -> dict[str, str]:
+    """Metadata every VM of a MIG the driver creates carries: its group and model, and a prefill or
+    decode MIG's role (what the node's boot reads into MERIDIAN_NODE_MODEL_NAME / MERIDIAN_NODE_ROLE)."""
+    metadata = {METADATA_GROUP_ID: group_id, METADATA_MODEL: model}
+    if pd_role != CO_LOCATED:
+        metadata[METADATA_PD_ROLE] = pd_role
+    return metadata

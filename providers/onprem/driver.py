@@ -8,6 +8,11 @@ removes them; it can never take more hosts than the site has (CapacityError).
 The allocation table lives in this object. It is not durable on purpose: the control plane's
 database is the record of which hosts each group holds, and a control plane that takes over
 passes them back through `ensure_group(spec, known_nodes)`.
+
+A host runs what its group says: `host_env` gives the node settings a host's node agent
+starts with (its model and region, and `MERIDIAN_NODE_ROLE` when its group is a prefill or
+decode pool's), which whoever starts the agent on the host (the site's operator or its
+host agent) applies. A co-located group's hosts get no role variable, as before P/D.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meridian.contracts import NODE_ID_PATTERN
-from providers.driver import GroupSpec, GroupState, PreemptionNotice
+from providers.driver import GroupSpec, GroupState, PreemptionNotice, role_env
 from providers.errors import CapacityError, ProviderError
 from providers.onprem.inventory import HostClass, Inventory, Site, load_inventory
 
@@ -43,6 +48,8 @@ class OnPremDriver:
         # group id → hosts it holds, in allocation order. Every method body runs without an
         # await, so on one event loop each call is atomic and needs no lock.
         self._groups: dict[str, list[str]] = {}
+        # group id → its spec as last seen, for what its hosts run (host_env).
+        self._specs: dict[str, GroupSpec] = {}
 
     def _host_class(self, spec: GroupSpec) -> tuple[Site, HostClass]:
         if spec.provider != PROVIDER:
@@ -53,6 +60,10 @@ class OnPremDriver:
                 f"site {spec.region} has no hosts of type {spec.instance_type!r} in the inventory", provider=PROVIDER
             )
         site, host_class = found
+        if (known := self._specs.get(spec.group_id)) is not None and known.role is not spec.role:
+            raise ProviderError(
+                f"group {spec.group_id} runs {known.role.value} nodes, not {spec.role.value}", provider=PROVIDER
+            )
         if host_class.sku != spec.sku:
             raise ProviderError(
                 f"{spec.instance_type} hosts at {spec.region} carry {host_class.sku}, not {spec.sku}", provider=PROVIDER
@@ -81,6 +92,7 @@ class OnPremDriver:
         site, host_class = self._host_class(spec)
         hosts = self._hosts(site, host_class)
         held = self._groups.setdefault(spec.group_id, [])
+        self._specs[spec.group_id] = spec
         taken = self._taken(hosts, spec.group_id)
         for node in known_nodes:
             if node not in hosts:
@@ -98,6 +110,7 @@ class OnPremDriver:
         site, host_class = self._host_class(spec)
         hosts = self._hosts(site, host_class)
         held = self._groups.setdefault(spec.group_id, [])
+        self._specs[spec.group_id] = spec
         if size > len(held):
             taken = self._taken(hosts, spec.group_id) | set(held)
             free = [h for h in hosts if h not in taken]
@@ -127,10 +140,20 @@ class OnPremDriver:
 
     async def delete_group(self, spec: GroupSpec) -> None:
         self._groups.pop(spec.group_id, None)
+        self._specs.pop(spec.group_id, None)
 
     async def preemption_notices(self, spec: GroupSpec) -> list[PreemptionNotice]:
         """Owned hosts are never taken back."""
         return []
+
+    def host_env(self, node: str) -> dict[str, str]:
+        """The node settings host `node` runs its node agent with, as its group says (empty when
+        no group holds it): model and region, and the group's prefill/decode role (`role_env`)."""
+        for group_id, held in self._groups.items():
+            if node in held:
+                spec = self._specs[group_id]
+                return {"MERIDIAN_NODE_MODEL_NAME": spec.model, "MERIDIAN_NODE_REGION": spec.region, **role_env(spec)}
+        return {}
 
     def free_hosts(self, region: str, instance_type: str) -> int:
         """Hosts of a class at a site that no group holds."""

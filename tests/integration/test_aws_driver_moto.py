@@ -18,7 +18,7 @@ import httpx
 import pytest
 from aws_moto import aws_client, make_network
 
-from meridian.contracts import NODE_ID_PATTERN
+from meridian.contracts import NODE_ID_PATTERN, NodeRole
 from meridian.settings import ProviderSettings
 from providers.aws import naming
 from providers.aws.clients import AwsClients
@@ -260,6 +260,54 @@ async def test_a_group_iac_created_is_adopted_not_created_again(aws: dict[str, A
     assert group_names(endpoint) == before
     await d.delete_group(successor)
     assert asg(endpoint, name) is None
+
+
+def instance_tags(endpoint: str, ids: list[str], region: str = "us-east-1") -> dict[str, dict[str, str]]:
+    reservations = aws_client(endpoint, "ec2", region).describe_instances(InstanceIds=ids)["Reservations"]
+    return {i["InstanceId"]: {t["Key"]: t["Value"] for t in i.get("Tags", [])}
+            for r in reservations for i in r["Instances"]}
+
+
+async def test_prefill_and_decode_groups_are_groups_of_their_own_whose_instances_carry_their_role(
+    aws: dict[str, Any],
+) -> None:
+    endpoint = aws["endpoint"]
+    d, both = driver(endpoint), spec(model="Llama-3.1-8B-PD")
+    prefill = replace(both, group_id=str(uuid.uuid4()), role=NodeRole.PREFILL)
+    decode = replace(both, group_id=str(uuid.uuid4()), role=NodeRole.DECODE)
+    assert d.group_name(both) == "meridian-llama-3-1-8b-pd-p5-48xlarge"  # a co-located group's name, as before
+    assert d.group_name(prefill) == "meridian-llama-3-1-8b-pd-p5-48xlarge-prefill"
+    assert d.group_name(decode) == "meridian-llama-3-1-8b-pd-p5-48xlarge-decode"
+    p_nodes = (await d.resize(prefill, 1)).nodes
+    d_nodes = (await d.resize(decode, 2)).nodes
+    b_nodes = (await d.resize(both, 1)).nodes
+    assert len({*p_nodes, *d_nodes, *b_nodes}) == 4
+    # The role reaches the instances (propagated at launch), where the node's boot reads it.
+    tags = instance_tags(endpoint, [*p_nodes, *d_nodes, *b_nodes])
+    assert [tags[n][naming.PD_ROLE_TAG] for n in (*p_nodes, *d_nodes)] == ["prefill", "decode", "decode"]
+    assert naming.PD_ROLE_TAG not in tags[b_nodes[0]]
+    # Each pool resizes alone.
+    assert (await d.resize(decode, 1)).size == 1
+    assert (await d.list_nodes(prefill)).nodes == p_nodes
+    for s in (prefill, decode, both):
+        await d.delete_group(s)
+
+
+async def test_a_group_of_another_role_under_the_name_is_refused(aws: dict[str, Any]) -> None:
+    endpoint = aws["endpoint"]
+    d, s = driver(endpoint), spec()
+    decode = replace(s, role=NodeRole.DECODE)
+    await d.ensure_group(decode)
+    name = d.group_name(decode)
+    aws_client(endpoint, "autoscaling", "us-east-1").create_or_update_tags(Tags=[
+        {"ResourceId": name, "ResourceType": "auto-scaling-group", "Key": naming.PD_ROLE_TAG, "Value": "prefill",
+         "PropagateAtLaunch": True}])
+    with pytest.raises(ProviderError, match=rf"{name} in us-east-1 runs prefill nodes \(meridian:pd-role\), "
+                                            "not decode") as caught:
+        await d.resize(decode, 1)
+    assert not caught.value.retryable
+    aws_client(endpoint, "autoscaling", "us-east-1").delete_auto_scaling_group(AutoScalingGroupName=name,
+                                                                               ForceDelete=True)
 
 
 async def test_a_group_of_another_model_under_the_name_is_refused(aws: dict[str, Any]) -> None:

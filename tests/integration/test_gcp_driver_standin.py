@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,7 +22,7 @@ import pytest
 from gcp_compute_standin import COMPUTE, ComputeStandIn, serving
 
 from meridian.backoff import Backoff
-from meridian.contracts import NODE_ID_PATTERN
+from meridian.contracts import NODE_ID_PATTERN, NodeRole
 from meridian.settings import ProviderSettings
 from providers.driver import GroupSpec, NodeGroupDriver
 from providers.errors import AuthError, CapacityError, ProviderError, QuotaError
@@ -293,6 +295,46 @@ async def test_a_mig_made_by_hand_on_a_global_template_of_the_machine_type_is_ad
 
     assert list(compute.migs) == [(REGION, name)]
     assert calls(compute, "GET", f"/global/instanceTemplates/{template}") == 1
+
+
+async def test_prefill_and_decode_groups_are_migs_of_their_own_whose_vms_carry_their_role(
+    compute: ComputeStandIn, driver: GcpDriver
+) -> None:
+    add_template(compute)
+    both = spec()
+    prefill = replace(both, group_id=str(uuid.uuid4()), role=NodeRole.PREFILL)
+    decode = replace(both, group_id=str(uuid.uuid4()), role=NodeRole.DECODE)
+    nodes = {s.role: (await driver.resize(s, 2 if s is decode else 1)).nodes for s in (prefill, decode, both)}
+    assert len({n for ns in nodes.values() for n in ns}) == 4
+    # A co-located MIG is named and given metadata as before; each pool has its own MIG and names.
+    plain = naming.mig_name("meridian", MODEL, H100, False)
+    assert compute.mig(REGION, plain).body["allInstancesConfig"]["properties"]["metadata"] == {
+        naming.METADATA_GROUP_ID: GROUP_ID, naming.METADATA_MODEL: MODEL,
+    }
+    for s in (prefill, decode):
+        role = s.role.value
+        mig = compute.mig(REGION, f"{plain}-{role}")
+        props = mig.body["allInstancesConfig"]["properties"]
+        # The metadata the node's boot reads into MERIDIAN_NODE_ROLE.
+        assert props["metadata"][naming.METADATA_PD_ROLE] == role
+        assert props["labels"][naming.LABEL_PD_ROLE] == role
+        assert set(mig.instances) == set(nodes[s.role])
+        base = naming.base_instance_name("meridian", MODEL, s.region, H100, False, role)
+        assert all(n.startswith(base + "-") for n in nodes[s.role])
+    # Each pool resizes alone.
+    assert (await driver.resize(decode, 1)).size == 1
+    assert (await driver.list_nodes(prefill)).nodes == nodes[NodeRole.PREFILL]
+
+
+async def test_a_mig_of_another_role_under_the_name_is_refused(compute: ComputeStandIn, driver: GcpDriver) -> None:
+    add_template(compute)
+    decode = replace(spec(), role=NodeRole.DECODE)
+    await driver.ensure_group(decode)
+    name = naming.mig_name("meridian", MODEL, H100, False, "decode")
+    compute.mig(REGION, name).body["allInstancesConfig"]["properties"]["metadata"][naming.METADATA_PD_ROLE] = "prefill"
+    with pytest.raises(ProviderError, match=f"MIG {name} runs prefill nodes .metadata meridian-pd-role., not decode"):
+        await driver.resize(decode, 1)
+    assert compute.mig(REGION, name).target_size == 0
 
 
 async def test_a_mig_of_another_model_under_the_name_is_refused(

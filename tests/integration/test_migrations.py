@@ -18,7 +18,7 @@ TABLES = {
     "models", "capacity", "placement_plans", "tenants", "audit_log",
     "leadership", "node_groups", "node_drains", "reconcile_steps", "autoscaler_decisions",
 }
-HEAD = "0010"
+HEAD = "0011"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -89,5 +89,41 @@ def test_keys_made_before_tenants_existed_get_their_tenant(database_url: str) ->
         with engine.connect() as conn:
             rows = conn.execute(sa.text("SELECT name, zone FROM tenants ORDER BY name")).all()
         assert [tuple(r) for r in rows] == [("acme", "eu"), ("globex", "us")]
+    finally:
+        engine.dispose()
+
+
+def _insert_group(conn: sa.Connection, group_id: str, role: str | None = None) -> None:
+    role_column, role_value = (", role", ", :role") if role is not None else ("", "")
+    conn.execute(
+        sa.text(
+            f"INSERT INTO node_groups (id, model, provider, region, instance_type, sku, spot{role_column},"
+            " gpus_per_node, desired_size, current_size, nodes, state, failures, resource_version, created_at,"
+            f" updated_at) VALUES (:id, 'm', 'onprem', 'onprem:lab-1', 'l4-box', 'L4-24GB', false{role_value},"
+            " 1, 1, 0, '[]', 'ready', 0, 1, '2026-01-01 00:00:00+00:00', '2026-01-01 00:00:00+00:00')"
+        ),
+        {"id": group_id, "role": role},
+    )
+
+
+def test_node_groups_made_before_roles_are_co_located_and_pools_are_groups_of_their_own(database_url: str) -> None:
+    migrate.upgrade(database_url, "0010")
+    engine = make_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            _insert_group(conn, "old")
+        migrate.upgrade(database_url)
+        with engine.begin() as conn:
+            assert conn.execute(sa.text("SELECT role FROM node_groups WHERE id = 'old'")).scalar_one() == "both"
+            # The same model, place and machine in another role is another group ...
+            _insert_group(conn, "pre", "prefill")
+            _insert_group(conn, "dec", "decode")
+        # ... but one role still has one group there.
+        with pytest.raises(sa.exc.IntegrityError), engine.begin() as conn:
+            _insert_group(conn, "dec2", "decode")
+        # Going back keeps the co-located group, the one row the older key allows.
+        migrate.downgrade(database_url, "0010")
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT id FROM node_groups")).scalars().all() == ["old"]
     finally:
         engine.dispose()

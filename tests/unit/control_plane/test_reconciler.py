@@ -18,12 +18,15 @@ from control_plane.leader import FLEET, Deposed, Fence, claim
 from control_plane.reconcile_state import (
     PlacedGroup,
     apportion,
+    deployment_targets,
     parse_assignments,
     spread_replicas,
     target_sizes,
 )
 from control_plane.reconciler import Reconciler, StepResult, default_drivers
 from meridian.clock import ManualClock
+from meridian.contracts import NodeRole
+from providers.onprem.driver import OnPremDriver
 
 MODEL = "tiny-llama"
 REGION = "onprem:lab-1"
@@ -90,17 +93,22 @@ def set_desired(cp: ControlPlane, replicas: int) -> None:
         session.execute(update(Deployment).where(Deployment.model == MODEL).values(desired_replicas=replicas))
 
 
-def apply_plan(cp: ControlPlane, *, instances: int = 1, replicas: int = 1) -> str:
+def assignment(*, instances: int = 1, replicas: int = 1, **fields: Any) -> dict[str, Any]:
+    """A plan row placing MODEL on the lab's hosts (control_plane.placement.problem.Assignment as JSON)."""
+    return {
+        "deployment": MODEL, "region": REGION, "instance_type": HOST_TYPE, "sku": "L4-24GB",
+        "instances": instances, "replicas": replicas, "spot": False, "cost_per_hour": 0.0, **fields,
+    }
+
+
+def apply_plan(cp: ControlPlane, *, instances: int = 1, replicas: int = 1, rows: list[dict[str, Any]] | None = None) -> str:
     """Store an applied plan (as the placement API's apply leaves it) placing MODEL on the lab's hosts."""
     now = datetime.now(UTC)
     plan_id = str(uuid.uuid4())
-    assignment = {
-        "deployment": MODEL, "region": REGION, "instance_type": HOST_TYPE, "sku": "L4-24GB",
-        "instances": instances, "replicas": replicas, "spot": False, "cost_per_hour": 0.0,
-    }
+    assignments = rows if rows is not None else [assignment(instances=instances, replicas=replicas)]
     with ctx_of(cp).write() as session:
         session.add(PlacementPlan(
-            id=plan_id, status="applied", base_plan_id=None, cost_per_hour=0.0, assignments=[assignment],
+            id=plan_id, status="applied", base_plan_id=None, cost_per_hour=0.0, assignments=assignments,
             diff={}, explanation=None, solve_seconds=0.01, created_at=now, created_by="test",
             applied_at=now, applied_by="test",
         ))
@@ -162,7 +170,40 @@ def test_assignments_of_one_group_are_merged() -> None:
         {"region": REGION},
     ]
     (group,) = parse_assignments(rows)
-    assert (group.instances, group.replicas, group.spot) == (3, 3, False)
+    assert (group.instances, group.replicas, group.spot, group.role) == (3, 3, False, NodeRole.BOTH)
+
+
+def test_a_disaggregated_plans_pools_are_groups_of_their_own() -> None:
+    rows = [
+        assignment(instances=1, replicas=1, role="prefill"),
+        assignment(instances=2, replicas=2, role="decode"),
+        assignment(instances=1, replicas=1, role="decode"),
+        assignment(instances=1, replicas=1, role="sidecar"),  # a role this version does not know
+    ]
+    prefill, decode = parse_assignments(rows)
+    assert (prefill.role, prefill.instances) == (NodeRole.PREFILL, 1)
+    assert (decode.role, decode.instances) == (NodeRole.DECODE, 3)
+    assert prefill.key != decode.key
+
+
+def test_each_pool_is_spread_over_its_own_groups() -> None:
+    east, tokyo = "aws:us-east-1", "onprem:tokyo-1"
+    plan = [
+        PlacedGroup(MODEL, east, "p5.48xlarge", "H100-80GB-SXM", False, 1, 1, NodeRole.PREFILL),
+        PlacedGroup(MODEL, east, "p5.48xlarge", "H100-80GB-SXM", False, 2, 2, NodeRole.DECODE),
+        PlacedGroup(MODEL, tokyo, "dgx-h100", "H100-80GB-SXM", False, 1, 1, NodeRole.PREFILL),
+        PlacedGroup(MODEL, tokyo, "dgx-h100", "H100-80GB-SXM", False, 1, 1, NodeRole.DECODE),
+    ]
+    p_east, d_east, p_tokyo, d_tokyo = (g.key for g in plan)
+    # desired_replicas (5) is the decode pool's, desired_prefill_replicas (2) the prefill pool's;
+    # every region keeps one of each while the counts allow.
+    assert deployment_targets(5, 2, plan) == {p_east: 1, p_tokyo: 1, d_east: 3, d_tokyo: 2}
+    assert deployment_targets(2, 4, plan) == {p_east: 2, p_tokyo: 2, d_east: 1, d_tokyo: 1}
+    # A prefill count not set yet: the plan's own prefill replicas.
+    assert deployment_targets(3, None, plan) == {p_east: 1, p_tokyo: 1, d_east: 2, d_tokyo: 1}
+    # A co-located deployment's groups get desired_replicas, as before.
+    both = [PlacedGroup(MODEL, east, "p5.48xlarge", "H100-80GB-SXM", False, 2, 2)]
+    assert deployment_targets(3, None, both) == target_sizes(3, both) == {both[0].key: 3}
 
 
 # --- against the database ------------------------------------------------------------------
@@ -319,3 +360,41 @@ async def test_a_deposed_leaders_write_is_refused(cp: ControlPlane) -> None:
         assert session.scalars(select(ReconcileStep)).all() == []
 
     assert summary(await reconciler(cp).tick(new)) == [("create", 1, "ok"), ("scale_up", 1, "ok")]
+
+
+async def test_a_disaggregated_deployment_gets_a_prefill_and_a_decode_group_in_their_roles(cp: ControlPlane) -> None:
+    body = {"min_replicas": 0, "max_replicas": 2,
+            "disaggregation": {"prefill_per_decode": 1.0, "min_prefill_replicas": 0, "max_prefill_replicas": 2}}
+    r = await cp.http.put(f"/v1/deployments/{MODEL}", json=body, headers=cp.admin)
+    assert r.status_code == 201, r.text
+    set_desired(cp, 1)
+    set_desired_prefill(cp, 1)
+    apply_plan(cp, rows=[assignment(role="prefill"), assignment(role="decode")])
+    drivers = default_drivers(cp.settings.onprem_inventory)
+    rec = Reconciler(ctx_of(cp), drivers)
+    fence = lead(ctx_of(cp))
+
+    assert summary(await rec.tick(fence)) == [("create", 1, "ok"), ("scale_up", 1, "ok")] * 2
+    by_role = {g["role"]: g for g in await groups(cp)}
+    assert set(by_role) == {"prefill", "decode"}
+    assert by_role["prefill"]["nodes"] != by_role["decode"]["nodes"]
+    # Each group's host starts its node agent in the group's role.
+    onprem = drivers.get_driver("onprem")
+    assert isinstance(onprem, OnPremDriver)
+    for role, group in by_role.items():
+        (host,) = group["nodes"]
+        assert onprem.host_env(host)["MERIDIAN_NODE_ROLE"] == role
+    assert await rec.tick(fence) == []
+
+    # The prefill pool scales on its own count; the decode pool is left alone.
+    # (Its host never registered, so it is drained at once.)
+    set_desired_prefill(cp, 0)
+    assert summary(await rec.tick(fence)) == [("drain", 0, "pending"), ("scale_down", 0, "ok")]
+    after = {g["role"]: g for g in await groups(cp)}
+    assert (after["prefill"]["desired_size"], after["prefill"]["nodes"]) == (0, [])
+    assert (after["decode"]["desired_size"], after["decode"]["nodes"]) == (1, by_role["decode"]["nodes"])
+
+
+def set_desired_prefill(cp: ControlPlane, replicas: int) -> None:
+    with ctx_of(cp).write() as session:
+        session.execute(update(Deployment).where(Deployment.model == MODEL).values(desired_prefill_replicas=replicas))

@@ -45,9 +45,11 @@ case "$url" in
   */meta-data/instance-id) echo i-0123456789abcdef0 ;;
   */meta-data/local-ipv4) echo 10.0.3.7 ;;
   */meta-data/tags/instance/meridian:model) [ -n "$FAKE_MODEL" ] && echo "$FAKE_MODEL" || exit 22 ;;
+  */meta-data/tags/instance/meridian:pd-role) [ -n "$FAKE_PD_ROLE" ] && echo "$FAKE_PD_ROLE" || exit 22 ;;
   */instance/name) echo acme-qwen-5d5a3c5c-x1y2 ;;
   */instance/network-interfaces/0/ip) echo 10.1.0.9 ;;
   */instance/attributes/meridian-model) [ -n "$FAKE_MODEL" ] && echo "$FAKE_MODEL" || exit 22 ;;
+  */instance/attributes/meridian-pd-role) [ -n "$FAKE_PD_ROLE" ] && echo "$FAKE_PD_ROLE" || exit 22 ;;
   */project/project-id) echo acme-prod ;;
   *) echo "unexpected url $url" >&2; exit 22 ;;
 esac
@@ -64,7 +66,7 @@ FAKE_GCLOUD = """#!/bin/bash
 """
 
 
-def _run(boot: NodeBoot, tmp_path: Path, model: str) -> dict[str, str]:
+def _run(boot: NodeBoot, tmp_path: Path, model: str, pd_role: str = "") -> dict[str, str]:
     """Run the boot's run script up to its exec (which prints the environment instead)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
@@ -73,7 +75,7 @@ def _run(boot: NodeBoot, tmp_path: Path, model: str) -> dict[str, str]:
         path.write_text(body)
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
     script = run_script(boot).replace(f"exec {VENV}/bin/meridian node run", "exec env")
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_MODEL": model}
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_MODEL": model, "FAKE_PD_ROLE": pd_role}
     done = subprocess.run([BASH, "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     return dict(line.split("=", 1) for line in done.stdout.splitlines() if "=" in line)
@@ -93,6 +95,14 @@ def test_aws_node_gets_its_settings_from_metadata_and_ssm(tmp_path):
     # from IMDSv2 and refreshes it (exported keys expired hours after boot).
     assert not any(k.startswith("AWS_") for k in env)
     assert env["MERIDIAN_NODE_ENGINE"] == "vllm" and env["MERIDIAN_NODE_KV_EVENTS_ENDPOINT"] == "tcp://*:5557"
+    # No prefill/decode role tag: co-located, as every node was before P/D.
+    assert "MERIDIAN_NODE_ROLE" not in env
+
+
+@pytest.mark.parametrize("boot", [AWS_BOOT, GCP_BOOT], ids=["aws", "gcp"])
+def test_a_prefill_or_decode_groups_node_starts_in_its_role(tmp_path, boot):
+    for role in ("prefill", "decode"):
+        assert _run(boot, tmp_path, "m", pd_role=role)["MERIDIAN_NODE_ROLE"] == role
 
 
 def test_a_model_the_plan_does_not_list_reads_the_default_key(tmp_path):

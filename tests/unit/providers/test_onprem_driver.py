@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from meridian.contracts import NodeRole
 from meridian.registry import UnknownName
 from providers.driver import DriverRegistry, GroupSpec, NodeGroupDriver
 from providers.errors import CapacityError, ProviderError
@@ -88,3 +89,21 @@ def test_the_registry_finds_drivers_by_provider() -> None:
     assert registry.providers() == ["onprem"]
     with pytest.raises(UnknownName, match="unknown node-group driver 'aws'; known: onprem"):
         registry.get_driver("aws")
+
+
+async def test_a_pools_hosts_run_in_its_role_and_co_located_hosts_as_before() -> None:
+    driver = OnPremDriver(INVENTORY)
+    prefill, decode, both = spec("p", role=NodeRole.PREFILL), spec("d", role=NodeRole.DECODE), spec("b")
+    (p_host,) = (await driver.resize(prefill, 1)).nodes
+    (d_host,) = (await driver.resize(decode, 1)).nodes
+    (b_host,) = (await driver.resize(both, 1)).nodes
+    assert driver.host_env(p_host) == {
+        "MERIDIAN_NODE_MODEL_NAME": "m", "MERIDIAN_NODE_REGION": "onprem:lab-1", "MERIDIAN_NODE_ROLE": "prefill",
+    }
+    assert driver.host_env(d_host)["MERIDIAN_NODE_ROLE"] == "decode"
+    assert driver.host_env(b_host) == {"MERIDIAN_NODE_MODEL_NAME": "m", "MERIDIAN_NODE_REGION": "onprem:lab-1"}
+    # A host given back runs nothing of the group's; a group keeps its role.
+    await driver.terminate(prefill, p_host)
+    assert driver.host_env(p_host) == {}
+    with pytest.raises(ProviderError, match="runs prefill nodes, not decode"):
+        await driver.resize(spec("p", role=NodeRole.DECODE), 1)
