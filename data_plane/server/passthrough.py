@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import httpx
@@ -39,6 +40,7 @@ from data_plane.server.errors import (
     UnavailableError,
 )
 from meridian.contracts import GENERATION_ROUTES, HEADER_REQUEST_ID, MODEL_ROUTES
+from meridian.kv_transfer import is_prefill_request
 from meridian.request_journal import RequestJournal
 from meridian.tracing import inject
 
@@ -55,6 +57,8 @@ class _Call:
 
     key: str | None
     generation: bool
+    # A P/D prefill hop (its kv_transfer_params ask for a remote decode): journalled as one.
+    prefill: bool = False
     journalled: bool = False
     finished: bool = False
 
@@ -87,11 +91,12 @@ class Passthrough:
 
     async def forward(self, request: Request, path: str) -> Response:
         """Pass `request` to the engine's server at `path` (its route with ids filled in)."""
-        body = b""
+        body, payload = b"", None
         if request.method == "POST":
-            body = self._rewrite_model(await read_body(request, self._settings.max_request_bytes))
+            body, payload = self._rewrite_model(await read_body(request, self._settings.max_request_bytes))
         generation = path in GENERATION_ROUTES
-        call = _Call(key=request.headers.get(HEADER_REQUEST_ID), generation=generation)
+        prefill = payload is not None and is_prefill_request(payload.get("kv_transfer_params"))
+        call = _Call(key=request.headers.get(HEADER_REQUEST_ID), generation=generation, prefill=prefill)
         lifecycle = self._runtime.lifecycle
         # No await between this check and request_started(): a drain that begins
         # afterwards waits for this request.
@@ -128,22 +133,22 @@ class Passthrough:
             await self._close(upstream, call)
         return Response(content, status_code=upstream.status_code, headers=headers)
 
-    def _rewrite_model(self, body: bytes) -> bytes:
-        """The body with the fabric's model name turned into vLLM's; 400 when not JSON
-        (an empty body, as a cancel may send, passes as it is)."""
+    def _rewrite_model(self, body: bytes) -> tuple[bytes, dict[str, Any] | None]:
+        """The body with the fabric's model name turned into vLLM's, and its JSON; 400 when
+        not JSON (an empty body, as a cancel may send, passes as it is)."""
         if not body.strip():
-            return body
+            return body, None
         payload = decode_json_object(body)
         model = payload.get("model")
         if not isinstance(model, str):
-            return body  # vLLM answers for a missing or mistyped model in its own words
+            return body, payload  # vLLM answers for a missing or mistyped model in its own words
         upstream = self._engine.upstream_model(model)
         if upstream is None:
             raise ModelNotFoundError(model)
         if upstream == model:
-            return body
+            return body, payload
         payload["model"] = upstream
-        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8"), payload
 
     @staticmethod
     def _upstream_request(client: httpx.AsyncClient, request: Request, path: str, body: bytes) -> httpx.Request:
@@ -175,7 +180,7 @@ class Passthrough:
         """Journal the outcome once and leave the in-flight count once."""
         if call.generation and call.key is not None and not call.journalled:
             call.journalled = True
-            self._journal.served(call.key, self._settings.node_id, completed)
+            self._journal.served(call.key, self._settings.node_id, completed, prefill=call.prefill)
         if not call.finished:
             call.finished = True
             self._runtime.lifecycle.request_finished()

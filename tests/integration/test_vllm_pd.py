@@ -20,22 +20,26 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import pytest_asyncio
-from router_harness import CLUSTER_TOKEN
-from tenant_fabric import MODEL
+from router_harness import CLUSTER_TOKEN, REGIONS, ServerGroup, router_settings, serve_router
+from tenant_fabric import MODEL, Tenant
 from vllm_fabric import PDNodes, pd_nodes, require_vllm
 
-from meridian.contracts import HEADER_REQUEST_ID, NodeRole
+from geo_router import create_app as create_router_app
+from geo_router.table import StaticTableSource
+from meridian.contracts import HEADER_REQUEST_ID, NodeRole, NodeStatus, RoutingNode, RoutingTable
 from meridian.kv_transfer import decode_params, prefill_request_params
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PREFILL, DECODE = NodeRole.PREFILL, NodeRole.DECODE
+ERIN = Tenant("erin", "sk-erin-0123456789abcdef", zone="eu")
 _EXTERNAL = re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)$',
                        re.MULTILINE)
 
@@ -127,15 +131,72 @@ async def test_a_request_prefilled_on_one_node_and_decoded_on_the_other_answers_
 
 
 async def test_each_node_journals_its_phase_as_served(nodes: PDNodes) -> None:
-    """A one-token prefill is a completed request on the prefill node, as the decode is on the
-    decode node (the journal is what the router's exactly-once accounting reads)."""
+    """A one-token prefill is journalled as a completed prefill hop on the prefill node, the
+    decode as the request's answer on the decode node (the journal is what the chaos
+    checker's exactly-once accounting reads: a hop is not a second answer)."""
     served = {role: _served(nodes, role) for role in (PREFILL, DECODE)}
-    assert served[PREFILL]["completions-False-prefill"] is True
-    assert served[DECODE]["completions-True-decode"] is True
+    assert served[PREFILL]["completions-False-prefill"] == (True, True)
+    assert served[PREFILL]["completions-False-co-located"] == (True, False)
+    assert served[DECODE]["completions-True-decode"] == (True, False)
     assert not any(key.endswith("-prefill") for key in served[DECODE])
 
 
-def _served(nodes: PDNodes, role: NodeRole) -> dict[str, bool]:
+def _served(nodes: PDNodes, role: NodeRole) -> dict[str, tuple[bool, bool]]:
+    """(completed, prefill hop) of each key the node journalled as served."""
     path: Path = nodes.apps[role].state.runtime.settings.request_journal_path
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return {line["key"]: line["completed"] for line in lines if line["type"] == "served"}
+    return {line["key"]: (line["completed"], line.get("prefill", False)) for line in lines
+            if line["type"] == "served"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_through_the_router_a_chat_is_disaggregated_and_answers_as_co_located(
+    nodes: PDNodes, stream: bool,
+) -> None:
+    """The router's own P/D flow (geo_router.disagg) in front of the two vLLM nodes."""
+    path = "/v1/chat/completions"
+    case = f"router-{stream}"
+    body = request(path, case, stream)
+    co_located = await answer(nodes, PREFILL, path, body, f"{case}-co-located")
+    before = await external_tokens(nodes, DECODE)
+    table = RoutingTable(
+        version=1, generated_at=datetime.now(UTC), regions=list(REGIONS.values()), tenants=[ERIN.entry()],
+        nodes=[RoutingNode(node_id=nodes.node_ids[role], region=REGIONS["eu"].name, url=nodes.urls[role],
+                           models=[MODEL], status=NodeStatus.READY, engine="vllm", role=role,
+                           kv_transfer=nodes.apps[role].state.runtime.engine.kv_transfer())
+               for role in (PREFILL, DECODE)])
+    settings = router_settings(probe_enabled=False, read_timeout_s=120.0, request_timeout_s=180.0,
+                               max_request_bytes=1_000_000, default_client_location=REGIONS["eu"].name)
+    servers = ServerGroup()
+    try:
+        router_url = await serve_router(servers, create_router_app(settings, table_source=StaticTableSource(table)),
+                                        settings)
+        async with httpx.AsyncClient(base_url=router_url, timeout=180,
+                                     headers={"authorization": f"Bearer {ERIN.key}"}) as c:
+            ids, text, prompt_tokens = await _via(c, path, body)
+            page = (await c.get("/metrics", headers={"authorization": f"Bearer {CLUSTER_TOKEN}"})).text
+    finally:
+        await servers.stop()
+    assert (ids, text, prompt_tokens) == co_located
+    assert await external_tokens(nodes, DECODE) - before == co_located[2]
+    assert 'meridian_router_pd_requests_total{how="disaggregated",region="gcp:europe-west4"} 1.0' in page
+
+
+async def _via(c: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[list[int], str, int]:
+    if not body["stream"]:
+        r = await c.post(path, json=body)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        return data["choices"][0]["token_ids"], data["choices"][0]["message"]["content"], data["usage"]["prompt_tokens"]
+    ids: list[int] = []
+    text, usage = "", {}
+    async with c.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[len("data: "):])
+                usage = event.get("usage") or usage
+                for choice in event.get("choices") or ():
+                    ids += choice.get("token_ids") or []
+                    text += (choice.get("delta") or {}).get("content") or ""
+    return ids, text, usage["prompt_tokens"]
