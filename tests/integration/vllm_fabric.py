@@ -172,9 +172,13 @@ async def pd_nodes(root: Path) -> AsyncIterator[PDNodes]:
     apps: dict[NodeRole, FastAPI] = {}
     urls: dict[NodeRole, str] = {}
     ids = {NodeRole.PREFILL: "eu-prefill-1", NodeRole.DECODE: "eu-decode-1"}
+    # One core each where there are two or more: two vLLMs whose OpenMP threads all spin on
+    # every core slow each other down many times over (as on separate machines, each has its own).
+    cores = os.sched_getaffinity(0)
+    binds = dict(zip(ids, (str(c) for c in sorted(cores)), strict=False)) if len(cores) >= 2 else {}
     try:
         for role, node_id in ids.items():
-            spec = write_spec(root / f"spec-{role.value}.json", loras=[], cpu_threads_bind="nobind")
+            spec = write_spec(root / f"spec-{role.value}.json", loras=[], cpu_threads_bind=binds.get(role, "nobind"))
             app = create_node_app(node_settings(
                 checkpoint, node_id=node_id, engine="vllm", vllm_gpu_count=0, vllm_executable="auto",
                 deployment_spec_file=spec, role=role, vllm_startup_timeout_s=300.0, vllm_max_restarts=1,
