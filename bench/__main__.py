@@ -5,6 +5,7 @@ from bench import (
     engine_vllm,
     failover,
     migration,
+    pd,
     placement,
     protocols,
     router,
@@ -30,6 +31,8 @@ def main() -> None:
     for fig in failover.run():
         print(fig.json_line(), flush=True)
     for fig in migration.run():
+        print(fig.json_line(), flush=True)
+    for fig in pd.run(seconds=10.0):
         print(fig.json_line(), flush=True)
     for fig in engine.run():
         print(fig.json_line(), flush=True)

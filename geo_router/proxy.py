@@ -36,7 +36,7 @@ from meridian.request_journal import RequestJournal
 from meridian.settings import RouterSettings
 
 from .disagg.bodies import prefill_body
-from .disagg.flow import PDRequest
+from .disagg.flow import PDRequest, Served
 from .disagg.handoff import Prefiller
 from .disagg.pools import PDPlan
 from .errors import RouterError, UpstreamLost, UpstreamTimeout
@@ -55,6 +55,7 @@ from .request import InferenceRequest
 from .selection import Candidate
 from .sse import SSEFramer
 from .streaming import CommittedStream, PassThroughStream, UpstreamStreamingResponse
+from .tokens import estimate_prompt_tokens
 from .upstream import (
     FailureReason,
     UpstreamConnection,
@@ -300,6 +301,9 @@ class UpstreamForwarder:
                         trace: AttemptTrace | None, as_chat: bool) -> PDRequest | None:
         """The request's prefill hops, when its replicas are disaggregated and it can be."""
         if plan is None or not self._settings.pd_enabled or not plan.disaggregated:
+            return None
+        if estimate_prompt_tokens(request.payload) < self._settings.pd_min_prompt_tokens:
+            self._metrics.pd_requests.labels(plan.decode[0].region.name, Served.SHORT_PROMPT).inc()
             return None
         body = prefill_body(route, request.payload)
         if body is None:

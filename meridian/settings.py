@@ -412,6 +412,10 @@ class RouterSettings(ListenerSettings):
     # request is prefilled on one (within pd_prefill_timeout_s, on at most pd_prefill_attempts
     # workers) and decoded on the other; with either pool empty, or this off, co-located.
     pd_enabled: bool = True
+    # Prompts estimated shorter than this (characters / 4) are served whole by the decode
+    # worker: their prefill costs it less than the hop and the KV pull would (Dynamo's
+    # max_local_prefill_length, llm-d's P/D threshold). 0 disaggregates every prompt.
+    pd_min_prompt_tokens: int = Field(256, ge=0)
     pd_prefill_timeout_s: float = Field(30.0, gt=0)
     pd_prefill_attempts: int = Field(2, ge=1, le=10)
 

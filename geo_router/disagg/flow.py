@@ -37,6 +37,7 @@ class Served(StrEnum):
     DISAGGREGATED = "disaggregated"
     PREFILL_FAILED = "prefill_failed"  # no prefill worker answered: the decode worker prefilled
     NO_PREFILL_POOL = "no_prefill_pool"  # a decode worker with no prefill worker in its region
+    SHORT_PROMPT = "short_prompt"  # below pd_min_prompt_tokens: the decode worker prefills it
 
 
 @dataclass(slots=True)

@@ -140,7 +140,7 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
         table = RoutingTable(version=1, generated_at=datetime.now(UTC), regions=list(REGIONS.values()),
                              tenants=[DAVE.entry()], nodes=[table_nodes[n] for n in ("p1", "p2", "d1", "d2")])
         settings = router_settings(probe_enabled=False, read_timeout_s=60.0, request_timeout_s=120.0,
-                                   max_request_bytes=1_000_000, default_client_location=US)
+                                   max_request_bytes=1_000_000, default_client_location=US, pd_min_prompt_tokens=0)
         source = StaticTableSource(table)
         router_url = await serve_router(servers, create_router_app(settings, table_source=source), settings)
         router = httpx.AsyncClient(base_url=router_url, timeout=120, headers={"authorization": f"Bearer {DAVE.key}"})

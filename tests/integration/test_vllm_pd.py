@@ -166,7 +166,8 @@ async def test_through_the_router_a_chat_is_disaggregated_and_answers_as_co_loca
                            kv_transfer=nodes.apps[role].state.runtime.engine.kv_transfer())
                for role in (PREFILL, DECODE)])
     settings = router_settings(probe_enabled=False, read_timeout_s=120.0, request_timeout_s=180.0,
-                               max_request_bytes=1_000_000, default_client_location=REGIONS["eu"].name)
+                               max_request_bytes=1_000_000, default_client_location=REGIONS["eu"].name,
+                               pd_min_prompt_tokens=0)
     servers = ServerGroup()
     try:
         router_url = await serve_router(servers, create_router_app(settings, table_source=StaticTableSource(table)),

@@ -75,7 +75,8 @@ async def fabric() -> AsyncIterator[PDFabric]:
             urls[name] = await servers.start(pd_app(b, port=sock.getsockname()[1]), sock)
         f = PDFabric("", workers, urls, StaticTableSource(make_table([])), clock)
         f.serve(*f.pd())
-        app = create_app(router_settings(probe_enabled=False), table_source=f.source, clock=clock)
+        app = create_app(router_settings(probe_enabled=False, pd_min_prompt_tokens=0), table_source=f.source,
+                         clock=clock)
         f.router_url = await servers.start(app)
         yield f
         for c in f.clients:
@@ -237,3 +238,23 @@ async def test_a_request_abandoned_during_decode_releases_its_blocks(fabric: PDF
         await task
     released = lambda: handle in fabric.workers["p1"].released + fabric.workers["p2"].released  # noqa: E731
     await eventually(released)
+
+
+async def test_a_short_prompt_is_served_whole_by_the_decode_worker(fabric: PDFabric):
+    # With the default threshold, a prompt this short costs a decode worker less to prefill
+    # than the hop and the pull would: no prefill hop.
+    servers = ServerGroup()
+    try:
+        app = create_app(router_settings(probe_enabled=False), table_source=fabric.source, clock=fabric.clock)
+        url = await servers.start(app)
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {GLOBAL_KEY}"}) as c:
+            r = await c.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200 and "prefilled here" in r.text
+            long = CHAT | {"messages": [{"role": "user", "content": "many words " * 200}]}
+            r = await c.post("/v1/chat/completions", json=long)
+            assert r.status_code == 200 and "decoded" in r.text
+            page = (await c.get("/metrics", headers=SCRAPE)).text
+    finally:
+        await servers.stop()
+    assert len(prefills(fabric)) == 1
+    assert metric(page, "meridian_router_pd_requests_total", region=US, how="short_prompt") == 1
