@@ -136,6 +136,16 @@ FABRIC = Dashboard(
               unit="s", width=8),
         Panel("Tokens re-prefilled by migrations", (
             q(f"sum(rate(meridian_router_migration_reprefill_tokens_total[{RATE}]))", "tokens/s"),), width=8),
+        Panel("Prefill/decode: how requests were served", (
+            q(f"sum by (region, how) (rate(meridian_router_pd_requests_total[{RATE}]))", "{{region}} {{how}}"),),
+              unit="reqps", width=8,
+              description="Decode attempts on disaggregated pools: disaggregated, prefill_failed (the decode worker "
+                          "prefilled), no_prefill_pool, short_prompt (served whole by the decode worker)."),
+        Panel("Prefill hops", (
+            q(f"sum by (node, outcome) (rate(meridian_router_pd_prefills_total[{RATE}]))", "{{node}} {{outcome}}"),),
+              unit="reqps", width=8, description="Prefill hops by prefill worker: ok, refused (the request's 4xx), failed."),
+        Panel("Prefill hop latency", quantiles("meridian_router_pd_prefill_seconds", "", qs=(0.5, 0.99)),
+              unit="s", width=8),
         Panel("Scale from zero: held requests", (
             q("sum by (model) (meridian_router_scale_from_zero_queued)", "{{model}}"),), width=8),
         Panel("Scale from zero: outcomes", (
