@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from control_plane.placement.problem import Assignment
-from meridian.contracts import GLOBAL_ZONE, RegionInfo
+from meridian.contracts import GLOBAL_ZONE, NodeRole, RegionInfo
 from meridian.infra_plan import (
     GlobalInfra,
     InfraDeployment,
@@ -64,6 +64,13 @@ def infra_plan(
     assignment are listed too, so their weights buckets exist before they are placed."""
     groups: list[InfraGroup] = []
     used_regions: set[str] = {options.global_region, *options.kubernetes_sites}
+    disaggregated = sorted({a.deployment for a in assignments if a.role != NodeRole.BOTH})
+    if disaggregated:
+        # Terraform groups have no role yet: a prefill and a decode group would become one
+        # co-located group under one name. Refused rather than written wrong.
+        raise InfraExportError(
+            f"prefill/decode-disaggregated deployments ({', '.join(disaggregated)}) cannot be exported as "
+            "Terraform groups yet; the reconciler's cloud drivers create their role groups")
     for a in sorted(assignments, key=lambda a: a.key):
         offering = _offering(catalog, a)
         used_regions.add(a.region)

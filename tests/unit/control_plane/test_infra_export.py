@@ -69,6 +69,13 @@ def test_an_instance_type_the_region_does_not_offer_is_a_clear_error(catalog):
         infra_plan([a], {"m": "global"}, region_catalog(), catalog, OPTIONS)
 
 
+def test_a_disaggregated_plan_is_refused_rather_than_written_as_one_colocated_group(catalog):
+    rows = [Assignment(deployment="m", region="aws:us-east-1", instance_type="p5.48xlarge", sku="H100-80GB-SXM",
+                       instances=1, replicas=8, role=role) for role in ("prefill", "decode")]
+    with pytest.raises(InfraExportError, match=r"prefill/decode-disaggregated deployments \(m\)"):
+        infra_plan(rows, {"m": "global"}, region_catalog(), catalog, OPTIONS)
+
+
 def test_the_global_stack_needs_a_cloud_region(catalog):
     options = InfraOptions(control_plane_url="https://cp", endpoint_domain="api.example.com",
                            dns_zone="example.com", global_region="onprem:tokyo-1")
