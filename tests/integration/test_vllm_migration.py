@@ -146,14 +146,17 @@ async def test_a_stop_string_two_vllm_tokens_make_stops_across_the_seam(rig: Mig
     assert stopped.text == unbroken.text[: unbroken.text.find(stop)] and stopped.text
     # Broken before the stop string (with its start in the text vLLM holds back) and inside
     # it: the text stops where the unbroken one did, with the same ids. A break this close
-    # to the end can land after the node sent everything (nothing to migrate), so only the
-    # earlier ones must have moved; every one must give the same answer.
+    # to the end can land after the node sent everything (nothing to migrate: seen at k - 1
+    # once, vLLM having streamed the rest into the socket first), so every break must give
+    # the same answer and at least one of them must have moved.
+    moved = 0
     for at in (k - 2, k - 1, k):
         got = await stream(rig, "/v1/completions", body, break_after=at)
         assert got.error is None and got.done, at
         assert got.text == stopped.text and got.token_ids == stopped.token_ids, at
-        assert at == k or (got.trailer is not None and got.trailer["migrations"] == 1), at
+        moved += got.trailer is not None and got.trailer["migrations"] == 1
         assert [c["finish_reason"] for e in got.events for c in e["choices"] if c.get("finish_reason")] == ["stop"]
+    assert moved >= 1
 
 
 async def test_a_seeded_sampled_vllm_stream_keeps_its_shape_and_exact_token_count(rig: MigrationRig) -> None:
