@@ -84,6 +84,24 @@ class NodeCaller:
             conn, reused = await self.client.connect(origin), False
         raise AssertionError("unreachable")
 
+    async def whole(self, url: str, method: str, route: str, body: bytes, deadline: float, *,
+                    request_id: str = "", trace_headers: str = "") -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """One exchange answered whole (status, headers, body) by the loop time `deadline`:
+        the router's own small calls to a node (a prefill hop, /detokenize, a KV release).
+        Raises ValueError for a bad node URL, RouterOverloaded, UpstreamError or TimeoutError."""
+        origin = self.client.origin(url)
+        head = self.request_head(method, origin, route, InferenceRequest(body, "", False, {}), request_id,
+                                 trace_headers)
+        await self.take_slot()
+        conn: UpstreamConnection | None = None
+        try:
+            async with asyncio.timeout_at(deadline):
+                conn = await self.exchange(origin, head, body, False)
+                status, headers = await conn.status()
+                return status, headers, await conn.read_all()
+        finally:
+            self.release(conn)
+
     def request_head(
         self, method: str, origin: Origin, route: str, request: InferenceRequest, request_id: str,
         trace_headers: str = "",

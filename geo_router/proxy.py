@@ -468,27 +468,18 @@ class UpstreamForwarder:
     async def detokenize(self, candidate: Candidate, model: str, tokens: list[int]) -> str | None:
         """The text `tokens` make on `candidate` (POST /detokenize); None when it answers but
         cannot say; PieceFailed when it does not answer (the stream should go elsewhere)."""
-        try:
-            origin = self._calls.client.origin(candidate.node.url)
-        except ValueError as exc:
-            raise PieceFailed(FailureReason.PROTOCOL, str(exc)) from None
         body = msgspec.json.encode({"model": model, "tokens": tokens})
-        head = self._calls.request_head("POST", origin, "/detokenize", InferenceRequest(body, model, False, {}), "", "")
-        await self._calls.take_slot()
-        conn: UpstreamConnection | None = None
         # A healthy node answers in milliseconds; a frozen one must not hold the stream long.
         timeout_s = min(self.inter_token_timeout_s, self._settings.connect_timeout_s + 1.0)
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
-            async with asyncio.timeout(timeout_s):
-                conn = await self._calls.exchange(origin, head, body, False)
-                status, _ = await conn.status()
-                answer = await conn.read_all()
+            status, _, answer = await self._calls.whole(candidate.node.url, "POST", "/detokenize", body, deadline)
+        except ValueError as exc:  # the node's URL
+            raise PieceFailed(FailureReason.PROTOCOL, str(exc)) from None
         except UpstreamError as exc:
             raise PieceFailed(exc.reason, f"detokenize: {exc}") from None
         except TimeoutError:
             raise PieceFailed(FailureReason.TIMEOUT, f"detokenize: no answer within {timeout_s:g}s") from None
-        finally:
-            self._calls.release(conn)
         try:
             text = msgspec.json.decode(answer).get("prompt") if status == 200 else None
         except (msgspec.DecodeError, AttributeError):

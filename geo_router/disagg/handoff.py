@@ -37,9 +37,8 @@ from meridian.settings import RouterSettings
 
 from ..metrics import RouterMetrics
 from ..node_call import NodeCaller
-from ..request import InferenceRequest
 from ..selection import Candidate
-from ..upstream import FailureReason, UpstreamConnection, UpstreamError
+from ..upstream import FailureReason, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -149,24 +148,14 @@ class Prefiller:
                         trace_headers: str) -> tuple[int, dict[str, str], bytes] | FailureReason:
         """The prefill request's status, content type and whole answer, or why there is none."""
         try:
-            origin = self._calls.client.origin(candidate.node.url)
-        except ValueError as exc:
+            status, headers, answer = await self._calls.whole(candidate.node.url, "POST", route, body, until,
+                                                              request_id=request_id, trace_headers=trace_headers)
+        except ValueError as exc:  # the node's URL
             return self._failed(candidate, FailureReason.PROTOCOL, str(exc))
-        head = self._calls.request_head("POST", origin, route, InferenceRequest(body, "", False, {}),
-                                        request_id, trace_headers)
-        await self._calls.take_slot()
-        conn: UpstreamConnection | None = None
-        try:
-            async with asyncio.timeout_at(until):
-                conn = await self._calls.exchange(origin, head, body, False)
-                status, headers = await conn.status()
-                answer = await conn.read_all()
         except UpstreamError as exc:
             return self._failed(candidate, exc.reason, str(exc))
         except TimeoutError:
             return self._failed(candidate, FailureReason.TIMEOUT, "no prefill answer in time")
-        finally:
-            self._calls.release(conn)
         return status, _content_type(headers), answer
 
     def _failed(self, candidate: Candidate, reason: FailureReason | None, detail: str) -> FailureReason:
@@ -187,24 +176,11 @@ class Prefiller:
         task.add_done_callback(self._releasing.discard)
 
     async def _delete(self, candidate: Candidate, handle: str) -> None:
-        conn: UpstreamConnection | None = None
-        taken = False
+        deadline = asyncio.get_running_loop().time() + _RELEASE_TIMEOUT_S
         try:
-            origin = self._calls.client.origin(candidate.node.url)
-            route = "/v1/kv/" + _path_segment(handle)
-            head = self._calls.request_head("DELETE", origin, route, InferenceRequest(b"", "", False, {}), "")
-            async with asyncio.timeout(_RELEASE_TIMEOUT_S):
-                await self._calls.take_slot()
-                taken = True
-                conn = await self._calls.exchange(origin, head, b"", False)
-                await conn.read_all()
+            await self._calls.whole(candidate.node.url, "DELETE", "/v1/kv/" + quote(handle, safe=""), b"", deadline)
         except Exception as exc:  # noqa: BLE001 — best effort: the lease frees them anyway
             log.info("releasing KV %s on %s: %s", handle, candidate.node.node_id, exc)
-        finally:
-            if taken:
-                self._calls.release(conn)
-            elif conn is not None:
-                self._calls.client.release(conn)
 
     async def aclose(self) -> None:
         for task in list(self._releasing):
@@ -219,6 +195,3 @@ def _content_type(headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
             return {"content-type": value.decode("latin-1")}
     return {}
 
-
-def _path_segment(handle: str) -> str:
-    return quote(handle, safe="")
