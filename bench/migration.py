@@ -140,11 +140,18 @@ def chat_body(prompt: int, max_tokens: int) -> dict[str, Any]:
 
 async def stream_once(http: httpx.AsyncClient, url: str, key: str, prompt: int, max_tokens: int,
                       in_flight: dict[int, str] | None = None) -> StreamResult:
-    """One chat stream through the router; `in_flight` holds the node of each stream under way."""
+    """One chat stream of prompt number `prompt` through the router (see stream_chat)."""
+    return await stream_chat(http, url, key, chat_body(prompt, max_tokens), prompt, in_flight)
+
+
+async def stream_chat(http: httpx.AsyncClient, url: str, key: str, body: dict[str, Any], prompt: int = 0,
+                      in_flight: dict[int, str] | None = None) -> StreamResult:
+    """One chat stream of `body` through the router, as its client saw it; `in_flight` holds
+    the node of each stream under way."""
     res = StreamResult(prompt, sent=time.perf_counter())
     token = object()
     try:
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=chat_body(prompt, max_tokens),
+        async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
                                headers={"authorization": f"Bearer {key}"}) as r:
             res.status, res.node = r.status_code, r.headers.get(HEADER_NODE, "")
             res.request_id, res.opened = r.headers.get(HEADER_REQUEST_ID, ""), time.perf_counter()

@@ -45,7 +45,7 @@ from pathlib import Path
 import httpx
 
 from bench.common import Figure, percentile
-from bench.migration import StreamResult, read_event
+from bench.migration import StreamResult, stream_chat
 from localfabric import DEMO_MODEL, FabricSpec, local_fabric
 from meridian.contracts import NodeRole
 
@@ -87,20 +87,6 @@ def _body(content: str, max_tokens: int) -> dict:
             "max_tokens": max_tokens, "messages": [{"role": "user", "content": content}]}
 
 
-async def _stream(http: httpx.AsyncClient, url: str, key: str, body: dict) -> StreamResult:
-    res = StreamResult(0, sent=time.perf_counter())
-    try:
-        async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
-                               headers={"authorization": f"Bearer {key}"}) as r:
-            res.status = r.status_code
-            async for line in r.aiter_lines():
-                if line.startswith("data:"):
-                    read_event(res, line[5:].strip(), time.perf_counter())
-    except httpx.HTTPError as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-    return res
-
-
 async def _load(url: str, key: str, *, seconds: float, decoders: int, long_rate: float, long_words: int,
                 max_tokens: int, seed: int) -> Run:
     rng = random.Random(seed)
@@ -114,7 +100,7 @@ async def _load(url: str, key: str, *, seconds: float, decoders: int, long_rate:
             while time.perf_counter() - start < seconds:
                 n += 1
                 body = _body(f"Count the {_WORDS[(i + n) % len(_WORDS)]}s, client {i} turn {n}.", max_tokens)
-                run.short.append(await _stream(http, url, key, body))
+                run.short.append(await stream_chat(http, url, key, body))
 
         async def long_prompts() -> None:
             pending: list[asyncio.Task[StreamResult]] = []
@@ -123,7 +109,7 @@ async def _load(url: str, key: str, *, seconds: float, decoders: int, long_rate:
                 if now >= next_at:
                     # Unique text from the first word: no prefix-cache hit makes a prefill cheap.
                     text = " ".join(rng.choice(_WORDS) for _ in range(long_words))
-                    pending.append(asyncio.create_task(_stream(http, url, key, _body(f"{len(pending)} {text}", 4))))
+                    pending.append(asyncio.create_task(stream_chat(http, url, key, _body(f"{len(pending)} {text}", 4))))
                     next_at += rng.expovariate(long_rate)
                 await asyncio.sleep(max(0.0, min(next_at - time.perf_counter(), 0.05)))
             run.long = list(await asyncio.gather(*pending))
