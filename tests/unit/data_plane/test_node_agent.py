@@ -34,6 +34,16 @@ from meridian.contracts import KVConnector, KVTransferInfo, NodeLoad, NodeRole, 
 from meridian.ports import free_port
 
 
+async def registered(agent: NodeAgent | None) -> None:
+    """Start `agent` until it has registered once, then close it."""
+    assert agent is not None
+    await agent.start()
+    try:
+        assert await agent.wait_registered(5.0)
+    finally:
+        await agent.close()
+
+
 @pytest.fixture
 async def control_plane() -> AsyncIterator[tuple[StandInControlPlane, str]]:
     cp = StandInControlPlane()
@@ -216,11 +226,7 @@ async def test_registration_carries_the_kv_event_endpoints(
     settings = agent_settings(tiny_checkpoint, url, kv_events_endpoint=f"tcp://*:{port}",
                               advertise_url="http://127.0.0.1:8123")
     agent = NodeAgent(settings, models=["tiny-llama"], status=lambda: NodeStatus.STARTING, load=NodeLoad)
-    await agent.start()
-    try:
-        assert await agent.wait_registered(5.0)
-    finally:
-        await agent.close()
+    await registered(agent)
     assert cp.registrations()[0].kv_events == f"tcp://127.0.0.1:{port}"
     assert cp.registrations()[0].kv_events_replay is None
 
@@ -242,12 +248,7 @@ async def test_registration_carries_the_tool_call_parser(
         args = ["--enable-auto-tool-choice", "--tool-call-parser", parser] if parser else []
         node_engine = VllmEngine(settings, spec=DeploymentSpec(name="chat", model="tiny", extra_args=args))
     agent = NodeRuntime(settings, node_engine).agent
-    assert agent is not None
-    await agent.start()
-    try:
-        assert await agent.wait_registered(5.0)
-    finally:
-        await agent.close()
+    await registered(agent)
     assert cp.registrations()[0].tool_call_parser == expected
 
 
@@ -260,12 +261,7 @@ async def test_a_prefill_or_decode_vllm_node_registers_its_role_and_nixl_side_ch
     settings = agent_settings(tiny_checkpoint, url, engine="vllm", role=role, kv_side_channel_port=port,
                               kv_lease_s=45.0, advertise_url="http://10.1.2.3:8123")
     agent = NodeRuntime(settings, VllmEngine(settings, spec=DeploymentSpec(name="chat", model="tiny"))).agent
-    assert agent is not None
-    await agent.start()
-    try:
-        assert await agent.wait_registered(5.0)
-    finally:
-        await agent.close()
+    await registered(agent)
     registration = cp.registrations()[0]
     assert registration.role == NodeRole(role)
     # Peers pull KV through the side channel on the host the node advertises.
@@ -279,12 +275,7 @@ async def test_a_co_located_vllm_node_registers_no_kv_transfer(
     cp, url = control_plane
     settings = agent_settings(tiny_checkpoint, url, engine="vllm")
     agent = NodeRuntime(settings, VllmEngine(settings, spec=DeploymentSpec(name="chat", model="tiny"))).agent
-    assert agent is not None
-    await agent.start()
-    try:
-        assert await agent.wait_registered(5.0)
-    finally:
-        await agent.close()
+    await registered(agent)
     assert (cp.registrations()[0].role, cp.registrations()[0].kv_transfer) == (NodeRole.BOTH, None)
 
 
