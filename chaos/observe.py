@@ -32,8 +32,12 @@ class RouterMetrics:
 
     async def requests_by_node(self) -> dict[str, float]:
         """Requests the routers have sent to each node so far, whatever their status."""
+        return await self.by_node("meridian_router_requests")
+
+    async def by_node(self, name: str) -> dict[str, float]:
+        """A counter's samples summed per `node` label over every router (and other labels)."""
         counts: dict[str, float] = {}
-        for labels, value in await self.samples("meridian_router_requests"):
+        for labels, value in await self.samples(name):
             node = labels.get("node")
             if node:
                 counts[node] = counts.get(node, 0.0) + value

@@ -54,10 +54,7 @@ class PDWorkerCrash:
 
     async def _kill(self, role: NodeRole, served_metric: str) -> None:
         found = await self._env.nodes(Target(**{**self._fault.target.model_dump(), "role": role, "node": None}))
-        counts: dict[str, float] = {}
-        for labels, value in await self._env.routers.samples(served_metric):
-            node = labels.get("node", "")
-            counts[node] = counts.get(node, 0.0) + value
+        counts = await self._env.routers.by_node(served_metric)
         victim = busiest(found, lambda p: p.node_id or "", counts, self._env.seed)
         self._env.event("pd", f"killing {role.value} worker {victim.name}")
         await self._env.signal([victim], signal.SIGKILL, reap=True)
