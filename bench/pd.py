@@ -46,6 +46,7 @@ import httpx
 
 from bench.common import Figure, percentile
 from bench.migration import StreamResult, stream_chat
+from chaos.observe import metric_samples
 from localfabric import DEMO_MODEL, FabricSpec, local_fabric
 from meridian.contracts import NodeRole
 
@@ -122,13 +123,9 @@ async def _load(url: str, key: str, *, seconds: float, decoders: int, long_rate:
 def _router_pd(url: str, token: str) -> tuple[float, float]:
     """(requests served disaggregated, requests served) from the router's metrics."""
     text = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {token}"}, timeout=10).text
-    disaggregated = served = 0.0
-    for line in text.splitlines():
-        if line.startswith("meridian_router_pd_requests_total{") and 'how="disaggregated"' in line:
-            disaggregated += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("meridian_router_requests_total{"):
-            served += float(line.rsplit(" ", 1)[1])
-    return disaggregated, served
+    disaggregated = sum(v for labels, v in metric_samples(text, "meridian_router_pd_requests")
+                        if labels.get("how") == "disaggregated")
+    return disaggregated, sum(v for _, v in metric_samples(text, "meridian_router_requests"))
 
 
 def measure(roles: tuple[NodeRole, ...], *, engine: str, device: str, **load: float) -> Run:
