@@ -60,9 +60,11 @@ lint: install
 
 # The two venvs install side by side (pip waits on the network more than on the CPU): on a
 # fresh machine that is minutes off `make test`.
+# pytest runs on two workers: tests/conftest.py groups the tests so that a module's fixtures
+# start once and no two chaos drills (or two vLLM modules) run at the same time.
 test:
 	$(MAKE) -j2 lint vllm
-	$(BIN)/pytest
+	$(BIN)/pytest -n 2 --dist loadgroup
 
 bench: install vllm
 	$(BIN)/python -m bench

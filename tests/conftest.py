@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,6 +27,90 @@ if TYPE_CHECKING:
 DEFAULT_POSTGRES_URL = "postgresql://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SERVICE_TIMEOUT_S = 3
+
+
+# `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`); a group
+# runs whole on one worker, in collection order. Every module is its own group, so a
+# module-scoped fabric or vLLM starts once. The chaos drills and the chaos deployments are one
+# group: two drills at once share two cores between two fabrics and their loads, which their
+# latency and recovery bounds were not set for (a stream's resume p99 went from under 1 s to
+# 1.3 s). The vLLM modules are another: each vLLM takes a core or two. Both are sent first, one
+# to each worker, so the longest groups do not finish last.
+#
+# The groups are this file's, not `xdist_group` marks: pytest 9 keeps a node's id where xdist
+# 3.8 cannot add the mark's suffix to it, so its own loadgroup scheduler sees every test alone.
+_SERIAL_GROUPS = {
+    "tests/e2e/test_chaos_drills.py": "chaos",
+    "tests/e2e/test_chaos_deployment.py": "chaos",
+}
+_FIRST = {"chaos": 0, "vllm": 1}
+
+
+def xdist_group(nodeid: str) -> str:
+    """The group a test runs in on the workers: its module, or one of the serial groups."""
+    path = nodeid.split("::", 1)[0].split("@", 1)[0]
+    if path in _SERIAL_GROUPS:
+        return _SERIAL_GROUPS[path]
+    if path.rsplit("/", 1)[-1].startswith("test_vllm_"):
+        return "vllm"
+    return path
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test its own id; the long groups first (xdist hands groups out in the order the
+    workers collected them)."""
+    _unique_ids(items)
+    items.sort(key=lambda item: _FIRST.get(xdist_group(item.nodeid), 2))
+
+
+def _unique_ids(items: list[pytest.Item]) -> None:
+    """schemathesis names each operation's test `test[GET /path]`, but on pytest 9 every one
+    gets the bare function's node id; xdist knows a test by its id and would run one
+    operation of the 56. Such a test's id becomes its parent's and its own name."""
+    from _pytest.nodeid import coerce_node_id
+
+    counts = Counter(item.nodeid for item in items)
+    for item in items:
+        if counts[item.nodeid] > 1 and item.parent is not None:
+            item._id = coerce_node_id(f"{item.parent.nodeid}::{item.name}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """xdist's workers start with COLUMNS=80 and LINES=24 in their environment: the CLI's
+    consoles, made at import, would keep 80 columns and ignore the width a test gives them."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        os.environ.pop("COLUMNS", None)
+        os.environ.pop("LINES", None)
+
+
+_niced = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """On a worker, every test outside the chaos group runs niced, and so does what it starts
+    (a fabric, a vLLM: this runs before any fixture): the drills on the other worker keep the
+    cores their bounds were set with, and this worker takes what they leave. Niceness only
+    goes up, so once is enough."""
+    global _niced
+    if _niced or "PYTEST_XDIST_WORKER" not in os.environ or xdist_group(item.nodeid) == "chaos":
+        return
+    os.nice(10)
+    _niced = True
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """With `--dist loadgroup`, xdist's scope scheduler over the groups above."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+    return GroupScheduling(config, log)
 
 
 def _unavailable(service: str, url: str, error: Exception) -> NoReturn:

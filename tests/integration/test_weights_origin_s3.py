@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,14 +154,22 @@ async def test_an_upload_cancelled_again_while_it_aborts_still_leaves_no_upload(
         await origin.size("again.bin")
 
 
-class _FailingFirstAbort:
-    """A loopback HTTP proxy in front of moto that answers the first AbortMultipartUpload
-    with S3's 500 InternalError, as S3 may while a part it was still receiving settles
-    (CI saw moto do it when a cancelled part was still landing)."""
+class _S3Proxy:
+    """A loopback HTTP proxy in front of moto that misbehaves as S3 may.
 
-    def __init__(self, upstream: str) -> None:
+    - `fail_first_abort`: the first AbortMultipartUpload gets S3's 500 InternalError, as S3
+      may answer while a part it was still receiving settles (CI saw moto do it when a
+      cancelled part was still landing).
+    - `hold_create`: a CreateMultipartUpload reaches S3, which creates the upload, and its
+      answer waits for `release_create`: the caller can give up with the upload made."""
+
+    def __init__(self, upstream: str, *, fail_first_abort: bool = False, hold_create: bool = False) -> None:
         self.upstream = upstream
+        self.fail_first_abort = fail_first_abort
+        self.hold_create = hold_create
         self.aborts = 0
+        self.create_done = asyncio.Event()
+        self.release_create = asyncio.Event()
         self._client = httpx.AsyncClient(timeout=30)
 
     async def __call__(self, scope: dict, receive, send) -> None:  # type: ignore[no-untyped-def]
@@ -173,7 +181,7 @@ class _FailingFirstAbort:
         query = scope["query_string"].decode()
         if scope["method"] == "DELETE" and "uploadId=" in query:
             self.aborts += 1
-            if self.aborts == 1:
+            if self.fail_first_abort and self.aborts == 1:
                 error = b"<Error><Code>InternalError</Code><Message>try again</Message></Error>"
                 await send({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/xml")]})
                 await send({"type": "http.response.body", "body": error})
@@ -181,6 +189,9 @@ class _FailingFirstAbort:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
         url = f"{self.upstream}{scope['raw_path'].decode()}" + (f"?{query}" if query else "")
         answer = await self._client.request(scope["method"], url, headers=headers, content=body)
+        if self.hold_create and scope["method"] == "POST" and query == "uploads":
+            self.create_done.set()
+            await self.release_create.wait()
         drop = {"content-length", "content-encoding", "transfer-encoding", "connection"}
         out = [(k.encode(), v.encode()) for k, v in answer.headers.items() if k.lower() not in drop]
         await send({"type": "http.response.start", "status": answer.status_code, "headers": out})
@@ -188,27 +199,33 @@ class _FailingFirstAbort:
 
 
 @pytest.fixture
-async def failing_abort_proxy(moto_s3: str) -> AsyncIterator[tuple[str, _FailingFirstAbort]]:
-    proxy = _FailingFirstAbort(moto_s3)
-    server = uvicorn.Server(uvicorn.Config(proxy, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        assert not serving.done(), "the proxy did not start"
-        await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", proxy
-    finally:
+async def s3_proxy(moto_s3: str) -> AsyncIterator[Callable[..., Awaitable[tuple[str, _S3Proxy]]]]:
+    """Factory: `await s3_proxy(**behaviour)` starts a proxy in front of moto; its endpoint."""
+    running: list[tuple[uvicorn.Server, asyncio.Task[None], _S3Proxy]] = []
+
+    async def start(**behaviour: bool) -> tuple[str, _S3Proxy]:
+        proxy = _S3Proxy(moto_s3, **behaviour)
+        server = uvicorn.Server(uvicorn.Config(proxy, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        serving = asyncio.create_task(server.serve())
+        running.append((server, serving, proxy))
+        while not server.started:
+            assert not serving.done(), "the proxy did not start"
+            await asyncio.sleep(0.01)
+        return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", proxy
+
+    yield start
+    for server, serving, proxy in running:
+        proxy.release_create.set()
         server.should_exit = True
         await serving
         await proxy._client.aclose()
 
 
 async def test_an_abort_answered_with_a_server_error_is_retried(
-    failing_abort_proxy: tuple[str, _FailingFirstAbort], s3_bucket: str, tmp_path: Path, moto_s3: str
+    s3_proxy: Callable[..., Awaitable[tuple[str, _S3Proxy]]], s3_bucket: str, tmp_path: Path, moto_s3: str
 ) -> None:
-    endpoint, proxy = failing_abort_proxy
+    endpoint, proxy = await s3_proxy(fail_first_abort=True)
     origin = S3Origin(OriginURI.parse(f"s3://{s3_bucket}/models"), _settings(s3_endpoint_url=endpoint, retry_base_s=0.01))
     source = tmp_path / "big.bin"
     source.write_bytes(os.urandom(11 * MIB))
@@ -222,6 +239,29 @@ async def test_an_abort_answered_with_a_server_error_is_retried(
     finally:
         await origin.aclose()
     assert proxy.aborts == 2
+    assert _pending_uploads(moto_s3, s3_bucket) == []
+
+
+async def test_an_upload_cancelled_while_s3_creates_it_leaves_no_upload(
+    s3_proxy: Callable[..., Awaitable[tuple[str, _S3Proxy]]], s3_bucket: str, tmp_path: Path, moto_s3: str
+) -> None:
+    """S3 made the upload; the caller gave up before the answer with its id came back."""
+    endpoint, proxy = await s3_proxy(hold_create=True)
+    origin = S3Origin(OriginURI.parse(f"s3://{s3_bucket}/models"), _settings(s3_endpoint_url=endpoint))
+    source = tmp_path / "big.bin"
+    source.write_bytes(os.urandom(11 * MIB))
+    try:
+        writing: asyncio.Task[None] = asyncio.create_task(origin.write("weights.bin", source))
+        await asyncio.wait_for(proxy.create_done.wait(), timeout=30)
+        assert _pending_uploads(moto_s3, s3_bucket) == ["models/weights.bin"]
+        writing.cancel()
+        await asyncio.sleep(0)
+        proxy.release_create.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(writing, timeout=60)
+    finally:
+        await origin.aclose()
+    assert proxy.aborts == 1
     assert _pending_uploads(moto_s3, s3_bucket) == []
 
 

@@ -116,5 +116,6 @@ def test_cached_model_starts_while_the_origin_is_down(
     p = _pull(f"{nginx.url}/m", cache)
     out, _ = p.communicate(timeout=120)
     assert p.returncode == 0, out
-    assert manifest.digest[:12] in out and "0 B fetched from cache" in out
+    # The line is as long as the cache's path (a worker's tmp path is longer) and may wrap.
+    assert manifest.digest[:12] in out and "0 B fetched from cache" in " ".join(out.split())
     assert (cache / "models" / manifest.digest / MANIFEST_NAME).is_file()

@@ -206,14 +206,23 @@ class S3Origin:
     async def _multipart_upload(self, name: str, source: Path, size: int, progress: Progress | None) -> None:
         part_bytes = max(self._settings.multipart_part_bytes, -(-size // MAX_PARTS))
         spans = [(off, min(size, off + part_bytes)) for off in range(0, size, part_bytes)]
-        created = await retry_transient(
+        create = asyncio.ensure_future(retry_transient(
             self._settings,
             self._clock,
             lambda: self._send("POST", name, query="uploads", what="CreateMultipartUpload"),
-        )
-        upload_id = _child(_xml(created, "CreateMultipartUpload", self.uri, name), "UploadId")
-        if not upload_id:
-            raise OriginError(f"CreateMultipartUpload {describe(self.uri, name)}: no UploadId in the answer")
+        ))
+        try:
+            created = await asyncio.shield(create)
+        except asyncio.CancelledError:
+            # S3 may have created the upload before the caller gave up; its id is in the
+            # answer, and without an abort it would stay behind (CI saw a caller under load
+            # cancel while the create was still on its way).
+            await _outlast_cancellation(create)
+            if not create.cancelled() and create.exception() is None:
+                with contextlib.suppress(OriginError):
+                    await self._abort(name, self._upload_id(create.result(), name))
+            raise
+        upload_id = self._upload_id(created, name)
         upload_query = f"uploadId={uri_encode(upload_id, keep_slash=False)}"
         in_flight = asyncio.Semaphore(max(1, min(self._settings.concurrency, MAX_PARTS_IN_FLIGHT)))
 
@@ -264,34 +273,50 @@ class S3Origin:
                     f"{_child(root, 'Code')}: {_child(root, 'Message')}"
                 )
         except BaseException as failure:
-            # Uploaded parts are billed until aborted; the object itself never appeared. The
-            # abort runs to its end even when the caller cancels again meanwhile (a second
-            # Ctrl-C, a shutdown, a part finishing after the first cancel): cut short, it
-            # would leave the upload and its parts behind.
-            # S3 may answer a 5xx while a part it was still receiving settles (the client cut
-            # the part short, the server had not): the abort is retried like any other call.
-            abort = asyncio.ensure_future(
-                retry_transient(
-                    self._settings,
-                    self._clock,
-                    lambda: self._send("DELETE", name, query=upload_query, what="AbortMultipartUpload"),
-                )
-            )
-            while not abort.done():
-                with contextlib.suppress(asyncio.CancelledError, OriginError):
-                    await asyncio.shield(abort)
-            if not abort.cancelled() and (error := abort.exception()) is not None:
-                # The caller's own failure stays the one reported; the left-behind upload is
-                # logged so an operator can abort it (or a lifecycle rule reaps it).
-                _log.warning("multipart upload %s of %s left behind: %s", upload_id, describe(self.uri, name), error)
+            # Uploaded parts are billed until aborted; the object itself never appeared.
+            await self._abort(name, upload_id)
             # Parts fail for one cause (credentials, network): report the first.
             if isinstance(failure, BaseExceptionGroup):
                 raise first_error(failure) from failure
             raise
 
+    def _upload_id(self, created: httpx.Response, name: str) -> str:
+        upload_id = _child(_xml(created, "CreateMultipartUpload", self.uri, name), "UploadId")
+        if not upload_id:
+            raise OriginError(f"CreateMultipartUpload {describe(self.uri, name)}: no UploadId in the answer")
+        return upload_id
+
+    async def _abort(self, name: str, upload_id: str) -> None:
+        """Abort a multipart upload, to its end even when the caller cancels again meanwhile
+        (a second Ctrl-C, a shutdown, a part finishing after the first cancel): cut short, it
+        would leave the upload and its parts behind. S3 may answer a 5xx while a part it was
+        still receiving settles (the client cut the part short, the server had not): the
+        abort is retried like any other call. It never raises: the caller's own failure stays
+        the one reported, and a left-behind upload is logged so an operator can abort it (or
+        a lifecycle rule reaps it)."""
+        query = f"uploadId={uri_encode(upload_id, keep_slash=False)}"
+        abort = asyncio.ensure_future(
+            retry_transient(
+                self._settings,
+                self._clock,
+                lambda: self._send("DELETE", name, query=query, what="AbortMultipartUpload"),
+            )
+        )
+        await _outlast_cancellation(abort)
+        if not abort.cancelled() and (error := abort.exception()) is not None:
+            _log.warning("multipart upload %s of %s left behind: %s", upload_id, describe(self.uri, name), error)
+
     async def aclose(self) -> None:
         """Release pooled connections."""
         await self._client.aclose()
+
+
+async def _outlast_cancellation(task: asyncio.Future[object]) -> None:
+    """Wait until `task` has ended, however often the caller is cancelled meanwhile; what it
+    ended with is the caller's to read."""
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.shield(task)
 
 
 def _complete_body(etags: list[str]) -> bytes:

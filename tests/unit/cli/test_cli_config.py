@@ -64,7 +64,8 @@ def test_an_invalid_config_file_stops_any_command_with_the_keys_named(tmp_path: 
 
 def test_meridian_config_names_the_file_when_no_flag_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MERIDIAN_CONFIG", str(tmp_path / "missing.yaml"))
-    r = runner.invoke(app, ["status"])
+    # Wide enough for the whole path (an xdist worker's tmp path is longer).
+    r = runner.invoke(app, ["status"], env={"COLUMNS": "300"})
     assert r.exit_code == 2 and "missing.yaml" in r.output and "cannot read it" in r.output
 
 
