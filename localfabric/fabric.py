@@ -170,7 +170,12 @@ class LocalFabric:
                     p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
                     p.popen.kill()
-                    p.popen.wait(timeout=10)
+                    try:
+                        p.popen.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        # One process the kernel has not reaped yet must not leave the rest of
+                        # the fabric (the router, the control plane) running.
+                        logger.warning("%s (pid %d) not reaped 10 s after SIGKILL", p.name, p.popen.pid)
                 if on_stopped:
                     on_stopped(p.name)
         with self._lock:

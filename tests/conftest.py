@@ -31,36 +31,41 @@ SERVICE_TIMEOUT_S = 3
 
 # `make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`); a group
 # runs whole on one worker, in collection order. Every module is its own group, so a
-# module-scoped fabric or vLLM starts once. The chaos drills and the chaos deployments are one
-# group: two drills at once share two cores between two fabrics and their loads, which their
-# latency and recovery bounds were not set for (a stream's resume p99 went from under 1 s to
-# 1.3 s). The vLLM modules are another: each vLLM takes a core or two. Both are sent first, one
-# to each worker, so the longest groups do not finish last.
+# module-scoped fabric or vLLM starts once, except the heavy ones, which form one group that
+# runs first, one test after another, on a worker of its own at full priority (the other
+# worker is niced, below):
+# - the chaos drills and the chaos deployments: two drills at once share two cores between two
+#   fabrics and their loads, which their latency and recovery bounds were not set for (a
+#   stream's resume p99 went from under 1 s to 1.3 s);
+# - the vLLM modules: a niced vLLM beside a drill lost its connection to its NIXL peer, and a
+#   drill beside a vLLM start ran three times as long.
 #
 # The groups are this file's, not `xdist_group` marks: pytest 9 keeps a node's id where xdist
 # 3.8 cannot add the mark's suffix to it, so its own loadgroup scheduler sees every test alone.
-_SERIAL_GROUPS = {
-    "tests/e2e/test_chaos_drills.py": "chaos",
-    "tests/e2e/test_chaos_deployment.py": "chaos",
-}
-_FIRST = {"chaos": 0, "vllm": 1}
+_HEAVY = "heavy"
+_CHAOS_MODULES = ("tests/e2e/test_chaos_drills.py", "tests/e2e/test_chaos_deployment.py")
+
+
+def _heavy_rank(path: str) -> int | None:
+    """Where a module goes in the heavy group (drills first), or None if it is not heavy."""
+    if path in _CHAOS_MODULES:
+        return 0
+    if path.rsplit("/", 1)[-1].startswith("test_vllm_"):
+        return 1
+    return None
 
 
 def xdist_group(nodeid: str) -> str:
-    """The group a test runs in on the workers: its module, or one of the serial groups."""
+    """The group a test runs in on the workers: its module, or the heavy group."""
     path = nodeid.split("::", 1)[0].split("@", 1)[0]
-    if path in _SERIAL_GROUPS:
-        return _SERIAL_GROUPS[path]
-    if path.rsplit("/", 1)[-1].startswith("test_vllm_"):
-        return "vllm"
-    return path
+    return _HEAVY if _heavy_rank(path) is not None else path
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Every test its own id; the long groups first (xdist hands groups out in the order the
+    """Every test its own id; the heavy group first (xdist hands groups out in the order the
     workers collected them)."""
     _unique_ids(items)
-    items.sort(key=lambda item: _FIRST.get(xdist_group(item.nodeid), 2))
+    items.sort(key=lambda item: rank if (rank := _heavy_rank(item.nodeid.split("::", 1)[0])) is not None else 2)
 
 
 def _unique_ids(items: list[pytest.Item]) -> None:
@@ -88,12 +93,12 @@ _niced = False
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """On a worker, every test outside the chaos group runs niced, and so does what it starts
-    (a fabric, a vLLM: this runs before any fixture): the drills on the other worker keep the
-    cores their bounds were set with, and this worker takes what they leave. Niceness only
+    """On a worker, every test outside the heavy group runs niced, and so does what it starts
+    (a fabric: this runs before any fixture): the drills and vLLMs on the other worker keep
+    the cores their bounds and timeouts were set with, and this worker takes what they leave. Niceness only
     goes up, so once is enough."""
     global _niced
-    if _niced or "PYTEST_XDIST_WORKER" not in os.environ or xdist_group(item.nodeid) == "chaos":
+    if _niced or "PYTEST_XDIST_WORKER" not in os.environ or xdist_group(item.nodeid) == _HEAVY:
         return
     os.nice(10)
     _niced = True
@@ -106,8 +111,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    # The groups go out in collection order (the long ones first), not sorted by how many
-    # tests each holds: 25 drills outlast a module of 60 quick tests.
+    # The groups go out in collection order (the heavy one first), not sorted by how many
+    # tests each holds: 25 drills and 7 vLLM modules outlast a module of 60 quick tests.
     config.option.loadscopereorder = False
 
     class GroupScheduling(LoadScopeScheduling):
