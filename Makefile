@@ -61,7 +61,7 @@ lint: install
 # The two venvs install side by side (pip waits on the network more than on the CPU): on a
 # fresh machine that is minutes off `make test`.
 # pytest runs on two workers: tests/conftest.py groups the tests so that a module's fixtures
-# start once and no two chaos drills (or two vLLM modules) run at the same time.
+# start once, and the drills and vLLM modules run one at a time on a worker of their own.
 test:
 	$(MAKE) -j2 lint vllm
 	$(BIN)/pytest -n 2 --dist loadgroup

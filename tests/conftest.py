@@ -46,26 +46,25 @@ _HEAVY = "heavy"
 _CHAOS_MODULES = ("tests/e2e/test_chaos_drills.py", "tests/e2e/test_chaos_deployment.py")
 
 
-def _heavy_rank(path: str) -> int | None:
-    """Where a module goes in the heavy group (drills first), or None if it is not heavy."""
-    if path in _CHAOS_MODULES:
+def _order(nodeid: str) -> int:
+    """Where a test's module goes: 0 the chaos modules, 1 the vLLM modules (the heavy group,
+    drills first), 2 the rest."""
+    module = nodeid.split("::", 1)[0]
+    if module in _CHAOS_MODULES:
         return 0
-    if path.rsplit("/", 1)[-1].startswith("test_vllm_"):
-        return 1
-    return None
+    return 1 if module.rsplit("/", 1)[-1].startswith("test_vllm_") else 2
 
 
 def xdist_group(nodeid: str) -> str:
-    """The group a test runs in on the workers: its module, or the heavy group."""
-    path = nodeid.split("::", 1)[0].split("@", 1)[0]
-    return _HEAVY if _heavy_rank(path) is not None else path
+    """The group a test runs in on the workers: the heavy group, or its module."""
+    return _HEAVY if _order(nodeid) < 2 else nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Every test its own id; the heavy group first (xdist hands groups out in the order the
     workers collected them)."""
     _unique_ids(items)
-    items.sort(key=lambda item: rank if (rank := _heavy_rank(item.nodeid.split("::", 1)[0])) is not None else 2)
+    items.sort(key=lambda item: _order(item.nodeid))
 
 
 def _unique_ids(items: list[pytest.Item]) -> None:
@@ -95,8 +94,8 @@ _niced = False
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """On a worker, every test outside the heavy group runs niced, and so does what it starts
     (a fabric: this runs before any fixture): the drills and vLLMs on the other worker keep
-    the cores their bounds and timeouts were set with, and this worker takes what they leave. Niceness only
-    goes up, so once is enough."""
+    the cores their bounds and timeouts were set with, and this worker takes what they
+    leave. Niceness only goes up, so once is enough."""
     global _niced
     if _niced or "PYTEST_XDIST_WORKER" not in os.environ or xdist_group(item.nodeid) == _HEAVY:
         return
