@@ -54,7 +54,11 @@ demo: install-base
 	@echo "==> starting the demo (Ctrl-C stops it)"
 	$(BIN)/meridian demo $(DEMO_ARGS)
 
+# deptry: every import of the shipped packages is a declared dependency, none from the dev
+# extra (pyproject's [tool.deptry]); lint-imports: the layering, and each extra's packages
+# imported only by the package that owns it.
 lint: install
+	$(BIN)/deptry .
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 
