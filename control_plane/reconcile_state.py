@@ -8,7 +8,11 @@
   decode groups from `desired_replicas` (which counts its decode pool), each pool spread over
   its own groups as a co-located deployment's replicas are (`deployment_targets`);
 - the snapshot one tick reads (`read_snapshot`) and the choices made on it alone: which nodes
-  to drain first (`choose_victims`), which drain marks are stale (`stale_drains`).
+  to drain first (`choose_victims`), which drain marks are stale (`stale_drains`);
+- how far the fleet is from the target (`reconciler_status`): per node group the nodes it
+  should have against those its provider holds and the last error, and one word for the
+  whole, which the admin API, `meridian reconciler` and the console show, so that a plan is
+  called in force only once the providers hold what it asks for.
 
 None of it touches a driver or writes; control_plane.reconciler takes the steps.
 """
@@ -29,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from control_plane import planner
 from control_plane.db.models import Deployment, Node, NodeDrain, NodeGroup
+from meridian.admin_api import NodeGroupProgress, ReconcilerState, ReconcilerStatus
 from meridian.contracts import NodeRole, NodeStatus
 from providers.driver import GroupSpec
 
@@ -213,6 +218,10 @@ class GroupRow:
     failures: int
     retry_at: datetime | None
     role: NodeRole = NodeRole.BOTH
+    # The last failed step's error (None once a step succeeds) and when the row last changed,
+    # which, while the error stands, is when the step failed.
+    last_error: str | None = None
+    updated_at: datetime | None = None
 
     @property
     def key(self) -> GroupKey:
@@ -241,6 +250,8 @@ class Snapshot:
     # group id → node id → when the drain was asked for
     drains: dict[str, dict[str, datetime]]
     nodes: dict[str, NodeSeen]
+    # The applied plan's id (None: no plan applied yet).
+    plan_id: str | None = None
 
 
 def group_row(g: NodeGroup) -> GroupRow:
@@ -249,6 +260,7 @@ def group_row(g: NodeGroup) -> GroupRow:
         id=g.id, model=g.model, provider=g.provider, region=g.region, instance_type=g.instance_type, sku=g.sku,
         spot=g.spot, desired_size=g.desired_size, current_size=g.current_size, nodes=tuple(g.nodes or ()),
         state=NodeGroupState(g.state), failures=g.failures, retry_at=g.retry_at, role=NodeRole(g.role),
+        last_error=g.last_error, updated_at=g.updated_at,
     )
 
 
@@ -276,7 +288,8 @@ def read_snapshot(session: Session) -> Snapshot:
         for n in session.scalars(select(Node))
     }
     return Snapshot(
-        placed={g.key: g for g in placed_groups}, targets=targets, groups=rows, drains=dict(drains), nodes=nodes
+        placed={g.key: g for g in placed_groups}, targets=targets, groups=rows, drains=dict(drains), nodes=nodes,
+        plan_id=plan.id if plan else None,
     )
 
 
@@ -317,3 +330,46 @@ def state_after(action: StepAction, outcome: StepOutcome, current: int, target: 
     if action is StepAction.DELETE:
         return NodeGroupState.DELETING
     return NodeGroupState.READY if current == target else NodeGroupState.SCALING
+
+
+# --- how far the fleet is from the target -------------------------------------------------
+
+
+def _progress(key: GroupKey, snap: Snapshot) -> NodeGroupProgress:
+    model, region, instance_type, spot, role = key
+    row, placed = snap.groups.get(key), snap.placed.get(key)
+    ready = sum(1 for n in row.nodes if n in snap.nodes and snap.nodes[n].status == NodeStatus.READY.value) if row else 0
+    failing = row is not None and row.last_error is not None
+    return NodeGroupProgress(
+        model=model, provider=region.split(":", 1)[0], region=region, instance_type=instance_type,
+        sku=row.sku if row else placed.sku if placed else "", spot=spot, role=NodeRole(role),
+        group_id=row.id if row else None, desired=snap.targets.get(key, 0), actual=len(row.nodes) if row else 0,
+        ready=ready, state=row.state.value if row else None, failures=row.failures if row else 0,
+        last_error=row.last_error if row else None, error_at=row.updated_at if row and failing else None,
+        retry_at=row.retry_at if row else None,
+    )
+
+
+def reconciler_status(snap: Snapshot) -> ReconcilerStatus:
+    """The node groups the plan in force asks for (and those being removed), desired against
+    actual, and the whole: failing when any group's last step failed, reconciling while any
+    group's provider holds other than its target, in force otherwise."""
+    keys = sorted({k for k, n in snap.targets.items() if n > 0} | set(snap.groups))
+    groups = [_progress(k, snap) for k in keys]
+    failing = [g for g in groups if g.last_error is not None]
+    off_target = [g for g in groups if g.actual != g.desired]
+    if snap.plan_id is None and not groups:
+        state, summary = ReconcilerState.NO_PLAN, "no placement applied yet (meridian plan --apply)"
+    elif failing:
+        g = failing[0]
+        more = f" (and {len(failing) - 1} more)" if len(failing) > 1 else ""
+        state = ReconcilerState.FAILING
+        summary = f"{g.model}@{g.region}/{g.instance_type}: {g.last_error}{more}"
+    elif off_target:
+        state = ReconcilerState.RECONCILING
+        summary = (f"{len(groups) - len(off_target)} of {len(groups)} node groups at their target"
+                   f" ({sum(g.actual for g in groups)} of {sum(g.desired for g in groups)} nodes)")
+    else:
+        state = ReconcilerState.IN_FORCE
+        summary = f"every node group at its target ({len(groups)} groups, {sum(g.actual for g in groups)} nodes)"
+    return ReconcilerStatus(state=state, summary=summary, plan_id=snap.plan_id, groups=groups)

@@ -123,6 +123,12 @@ def settings_overrides() -> dict[str, Any]:
     return {"reconciler_enabled": False, "autoscaler_enabled": False}
 
 
+@pytest.fixture
+def provider_settings() -> ProviderSettings:
+    # Its driver enabled, so that the control plane plans for it.
+    return ProviderSettings(enabled=["onprem", NAME])
+
+
 def catalog_gpus(*args: str) -> str:
     r = CliRunner().invoke(cli_app, ["catalog", "gpus", *args], env={"COLUMNS": "220"})
     assert r.exit_code == 0, r.output
