@@ -367,9 +367,14 @@ def reconciler_status(snap: Snapshot) -> ReconcilerStatus:
         summary = f"{g.model}@{g.region}/{g.instance_type}: {g.last_error}{more}"
     elif off_target:
         state = ReconcilerState.RECONCILING
-        summary = (f"{len(groups) - len(off_target)} of {len(groups)} node groups at their target"
-                   f" ({sum(g.actual for g in groups)} of {sum(g.desired for g in groups)} nodes)")
+        summary = (f"node groups at their target: {len(groups) - len(off_target)} of {len(groups)}"
+                   f" (nodes: {sum(g.actual for g in groups)} of {sum(g.desired for g in groups)})")
     else:
         state = ReconcilerState.IN_FORCE
-        summary = f"every node group at its target ({len(groups)} groups, {sum(g.actual for g in groups)} nodes)"
+        summary = (f"every node group at its target ({_count(len(groups), 'group')},"
+                   f" {_count(sum(g.actual for g in groups), 'node')})")
     return ReconcilerStatus(state=state, summary=summary, plan_id=snap.plan_id, groups=groups)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"

@@ -236,12 +236,12 @@ def test_a_plan_is_in_force_only_when_every_group_holds_its_target() -> None:
     assert pending.state is ReconcilerState.RECONCILING and pending.plan_id == "p1"
     (g,) = pending.groups
     assert (g.group_id, g.desired, g.actual, g.ready, g.state, g.provider) == (None, 2, 0, 0, None, "onprem")
-    assert pending.summary == "0 of 1 node groups at their target (0 of 2 nodes)"
+    assert pending.summary == "node groups at their target: 0 of 1 (nodes: 0 of 2)"
 
     done = reconciler_status(snapshot({placed.key: 2}, [row(placed, ("lab-1", "lab-2"))]))
     assert done.state is ReconcilerState.IN_FORCE
     assert (done.groups[0].actual, done.groups[0].ready) == (2, 1)  # lab-2 is still starting
-    assert done.summary == "every node group at its target (1 groups, 2 nodes)"
+    assert done.summary == "every node group at its target (1 group, 2 nodes)"
 
     # One group at its target, one failing: the whole is failing, with the error and when.
     error = "UnknownName: this control plane has no driver for provider 'aws'"
