@@ -1,6 +1,7 @@
 """A fourth provider, registered with one call, is a provider like the built-in three: it is in
 `meridian catalog gpus`, in the control plane's providers, regions and routing table, in
-placement plans, and its node-group driver is among the control plane's drivers.
+placement plans once its driver is enabled, and its node-group driver is among the control
+plane's drivers.
 
 "lattice" is an in-test stand-in: two regions in a residency zone of their own ("is"), an
 8×H100 offering in each, no quotas, and a node-group driver that keeps its groups in memory.
