@@ -336,17 +336,19 @@ def state_after(action: StepAction, outcome: StepOutcome, current: int, target: 
 
 
 def _progress(key: GroupKey, snap: Snapshot) -> NodeGroupProgress:
+    """One group's desired nodes against those its provider holds (none before it is created)."""
     model, region, instance_type, spot, role = key
-    row, placed = snap.groups.get(key), snap.placed.get(key)
-    ready = sum(1 for n in row.nodes if n in snap.nodes and snap.nodes[n].status == NodeStatus.READY.value) if row else 0
-    failing = row is not None and row.last_error is not None
+    where = {"model": model, "provider": region.split(":", 1)[0], "region": region, "instance_type": instance_type,
+             "spot": spot, "role": NodeRole(role), "desired": snap.targets.get(key, 0)}
+    row = snap.groups.get(key)
+    if row is None:  # placed, not created yet
+        return NodeGroupProgress(**where, sku=snap.placed[key].sku, group_id=None, actual=0, ready=0, state=None,
+                                 failures=0, last_error=None, error_at=None, retry_at=None)
+    ready = [n for n in row.nodes if n in snap.nodes and snap.nodes[n].status == NodeStatus.READY.value]
     return NodeGroupProgress(
-        model=model, provider=region.split(":", 1)[0], region=region, instance_type=instance_type,
-        sku=row.sku if row else placed.sku if placed else "", spot=spot, role=NodeRole(role),
-        group_id=row.id if row else None, desired=snap.targets.get(key, 0), actual=len(row.nodes) if row else 0,
-        ready=ready, state=row.state.value if row else None, failures=row.failures if row else 0,
-        last_error=row.last_error if row else None, error_at=row.updated_at if row and failing else None,
-        retry_at=row.retry_at if row else None,
+        **where, sku=row.sku, group_id=row.id, actual=len(row.nodes), ready=len(ready), state=row.state.value,
+        failures=row.failures, last_error=row.last_error, error_at=row.updated_at if row.last_error else None,
+        retry_at=row.retry_at,
     )
 
 

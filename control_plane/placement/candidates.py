@@ -185,21 +185,21 @@ def _precheck(c: Candidates, skus: list[str], quota_zero: list[str], disabled: l
     """Reasons one deployment alone cannot be placed, whatever the others do."""
     d = c.deployment
     where = f"zone '{d.zone}'"
-    quota_note = _notes(quota_zero, disabled)
+    note = _notes(quota_zero, disabled)
     near = f" within {d.rtt_objective_ms:g} ms of its client regions" if d.client_regions else ""
     errors: list[str] = []
     if not c.regions:
-        return [f"deployment {d.name}: no region of {where} offers the allowed SKUs {_fmt(skus)}{near}{quota_note}"]
+        return [f"deployment {d.name}: no region of {where} offers the allowed SKUs {_fmt(skus)}{near}{note}"]
     for client, regions in c.reach.items():
         if not regions:
             errors.append(f"deployment {d.name}: no region of {where} offering the allowed SKUs {_fmt(skus)}"
-                          f" within {d.rtt_objective_ms:g} ms of client region {client}{quota_note}")
+                          f" within {d.rtt_objective_ms:g} ms of client region {client}{note}")
     if len(c.regions) < c.min_regions:
         n = len(c.regions)
         errors.append(f"deployment {d.name}: {where} has only {n} region{'s' * (n != 1)} {_fmt(c.regions)}"
-                      f" offering the allowed SKUs {_fmt(skus)}{near}, spread requires {c.min_regions}{quota_note}")
+                      f" offering the allowed SKUs {_fmt(skus)}{near}, spread requires {c.min_regions}{note}")
     if len(c.providers) < c.min_providers:
         errors.append(f"deployment {d.name}: the regions of {where} offering the allowed SKUs{near} span only the"
-                      f" providers {_fmt(c.providers)}, spread requires {c.min_providers}{quota_note}")
+                      f" providers {_fmt(c.providers)}, spread requires {c.min_providers}{note}")
     return errors
 
