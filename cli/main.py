@@ -26,6 +26,7 @@ from cli.admin_session import (
     fail,
 )
 from cli.deploy import deploy
+from cli.fleet_loops import autoscaler, reconciler
 from cli.model_push import model_push
 from cli.status_view import status_table
 from control_plane.cli import app as control_plane_app
@@ -37,7 +38,8 @@ from meridian.admin_client import request_body
 from providers.cli import app as catalog_app
 
 # The CLI composes the planes' own sub-apps (each imports its heavy modules inside its
-# commands) with the commands that cut across them: status, keys, tenants, models, deploy, plan, demo.
+# commands) with the commands that cut across them: status, keys, tenants, models, deploy, plan,
+# reconciler, autoscaler, demo.
 app = typer.Typer(no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 app.add_typer(control_plane_app, name="control-plane")
 app.add_typer(router_app, name="router")
@@ -125,11 +127,14 @@ def plan(
         if not yes and not typer.confirm("apply this plan?", err=True):
             raise typer.Exit(1)
         applied = admin.apply_plan(p.id)
-        err_console.print(f"[green]plan {applied.id} applied[/green]")
+        err_console.print(f"[green]plan {applied.id} applied[/green]; the reconciler now brings the node groups to it"
+                          " (watch it with: meridian reconciler)")
 
 
 app.command("models")(models_list)
 app.command("deploy")(deploy)
+app.command("reconciler")(reconciler)
+app.command("autoscaler")(autoscaler)
 
 
 @app.command("demo")

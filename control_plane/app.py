@@ -49,7 +49,7 @@ from control_plane.version_watch import VersionWatch
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.http_server import limited_config, problem_body
 from meridian.logs import configure_logging
-from meridian.settings import ControlPlaneSettings
+from meridian.settings import ControlPlaneSettings, ProviderSettings
 from providers.catalog import load_catalog
 from providers.onprem.inventory import load_inventory
 from providers.regions import region_catalog
@@ -100,6 +100,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             write_sessions=writes,
             regions=regions,
             catalog=catalog,
+            provider_settings=app.state.provider_settings,
             watch=VersionWatch(read_version, asyncio.get_running_loop(), clock=clock),
             clock=clock,
         )
@@ -118,10 +119,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.dispose()
 
 
-def create_app(settings: ControlPlaneSettings, *, clock: Clock = SYSTEM_CLOCK) -> FastAPI:
+def create_app(
+    settings: ControlPlaneSettings, *, clock: Clock = SYSTEM_CLOCK, providers: ProviderSettings | None = None
+) -> FastAPI:
     """The control plane's ASGI app; start-up migrates the database and starts the reaper.
 
-    `clock` is the time every part of it reads and its loops sleep on (tests: a ManualClock).
+    `clock` is the time every part of it reads and its loops sleep on (tests: a ManualClock);
+    `providers` the drivers the reconciler runs and the placement plans for (default: read from
+    MERIDIAN_PROVIDER_*).
     """
     # /docs is served from the package (control_plane.apidocs), not FastAPI's CDN page; no ReDoc.
     app = FastAPI(
@@ -130,6 +135,7 @@ def create_app(settings: ControlPlaneSettings, *, clock: Clock = SYSTEM_CLOCK) -
     )
     app.state.settings = settings
     app.state.clock = clock
+    app.state.provider_settings = providers or ProviderSettings()
     app.state.metrics = ControlPlaneMetrics()
     app.state.elector = None
     register_error_handlers(app)
@@ -178,11 +184,11 @@ def release_long_polls(app: FastAPI) -> None:
         ctx.watch.close()
 
 
-def serve(settings: ControlPlaneSettings) -> None:
+def serve(settings: ControlPlaneSettings, providers: ProviderSettings | None = None) -> None:
     """Run the control plane under uvicorn until SIGTERM/SIGINT (blocking)."""
     configure_logging()
     config = limited_config(
-        create_app(settings),
+        create_app(settings, providers=providers),
         settings,
         problem_body,
         host=settings.host,

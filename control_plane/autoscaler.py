@@ -324,6 +324,17 @@ class PrefillObserved:
     waiting_prompt_tokens: float
 
 
+@dataclass(frozen=True, slots=True)
+class PoolView:
+    """One pool's count as the autoscaler keeps it (what GET /v1/autoscaler/status shows)."""
+
+    pool: NodeRole
+    min_replicas: int
+    max_replicas: int
+    ready: int
+    desired: int
+
+
 @dataclass
 class _Pool:
     ready: int = 0
@@ -373,8 +384,34 @@ def _observed(d: Deployment, pools: dict[tuple[str, str], _Pool]) -> Observed:
 
 def observe(session: Session) -> list[Observed]:
     """Every deployment with the load its ready nodes report now (per pool when disaggregated)."""
+    return observe_rows(session, session.scalars(select(Deployment).order_by(Deployment.model)).all())
+
+
+def observe_rows(session: Session, rows: Sequence[Deployment]) -> list[Observed]:
+    """These deployments with the load their ready nodes report now."""
     pools = _pools(session)
-    return [_observed(d, pools) for d in session.scalars(select(Deployment).order_by(Deployment.model))]
+    return [_observed(d, pools) for d in rows]
+
+
+def pools_of(obs: Observed) -> list[PoolView]:
+    """The pools the autoscaler keeps a count for: a co-located deployment's one, or a
+    disaggregated one's decode and prefill pools, each with its bounds, ready and desired replicas."""
+    if obs.prefill is None:
+        return [PoolView(NodeRole.BOTH, obs.min_replicas, obs.max_replicas, obs.ready, obs.desired)]
+    p = obs.prefill
+    return [
+        PoolView(NodeRole.DECODE, obs.min_replicas, obs.max_replicas, obs.ready, obs.desired),
+        PoolView(NodeRole.PREFILL, p.topology.min_prefill_replicas, p.topology.max_prefill_replicas, p.ready,
+                 p.desired),
+    ]
+
+
+def decision_pool(inputs: dict[str, Any] | None) -> NodeRole:
+    """The pool a recorded decision was for (its inputs name a disaggregated deployment's pool)."""
+    try:
+        return NodeRole((inputs or {}).get("pool", NodeRole.BOTH.value))
+    except ValueError:
+        return NodeRole.BOTH
 
 
 @dataclass

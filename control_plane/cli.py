@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from meridian.cli_settings import settings_or_exit
-from meridian.settings import ControlPlaneSettings
+from meridian.settings import ControlPlaneSettings, ProviderSettings
 
 app = typer.Typer(no_args_is_help=True, help="The control plane (admin API, state, reconciler).")
 
@@ -27,4 +27,5 @@ def control_plane_serve(
     """Run the control plane; applies database migrations at start-up."""
     from control_plane.app import serve
 
-    serve(settings_or_exit(ControlPlaneSettings, host=host, port=port, database_url=database_url))
+    serve(settings_or_exit(ControlPlaneSettings, host=host, port=port, database_url=database_url),
+          settings_or_exit(ProviderSettings))

@@ -70,7 +70,9 @@ async def fleet_loops(ctx: AppContext, metrics: ControlPlaneMetrics | None = Non
     tasks = [asyncio.create_task(elector.run(stop), name="meridian-leader")]
     if settings.reconciler_enabled:
         # The process-wide registry, so that a provider registered in this process has its driver.
-        drivers = await asyncio.to_thread(default_drivers, settings.onprem_inventory, providers=PROVIDERS)
+        drivers = await asyncio.to_thread(
+            default_drivers, settings.onprem_inventory, ctx.provider_settings, providers=PROVIDERS
+        )
         loop = run_while_leading(
             "reconciler", settings.reconcile_interval_s, elector,
             metrics.observe_reconciler(Reconciler(ctx, drivers).tick), stop, ctx.clock,

@@ -1,21 +1,24 @@
 """Placement plans from the control plane's state: build the solver's problem, keep plans as rows.
 
 Solving is pure and slow (seconds), so callers read the state in one transaction, solve
-outside any transaction, and write the plan in another. Applying checks that the plan was
-solved against the placement still in force, so two operators cannot apply plans that
-were each previewed against a placement the other has replaced.
+outside any transaction, and write the plan in another. Only the newest plan can be applied:
+storing a plan supersedes every older preview, and applying one supersedes the rest, so a
+preview that a newer one (or a plan in force) has overtaken is refused (409) rather than put in
+force over what its operator never saw. Applying also checks that the plan was solved against
+the placement still in force, and that every provider it uses has a driver in this control
+plane (a plan previewed before MERIDIAN_PROVIDER_ENABLED changed could never be carried out).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from control_plane import audit, capacity_store, deployment_store, model_store
@@ -109,8 +112,11 @@ def _deployment(
     )
 
 
-def read_state(session: Session, catalog: Catalog, regions: Mapping[str, RegionInfo]) -> PlanningState:
-    """The placement problem of every deployment, against the placement in force."""
+def read_state(
+    session: Session, catalog: Catalog, regions: Mapping[str, RegionInfo], providers: frozenset[str] | None = None
+) -> PlanningState:
+    """The placement problem of every deployment, against the placement in force, over the
+    regions of `providers` (those whose drivers the control plane runs; None: every provider)."""
     models = {m.name: m for m in session.scalars(select(ModelRecord)).all()}
     blockers: list[str] = []
     deployments = []
@@ -127,6 +133,7 @@ def read_state(session: Session, catalog: Catalog, regions: Mapping[str, RegionI
         # The same limits GET /v1/capacity shows: explicit rows over the on-prem inventory's hosts.
         capacity={(c.region, c.sku): c.max_gpus for c in capacity_store.effective(session, catalog)},
         current=[assignment_of(a) for a in current.assignments] if current else (),
+        providers=providers,
     )
     return PlanningState(problem=problem, base_plan_id=current.id if current else None, blockers=tuple(blockers),
                          pools=pools)
@@ -162,8 +169,10 @@ def diff_as_dict(d: PlanDiff) -> dict[str, Any]:
 def store_plan(
     session: Session, state: PlanningState, result: PlacementResult, actor: Actor, now: datetime
 ) -> PlacementPlan:
-    """Keep a solved plan as a preview (or an infeasible one with its explanation)."""
+    """Keep a solved plan as a preview (or an infeasible one with its explanation); older previews
+    are superseded by it."""
     new = list(result.assignments)
+    _supersede_previews(session)
     plan = PlacementPlan(
         id=str(uuid.uuid4()),
         status=PlanStatus.PREVIEW if result.feasible else PlanStatus.INFEASIBLE,
@@ -202,11 +211,35 @@ def get_plan(session: Session, plan_id: str, *, for_update: bool = False) -> Pla
     return row
 
 
-def apply_plan(session: Session, plan_id: str, actor: Actor, now: datetime) -> PlacementPlan:
-    """Make a previewed plan the placement in force; Conflict when it is stale or not a preview."""
+def _supersede_previews(session: Session) -> None:
+    """Every preview waiting to be applied is overtaken (by a newer plan, or one put in force)."""
+    session.execute(
+        update(PlacementPlan).where(PlacementPlan.status == PlanStatus.PREVIEW)
+        .values(status=PlanStatus.SUPERSEDED).execution_options(synchronize_session="fetch")
+    )
+
+
+def providers_without_driver(assignments: Sequence[Mapping[str, Any]], enabled: frozenset[str]) -> list[str]:
+    """The providers a plan's assignments use that are not in `enabled`, sorted."""
+    return sorted({str(a.get("region", "")).split(":", 1)[0] for a in assignments} - enabled)
+
+
+def apply_plan(
+    session: Session, plan_id: str, actor: Actor, now: datetime, providers: frozenset[str] | None = None
+) -> PlacementPlan:
+    """Make a previewed plan the placement in force; Conflict when it is stale, not a preview, or
+    needs a provider outside `providers` (those with a driver here; None: any)."""
     plan = get_plan(session, plan_id, for_update=True)
+    if plan.status == PlanStatus.SUPERSEDED and plan.applied_at is None:
+        raise Conflict(f"plan {plan_id} is a stale preview: a newer plan was previewed or applied since;"
+                       " apply the newest preview or preview a new plan")
     if plan.status != PlanStatus.PREVIEW:
         raise Conflict(f"plan {plan_id} is {plan.status}; only a preview can be applied")
+    missing = providers_without_driver(plan.assignments, providers) if providers is not None else []
+    if missing:
+        raise Conflict(f"plan {plan_id} places node groups on {', '.join(missing)}, which this control plane has"
+                       f" no driver for (MERIDIAN_PROVIDER_ENABLED: {', '.join(sorted(providers or ()))});"
+                       " preview a new plan")
     # Lock the applied row too, so two concurrent applies serialise and the second sees it changed.
     current = session.scalars(
         select(PlacementPlan).where(PlacementPlan.status == PlanStatus.APPLIED).with_for_update()
@@ -221,6 +254,8 @@ def apply_plan(session: Session, plan_id: str, actor: Actor, now: datetime) -> P
         current.status = PlanStatus.SUPERSEDED
         session.flush()
     plan.status = PlanStatus.APPLIED
+    session.flush()
+    _supersede_previews(session)
     plan.applied_at = now
     plan.applied_by = actor.name
     session.flush()

@@ -8,7 +8,11 @@
   decode groups from `desired_replicas` (which counts its decode pool), each pool spread over
   its own groups as a co-located deployment's replicas are (`deployment_targets`);
 - the snapshot one tick reads (`read_snapshot`) and the choices made on it alone: which nodes
-  to drain first (`choose_victims`), which drain marks are stale (`stale_drains`).
+  to drain first (`choose_victims`), which drain marks are stale (`stale_drains`);
+- how far the fleet is from the target (`reconciler_status`): per node group the nodes it
+  should have against those its provider holds and the last error, and one word for the
+  whole, which the admin API, `meridian reconciler` and the console show, so that a plan is
+  called in force only once the providers hold what it asks for.
 
 None of it touches a driver or writes; control_plane.reconciler takes the steps.
 """
@@ -29,6 +33,7 @@ from sqlalchemy.orm import Session
 
 from control_plane import planner
 from control_plane.db.models import Deployment, Node, NodeDrain, NodeGroup
+from meridian.admin_api import NodeGroupProgress, ReconcilerState, ReconcilerStatus
 from meridian.contracts import NodeRole, NodeStatus
 from providers.driver import GroupSpec
 
@@ -213,6 +218,10 @@ class GroupRow:
     failures: int
     retry_at: datetime | None
     role: NodeRole = NodeRole.BOTH
+    # The last failed step's error (None once a step succeeds) and when the row last changed,
+    # which, while the error stands, is when the step failed.
+    last_error: str | None = None
+    updated_at: datetime | None = None
 
     @property
     def key(self) -> GroupKey:
@@ -241,6 +250,8 @@ class Snapshot:
     # group id → node id → when the drain was asked for
     drains: dict[str, dict[str, datetime]]
     nodes: dict[str, NodeSeen]
+    # The applied plan's id (None: no plan applied yet).
+    plan_id: str | None = None
 
 
 def group_row(g: NodeGroup) -> GroupRow:
@@ -249,6 +260,7 @@ def group_row(g: NodeGroup) -> GroupRow:
         id=g.id, model=g.model, provider=g.provider, region=g.region, instance_type=g.instance_type, sku=g.sku,
         spot=g.spot, desired_size=g.desired_size, current_size=g.current_size, nodes=tuple(g.nodes or ()),
         state=NodeGroupState(g.state), failures=g.failures, retry_at=g.retry_at, role=NodeRole(g.role),
+        last_error=g.last_error, updated_at=g.updated_at,
     )
 
 
@@ -276,7 +288,8 @@ def read_snapshot(session: Session) -> Snapshot:
         for n in session.scalars(select(Node))
     }
     return Snapshot(
-        placed={g.key: g for g in placed_groups}, targets=targets, groups=rows, drains=dict(drains), nodes=nodes
+        placed={g.key: g for g in placed_groups}, targets=targets, groups=rows, drains=dict(drains), nodes=nodes,
+        plan_id=plan.id if plan else None,
     )
 
 
@@ -317,3 +330,53 @@ def state_after(action: StepAction, outcome: StepOutcome, current: int, target: 
     if action is StepAction.DELETE:
         return NodeGroupState.DELETING
     return NodeGroupState.READY if current == target else NodeGroupState.SCALING
+
+
+# --- how far the fleet is from the target -------------------------------------------------
+
+
+def _progress(key: GroupKey, snap: Snapshot) -> NodeGroupProgress:
+    """One group's desired nodes against those its provider holds (none before it is created)."""
+    model, region, instance_type, spot, role = key
+    where = {"model": model, "provider": region.split(":", 1)[0], "region": region, "instance_type": instance_type,
+             "spot": spot, "role": NodeRole(role), "desired": snap.targets.get(key, 0)}
+    row = snap.groups.get(key)
+    if row is None:  # placed, not created yet
+        return NodeGroupProgress(**where, sku=snap.placed[key].sku, group_id=None, actual=0, ready=0, state=None,
+                                 failures=0, last_error=None, error_at=None, retry_at=None)
+    ready = [n for n in row.nodes if n in snap.nodes and snap.nodes[n].status == NodeStatus.READY.value]
+    return NodeGroupProgress(
+        **where, sku=row.sku, group_id=row.id, actual=len(row.nodes), ready=len(ready), state=row.state.value,
+        failures=row.failures, last_error=row.last_error, error_at=row.updated_at if row.last_error else None,
+        retry_at=row.retry_at,
+    )
+
+
+def reconciler_status(snap: Snapshot) -> ReconcilerStatus:
+    """The node groups the plan in force asks for (and those being removed), desired against
+    actual, and the whole: failing when any group's last step failed, reconciling while any
+    group's provider holds other than its target, in force otherwise."""
+    keys = sorted({k for k, n in snap.targets.items() if n > 0} | set(snap.groups))
+    groups = [_progress(k, snap) for k in keys]
+    failing = [g for g in groups if g.last_error is not None]
+    off_target = [g for g in groups if g.actual != g.desired]
+    if snap.plan_id is None and not groups:
+        state, summary = ReconcilerState.NO_PLAN, "no placement applied yet (meridian plan --apply)"
+    elif failing:
+        g = failing[0]
+        more = f" (and {len(failing) - 1} more)" if len(failing) > 1 else ""
+        state = ReconcilerState.FAILING
+        summary = f"{g.model}@{g.region}/{g.instance_type}: {g.last_error}{more}"
+    elif off_target:
+        state = ReconcilerState.RECONCILING
+        summary = (f"node groups at their target: {len(groups) - len(off_target)} of {len(groups)}"
+                   f" (nodes: {sum(g.actual for g in groups)} of {sum(g.desired for g in groups)})")
+    else:
+        state = ReconcilerState.IN_FORCE
+        summary = (f"every node group at its target ({_count(len(groups), 'group')},"
+                   f" {_count(sum(g.actual for g in groups), 'node')})")
+    return ReconcilerStatus(state=state, summary=summary, plan_id=snap.plan_id, groups=groups)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"

@@ -14,7 +14,10 @@ Each tick of the leader (see control_plane.leader):
 
 Every step writes a `reconcile_steps` row and an audit entry in one transaction that first
 checks the leader's fencing epoch. A failed step is retried after exponential backoff with
-jitter (`node_groups.retry_at`), recorded each time. Backoffs, drain timeouts and records
+jitter (`node_groups.retry_at`), recorded each time; one that cannot succeed by retrying (a
+provider's non-retryable error, or a group on a provider this control plane has no driver for,
+left by a plan applied before its driver was turned off) waits the longest backoff, and its
+error says what to do. Backoffs, drain timeouts and records
 read the app's clock (`AppContext.clock`).
 
 What the reconciler aims at and sees (targets, the snapshot, its states and steps) is pure
@@ -173,9 +176,13 @@ class Reconciler:
             if target == 0 or placed is None:
                 return []
             row = await self._write(fence, lambda s: _insert_group(s, placed, target, now))
+        dropped = target == 0 and key not in snap.placed and not row.nodes
+        if dropped and row.provider not in self._drivers.providers():
+            # Never created (no driver for its provider): only its row to drop, no backoff to wait out.
+            return [await self._delete(fence, row)]
         if row.retry_at is not None and row.retry_at > now:
             return []  # backing off after a failed step
-        if target == 0 and key not in snap.placed and not row.nodes:
+        if dropped:
             return [await self._delete(fence, row)]
         results: list[StepResult] = []
         term = self._term
@@ -359,7 +366,9 @@ class Reconciler:
                 group.gpus_per_node = state.gpus_per_node
             if error is not None:
                 group.failures = attempt
-                retryable = not isinstance(error, ProviderError) or error.retryable
+                retryable = not isinstance(error, UnknownName) and (
+                    not isinstance(error, ProviderError) or error.retryable
+                )
                 delay = self._backoff.delay(attempt) if retryable else self._backoff.max_s
                 next_attempt_at = now + timedelta(seconds=delay)
                 group.retry_at = next_attempt_at
@@ -407,6 +416,9 @@ def _error_text(error: BaseException) -> str:
     text = str(error) or type(error).__name__
     if isinstance(error, TimeoutError):
         text = "the provider did not answer in time"
+    elif isinstance(error, UnknownName):
+        text = (f"this control plane has no driver for provider {error.name!r} (MERIDIAN_PROVIDER_ENABLED:"
+                f" {', '.join(error.known) or 'none'}); enable it, or preview and apply a plan without it")
     return f"{type(error).__name__}: {text}"[:1000]
 
 
@@ -433,6 +445,7 @@ def _set_target(session: Session, group_id: str, target: int, state: NodeGroupSt
         group.state = state.value
         group.failures = 0
         group.retry_at = None
+        group.last_error = None
         group.resource_version += 1
         group.updated_at = now
 

@@ -26,6 +26,7 @@ from meridian.contracts import (
     CacheGroupName,
     DisaggregationSpec,
     ModelName,
+    NodeRole,
     NodeView,
     PlacementSpec,
     RegionInfo,
@@ -220,9 +221,9 @@ class PlanRequest(BaseModel):
 class PlanStatus(StrEnum):
     """A placement plan's state (PlanView.status; the database column stays a string)."""
 
-    PREVIEW = "preview"
-    APPLIED = "applied"
-    SUPERSEDED = "superseded"
+    PREVIEW = "preview"  # the newest plan, waiting to be applied
+    APPLIED = "applied"  # the placement in force
+    SUPERSEDED = "superseded"  # replaced in force (applied_at set), or a preview a newer plan overtook
     INFEASIBLE = "infeasible"
 
 
@@ -239,6 +240,75 @@ class PlanView(BaseModel):
     created_by: str
     applied_at: datetime | None
     applied_by: str | None
+
+
+# --- fleet loops: reconciler and autoscaler ---------------------------------------------
+
+
+class ReconcilerState(StrEnum):
+    """How far the reconciler has brought the node groups to the placement in force."""
+
+    NO_PLAN = "no_plan"  # no plan applied yet
+    IN_FORCE = "in_force"  # every node group holds the nodes it should, and no step is failing
+    RECONCILING = "reconciling"  # some group is still growing, shrinking or draining
+    FAILING = "failing"  # some group's last step failed; it is retried with backoff
+
+
+class NodeGroupProgress(BaseModel):
+    """One node group the placement in force asks for (or one it dropped, being removed):
+    the nodes it should have against those its provider holds, and the reconciler's last error."""
+
+    model: str
+    provider: str
+    region: str
+    instance_type: str
+    sku: str
+    spot: bool
+    role: NodeRole
+    group_id: str | None = Field(description="None: the reconciler has not created it yet")
+    desired: int = Field(description="Nodes the plan in force and the autoscaler's replica count ask for")
+    actual: int = Field(description="Nodes the provider holds for the group")
+    ready: int = Field(description="Of those, nodes registered and ready")
+    state: str | None = Field(description="The node group's state (creating, ready, scaling, draining, deleting, error)")
+    failures: int = Field(description="Consecutive failed steps")
+    last_error: str | None
+    error_at: datetime | None = Field(description="When the last error happened")
+    retry_at: datetime | None = Field(description="When the failed step is tried again")
+
+
+class ReconcilerStatus(BaseModel):
+    """The placement in force against what the providers hold: one word for the whole, a line
+    saying why, and each node group's desired and actual nodes."""
+
+    state: ReconcilerState
+    summary: str
+    plan_id: str | None
+    groups: list[NodeGroupProgress]
+
+
+class AutoscalerDecisionView(BaseModel):
+    id: int
+    model: str
+    at: datetime
+    mode: str
+    current: int
+    desired: int
+    reason: str
+    inputs: dict[str, Any]
+    epoch: int
+
+
+class AutoscalerStatus(BaseModel):
+    """One deployment's pool as the autoscaler keeps it: its bounds, the replicas ready now and
+    desired, and the last decision the autoscaler recorded for it (with its reason)."""
+
+    model: str
+    pool: NodeRole = Field(description="both: a co-located deployment; prefill or decode: a disaggregated one's pool")
+    min_replicas: int
+    max_replicas: int
+    ready: int
+    desired: int
+    last_decision: AutoscalerDecisionView | None
 
 
 # --- web console -----------------------------------------------------------------------

@@ -29,11 +29,13 @@ from meridian.admin_api import (
     ApiKeyCreate,
     ApiKeyCreated,
     ApiKeyView,
+    AutoscalerStatus,
     DeploymentUpsert,
     ModelUpsert,
     ModelView,
     PlanRequest,
     PlanView,
+    ReconcilerStatus,
     TenantCreate,
     TenantPatch,
     TenantView,
@@ -215,6 +217,15 @@ def _apply_plan(plan_id: str) -> _Call[PlanView]:
     return _Call("POST", f"/v1/placement/plans/{quote(plan_id, safe='')}/apply", PlanView.model_validate)
 
 
+def _reconciler_status() -> _Call[ReconcilerStatus]:
+    return _Call("GET", "/v1/reconciler/status", ReconcilerStatus.model_validate)
+
+
+def _autoscaler_status(model: str | None) -> _Call[list[AutoscalerStatus]]:
+    params = {"model": model} if model is not None else {}
+    return _paged("/v1/autoscaler/status", _list_of(AutoscalerStatus), **params)
+
+
 # --- sending them ------------------------------------------------------------------------
 
 
@@ -330,6 +341,14 @@ class AdminClient:
 
     def apply_plan(self, plan_id: str) -> PlanView:
         return self._run(_apply_plan(plan_id))
+
+    def reconciler_status(self) -> ReconcilerStatus:
+        """The placement in force against what the providers hold, per node group."""
+        return self._run(_reconciler_status())
+
+    def autoscaler_status(self, model: str | None = None) -> list[AutoscalerStatus]:
+        """Each deployment pool's counts and the autoscaler's last decision (one deployment's: `model`)."""
+        return self._run(_autoscaler_status(model))
 
 
 class AsyncAdminClient:

@@ -6,8 +6,8 @@ catalog offerings (read from data alone, with no SDK and no credentials, so the 
 placement solver and the routing table can list it anywhere) and the factory of the live
 `Provider` (SDK clients, quotas, the node-group driver). The catalog and the region list
 iterate the registered descriptions, so one `PROVIDERS.register_provider(...)` call is all
-a fourth provider needs to show up in `meridian catalog gpus`, in placement plans and in
-the routing table.
+a fourth provider needs to show up in `meridian catalog gpus` and in the routing table (and,
+with its driver enabled in MERIDIAN_PROVIDER_ENABLED, in placement plans).
 
 Built-ins are `"module:attr"` strings (`meridian.registry.Registry`), and each built-in's
 factory is one too: listing the catalog imports only the vendored rows, and a control plane

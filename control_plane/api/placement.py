@@ -60,7 +60,7 @@ async def preview_plan(ctx: Ctx, actor: OperatorActor, body: PlanRequest | None 
 
     def read() -> planner.PlanningState:
         with ctx.read() as session:
-            return planner.read_state(session, ctx.catalog, ctx.regions)
+            return planner.read_state(session, ctx.catalog, ctx.regions, ctx.enabled_providers)
 
     state = await asyncio.to_thread(read)
     result = await asyncio.to_thread(planner.solve_state, state, options)
@@ -128,9 +128,10 @@ def _first_error(e: Exception) -> str:
 
 @router.post("/plans/{plan_id}/apply")
 def apply_plan(ctx: Ctx, actor: OperatorActor, plan_id: PlanIdParam) -> PlanView:
-    """Put a previewed plan in force (409 when another plan was applied since it was solved)."""
+    """Put the newest preview in force (409 when a newer plan was previewed or applied since it was
+    solved, or when it places node groups on a provider this control plane has no driver for)."""
     try:
         with ctx.write() as session:
-            return plan_view(planner.apply_plan(session, plan_id, actor, ctx.clock.now()))
+            return plan_view(planner.apply_plan(session, plan_id, actor, ctx.clock.now(), ctx.enabled_providers))
     except IntegrityError as e:
         raise Conflict("another plan was applied concurrently; preview a new plan") from e

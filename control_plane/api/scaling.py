@@ -1,19 +1,24 @@
-"""Fleet-loop state for operators: who leads, node groups, reconcile steps, autoscaler decisions."""
+"""Fleet-loop state for operators: who leads, node groups, reconcile steps, autoscaler decisions,
+and where each loop stands: the reconciler's desired against actual nodes and its errors, the
+autoscaler's counts per deployment with its last decision."""
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
 from pydantic import BaseModel
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from control_plane import leader
+from control_plane import autoscaler, leader
 from control_plane.api.pagination import PageParams, list_page, page_params, paginate, set_next_link
 from control_plane.auth import Ctx, require_scopes
-from control_plane.db.models import AutoscalerDecision, NodeDrain, NodeGroup, ReconcileStep
+from control_plane.db.models import AutoscalerDecision, Deployment, NodeDrain, NodeGroup, ReconcileStep
+from control_plane.reconcile_state import read_snapshot, reconciler_status
 from control_plane.scopes import FLEET_READERS
+from meridian.admin_api import AutoscalerDecisionView, AutoscalerStatus, ReconcilerStatus
 from meridian.contracts import NodeRole
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))], tags=["scaling"])
@@ -77,18 +82,6 @@ class ReconcileStepView(BaseModel):
     epoch: int
 
 
-class AutoscalerDecisionView(BaseModel):
-    id: int
-    model: str
-    at: datetime
-    mode: str
-    current: int
-    desired: int
-    reason: str
-    inputs: dict[str, Any]
-    epoch: int
-
-
 @router.get("/leader")
 def get_leader(ctx: Ctx, request: Request) -> LeaderView:
     """The fleet loops' leader; on Postgres the recorded holder may trail a takeover by one check."""
@@ -139,6 +132,14 @@ def list_node_groups(
     return views
 
 
+@router.get("/reconciler/status")
+def get_reconciler_status(ctx: Ctx) -> ReconcilerStatus:
+    """The placement in force against what the providers hold: in force, reconciling or failing
+    (with the error), and per node group the nodes desired and actual."""
+    with ctx.read() as session:
+        return reconciler_status(read_snapshot(session))
+
+
 @router.get("/reconciler/steps")
 def list_reconcile_steps(
     ctx: Ctx,
@@ -181,3 +182,42 @@ def _decision_view(d: AutoscalerDecision) -> AutoscalerDecisionView:
         id=d.id, model=d.model, at=d.at, mode=d.mode, current=d.current, desired=d.desired,
         reason=d.reason, inputs=dict(d.inputs or {}), epoch=d.epoch,
     )
+
+
+# A pool's last decision is looked for among this many of its deployment's latest ones.
+_DECISIONS_SCANNED = 200
+
+
+@router.get("/autoscaler/status")
+def list_autoscaler_status(
+    ctx: Ctx, request: Request, response: Response, page: Page, model: ModelQuery = None
+) -> list[AutoscalerStatus]:
+    """Per deployment (per pool when disaggregated): replica bounds, ready and desired replicas,
+    and the autoscaler's last recorded decision with its reason."""
+    query = select(Deployment)
+    if model is not None:
+        query = query.where(Deployment.model == model)
+    with ctx.read() as session:
+        rows, next_cursor = paginate(session, query, [Deployment.model], page)
+        views = []
+        for obs in autoscaler.observe_rows(session, rows):
+            last = _last_decisions(session, obs.model)
+            views.extend(
+                AutoscalerStatus(model=obs.model, pool=p.pool, min_replicas=p.min_replicas, max_replicas=p.max_replicas,
+                                 ready=p.ready, desired=p.desired, last_decision=last.get(p.pool))
+                for p in autoscaler.pools_of(obs)
+            )
+    set_next_link(request, response, next_cursor)
+    return views
+
+
+def _last_decisions(session: Session, model: str) -> dict[NodeRole, AutoscalerDecisionView]:
+    """The latest recorded decision of each of a deployment's pools."""
+    query = (select(AutoscalerDecision).where(AutoscalerDecision.model == model)
+             .order_by(AutoscalerDecision.id.desc()).limit(_DECISIONS_SCANNED))
+    last: dict[NodeRole, AutoscalerDecisionView] = {}
+    for d in session.scalars(query):
+        pool = autoscaler.decision_pool(d.inputs)
+        if pool not in last:
+            last[pool] = _decision_view(d)
+    return last

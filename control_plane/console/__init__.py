@@ -1,6 +1,7 @@
 """The web console's shell: static files shipped in this package, served at /console.
 
-The shell holds no data and needs no key: the page asks the operator for an API key and
+The control plane's root (`/`) redirects here, so its bare URL opens the console. The shell
+holds no data and needs no key: the page asks the operator for an API key and
 calls the admin API with it (control_plane.api.console and the fleet reads), so what a key
 may see is decided where it always is. Only the files in static/ are served, by an exact
 name from that listing, under a Content-Security-Policy that allows this origin alone: no
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import APIRouter
-from fastapi.responses import Response
+from fastapi.responses import RedirectResponse, Response
 
 from control_plane.errors import NotFound
 
@@ -58,6 +59,11 @@ def _serve(name: str) -> Response:
         raise NotFound(f"no console file {name!r}")
     content, media_type = found
     return Response(content, media_type=media_type, headers=SECURITY_HEADERS)
+
+
+@router.get("/")
+def root() -> RedirectResponse:
+    return RedirectResponse("/console", status_code=307, headers=SECURITY_HEADERS)
 
 
 @router.get("/console")

@@ -237,7 +237,8 @@ class PlacementPlan(Base):
     )
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
-    # "preview" → "applied" → "superseded"; "infeasible" plans are kept with their explanation.
+    # "preview" → "applied" → "superseded", or "preview" → "superseded" when a newer plan came
+    # first (only the newest can be applied); "infeasible" plans are kept with their explanation.
     status: Mapped[str] = mapped_column(String(16), index=True)
     # The applied plan this one was solved against (its diff is relative to it).
     base_plan_id: Mapped[str | None] = mapped_column(String(36), nullable=True)

@@ -3,6 +3,9 @@ and the cheap feasibility checks that explain an impossible problem before any M
 
 Pruning (all of it keeps at least one optimal plan):
 - residency: only regions whose zones contain the deployment's zone (never a variable outside);
+- provisioning: only regions of the providers whose drivers the control plane runs
+  (`Problem.providers`), so no plan holds a group the reconciler could never create; when that
+  leaves a deployment nowhere to go, the explanation names the providers left out;
 - RTT: with client regions, only regions within the RTT objective of at least one of them;
 - fit: only SKUs the model fits on and the deployment allows, and instances with at least TP GPUs;
 - price: per (region, SKU, GPU count, spot) the cheapest instance type; then an option is dominated
@@ -123,10 +126,16 @@ def build_candidates(problem: Problem) -> tuple[list[Candidates], list[str]]:
             allowed_regions = [r for r in zone_regions if any(rtt(c, r) <= d.rtt_objective_ms for c in clients)]
         else:
             allowed_regions = zone_regions
+        # Providers that sell the deployment a fitting SKU here but whose drivers are not enabled.
+        disabled = sorted({problem.regions[r].provider for r in allowed_regions
+                           if not problem.provisions(problem.regions[r])
+                           and any(off.sku in skus for off in by_region.get(r, ()))})
 
         options: list[Option] = []
         no_quota: set[str] = set()
         for r in allowed_regions:
+            if not problem.provisions(problem.regions[r]):
+                continue
             reach_demand = sum(v for c, v in d.demand_tokens_per_s.items() if rtt(c, r) <= d.rtt_objective_ms)
             reach_count = max(
                 (v for c, v in d.min_replicas_near.items() if rtt(c, r) <= d.rtt_objective_ms), default=0
@@ -159,29 +168,38 @@ def build_candidates(problem: Problem) -> tuple[list[Candidates], list[str]]:
         min_providers = d.min_providers if d.min_providers is not None else min(2, max(1, len(providers)))
         cand = Candidates(d, tuple(options), regions, reach, providers, d.min_regions, min_providers)
         out.append(cand)
-        errors.extend(_precheck(cand, skus, sorted(no_quota - set(regions))))
+        errors.extend(_precheck(cand, skus, sorted(no_quota - set(regions)), disabled))
     return out, errors
 
 
-def _precheck(c: Candidates, skus: list[str], quota_zero: list[str]) -> list[str]:
+def _notes(quota_zero: list[str], disabled: list[str]) -> str:
+    """What left regions out, for an explanation: quotas of 0 and providers not enabled."""
+    notes = [f"quota 0 in {_fmt(quota_zero)}"] if quota_zero else []
+    if disabled:
+        notes.append(f"not planned on {', '.join(disabled)}: MERIDIAN_PROVIDER_ENABLED does not enable"
+                     f" {'their drivers' if len(disabled) > 1 else 'its driver'}")
+    return f" ({'; '.join(notes)})" if notes else ""
+
+
+def _precheck(c: Candidates, skus: list[str], quota_zero: list[str], disabled: list[str]) -> list[str]:
     """Reasons one deployment alone cannot be placed, whatever the others do."""
     d = c.deployment
     where = f"zone '{d.zone}'"
-    quota_note = f" (quota 0 in {_fmt(quota_zero)})" if quota_zero else ""
+    note = _notes(quota_zero, disabled)
     near = f" within {d.rtt_objective_ms:g} ms of its client regions" if d.client_regions else ""
     errors: list[str] = []
     if not c.regions:
-        return [f"deployment {d.name}: no region of {where} offers the allowed SKUs {_fmt(skus)}{near}{quota_note}"]
+        return [f"deployment {d.name}: no region of {where} offers the allowed SKUs {_fmt(skus)}{near}{note}"]
     for client, regions in c.reach.items():
         if not regions:
             errors.append(f"deployment {d.name}: no region of {where} offering the allowed SKUs {_fmt(skus)}"
-                          f" within {d.rtt_objective_ms:g} ms of client region {client}{quota_note}")
+                          f" within {d.rtt_objective_ms:g} ms of client region {client}{note}")
     if len(c.regions) < c.min_regions:
         n = len(c.regions)
         errors.append(f"deployment {d.name}: {where} has only {n} region{'s' * (n != 1)} {_fmt(c.regions)}"
-                      f" offering the allowed SKUs {_fmt(skus)}{near}, spread requires {c.min_regions}{quota_note}")
+                      f" offering the allowed SKUs {_fmt(skus)}{near}, spread requires {c.min_regions}{note}")
     if len(c.providers) < c.min_providers:
         errors.append(f"deployment {d.name}: the regions of {where} offering the allowed SKUs{near} span only the"
-                      f" providers {_fmt(c.providers)}, spread requires {c.min_providers}{quota_note}")
+                      f" providers {_fmt(c.providers)}, spread requires {c.min_providers}{note}")
     return errors
 

@@ -1,4 +1,5 @@
-"""Independent checks of a plan against a problem's hard rules (residency, RTT, demand, spread, quotas).
+"""Independent checks of a plan against a problem's hard rules (residency, enabled providers, RTT,
+demand, spread, quotas).
 
 The solver asserts residency with these after every solve; tests and the brute-force reference
 use them to judge any plan without trusting the MILP.
@@ -25,6 +26,17 @@ def residency_violations(problem: Problem, assignments: Iterable[Assignment]) ->
         zone = zones.get(a.deployment, "?")
         if region is None or not in_zone(region, zone):
             out.append(f"residency: deployment {a.deployment} (zone '{zone}') has replicas in {a.region}")
+    return out
+
+
+def provider_violations(problem: Problem, assignments: Iterable[Assignment]) -> list[str]:
+    """One line per assignment in a region whose provider the control plane cannot provision."""
+    out = []
+    for a in assignments:
+        region = problem.regions.get(a.region)
+        if region is not None and not problem.provisions(region):
+            out.append(f"provider: deployment {a.deployment} has replicas in {a.region}, whose provider"
+                       f" {region.provider} has no enabled driver")
     return out
 
 
@@ -62,7 +74,7 @@ def effective_min_providers(problem: Problem, d: Deployment) -> int:
 
 def violations(problem: Problem, assignments: Sequence[Assignment]) -> list[str]:
     """Every hard rule the plan breaks, one line each; empty for a valid plan."""
-    out = residency_violations(problem, assignments)
+    out = residency_violations(problem, assignments) + provider_violations(problem, assignments)
     offerings = {(o.region, o.instance_type): o for o in problem.offerings}
     by_dep: dict[str, list[Assignment]] = defaultdict(list)
     gpus: dict[tuple[str, str], int] = defaultdict(int)

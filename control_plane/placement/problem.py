@@ -124,6 +124,9 @@ class Problem:
     (same deployment, region, instance type, SKU, spot) costs `churn_penalty` × that replica's
     hourly price in the objective, so re-planning moves only what it must. Deployments with no
     current assignment pay no churn penalty (they are new).
+    `providers` are those whose node groups the control plane can create (their drivers are
+    enabled, MERIDIAN_PROVIDER_ENABLED); None: every provider. A region of any other provider
+    is no candidate: a plan there could be applied but never carried out.
     """
 
     deployments: Sequence[Deployment]
@@ -132,6 +135,7 @@ class Problem:
     capacity: Mapping[tuple[str, str], int] = field(default_factory=dict)
     current: Sequence[Assignment] = ()
     churn_penalty: float = 0.5
+    providers: frozenset[str] | None = None
 
     def __post_init__(self) -> None:
         names = [d.name for d in self.deployments]
@@ -143,6 +147,10 @@ class Problem:
                 raise ValueError(f"deployment {d.name}: unknown client regions {unknown}")
         if self.churn_penalty < 0:
             raise ValueError("churn_penalty must be >= 0")
+
+    def provisions(self, region: RegionInfo) -> bool:
+        """Whether this control plane can create node groups in `region` (its provider's driver is enabled)."""
+        return self.providers is None or region.provider in self.providers
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,8 +207,8 @@ class UsableOffering:
 
 
 def usable_offerings(problem: Problem, d: Deployment) -> Iterator[UsableOffering]:
-    """The offerings in a known region of `d`'s zone, of a SKU `d` allows and fits with at least
-    TP GPUs, and (when `d` names client regions) within the RTT objective of at least one of them."""
+    """The offerings in a known region of `d`'s zone whose provider the control plane can provision,
+    of a SKU `d` allows and fits with at least TP GPUs, and (when `d` names client regions) within the RTT objective of at least one of them."""
     skus = set(d.usable_skus())
     clients = d.client_regions
     for off in problem.offerings:
@@ -208,7 +216,7 @@ def usable_offerings(problem: Problem, d: Deployment) -> Iterator[UsableOffering
         shape = d.shapes.get(off.sku)
         if region is None or shape is None or off.sku not in skus or off.gpu_count < shape.tp:
             continue
-        if not in_zone(region, d.zone):
+        if not in_zone(region, d.zone) or not problem.provisions(region):
             continue
         near = [c for c in clients if rtt_ms(problem.regions[c], region) <= d.rtt_objective_ms]
         if clients and not near:

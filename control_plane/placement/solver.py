@@ -19,7 +19,8 @@ The model is in `model`. How it is solved depends on its size:
 Plans are then trimmed of single instances that no rule needs (a time-limited block can leave one,
 and the next re-plan would count its removal as churn).
 
-Every plan is checked for residency before it is returned (PlacementInvariantError otherwise).
+Every plan is checked for residency and enabled providers before it is returned
+(PlacementInvariantError otherwise).
 When the problem is infeasible, the explanation comes from cheap pre-checks (candidates) or,
 when only quotas together can be at fault, from an elastic model with a slack per quota row.
 """
@@ -32,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from control_plane.placement.candidates import Candidates, build_candidates
-from control_plane.placement.check import deployment_violations, residency_violations
+from control_plane.placement.check import deployment_violations, provider_violations, residency_violations
 from control_plane.placement.diff import churn_counts
 from control_plane.placement.milp import INF
 from control_plane.placement.model import CurrentPlan, Key, PlacementModel
@@ -327,7 +328,7 @@ def solve(problem: Problem, options: SolveOptions | None = None) -> PlacementRes
     offerings = {(o.region, o.instance_type): o for o in problem.offerings}
     plans = [_trim(problem, current, cand, plan, offerings) for cand, plan in zip(cands, outcome.plans, strict=True)]
     assignments = [a for plan in plans for a in plan]
-    broken = residency_violations(problem, assignments)
+    broken = residency_violations(problem, assignments) + provider_violations(problem, assignments)
     if broken:
         raise PlacementInvariantError("; ".join(broken))
     objective = _objective(problem, current, cands, plans)

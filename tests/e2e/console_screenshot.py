@@ -45,11 +45,12 @@ def _plans(fabric: LocalFabric) -> None:
     httpx.put(f"{info.control_plane_url}/v1/models/{DEMO_MODEL}", json=TINY.model_dump(mode="json"),
               headers={"authorization": f"Bearer {info.admin_key}"}, timeout=30).raise_for_status()
     with AdminClient(info.control_plane_url, info.admin_key, 60.0) as admin:
-        admin.put_deployment(DEMO_MODEL, DeploymentUpsert(min_replicas=1, max_replicas=3,
+        # The demo runs on-prem's driver alone, so plans are on its two sites.
+        admin.put_deployment(DEMO_MODEL, DeploymentUpsert(min_replicas=2, max_replicas=3,
                                                           placement=PlacementSpec(min_regions=2)))
         admin.apply_plan(admin.preview_plan(PlanRequest()).id)
-        admin.put_deployment(DEMO_MODEL, DeploymentUpsert(min_replicas=1, max_replicas=3,
-                                                          placement=PlacementSpec(min_regions=3, min_providers=3)))
+        admin.put_deployment(DEMO_MODEL, DeploymentUpsert(min_replicas=2, max_replicas=3, placement=PlacementSpec(
+            min_regions=2, replicas={"onprem:tokyo-1": 8, "onprem:fra-dc1": 1})))
         admin.preview_plan(PlanRequest())
 
 
@@ -92,6 +93,8 @@ def _shoot(url: str, key: str, out: Path) -> None:
                 "?.dataset.rate || 0) > 0", timeout=120_000)
         page.wait_for_selector("#decisions tr[data-decision]", timeout=120_000)
         page.wait_for_selector("#plan-diff tr[data-diff]", timeout=60_000)
+        page.wait_for_selector('#plan-state[data-state="in_force"]', timeout=60_000)
+        page.wait_for_selector("#events tr[data-event]", timeout=60_000)
         page.wait_for_selector("#drill-detail svg.timeline", timeout=60_000)
         time.sleep(20)  # a sparkline's worth of polls
         out.parent.mkdir(parents=True, exist_ok=True)

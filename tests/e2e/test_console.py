@@ -1,10 +1,13 @@
 """The web console in headless Chromium against the three-region local fabric.
 
-An operator opens /console, is refused with a clear message for a wrong key, logs in with a
-read-only key, sees the three demo regions on the map and their nodes (with no write control),
-sees traffic counted per region, and watches a node that is killed (SIGKILL) turn lost and its
-region go down, without reloading the page. The control plane expires nodes fast here (a 3 s
-TTL, no start-up grace) so the loss shows within seconds.
+An operator opens the control plane's root and lands on /console, is refused with a clear
+message for a wrong key, logs in with a read-only key, sees the three demo regions on the map and
+their nodes (with no write control), sees traffic counted per region, and watches a node that is
+killed (SIGKILL) turn lost and its region go down, without reloading the page. The control plane
+expires nodes fast here (a 3 s TTL, no start-up grace) so the loss shows within seconds. Then an
+operator is offered Apply for the newest of two previews only, applies it, sees it called in force
+once the reconciler holds its hosts and the change in the event feed, and sees why when the
+reconciler cannot follow (more replicas than the on-prem sites have hosts).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from console_kit import chromium, write_node_crash_report
 from e2e_fabric import e2e_spec, running
 
 from localfabric import DEMO_MODEL, DEMO_REGIONS, LocalFabric
-from meridian.admin_api import ApiKeyCreate, Scope
+from meridian.admin_api import ApiKeyCreate, DeploymentUpsert, ModelUpsert, PlanRequest, Scope
 from meridian.admin_client import AdminClient
+from meridian.contracts import PlacementSpec
 
 pytestmark = pytest.mark.e2e
 
@@ -51,6 +55,23 @@ def _key(fabric: LocalFabric, scope: Scope) -> str:
         return admin.create_key(ApiKeyCreate(name=f"console-{scope}", tenant="ops", scopes=[scope])).key
 
 
+def _deploy(fabric: LocalFabric, replicas: int) -> None:
+    """The demo model deployed in two regions (the on-prem sites: only on-prem's driver runs here)."""
+    assert fabric.info is not None
+    with AdminClient(fabric.info.control_plane_url, fabric.info.admin_key, 30.0) as admin:
+        admin.put_model(DEMO_MODEL, ModelUpsert(params_b=0.001, layers=2, kv_heads=2, head_dim=16, max_context=512))
+        admin.put_deployment(DEMO_MODEL, DeploymentUpsert(min_replicas=replicas, max_replicas=replicas,
+                                                          placement=PlacementSpec(min_regions=2)))
+
+
+def _preview(fabric: LocalFabric) -> str:
+    assert fabric.info is not None
+    with AdminClient(fabric.info.control_plane_url, fabric.info.admin_key, 60.0) as admin:
+        plan = admin.preview_plan(PlanRequest())
+    assert plan.status == "preview", plan.explanation
+    return plan.id
+
+
 def _node_id(region: str) -> str:
     return "node-" + region.replace(":", "-")
 
@@ -77,6 +98,8 @@ def test_console_shows_the_fleet_to_a_read_only_key_and_a_killed_node_going_lost
         policy_violations: list[str] = []
         page.on("console", lambda m: policy_violations.append(m.text)
                 if m.type == "error" and "Content Security Policy" in m.text else None)
+        page.goto(f"{fabric.info.control_plane_url}/")
+        assert page.url == f"{fabric.info.control_plane_url}/console"
         page.goto(f"{fabric.info.control_plane_url}/console?poll_ms=1000")
 
         # A wrong key is refused in words, and the console stays closed.
@@ -122,3 +145,25 @@ def test_console_shows_the_fleet_to_a_read_only_key_and_a_killed_node_going_lost
         page.click("#login-button")
         page.wait_for_selector("#plan-preview-button", timeout=SHOW_MS)
         assert "operator" in page.inner_text("#viewer")
+
+        # Two previews: Apply is offered for the newest alone.
+        _deploy(fabric, replicas=2)
+        _preview(fabric)
+        newest = _preview(fabric)
+        page.wait_for_selector(f'#plan-apply-button[data-plan="{newest}"]', timeout=SHOW_MS)
+        assert page.locator("#plan-apply-button").count() == 1
+        # Applied, it is in force once the reconciler holds its hosts; nothing is left to apply.
+        page.once("dialog", lambda dialog: dialog.accept())
+        page.click("#plan-apply-button")
+        page.wait_for_selector('#plan-state[data-state="in_force"]', timeout=SHOW_MS)
+        assert page.locator("#plan-apply-button").count() == 0
+        page.wait_for_selector('#events tr[data-action="apply"][data-resource="placement_plan"]', timeout=SHOW_MS)
+        page.wait_for_selector('#events tr[data-action="scale_up"][data-resource="node_group"]', timeout=SHOW_MS)
+
+        # More replicas than the sites have hosts: no longer in force, and the console says why.
+        _deploy(fabric, replicas=100)
+        state = page.wait_for_selector('#plan-state[data-state="failing"]', timeout=SHOW_MS)
+        assert state is not None and "CapacityError" in state.inner_text()
+        page.wait_for_selector("#events tr.event-error", timeout=SHOW_MS)
+        page.screenshot(path=str(tmp_path / "console-operator.png"), full_page=True)
+        assert not policy_violations, policy_violations

@@ -4,7 +4,7 @@
 import { ApiError, forgetKey, get, loginMessage, saveKey, savedKey } from "./api.js";
 import { fmtTime, replace } from "./dom.js";
 import { RateTracker, byRegion, renderMap, renderNodes, renderRegions } from "./fleet.js";
-import { renderDecisions, renderDrills, renderPlan } from "./panels.js";
+import { renderDecisions, renderDrills, renderEvents, renderPlan } from "./panels.js";
 
 const params = new URLSearchParams(location.search);
 const POLL_MS = Math.max(500, Number(params.get("poll_ms")) || 3000);
@@ -55,6 +55,7 @@ async function poll() {
   const problems = (await Promise.all([
     guarded("placement", () => renderPlan($("#plan-panel"), current.key, overview.viewer, refresh)),
     guarded("autoscaler", () => renderDecisions($("#decisions tbody"), current.key)),
+    guarded("events", () => renderEvents($("#events tbody"), current.key)),
     guarded("drills", () => renderDrills($("#drill-list"), $("#drill-detail"), current.key, current.drills)),
   ])).filter(Boolean);
   const pollError = $("#poll-error");

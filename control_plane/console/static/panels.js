@@ -1,6 +1,9 @@
-// The fleet loops' side: placement plans (in force, latest preview and its diff), autoscaler
-// decisions and chaos drill reports. Write controls (preview, apply) are built only for keys
-// with the operator or admin scope; a read-only key gets the same panels without them.
+// The fleet loops' side: placement plans (where the plan in force stands, the latest preview and
+// its diff), autoscaler decisions, the event feed and chaos drill reports. Write controls
+// (preview, apply) are built only for keys with the operator or admin scope; a read-only key gets
+// the same panels without them. A plan is called "In force" only when the reconciler says every
+// node group holds its target; Apply is offered only for the newest plan, when it is a preview
+// solved against the plan in force (the API refuses any other with 409 too).
 
 import { ApiError, get, post } from "./api.js";
 import { fmtMoney, fmtTime, h, replace, s, short } from "./dom.js";
@@ -18,15 +21,27 @@ async function currentPlan(key) {
   }
 }
 
-function assignmentsTable(assignments) {
-  if (!assignments.length) return h("p", { class: "muted" }, "No replicas placed.");
+const STATE_LABELS = { in_force: "In force", reconciling: "Reconciling", failing: "Failing", no_plan: "No plan applied yet" };
+
+function stateLabel(progress) {
+  const label = STATE_LABELS[progress.state] || progress.state;
+  return progress.state === "failing" ? `${label}: ${progress.summary}` : label;
+}
+
+// The node groups of the plan in force: what each should hold against what its provider holds.
+function groupsTable(groups) {
+  if (!groups.length) return h("p", { class: "muted" }, "No node groups.");
   return h("table", {},
-    h("thead", {}, h("tr", {}, ["Deployment", "Region", "Instance", "Instances", "Replicas", "Cost"].map((c) => h("th", {}, c)))),
-    h("tbody", {}, assignments.map((a) => h("tr", {},
-      h("td", {}, a.deployment), h("td", {}, h("code", {}, a.region)),
-      h("td", {}, `${a.instance_type}${a.spot ? " (spot)" : ""}`),
-      h("td", { class: "num" }, a.instances), h("td", { class: "num" }, a.replicas),
-      h("td", { class: "num" }, fmtMoney(a.cost_per_hour))))));
+    h("thead", {}, h("tr", {}, ["Deployment", "Region", "Instance", "Desired", "Actual", "Ready", "State", "Last error"]
+      .map((c) => h("th", {}, c)))),
+    h("tbody", {}, groups.map((g) => h("tr", {
+      "data-group": `${g.model}@${g.region}/${g.instance_type}`, "data-desired": g.desired, "data-actual": g.actual,
+      class: g.last_error ? "group-failing" : g.actual !== g.desired ? "group-moving" : "" },
+    h("td", {}, g.role === "both" ? g.model : `${g.model} (${g.role})`), h("td", {}, h("code", {}, g.region)),
+    h("td", {}, `${g.instance_type}${g.spot ? " (spot)" : ""}`),
+    h("td", { class: "num" }, g.desired), h("td", { class: "num" }, g.actual), h("td", { class: "num" }, g.ready),
+    h("td", {}, g.state || "not created"),
+    h("td", { class: "wrap" }, g.last_error ? `${g.last_error} (${fmtTime(g.error_at)}, ${g.failures}×)` : "–")))));
 }
 
 function diffTable(diff) {
@@ -47,8 +62,12 @@ function diffTable(diff) {
 }
 
 export async function renderPlan(panel, key, viewer, refresh) {
-  const [current, plans] = await Promise.all([currentPlan(key), get(key, "/v1/placement/plans?limit=10")]);
-  const preview = plans.find((p) => p.status === "preview" || p.status === "infeasible") || null;
+  const [current, plans, progress] = await Promise.all([
+    currentPlan(key), get(key, "/v1/placement/plans?limit=1"), get(key, "/v1/reconciler/status")]);
+  // Only the newest plan can be waiting: an older preview was superseded when a newer plan came.
+  const latest = plans[0] || null;
+  const preview = latest && (latest.status === "preview" || latest.status === "infeasible") ? latest : null;
+  const applicable = preview && preview.status === "preview" && preview.base_plan_id === (current ? current.id : null);
   const actions = panel.querySelector("#plan-actions");
   if (canOperate(viewer)) {
     const previewButton = h("button", { type: "button", class: "write", id: "plan-preview-button" }, "Preview a new plan");
@@ -58,8 +77,9 @@ export async function renderPlan(panel, key, viewer, refresh) {
       refresh();
     });
     const buttons = [previewButton];
-    if (preview && preview.status === "preview") {
-      const apply = h("button", { type: "button", class: "write primary", id: "plan-apply-button" }, `Apply ${short(preview.id)}`);
+    if (applicable) {
+      const apply = h("button", { type: "button", class: "write primary", id: "plan-apply-button", "data-plan": preview.id },
+        `Apply ${short(preview.id)}`);
       apply.addEventListener("click", async () => {
         if (!confirm(`Apply plan ${short(preview.id)}? The reconciler will resize node groups to match it.`)) return;
         apply.disabled = true;
@@ -73,11 +93,12 @@ export async function renderPlan(panel, key, viewer, refresh) {
     replace(actions);
   }
   replace(panel.querySelector("#plan-current"), h("div", { class: "plan-block" },
-    h("h3", {}, "In force"),
+    h("h3", { id: "plan-state", class: `plan-state-${progress.state}`, "data-state": progress.state }, stateLabel(progress)),
     current
       ? [h("p", { class: "muted" }, `Plan ${short(current.id)} · ${fmtMoney(current.cost_per_hour)} · applied ${fmtTime(current.applied_at)} by ${current.applied_by || "?"}`),
-        assignmentsTable(current.assignments)]
-      : h("p", { class: "muted" }, "No plan applied yet.")));
+        progress.state === "failing" ? null : h("p", { class: "muted", id: "plan-progress" }, progress.summary),
+        groupsTable(progress.groups)]
+      : h("p", { class: "muted" }, "Preview a plan and apply it to place the deployments.")));
   replace(panel.querySelector("#plan-preview"), h("div", { class: "plan-block", id: "plan-diff" },
     h("h3", {}, "Latest preview"),
     preview
@@ -93,6 +114,31 @@ export async function renderDecisions(tbody, key) {
     h("td", {}, fmtTime(d.at)), h("td", {}, d.model), h("td", {}, d.mode),
     h("td", { class: "num" }, `${d.current} → ${d.desired}`), h("td", { class: "wrap" }, d.reason)))
     : h("tr", {}, h("td", { colspan: 5, class: "muted" }, "No decision recorded yet.")));
+}
+
+// What an audit entry changed, in a few words (the reconciler's errors in full).
+function eventDetail(e) {
+  const before = e.before || {}, after = e.after || {};
+  if (after.last_error) return after.last_error;
+  if (e.resource_type === "node_group") {
+    return after.current_size === undefined ? "removed" : `${before.current_size ?? 0} → ${after.current_size} nodes (target ${after.desired_size})`;
+  }
+  for (const field of ["desired_replicas", "desired_prefill_replicas"]) {
+    if (field in after) return `${field.replaceAll("_", " ")}: ${before[field] ?? "–"} → ${after[field]}`;
+  }
+  if (e.resource_type === "placement_plan") return [after.status, fmtMoney(after.cost_per_hour)].filter(Boolean).join(" · ");
+  return "";
+}
+
+export async function renderEvents(tbody, key) {
+  const events = await get(key, "/v1/audit?limit=15");
+  replace(tbody, events.length ? events.map((e) => h("tr", {
+    "data-event": e.id, "data-action": e.action, "data-resource": e.resource_type,
+    class: (e.after || {}).last_error ? "event-error" : "" },
+  h("td", {}, fmtTime(e.at)), h("td", {}, e.actor_name), h("td", {}, e.action),
+  h("td", {}, `${e.resource_type.replaceAll("_", " ")} `, h("code", {}, e.resource_id)),
+  h("td", { class: "wrap" }, eventDetail(e))))
+    : h("tr", {}, h("td", { colspan: 5, class: "muted" }, "Nothing has happened yet.")));
 }
 
 const SERIES_COLOURS = ["#60a5fa", "#a78bfa", "#34d399", "#fbbf24", "#f472b6", "#22d3ee", "#a3e635"];

@@ -18,7 +18,7 @@ from pydantic import SecretStr
 
 from control_plane.app import create_app
 from meridian.clock import SYSTEM_CLOCK, Clock, ManualClock
-from meridian.settings import ControlPlaneSettings
+from meridian.settings import ControlPlaneSettings, ProviderSettings
 
 
 @pytest.fixture(
@@ -50,6 +50,13 @@ def settings(database_url: str, settings_overrides: dict[str, Any]) -> ControlPl
 
 
 @pytest.fixture
+def provider_settings() -> ProviderSettings:
+    """The providers whose drivers the control plane runs, and so plans for: on-prem's alone, as
+    by default; override in a test module (or parametrize a test) to enable others."""
+    return ProviderSettings(enabled=["onprem"])
+
+
+@pytest.fixture
 def clock_kind() -> str:
     """Which clock the app runs on, "system" or "manual": override or parametrize it."""
     return "system"
@@ -61,8 +68,8 @@ def clock(clock_kind: str) -> Clock:
 
 
 @pytest.fixture
-async def cp(settings: ControlPlaneSettings, clock: Clock) -> AsyncIterator[ControlPlane]:
-    app = create_app(settings, clock=clock)
+async def cp(settings: ControlPlaneSettings, clock: Clock, provider_settings: ProviderSettings) -> AsyncIterator[ControlPlane]:
+    app = create_app(settings, clock=clock, providers=provider_settings)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
         async with httpx.AsyncClient(transport=transport, base_url="http://cp.test") as http:

@@ -356,3 +356,36 @@ async def test_a_disaggregated_deployment_scales_its_pools_separately(cp: Contro
     assert (view["desired_prefill_replicas"], view["desired_replicas"]) == (1, 4)  # 8 in flight / 2
     pools = {(d["inputs"]["pool"], d["desired"]) for d in await decisions(cp)}
     assert ("prefill", 4) in pools and ("prefill", 1) in pools and ("decode", 4) in pools
+
+
+async def autoscaler_status(cp: ControlPlane, **params: str) -> list[dict[str, Any]]:
+    return await cp.admin_list("/v1/autoscaler/status", **params)
+
+
+@loops_off
+async def test_the_status_shows_each_pools_counts_and_its_last_decision(cp: ControlPlane) -> None:
+    await setup_deployment(cp)
+    topology = {"target_waiting_prompt_tokens": 1000, "min_prefill_replicas": 1, "max_prefill_replicas": 4}
+    r = await cp.http.put("/v1/deployments/rag", headers=cp.admin,
+                          json={"min_replicas": 1, "max_replicas": 3, "disaggregation": topology})
+    assert r.status_code == 201, r.text
+    transfer = {"connector": "NixlConnector", "endpoint": "10.0.0.7:5600", "lease_s": 30}
+    assert (await cp.register("p1", models=["rag"], role="prefill", kv_transfer=transfer)).status_code == 200
+    await cp.heartbeat("p1", load={"running": 1, "waiting": 9, "waiting_prompt_tokens": 3500})
+    # Nothing decided yet: the counts, and no decision.
+    before = {(s["model"], s["pool"]): s for s in await autoscaler_status(cp)}
+    assert set(before) == {("rag", "decode"), ("rag", "prefill"), (MODEL, "both")}
+    assert before[(MODEL, "both")]["last_decision"] is None
+
+    assert (await cp.heartbeat("n1", load={"running": 4, "waiting": 2})).status_code == 200
+    await Autoscaler(cp.app.state.ctx).tick(lead(cp))
+    (mine,) = await autoscaler_status(cp, model=MODEL)
+    assert (mine["min_replicas"], mine["max_replicas"], mine["ready"], mine["desired"]) == (0, 5, 1, 3)
+    assert mine["last_decision"]["reason"].startswith("0 → 3; stable: 6.0 in flight")
+    # A disaggregated deployment: each pool with its own bounds, count and last decision.
+    rag = {s["pool"]: s for s in await autoscaler_status(cp, model="rag")}
+    assert (rag["prefill"]["min_replicas"], rag["prefill"]["max_replicas"], rag["prefill"]["ready"]) == (1, 4, 1)
+    assert (rag["prefill"]["desired"], rag["prefill"]["last_decision"]["desired"]) == (4, 4)
+    assert rag["prefill"]["last_decision"]["reason"].startswith("prefill ")
+    assert (rag["decode"]["min_replicas"], rag["decode"]["ready"], rag["decode"]["desired"]) == (1, 0, 1)
+    assert rag["decode"]["last_decision"]["inputs"]["pool"] == "decode"

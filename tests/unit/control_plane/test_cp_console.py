@@ -67,6 +67,13 @@ async def test_shell_is_public_self_contained_and_under_a_strict_policy(cp: Cont
         assert r.status_code == 404, path
 
 
+async def test_the_control_planes_root_opens_the_console(cp: ControlPlane) -> None:
+    r = await cp.http.get("/")
+    assert r.status_code == 307 and r.headers["location"] == "/console"
+    r = await cp.http.get("/", follow_redirects=True)
+    assert r.status_code == 200 and r.content == FILES["index.html"][0]
+
+
 async def test_overview_shows_a_read_only_key_the_fleet_and_its_own_scopes(cp: ControlPlane) -> None:
     assert (await cp.register("node-a", "aws:us-east-1")).status_code == 200
     assert (await cp.register("node-b", "gcp:europe-west4")).status_code == 200

@@ -1,6 +1,7 @@
 """A fourth provider, registered with one call, is a provider like the built-in three: it is in
 `meridian catalog gpus`, in the control plane's providers, regions and routing table, in
-placement plans, and its node-group driver is among the control plane's drivers.
+placement plans once its driver is enabled, and its node-group driver is among the control
+plane's drivers.
 
 "lattice" is an in-test stand-in: two regions in a residency zone of their own ("is"), an
 8×H100 offering in each, no quotas, and a node-group driver that keeps its groups in memory.
@@ -121,6 +122,12 @@ def lattice() -> Iterator[None]:
 def settings_overrides() -> dict[str, Any]:
     # What is looked at here is read at start-up; the fleet loops stay off.
     return {"reconciler_enabled": False, "autoscaler_enabled": False}
+
+
+@pytest.fixture
+def provider_settings() -> ProviderSettings:
+    # Its driver enabled, so that the control plane plans for it.
+    return ProviderSettings(enabled=["onprem", NAME])
 
 
 def catalog_gpus(*args: str) -> str:

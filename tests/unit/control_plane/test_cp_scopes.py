@@ -55,6 +55,8 @@ CALLS = (
     Call("GET", "/v1/placement/current", READERS, ok=404),
     Call("GET", "/v1/audit", READERS),
     Call("GET", "/v1/autoscaler/decisions", READERS),
+    Call("GET", "/v1/autoscaler/status", READERS),
+    Call("GET", "/v1/reconciler/status", READERS),
     Call("GET", "/v1/console/overview", READERS),
     Call("GET", "/v1/console/drills", READERS),
     Call("GET", "/v1/console/drills/none/report.json", READERS, ok=404),

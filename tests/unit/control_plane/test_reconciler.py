@@ -16,14 +16,20 @@ from control_plane.context import AppContext
 from control_plane.db.models import AuditEntry, Deployment, NodeGroup, PlacementPlan, ReconcileStep
 from control_plane.leader import FLEET, Deposed, Fence, claim
 from control_plane.reconcile_state import (
+    GroupRow,
+    NodeGroupState,
+    NodeSeen,
     PlacedGroup,
+    Snapshot,
     apportion,
     deployment_targets,
     parse_assignments,
+    reconciler_status,
     spread_replicas,
     target_sizes,
 )
 from control_plane.reconciler import Reconciler, StepResult, default_drivers
+from meridian.admin_api import ReconcilerState
 from meridian.clock import ManualClock
 from meridian.contracts import NodeRole
 from providers.onprem.driver import OnPremDriver
@@ -204,6 +210,56 @@ def test_each_pool_is_spread_over_its_own_groups() -> None:
     # A co-located deployment's groups get desired_replicas, as before.
     both = [PlacedGroup(MODEL, east, "p5.48xlarge", "H100-80GB-SXM", False, 2, 2)]
     assert deployment_targets(3, None, both) == target_sizes(3, both) == {both[0].key: 3}
+
+
+def test_a_plan_is_in_force_only_when_every_group_holds_its_target() -> None:
+    placed = PlacedGroup(MODEL, REGION, HOST_TYPE, "L4-24GB", False, 2, 2)
+    east = PlacedGroup(MODEL, "aws:us-east-1", "g5.xlarge", "A10G-24GB", False, 1, 1)
+    at = datetime(2026, 11, 28, 9, 0, tzinfo=UTC)
+
+    def row(group: PlacedGroup, nodes: tuple[str, ...], **fields: Any) -> GroupRow:
+        values: dict[str, Any] = {"state": NodeGroupState.READY, "failures": 0, **fields}
+        return GroupRow(id=f"g-{group.region}", model=MODEL, provider=group.provider, region=group.region,
+                        instance_type=group.instance_type, sku=group.sku, spot=False, desired_size=2,
+                        current_size=len(nodes), nodes=nodes, retry_at=None, updated_at=at, **values)
+
+    def snapshot(targets: dict[Any, int], rows: list[GroupRow], plan_id: str | None = "p1") -> Snapshot:
+        ready = {"lab-1": NodeSeen("ready", 0, at), "lab-2": NodeSeen("starting", 0, at)}
+        return Snapshot(placed={placed.key: placed, east.key: east}, targets=targets,
+                        groups={r.key: r for r in rows}, drains={}, nodes=ready, plan_id=plan_id)
+
+    nothing = reconciler_status(snapshot({}, [], plan_id=None))
+    assert (nothing.state, nothing.groups) == (ReconcilerState.NO_PLAN, [])
+
+    # Applied, not created yet: reconciling, the group shown with no id and no nodes.
+    pending = reconciler_status(snapshot({placed.key: 2}, []))
+    assert pending.state is ReconcilerState.RECONCILING and pending.plan_id == "p1"
+    (g,) = pending.groups
+    assert (g.group_id, g.desired, g.actual, g.ready, g.state, g.provider) == (None, 2, 0, 0, None, "onprem")
+    assert pending.summary == "node groups at their target: 0 of 1 (nodes: 0 of 2)"
+
+    done = reconciler_status(snapshot({placed.key: 2}, [row(placed, ("lab-1", "lab-2"))]))
+    assert done.state is ReconcilerState.IN_FORCE
+    assert (done.groups[0].actual, done.groups[0].ready) == (2, 1)  # lab-2 is still starting
+    assert done.summary == "every node group at its target (1 group, 2 nodes)"
+
+    # One group at its target, one failing: the whole is failing, with the error and when.
+    error = "UnknownName: this control plane has no driver for provider 'aws'"
+    failing = reconciler_status(snapshot(
+        {placed.key: 2, east.key: 1},
+        [row(placed, ("lab-1", "lab-2")), row(east, (), last_error=error, failures=3, state=NodeGroupState.ERROR)],
+    ))
+    assert failing.state is ReconcilerState.FAILING
+    assert failing.summary == f"{MODEL}@aws:us-east-1/g5.xlarge: {error}"
+    bad = next(g for g in failing.groups if g.region == "aws:us-east-1")
+    assert (bad.desired, bad.actual, bad.failures, bad.error_at, bad.state) == (1, 0, 3, at, "error")
+
+    # A group the plan dropped still counts until it is gone.
+    leaving = reconciler_status(snapshot({placed.key: 2}, [row(placed, ("lab-1", "lab-2")), row(east, ("i-1",))]))
+    assert leaving.state is ReconcilerState.RECONCILING
+    assert [(g.region, g.desired, g.actual) for g in leaving.groups] == [
+        ("aws:us-east-1", 0, 1), (REGION, 2, 2),
+    ]
 
 
 # --- against the database ------------------------------------------------------------------
@@ -398,3 +454,76 @@ async def test_a_disaggregated_deployment_gets_a_prefill_and_a_decode_group_in_t
 def set_desired_prefill(cp: ControlPlane, replicas: int) -> None:
     with ctx_of(cp).write() as session:
         session.execute(update(Deployment).where(Deployment.model == MODEL).values(desired_prefill_replicas=replicas))
+
+
+# --- where the reconciler stands: GET /v1/reconciler/status --------------------------------
+
+# A model small enough for the lab's one-L4 hosts.
+SMALL_MODEL = {"params_b": 0.5, "layers": 24, "kv_heads": 2, "head_dim": 64, "max_context": 2048,
+               "target_concurrent_seqs": 4}
+
+
+async def reconcile_status(cp: ControlPlane) -> dict[str, Any]:
+    r = await cp.http.get("/v1/reconciler/status", headers=cp.admin)
+    assert r.status_code == 200, r.text
+    body: dict[str, Any] = r.json()
+    return body
+
+
+async def test_a_plan_previewed_and_applied_here_is_carried_out_and_called_in_force_once_it_is(cp: ControlPlane) -> None:
+    assert (await cp.http.put(f"/v1/models/{MODEL}", json=SMALL_MODEL, headers=cp.admin)).status_code == 201
+    body = {"zone": "eu", "min_replicas": 2, "max_replicas": 2, "placement": {"min_regions": 1}}
+    assert (await cp.http.put(f"/v1/deployments/{MODEL}", json=body, headers=cp.admin)).status_code == 201
+    assert (await reconcile_status(cp))["state"] == "no_plan"
+
+    # Only on-prem's driver runs here: the plan is on the lab's hosts, never on aws or gcp.
+    r = await cp.http.post("/v1/placement/plans", json={"time_limit_s": 10}, headers=cp.admin)
+    plan = r.json()
+    assert plan["status"] == "preview", plan["explanation"]
+    assert {a["region"] for a in plan["assignments"]} == {REGION}
+    r = await cp.http.post(f"/v1/placement/plans/{plan['id']}/apply", headers=cp.admin)
+    assert r.status_code == 200, r.text
+
+    # Applied is not yet in force: the group has no node until the reconciler has acted.
+    status = await reconcile_status(cp)
+    assert (status["state"], status["plan_id"]) == ("reconciling", plan["id"])
+    assert [(g["region"], g["group_id"], g["desired"], g["actual"]) for g in status["groups"]] == [(REGION, None, 2, 0)]
+
+    rec = reconciler(cp)
+    fence = lead(ctx_of(cp))
+    assert [r.outcome for r in await rec.tick(fence)] == ["ok", "ok"]
+    status = await reconcile_status(cp)
+    assert status["state"] == "in_force", status
+    (group,) = status["groups"]
+    assert (group["desired"], group["actual"], group["last_error"], group["state"]) == (2, 2, None, "ready")
+    assert await rec.tick(fence) == []
+
+
+async def test_a_group_no_driver_can_create_fails_clearly_until_a_plan_drops_it(
+    cp: ControlPlane, clock: ManualClock
+) -> None:
+    # A plan applied before aws's driver was turned off: its aws group can never be created.
+    await deploy(cp, replicas=2)
+    east = assignment(region="aws:us-east-1", instance_type="g5.xlarge", sku="A10G-24GB")
+    first = apply_plan(cp, rows=[assignment(), east])
+    rec = reconciler(cp)
+    fence = lead(ctx_of(cp))
+    assert sorted(summary(await rec.tick(fence))) == [("create", 1, "error"), ("create", 1, "ok"), ("scale_up", 1, "ok")]
+
+    status = await reconcile_status(cp)
+    assert status["state"] == "failing"
+    assert "no driver for provider 'aws' (MERIDIAN_PROVIDER_ENABLED: onprem)" in status["summary"]
+    failing = next(g for g in status["groups"] if g["region"] == "aws:us-east-1")
+    assert (failing["desired"], failing["actual"], failing["state"], failing["failures"]) == (1, 0, "error", 1)
+    # Retrying cannot help: it waits the longest backoff (2.5 s here), not the first (1 s).
+    waited = datetime.fromisoformat(failing["retry_at"]) - datetime.fromisoformat(failing["error_at"])
+    assert waited.total_seconds() == 2.5
+
+    # A plan without aws: its row goes on the next tick, backoff or not, and the lab's group takes
+    # both replicas; then the plan is in force.
+    supersede(cp, first)
+    apply_plan(cp, rows=[assignment()])
+    assert summary(await rec.tick(fence)) == [("delete", 0, "ok"), ("scale_up", 2, "ok")]
+    status = await reconcile_status(cp)
+    assert status["state"] == "in_force", status
+    assert [(g["region"], g["actual"]) for g in status["groups"]] == [(REGION, 2)]

@@ -114,6 +114,37 @@ def test_infeasible_capacity_names_the_quota(regions: dict[str, RegionInfo], off
         assert line.startswith("capacity: H100-80GB-SXM in ") and "need 16 GPUs, quota 8 (deployments big)" in line
 
 
+def test_only_providers_whose_drivers_are_enabled_are_planned(regions: dict[str, RegionInfo],
+                                                               offerings: list[Offering]) -> None:
+    d = dep("eu-chat", "eu", {"aws:eu-central-1": 3000.0}, rtt_objective_ms=30.0)
+    everywhere = solved(Problem([d], offerings, regions))
+    assert any(a.region.startswith("aws:") for a in everywhere)  # aws is in the plan when it may be
+    for options in (EXACT, SolveOptions(joint_max_options=0)):  # whole and decomposed
+        plan = solved(Problem([d], offerings, regions, providers=frozenset({"gcp", "onprem"})), options)
+        assert {a.region.split(":")[0] for a in plan} == {"gcp", "onprem"}
+    # The placement in force on aws is moved off it, not kept for its churn.
+    onprem_only = Problem([replace(d, min_regions=1)], offerings, regions, current=tuple(everywhere),
+                          providers=frozenset({"onprem"}))
+    result = solve(onprem_only)
+    assert result.feasible, result.explanation
+    assert {a.region for a in result.assignments} == {"onprem:fra-dc1"}
+    assert result.replicas_removed == sum(a.replicas for a in everywhere if a.region != "onprem:fra-dc1")
+    # An independent check refuses a plan on a provider with no driver.
+    assert any(line.startswith("provider: deployment eu-chat has replicas in aws:eu-central-1")
+               for line in violations(onprem_only, everywhere))
+
+
+def test_a_deployment_only_disabled_providers_could_serve_is_explained(regions: dict[str, RegionInfo],
+                                                                       offerings: list[Offering]) -> None:
+    d = dep("us-chat", "us", {"aws:us-east-1": 400.0}, rtt_objective_ms=30.0)
+    result = solve(Problem([d], offerings, regions, providers=frozenset({"onprem"})))
+    assert result.status == "infeasible" and not result.assignments
+    assert result.explanation == (
+        "deployment us-chat: no region of zone 'us' offers the allowed SKUs [H100-80GB-SXM, L4-24GB] within 30 ms"
+        " of its client regions (not planned on aws, gcp: MERIDIAN_PROVIDER_ENABLED does not enable their drivers)",
+    )
+
+
 def test_spot_only_where_allowed(regions: dict[str, RegionInfo], offerings: list[Offering]) -> None:
     base = dep("s", "us", {"aws:us-east-1": 2000.0}, rtt_objective_ms=30.0)
     plan = solved(Problem([base], offerings, regions))
