@@ -24,7 +24,6 @@ from starlette.types import Receive
 
 from meridian.clock import SYSTEM_CLOCK, Clock, event_or_timeout, first_or_timeout
 from meridian.contracts import (
-    GLOBAL_ZONE,
     DeploymentEntry,
     NodeStatus,
     RegionInfo,
@@ -48,7 +47,7 @@ SCALE_UP_REASON = "scale-from-zero"
 
 def deployment_may_use(deployment: DeploymentEntry, region: RegionInfo) -> bool:
     """Residency of a deployment: may its replicas run in `region`?"""
-    return deployment.zone == GLOBAL_ZONE or deployment.zone in region.zones
+    return region.admits(deployment.zone)
 
 
 def placeable_regions(table: LoadedTable, tenant: TenantEntry, deployment: DeploymentEntry) -> list[RegionInfo]:

@@ -86,7 +86,7 @@ def split_adapter(model: str) -> tuple[str, str | None]:
 
 def tenant_may_use(tenant: TenantEntry, region: RegionInfo) -> bool:
     """Residency: may this tenant's requests be served in `region`?"""
-    return tenant.zone == GLOBAL_ZONE or tenant.zone in region.zones
+    return region.admits(tenant.zone)
 
 
 def select_candidates(
