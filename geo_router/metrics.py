@@ -47,8 +47,10 @@ class RouterMetrics:
     def __init__(self, table_version: Callable[[], float], table_age: Callable[[], float] = lambda: -1.0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = self._counter(
-            "meridian_router_requests", ("region", "node", "status"),
-            "Inference requests answered, by serving region/node ('' when the router answered).")
+            "meridian_router_requests", ("region", "node", "status", "reason"),
+            "Inference requests answered, by serving region/node ('' when the router answered) and, "
+            "for the router's own answers, the error code (reason; e.g. no_replica_in_zone, counted "
+            "as a 5xx against the availability SLO like any other).")
         self.failovers = self._counter(
             "meridian_router_failovers", ("from_region", "to_region"),
             "Retries on another replica after a failure before the first byte.")
@@ -123,7 +125,8 @@ class RouterMetrics:
             "Time spent in the router itself before the upstream request (upstream waits excluded).", _OVERHEAD_BUCKETS)
         self.scale_queued = self._gauge(
             "meridian_router_scale_from_zero_queued", ("model",),
-            "Requests held while their model scales up from zero replicas.")
+            "Requests held while their model scales up from zero replicas, or while a replica starts "
+            "in a zone that has none ready.")
         self.scale_up_requests = self._counter(
             "meridian_router_scale_up_requests", ("model", "outcome"),
             "Scale-up requests sent to the control plane, by outcome (ok, not_found, error).")
