@@ -87,6 +87,7 @@ from .selection import (
     exhausted_error,
     models_for,
     select_candidates,
+    zone_ready_replicas,
 )
 from .table import LoadedTable, RoutingTableClient, TableSource
 from .tokens import estimate_tokens
@@ -198,6 +199,7 @@ def _build_state(
         return 0.0 if refreshed is None else max(0.0, clock.monotonic() - refreshed)
 
     metrics = RouterMetrics(table_version, table_age)
+    metrics.count_zone_replicas_of(lambda: zone_ready_replicas(t) if (t := source.current()) is not None else {})
     prober = NodeProber(settings, fleet_state, clock=clock)
     kv_index = KVIndex(settings.kv_index_max_blocks_per_node)
     prefixes = PrefixKeyBuilder(settings)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .node_load import NodeLoad
@@ -35,6 +35,27 @@ class _RunningTotal(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield CounterMetricFamily(self._name, self._doc, value=self.read())
+
+
+class _ZoneReplicas(Collector):
+    """Ready replicas per (zone, model), read from the routing table at scrape time."""
+
+    NAME = "meridian_router_zone_ready_replicas"
+    DOC = ("Ready replicas of each deployment that keeps replicas (min_replicas >= 1), per residency zone "
+           "whose tenants may use it, in this router's routing table; 0: that zone's requests get 503 "
+           "no_replica_in_zone.")
+
+    def __init__(self) -> None:
+        self.read: Callable[[], Mapping[tuple[str, str], int]] = dict
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.NAME, self.DOC, labels=("zone", "model"))
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.NAME, self.DOC, labels=("zone", "model"))
+        for (zone, model), count in sorted(self.read().items()):
+            family.add_metric([zone, model], count)
+        yield family
 
 
 class RouterMetrics:
@@ -109,6 +130,8 @@ class RouterMetrics:
             "meridian_router_imbalance_fallbacks",
             "Requests the affinity policy sent least-load first because affinity would create a hot spot.")
         self.registry.register(self._fallbacks)
+        self._zone_replicas = _ZoneReplicas()
+        self.registry.register(self._zone_replicas)
         self.tenant_requests = self._counter(
             "meridian_router_tenant_requests", ("tenant", "model", "zone", "status"),
             "Inference requests of authenticated tenants, by model ('' when not one the table "
@@ -152,6 +175,10 @@ class RouterMetrics:
     def count_fallbacks_of(self, read: Callable[[], float]) -> None:
         """Export `read()` (a running total, e.g. the affinity policy's) as the fallbacks counter."""
         self._fallbacks.read = read
+
+    def count_zone_replicas_of(self, read: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        """Export `read()` (ready replicas per (zone, model)) as meridian_router_zone_ready_replicas."""
+        self._zone_replicas.read = read
 
     def _counter(self, name: str, labels: Sequence[str], doc: str) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)

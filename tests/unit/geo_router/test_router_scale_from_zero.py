@@ -367,9 +367,18 @@ async def test_a_zone_that_lost_its_last_replica_is_answered_503_at_once():
                       reason="no_replica_in_zone") == 2
         assert metric(text, "meridian_router_tenant_requests_total", tenant="eurobank", model=MODEL, zone="eu",
                       status="503") == 2
+        # The ready replicas each zone's tenants may use, for the alert.
+        assert metric(text, "meridian_router_zone_ready_replicas", zone="eu", model=MODEL) == 0
+        assert metric(text, "meridian_router_zone_ready_replicas", zone="global", model=MODEL) == 1
         # Other zones are served as before.
         r = await f.chat()
         assert r.status_code == 200 and r.headers[HEADER_NODE] == "us-1"
+
+        f.publish(f.node("us"), f.node("eu"), deployments=[EU_KEPT])
+        await f.published()
+        assert metric(await f.metrics(), "meridian_router_zone_ready_replicas", zone="eu", model=MODEL) == 1
+        r = await f.chat(EU_KEY)
+        assert r.status_code == 200 and r.headers[HEADER_NODE] == "eu-1"
 
 
 async def test_a_replica_starting_in_the_zone_is_waited_for_up_to_the_bound():
