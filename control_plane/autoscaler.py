@@ -1,7 +1,10 @@
 """The autoscaler: Knative-KPA-style replica counts from observed concurrency.
 
 Every autoscale_interval_s the leader samples, per deployment, the concurrency its ready
-nodes report in their heartbeats (running + waiting requests) and `decide`s a replica count:
+nodes report in their heartbeats (running + waiting requests) and `decide`s a replica count.
+A deployment's replicas are the ready nodes of its model in regions its residency zone admits
+(`in_zone_pools`): a node elsewhere can never serve its zone's tenants, so it is neither a
+replica nor load of the deployment. The count:
 
 - **stable mode**: desired = ceil(average concurrency over the stable window / target
   concurrency per replica);
@@ -30,7 +33,7 @@ import asyncio
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
@@ -44,7 +47,7 @@ from control_plane.audit import Actor
 from control_plane.context import AppContext
 from control_plane.db.models import AutoscalerDecision, Deployment, Node
 from control_plane.leader import Fence, check_fence
-from meridian.contracts import AutoscalingSpec, DisaggregationSpec, NodeRole, NodeStatus
+from meridian.contracts import AutoscalingSpec, DisaggregationSpec, NodeRole, NodeStatus, RegionInfo
 
 log = logging.getLogger(__name__)
 
@@ -142,9 +145,10 @@ def _panic_since(
 
 
 def _wanted(
-    spec: AutoscalingSpec, load: _Load, mode: ScaleMode, base: int, max_up: int, max_down: int, notes: list[str]
+    spec: AutoscalingSpec, load: _Load, mode: ScaleMode, ready: int, max_up: int, max_down: int, notes: list[str]
 ) -> int:
-    """The count the window of `mode` asks for, limited to the scale rates."""
+    """The count the window of `mode` asks for, limited to the scale rates (relative to the
+    `ready` replicas, at least one)."""
     if mode is ScaleMode.PANIC:
         # Provision for the larger of both windows.
         raw = max(load.want_panic, load.want_stable)
@@ -157,7 +161,7 @@ def _wanted(
     wanted = min(max(raw, max_down), max_up)
     if wanted != raw:
         notes.append(f"rate-limited from {raw} to {wanted} (×{spec.max_scale_up_rate:g} up, "
-                     f"÷{spec.max_scale_down_rate:g} down of {base} ready)")
+                     f"÷{spec.max_scale_down_rate:g} down of {ready} ready)")
     return wanted
 
 
@@ -220,10 +224,12 @@ def decide(
     max_up = math.ceil(spec.max_scale_up_rate * base)
     max_down = math.floor(base / spec.max_scale_down_rate)
 
-    notes: list[str] = []
+    # Fewer ready than wanted: replicas starting, or lost (a zone without any answers its
+    # tenants 503 until one is back), said first so the decision log shows it.
+    notes: list[str] = [f"{ready} of {current} ready"] if ready < current else []
     panic_since, max_panic = _panic_since(spec, load, base, now, state, notes)
     mode = ScaleMode.PANIC if panic_since is not None else ScaleMode.STABLE
-    wanted = _wanted(spec, load, mode, base, max_up, max_down, notes)
+    wanted = _wanted(spec, load, mode, ready, max_up, max_down, notes)
     if mode is ScaleMode.PANIC:
         # Panic only scales up: never below what is in force or was wanted earlier in this panic.
         wanted = max(wanted, current, max_panic)
@@ -350,11 +356,24 @@ class _Pool:
         self.prompt_tokens += float(load.get("waiting_prompt_tokens") or 0)
 
 
-def _pools(session: Session) -> dict[tuple[str, str], _Pool]:
-    """Load of the ready nodes per (model, role)."""
+def in_zone_pools(
+    nodes: Iterable[Node], zones: Mapping[str, str], regions: Mapping[str, RegionInfo]
+) -> dict[tuple[str, str], _Pool]:
+    """Load of the ready `nodes` per (model, role), each model counting only the nodes in
+    regions its deployment's zone admits (`zones`: model -> zone).
+
+    A node outside the zone serves the model to other zones' tenants and can never serve this
+    deployment's: counted, it held an eu deployment at "1 of 2 ready" while its only eu
+    replica was dead (issue 32). A node in a region this control plane does not describe has
+    no known zone and counts for no deployment.
+    """
     pools: dict[tuple[str, str], _Pool] = {}
-    for node in session.scalars(select(Node).where(Node.status == NodeStatus.READY.value)):
+    for node in nodes:
+        region = regions.get(node.region)
         for model in node.models or ():
+            zone = zones.get(model)
+            if zone is None or region is None or not region.admits(zone):
+                continue
             # A node serving several models reports one figure; each model is charged all of it.
             pools.setdefault((model, node.role), _Pool()).add(node.load or {})
     return pools
@@ -382,14 +401,17 @@ def _observed(d: Deployment, pools: dict[tuple[str, str], _Pool]) -> Observed:
     )
 
 
-def observe(session: Session) -> list[Observed]:
-    """Every deployment with the load its ready nodes report now (per pool when disaggregated)."""
-    return observe_rows(session, session.scalars(select(Deployment).order_by(Deployment.model)).all())
+def observe(session: Session, regions: Mapping[str, RegionInfo]) -> list[Observed]:
+    """Every deployment with the load its ready nodes in its zone report now (per pool when
+    disaggregated)."""
+    rows = session.scalars(select(Deployment).order_by(Deployment.model)).all()
+    return observe_rows(session, rows, regions)
 
 
-def observe_rows(session: Session, rows: Sequence[Deployment]) -> list[Observed]:
-    """These deployments with the load their ready nodes report now."""
-    pools = _pools(session)
+def observe_rows(session: Session, rows: Sequence[Deployment], regions: Mapping[str, RegionInfo]) -> list[Observed]:
+    """These deployments with the load their ready nodes in their zones report now."""
+    ready = session.scalars(select(Node).where(Node.status == NodeStatus.READY.value))
+    pools = in_zone_pools(ready, {d.model: d.zone for d in rows}, regions)
     return [_observed(d, pools) for d in rows]
 
 
@@ -492,7 +514,7 @@ class Autoscaler:
 
     def _read(self) -> list[Observed]:
         with self._ctx.read() as session:
-            return observe(session)
+            return observe(session, self._ctx.regions)
 
     @staticmethod
     def _request_age(tracked: _Tracked, request_at: datetime | None, now: float, wall: datetime) -> float | None:

@@ -80,13 +80,14 @@ from .request import (
     request_id_for,
 )
 from .responses import ResponseIds, ResponseNotFound, StoredResponse, follow_up, pinned
-from .scale_from_zero import ScaleFromZero, ScaleUpClient, awaiting_scale_up, deployed_models
+from .scale_from_zero import Outlook, ScaleFromZero, ScaleUpClient, deployed_models, outlook
 from .selection import (
     Candidate,
     RoutingContext,
     exhausted_error,
     models_for,
     select_candidates,
+    zone_ready_replicas,
 )
 from .table import LoadedTable, RoutingTableClient, TableSource
 from .tokens import estimate_tokens
@@ -198,6 +199,7 @@ def _build_state(
         return 0.0 if refreshed is None else max(0.0, clock.monotonic() - refreshed)
 
     metrics = RouterMetrics(table_version, table_age)
+    metrics.count_zone_replicas_of(lambda: zone_ready_replicas(t) if (t := source.current()) is not None else {})
     prober = NodeProber(settings, fleet_state, clock=clock)
     kv_index = KVIndex(settings.kv_index_max_blocks_per_node)
     prefixes = PrefixKeyBuilder(settings)
@@ -482,7 +484,7 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         access.routed(response)
         return response
     except RouterError as exc:
-        state.metrics.requests.labels("", "", str(exc.status)).inc()
+        state.metrics.requests.labels("", "", str(exc.status), exc.code or exc.type_).inc()
         if tenant is not None:
             count_request(state.metrics, tenant, model_label(loaded, inference and inference.model), exc.status)
         if trace is not None:
@@ -518,7 +520,8 @@ async def _candidates(
     try:
         return state.select(loaded, tenant, inference.model, location), 0.0
     except (ModelNotFound, NoHealthyReplica, NoReplicaInZone):
-        if awaiting_scale_up(loaded, tenant, inference.model) is None:
+        seen = outlook(loaded, tenant, inference.model)
+        if seen is Outlook.AS_IS:
             raise
     # On the app's clock, as the hold's deadline is: the wait a test moves is the one reported.
     held_at = state.clock.monotonic()
@@ -528,6 +531,7 @@ async def _candidates(
         location,
         lambda table: state.select(table, tenant, inference.model, location),
         request.receive,
+        seen,
     )
     return candidates, state.clock.monotonic() - held_at
 

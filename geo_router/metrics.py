@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from .node_load import NodeLoad
@@ -37,6 +37,27 @@ class _RunningTotal(Collector):
         yield CounterMetricFamily(self._name, self._doc, value=self.read())
 
 
+class _ZoneReplicas(Collector):
+    """Ready replicas per (zone, model), read from the routing table at scrape time."""
+
+    NAME = "meridian_router_zone_ready_replicas"
+    DOC = ("Ready replicas of each deployment that keeps replicas (min_replicas >= 1), per residency zone "
+           "whose tenants may use it, in this router's routing table; 0: that zone's requests get 503 "
+           "no_replica_in_zone.")
+
+    def __init__(self) -> None:
+        self.read: Callable[[], Mapping[tuple[str, str], int]] = dict
+
+    def describe(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(self.NAME, self.DOC, labels=("zone", "model"))
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(self.NAME, self.DOC, labels=("zone", "model"))
+        for (zone, model), count in sorted(self.read().items()):
+            family.add_metric([zone, model], count)
+        yield family
+
+
 class RouterMetrics:
     """Counters and histograms of one router app.
 
@@ -47,8 +68,10 @@ class RouterMetrics:
     def __init__(self, table_version: Callable[[], float], table_age: Callable[[], float] = lambda: -1.0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = self._counter(
-            "meridian_router_requests", ("region", "node", "status"),
-            "Inference requests answered, by serving region/node ('' when the router answered).")
+            "meridian_router_requests", ("region", "node", "status", "reason"),
+            "Inference requests answered, by serving region/node ('' when the router answered) and, "
+            "for the router's own answers, the error code (reason; e.g. no_replica_in_zone, counted "
+            "as a 5xx against the availability SLO like any other).")
         self.failovers = self._counter(
             "meridian_router_failovers", ("from_region", "to_region"),
             "Retries on another replica after a failure before the first byte.")
@@ -107,6 +130,8 @@ class RouterMetrics:
             "meridian_router_imbalance_fallbacks",
             "Requests the affinity policy sent least-load first because affinity would create a hot spot.")
         self.registry.register(self._fallbacks)
+        self._zone_replicas = _ZoneReplicas()
+        self.registry.register(self._zone_replicas)
         self.tenant_requests = self._counter(
             "meridian_router_tenant_requests", ("tenant", "model", "zone", "status"),
             "Inference requests of authenticated tenants, by model ('' when not one the table "
@@ -123,7 +148,8 @@ class RouterMetrics:
             "Time spent in the router itself before the upstream request (upstream waits excluded).", _OVERHEAD_BUCKETS)
         self.scale_queued = self._gauge(
             "meridian_router_scale_from_zero_queued", ("model",),
-            "Requests held while their model scales up from zero replicas.")
+            "Requests held while their model scales up from zero replicas, or while a replica starts "
+            "in a zone that has none ready.")
         self.scale_up_requests = self._counter(
             "meridian_router_scale_up_requests", ("model", "outcome"),
             "Scale-up requests sent to the control plane, by outcome (ok, not_found, error).")
@@ -149,6 +175,10 @@ class RouterMetrics:
     def count_fallbacks_of(self, read: Callable[[], float]) -> None:
         """Export `read()` (a running total, e.g. the affinity policy's) as the fallbacks counter."""
         self._fallbacks.read = read
+
+    def count_zone_replicas_of(self, read: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        """Export `read()` (ready replicas per (zone, model)) as meridian_router_zone_ready_replicas."""
+        self._zone_replicas.read = read
 
     def _counter(self, name: str, labels: Sequence[str], doc: str) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)

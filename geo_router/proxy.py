@@ -394,7 +394,7 @@ class UpstreamForwarder:
             if not isinstance(response, UpstreamStreamingResponse):
                 self.finish(candidate, time.perf_counter() - received_at)
             self._metrics.overhead.observe(overhead_s)
-            self._child("requests", candidate.region.name, node, str(response.status_code)).inc()
+            self._child("requests", candidate.region.name, node, str(response.status_code), "").inc()
             return response
         raise exhausted
 

@@ -1,14 +1,24 @@
-"""Scale-from-zero: hold requests for a deployed model until a replica turns ready.
+"""Requests with no ready replica: held while one can come in time, else answered at once.
 
-A request whose model has a deployment in the routing table, but no ready replica the
-tenant may use, waits in a bounded per-model queue instead of being refused. The first
-waiter opens a wait episode: the router asks the control plane to scale the deployment
-up, and asks again every `scale_from_zero_reask_s` while requests still wait (the call is
-idempotent). Every routing table the router installs wakes the waiters, which look again
-for a ready replica they may use and are then forwarded as usual. A full queue is answered
-503 at once and a passed deadline 503 too, both with Retry-After; a client that hangs up
-leaves the queue. Nothing is dropped without an answer. The deadline and the re-asking are
-timed on the router's `Clock`, so tests move them with a ManualClock.
+A request for a deployed model with no ready replica its tenant may use has an `Outlook`:
+
+- the deployment scales to zero (min_replicas 0): the request waits in a bounded per-model
+  queue instead of being refused. The first waiter opens a wait episode: the router asks the
+  control plane to scale the deployment up, and asks again every `scale_from_zero_reask_s`
+  while requests still wait (the call is idempotent). A passed `scale_from_zero_timeout_s` is
+  answered 503 `model_scaling_from_zero`;
+- the deployment keeps replicas (min_replicas >= 1) and one is starting in the tenant's zone:
+  the request waits for it in the same queue, at most `replica_start_wait_s`, then gets 503
+  `no_replica_in_zone` (`no_healthy_replica` for a global tenant);
+- it keeps replicas but none is ready or starting in the zone (the zone lost its last one): that
+  503 at once, with nothing held. Waiting could not help, and a client held without a byte
+  gives up on its own timeout, counted as its hang-up rather than as the fabric's failure.
+
+Every routing table the router installs wakes the waiters, which look again for a ready
+replica they may use and are then forwarded as usual. A full queue is answered 503 at once;
+every 503 here carries Retry-After and comes before any byte, streams included. A client that
+hangs up leaves the queue. Nothing is dropped without an answer. The deadlines and the
+re-asking are timed on the router's `Clock`, so tests move them with a ManualClock.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from urllib.parse import quote
 
 import httpx
@@ -24,7 +35,6 @@ from starlette.types import Receive
 
 from meridian.clock import SYSTEM_CLOCK, Clock, event_or_timeout, first_or_timeout
 from meridian.contracts import (
-    GLOBAL_ZONE,
     DeploymentEntry,
     NodeStatus,
     RegionInfo,
@@ -38,7 +48,7 @@ from .errors import ClientClosedRequest, RouterError, ScaleFromZeroQueueFull, Sc
 from .locate import region_rtt_ms
 from .metrics import RouterMetrics
 from .request import until_disconnected
-from .selection import Candidate, tenant_may_use
+from .selection import Candidate, exhausted_error, tenant_may_use
 from .table import LoadedTable, TableSource
 
 log = logging.getLogger(__name__)
@@ -48,7 +58,7 @@ SCALE_UP_REASON = "scale-from-zero"
 
 def deployment_may_use(deployment: DeploymentEntry, region: RegionInfo) -> bool:
     """Residency of a deployment: may its replicas run in `region`?"""
-    return deployment.zone == GLOBAL_ZONE or deployment.zone in region.zones
+    return region.admits(deployment.zone)
 
 
 def placeable_regions(table: LoadedTable, tenant: TenantEntry, deployment: DeploymentEntry) -> list[RegionInfo]:
@@ -58,28 +68,39 @@ def placeable_regions(table: LoadedTable, tenant: TenantEntry, deployment: Deplo
     ]
 
 
-def awaiting_scale_up(table: LoadedTable, tenant: TenantEntry, model: str) -> DeploymentEntry | None:
-    """The deployment to wait for when `model` has no ready replica `tenant` may use, else None.
+class Outlook(StrEnum):
+    """What a request whose tenant may use no ready replica of its model can expect."""
 
-    None also when the tenant may not use the model, when no region suits both the tenant's
-    and the deployment's zones (waiting could never help), and when a ready replica exists
-    but is ejected: that is a failure, answered as before, not a cold start.
-    """
+    # Not the business of this module: no deployment could serve the tenant (the model is not
+    # deployed, or not in a region its zone admits), or a ready replica exists but is ejected
+    # or refused by its breaker (a failure, not a cold start). The selection's error stands.
+    AS_IS = "as_is"
+    # The deployment scales to zero: held while it scales up (scale_from_zero_timeout_s).
+    SCALING_FROM_ZERO = "scaling_from_zero"
+    # It keeps replicas and one is starting in the zone: held for it (replica_start_wait_s).
+    STARTING = "starting"
+    # It keeps replicas but the zone has none ready or starting: 503 at once.
+    NONE_COMING = "none_coming"
+
+
+def outlook(table: LoadedTable, tenant: TenantEntry, model: str) -> Outlook:
+    """Whether and how long a request of `tenant` for `model` may wait for a replica (the
+    module's doc), from the routing table alone."""
     if not tenant.may_use(model):
-        return None
+        return Outlook.AS_IS
     deployment = table.deployments.get(model)
     if deployment is None or not placeable_regions(table, tenant, deployment):
-        return None
+        return Outlook.AS_IS
+    statuses: set[NodeStatus] = set()
     for node in table.table.nodes:
         region = table.regions.get(node.region)
-        if (
-            node.status == NodeStatus.READY
-            and model in node.models
-            and region is not None
-            and tenant_may_use(tenant, region)
-        ):
-            return None
-    return deployment
+        if model in node.models and region is not None and tenant_may_use(tenant, region):
+            statuses.add(node.status)
+    if NodeStatus.READY in statuses:
+        return Outlook.AS_IS
+    if deployment.min_replicas == 0:
+        return Outlook.SCALING_FROM_ZERO
+    return Outlook.STARTING if NodeStatus.STARTING in statuses else Outlook.NONE_COMING
 
 
 def deployed_models(table: LoadedTable, tenant: TenantEntry) -> list[str]:
@@ -146,6 +167,9 @@ class _Episode:
     # Replaced after each set(), so a waiter always waits for the next table.
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    # Whether the control plane is being asked to scale up (only for a scale-from-zero wait:
+    # a deployment that keeps replicas already wants at least one).
+    asking: bool = False
 
 
 class ScaleFromZero:
@@ -193,12 +217,51 @@ class ScaleFromZero:
         client_location: Point | None,
         select: Callable[[LoadedTable], list[Candidate]],
         receive: Receive,
+        seen: Outlook,
     ) -> list[Candidate]:
-        """Wait until `select` finds replicas in a newer table; typed 503s when it cannot.
+        """Wait until `select` finds replicas in a newer table, as long as the `seen` outlook
+        allows; typed 503s when it cannot.
 
         `select` raises a RouterError when no replica can serve; that error is answered
         as is once waiting no longer makes sense (the deployment went away, say).
         """
+        s = self._settings
+        if seen is Outlook.NONE_COMING:
+            raise exhausted_error(tenant, model, s.no_replica_retry_after_s)
+        episode = self._join(tenant, model, client_location, seen)
+        started = self._clock.monotonic()
+        from_zero = seen is Outlook.SCALING_FROM_ZERO
+        wait_s = s.scale_from_zero_timeout_s if from_zero else s.replica_start_wait_s
+        deadline = started + wait_s
+        disconnected = asyncio.ensure_future(until_disconnected(receive))
+        try:
+            while True:
+                changed = episode.changed
+                candidates = self._ready(tenant, model, select)
+                if candidates:
+                    self._metrics.scale_wait.observe(self._clock.monotonic() - started)
+                    return candidates
+                remaining = deadline - self._clock.monotonic()
+                if remaining <= 0:
+                    log.warning("no replica of %s turned ready for zone %s within %gs", model, tenant.zone, wait_s)
+                    if not from_zero:
+                        raise exhausted_error(tenant, model, s.no_replica_retry_after_s)
+                    self._metrics.scale_timeouts.labels(model).inc()
+                    raise ScaleFromZeroTimeout(model, wait_s, s.scale_from_zero_retry_after_s)
+                woken = asyncio.ensure_future(changed.wait())
+                try:
+                    done = await first_or_timeout(self._clock, remaining, woken, disconnected)
+                finally:
+                    woken.cancel()
+                if disconnected in done:
+                    raise ClientClosedRequest()
+        finally:
+            disconnected.cancel()
+            self._leave(episode, tenant.tenant)
+
+    def _join(self, tenant: TenantEntry, model: str, client_location: Point | None, seen: Outlook) -> _Episode:
+        """Queue the request in its model's episode (a full queue, or the tenant's full share of
+        it, is answered 503 at once); a scale-from-zero wait has the control plane asked."""
         s = self._settings
         episode = self._episodes.get(model)
         if episode is not None and episode.waiting >= s.scale_from_zero_queue_size:
@@ -211,35 +274,12 @@ class ScaleFromZero:
         if episode is None:
             episode = _Episode(model, self._hint(tenant, model, client_location))
             self._episodes[model] = episode
+        if seen is Outlook.SCALING_FROM_ZERO and not episode.asking:
             self._start_asking(episode)
         episode.waiting += 1
         episode.by_tenant[tenant.tenant] = episode.by_tenant.get(tenant.tenant, 0) + 1
         self._metrics.scale_queued.labels(model).set(episode.waiting)
-        started = self._clock.monotonic()
-        deadline = started + s.scale_from_zero_timeout_s
-        disconnected = asyncio.ensure_future(until_disconnected(receive))
-        try:
-            while True:
-                changed = episode.changed
-                candidates = self._ready(tenant, model, select)
-                if candidates:
-                    self._metrics.scale_wait.observe(self._clock.monotonic() - started)
-                    return candidates
-                remaining = deadline - self._clock.monotonic()
-                if remaining <= 0:
-                    self._metrics.scale_timeouts.labels(model).inc()
-                    log.warning("no replica of %s turned ready within %gs", model, s.scale_from_zero_timeout_s)
-                    raise ScaleFromZeroTimeout(model, s.scale_from_zero_timeout_s, s.scale_from_zero_retry_after_s)
-                woken = asyncio.ensure_future(changed.wait())
-                try:
-                    done = await first_or_timeout(self._clock, remaining, woken, disconnected)
-                finally:
-                    woken.cancel()
-                if disconnected in done:
-                    raise ClientClosedRequest()
-        finally:
-            disconnected.cancel()
-            self._leave(episode, tenant.tenant)
+        return episode
 
     def _ready(
         self, tenant: TenantEntry, model: str, select: Callable[[LoadedTable], list[Candidate]]
@@ -250,8 +290,11 @@ class ScaleFromZero:
         try:
             return select(loaded)
         except RouterError:
-            if awaiting_scale_up(loaded, tenant, model) is None:
+            seen = outlook(loaded, tenant, model)
+            if seen is Outlook.AS_IS:
                 raise
+            if seen is Outlook.NONE_COMING:  # the replica that was starting went away
+                raise exhausted_error(tenant, model, self._settings.no_replica_retry_after_s) from None
             return None
 
     def _hint(self, tenant: TenantEntry, model: str, client_location: Point | None) -> ScaleUpRequest:
@@ -266,6 +309,7 @@ class ScaleFromZero:
         return ScaleUpRequest(reason=SCALE_UP_REASON, client_region=region, zone=tenant.zone)
 
     def _start_asking(self, episode: _Episode) -> None:
+        episode.asking = True
         task = asyncio.create_task(self._ask(episode), name=f"scale-up:{episode.model}")
         self._askers.add(task)
         task.add_done_callback(self._askers.discard)

@@ -86,7 +86,7 @@ def split_adapter(model: str) -> tuple[str, str | None]:
 
 def tenant_may_use(tenant: TenantEntry, region: RegionInfo) -> bool:
     """Residency: may this tenant's requests be served in `region`?"""
-    return tenant.zone == GLOBAL_ZONE or tenant.zone in region.zones
+    return region.admits(tenant.zone)
 
 
 def select_candidates(
@@ -155,3 +155,27 @@ def models_for(table: LoadedTable, tenant: TenantEntry) -> list[str]:
         if node.status == NodeStatus.READY and region is not None and tenant_may_use(tenant, region):
             served.update(node.models)
     return sorted(m for m in served if tenant.may_use(m))
+
+
+def zone_ready_replicas(table: LoadedTable) -> dict[tuple[str, str], int]:
+    """Ready replicas per (zone, model) of each deployment that keeps replicas (min_replicas
+    >= 1), for each zone whose tenants may use it and where it may run: the ready nodes of its
+    model that the zone's tenants may use (as `select_candidates` counts them). A 0 is a zone
+    whose requests are answered 503 no_replica_in_zone (the alert MeridianZoneWithoutReplica);
+    a scale-from-zero deployment at 0 is only idle, so it is not listed.
+    """
+    ready: dict[tuple[str, str], int] = {}  # (model, region) -> ready nodes
+    for node in table.table.nodes:
+        if node.status == NodeStatus.READY:
+            for model in node.models:
+                ready[(model, node.region)] = ready.get((model, node.region), 0) + 1
+    out: dict[tuple[str, str], int] = {}
+    for d in table.deployments.values():
+        if d.min_replicas < 1:
+            continue
+        for zone in {t.zone for t in table.tenants.values() if t.may_use(d.model)}:
+            regions = [r for r in table.regions.values() if r.admits(zone)]
+            # A deployment that may run in none of them can never serve this zone: nothing to alert on.
+            if any(r.admits(d.zone) for r in regions):
+                out[(zone, d.model)] = sum(ready.get((d.model, r.name), 0) for r in regions)
+    return out

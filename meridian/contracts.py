@@ -273,6 +273,11 @@ class RegionInfo(_Wire):
     latitude: float = Field(ge=-90, le=90)
     longitude: float = Field(ge=-180, le=180)
 
+    def admits(self, zone: str) -> bool:
+        """Residency, the one rule every layer asks: may a tenant's request or a deployment's
+        replica of `zone` be served or placed in this region? `global` may go anywhere."""
+        return zone == GLOBAL_ZONE or zone in self.zones
+
 
 class RoutingNode(_Wire):
     """One node in the routing table. Load is not here: it changes every heartbeat and

@@ -408,6 +408,13 @@ class RouterSettings(ListenerSettings):
     scale_from_zero_retry_after_s: int = Field(5, ge=1)
     # Timeout of one scale-up call to the control plane.
     scale_up_timeout_s: float = Field(5.0, gt=0)
+    # A zone that lost its replicas (issue 32): a request for a deployment that keeps replicas
+    # (min_replicas >= 1) with none ready in its tenant's zone waits at most this long for one
+    # starting there, then gets 503 no_replica_in_zone; with none starting it gets that 503 at
+    # once. The client sees no byte while it waits: keep this under its timeout.
+    replica_start_wait_s: float = Field(10.0, ge=0)
+    # Retry-After (seconds) of those 503s.
+    no_replica_retry_after_s: int = Field(5, ge=1)
     # Prefill/decode disaggregation: with a region's prefill and decode pools both up, a
     # request is prefilled on one (within pd_prefill_timeout_s, on at most pd_prefill_attempts
     # workers) and decoded on the other; with either pool empty, or this off, co-located.

@@ -155,6 +155,15 @@ FABRIC = Dashboard(
         ), unit="reqps", width=8),
         Panel("Scale from zero: wait", quantiles("meridian_router_scale_from_zero_wait_seconds", "", qs=(0.5, 0.9)),
               unit="s", width=8),
+        Panel("Ready replicas by zone", (
+            q("max by (zone, model) (meridian_router_zone_ready_replicas)", "{{zone}} {{model}}"),), width=12, min=0,
+            description="Ready replicas each zone's tenants may use, per deployment that keeps replicas; at 0 the "
+                        "zone's requests are answered 503 no_replica_in_zone (alert MeridianZoneWithoutReplica)."),
+        Panel("Answered by the router, by reason", (
+            q(f'sum by (status, reason) (rate({REQUESTS}{{region=""}}[{RATE}]))', "{{status}} {{reason}}"),),
+            unit="reqps", width=12,
+            description="Requests the router answered itself (no replica in the zone, scaling from zero, refusals); "
+                        "the 5xx among them count against the availability SLO."),
         Row("Routing tables and control plane"),
         Panel("Routing table version", (
             q("meridian_router_routing_table_version", "router {{instance}}"),

@@ -192,7 +192,7 @@ def rtt_ms(a: RegionInfo, b: RegionInfo) -> float:
 
 def in_zone(region: RegionInfo, zone: str) -> bool:
     """Whether a deployment of `zone` may have a replica in `region` (residency)."""
-    return zone == GLOBAL_ZONE or zone in region.zones
+    return region.admits(zone)
 
 
 @dataclass(frozen=True, slots=True)

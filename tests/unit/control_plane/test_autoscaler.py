@@ -12,12 +12,20 @@ import pytest
 from cp_harness import ControlPlane
 from sqlalchemy import select
 
-from control_plane.autoscaler import Autoscaler, Decision, KpaState, Sample, decide, decide_prefill
+from control_plane.autoscaler import (
+    Autoscaler,
+    Decision,
+    KpaState,
+    Sample,
+    decide,
+    decide_prefill,
+    in_zone_pools,
+)
 from control_plane.context import AppContext
-from control_plane.db.models import AuditEntry
+from control_plane.db.models import AuditEntry, Node
 from control_plane.leader import FLEET, Deposed, Fence, claim
 from meridian.clock import ManualClock
-from meridian.contracts import AutoscalingSpec, DisaggregationSpec
+from meridian.contracts import AutoscalingSpec, DisaggregationSpec, RegionInfo
 
 TICK_S = 2.0
 
@@ -188,6 +196,45 @@ def test_counts_stay_within_min_and_max() -> None:
     assert "bounded to [2, 3]" in sim.decisions[-1].reason
     sim.run(200, 0)
     assert sim.current == 2
+
+
+REGIONS = {r.name: r for r in (
+    RegionInfo(name="aws:us-east-1", provider="aws", location="N. Virginia", zones=["us"],
+               latitude=38.9, longitude=-77.4),
+    RegionInfo(name="gcp:europe-west4", provider="gcp", location="Netherlands", zones=["eu"],
+               latitude=53.4, longitude=6.8),
+    RegionInfo(name="onprem:tokyo-1", provider="onprem", location="Tokyo", zones=["apac"],
+               latitude=35.7, longitude=139.7),
+)}
+
+
+def ready_node(node_id: str, region: str, running: int, models: tuple[str, ...] = ("tiny-llama",)) -> Node:
+    return Node(node_id=node_id, region=region, models=list(models), role="both", status="ready",
+                load={"running": running, "waiting": 0})
+
+
+def test_a_deployment_counts_only_the_replicas_its_zone_admits() -> None:
+    """Issue 32: an eu deployment whose only eu replica died was held at "1 of 2 ready", the us
+    and apac nodes of its model counted as its replicas (and their load as its load)."""
+    nodes = [ready_node("us", "aws:us-east-1", 30), ready_node("apac", "onprem:tokyo-1", 30),
+             ready_node("nowhere", "aws:mars-1", 30)]
+    pools = in_zone_pools(nodes, {"tiny-llama": "eu"}, REGIONS)
+    assert pools == {}  # no eu node: no replica, no load
+    eu = ready_node("eu", "gcp:europe-west4", 3)
+    pools = in_zone_pools([*nodes, eu], {"tiny-llama": "eu"}, REGIONS)
+    (pool,) = pools.values()
+    assert (pool.ready, pool.in_flight) == (1, 3)
+    # A global deployment may use every region this control plane describes (not aws:mars-1),
+    # and a model without a deployment counts nowhere.
+    pools = in_zone_pools([*nodes, eu, ready_node("x", "aws:us-east-1", 1, ("other",))],
+                          {"tiny-llama": "global"}, REGIONS)
+    assert {k: (p.ready, p.in_flight) for k, p in pools.items()} == {("tiny-llama", "both"): (3, 63)}
+
+    # The decision says how many replicas its zone really has.
+    d = decide(spec(), min_replicas=1, max_replicas=2, samples=[Sample(0, 0)], current=1, ready=0, now=0,
+               state=KpaState())
+    assert d.desired == 1 and d.inputs["ready"] == 0
+    assert d.reason.startswith("hold at 1; 0 of 1 ready;")
 
 
 # --- the leader's loop against the database (SQLite and Postgres) -------------------------
@@ -389,3 +436,33 @@ async def test_the_status_shows_each_pools_counts_and_its_last_decision(cp: Cont
     assert rag["prefill"]["last_decision"]["reason"].startswith("prefill ")
     assert (rag["decode"]["min_replicas"], rag["decode"]["ready"], rag["decode"]["desired"]) == (1, 0, 1)
     assert rag["decode"]["last_decision"]["inputs"]["pool"] == "decode"
+
+
+@loops_off
+async def test_other_zones_nodes_are_neither_replicas_nor_load_of_a_zoned_deployment(
+    cp: ControlPlane, clock: ManualClock
+) -> None:
+    autoscaling = {"target_concurrency": 2, "stable_window_s": 6, "panic_threshold_pct": 1000,
+                   "scale_down_delay_s": 0, "max_scale_down_rate": 100}
+    r = await cp.http.put(f"/v1/deployments/{MODEL}", headers=cp.admin,
+                          json={"zone": "eu", "min_replicas": 1, "max_replicas": 4, "autoscaling": autoscaling})
+    assert r.status_code == 201, r.text
+    for node, region, running in (("us", "aws:us-east-1", 8), ("eu", "gcp:europe-west4", 0),
+                                  ("apac", "onprem:tokyo-1", 8)):
+        assert (await cp.register(node, region=region, models=[MODEL])).status_code == 200
+        assert (await cp.heartbeat(node, load={"running": running, "waiting": 0})).status_code == 200
+    scaler = Autoscaler(cp.app.state.ctx)
+    fence = lead(cp)
+    await scaler.tick(fence)
+    # The us and apac nodes are busy with their own zones' tenants: no reason to scale eu up.
+    assert await desired(cp) == 1
+    (first,) = await decisions(cp)
+    assert (first["inputs"]["ready"], first["inputs"]["avg_concurrency_stable"]) == (1, 0)
+
+    # The eu replica goes (draining, then lost): the zone has none, whatever us and apac run.
+    assert (await cp.heartbeat("eu", status="draining")).status_code == 200
+    clock.advance(cp.settings.autoscale_hold_record_s)
+    await scaler.tick(fence)
+    last = (await decisions(cp))[-1]
+    assert (last["inputs"]["ready"], last["desired"]) == (0, 1)
+    assert last["reason"].startswith("hold at 1; 0 of 1 ready;")

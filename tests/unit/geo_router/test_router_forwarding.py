@@ -99,7 +99,7 @@ async def test_5xx_fails_over_to_the_next_region_and_ejects_the_node(fabric: Fab
     assert metric(text, "meridian_router_upstream_failures_total",
                   region="aws:us-east-1", node="us-1", reason="5xx") == 1
     assert metric(text, "meridian_router_requests_total",
-                  region="gcp:europe-west4", node="eu-1", status="200") == 2
+                  region="gcp:europe-west4", node="eu-1", status="200", reason="") == 2
 
 
 async def test_refused_connection_fails_over(fabric: Fabric):
@@ -218,9 +218,10 @@ async def test_models_health_and_metrics(fabric: Fabric):
     r = await fabric.client(None).get("/metrics", headers=SCRAPE)
     assert metric(r.text, "meridian_router_routing_table_version") == 1
     # Answered by the router itself: no region, no node.
-    assert metric(r.text, "meridian_router_requests_total", region="", node="", status="401") == 1
+    assert metric(r.text, "meridian_router_requests_total", region="", node="", status="401",
+                  reason="invalid_api_key") == 1
     assert metric(r.text, "meridian_router_requests_total",
-                  region="aws:us-east-1", node="us-1", status="200") == 1
+                  region="aws:us-east-1", node="us-1", status="200", reason="") == 1
     assert metric(r.text, "meridian_router_request_duration_seconds_count",
                   region="aws:us-east-1") == 1
     assert metric(r.text, "meridian_router_overhead_seconds_count") == 1
@@ -480,10 +481,12 @@ async def test_a_client_gone_mid_body_is_a_quiet_499(fabric: Fabric, caplog: pyt
     metrics = fabric.app.state.router.metrics
 
     def answered_499() -> float:
-        return metric(metrics.render().decode(), "meridian_router_requests_total", region="", node="", status="499")
+        return metric(metrics.render().decode(), "meridian_router_requests_total", region="", node="", status="499",
+                      reason="client_closed_request")
 
     await eventually(lambda: answered_499() == 5)
     text = (await fabric.client(None).get("/metrics", headers=SCRAPE)).text
-    assert metric(text, "meridian_router_requests_total", region="", node="", status="499") == 5
+    assert metric(text, "meridian_router_requests_total", region="", node="", status="499",
+                  reason="client_closed_request") == 5
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
     assert sum(hits(fabric).values()) == 0

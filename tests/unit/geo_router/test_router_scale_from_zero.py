@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import pytest
 from fastapi import FastAPI
 from router_harness import (
     CLUSTER_TOKEN,
@@ -43,6 +44,8 @@ from meridian.contracts import HEADER_NODE, HEADER_SCALE_WAIT_MS, DeploymentEntr
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 DEPLOYED = DeploymentEntry(model=MODEL, zone="global", min_replicas=0, max_replicas=2)
+# Issue 32's deployment: zone eu, keeps a replica; us nodes serve the model to their own zone.
+EU_KEPT = DeploymentEntry(model=MODEL, zone="eu", min_replicas=1, max_replicas=2)
 
 
 @dataclass
@@ -335,3 +338,87 @@ async def test_scale_up_failures_are_logged_and_the_request_still_waits():
     finally:
         await servers.stop()
         dead.close()
+
+
+def assert_no_replica_in_zone(r: httpx.Response, retry_after: str) -> None:
+    assert r.status_code == 503 and r.headers["retry-after"] == retry_after
+    error = r.json()["error"]
+    assert error["code"] == "no_replica_in_zone" and "zone `eu`" in error["message"]
+
+
+async def test_a_zone_that_lost_its_last_replica_is_answered_503_at_once():
+    """Issue 32: with the only eu replica gone, eu requests were held without a byte until
+    their clients gave up (logged 499, outside the SLO). Nothing is starting there, so
+    waiting cannot help: 503 no_replica_in_zone with Retry-After, before any byte."""
+    async with cold_start(deployments=[EU_KEPT], no_replica_retry_after_s=9) as f:
+        f.publish(f.node("us"), deployments=[EU_KEPT])
+        await f.published()
+        started = f.clock.monotonic()
+        # The router's clock does not move: a request it held would never be answered.
+        answers = await asyncio.wait_for(asyncio.gather(f.chat(EU_KEY), f.chat(EU_KEY, stream=True)), 5)
+        for r in answers:
+            assert_no_replica_in_zone(r, "9")
+        assert f.clock.monotonic() == started
+        assert f.cp.scale_ups == [] and f.queued() == 0
+
+        # Counted as the router's own 5xx, with why: the availability SLO sees them.
+        text = await f.metrics()
+        assert metric(text, "meridian_router_requests_total", region="", node="", status="503",
+                      reason="no_replica_in_zone") == 2
+        assert metric(text, "meridian_router_tenant_requests_total", tenant="eurobank", model=MODEL, zone="eu",
+                      status="503") == 2
+        # The ready replicas each zone's tenants may use, for the alert.
+        assert metric(text, "meridian_router_zone_ready_replicas", zone="eu", model=MODEL) == 0
+        assert metric(text, "meridian_router_zone_ready_replicas", zone="global", model=MODEL) == 1
+        # Other zones are served as before.
+        r = await f.chat()
+        assert r.status_code == 200 and r.headers[HEADER_NODE] == "us-1"
+
+        f.publish(f.node("us"), f.node("eu"), deployments=[EU_KEPT])
+        await f.published()
+        assert metric(await f.metrics(), "meridian_router_zone_ready_replicas", zone="eu", model=MODEL) == 1
+        r = await f.chat(EU_KEY)
+        assert r.status_code == 200 and r.headers[HEADER_NODE] == "eu-1"
+
+
+async def test_a_replica_starting_in_the_zone_is_waited_for_up_to_the_bound():
+    async with cold_start(deployments=[EU_KEPT], replica_start_wait_s=2.0, no_replica_retry_after_s=9) as f:
+        f.publish(f.node("us"), f.node("eu", NodeStatus.STARTING), deployments=[EU_KEPT])
+        await f.published()
+        started = f.clock.monotonic()
+        plain, streamed = f.chat(EU_KEY), f.chat(EU_KEY, stream=True)
+        await eventually(lambda: f.queued() == 2)
+        await f.clock.advance_async(1.9)
+        assert not plain.done() and not streamed.done()
+        await f.clock.advance_async(0.1)
+        for r in await asyncio.wait_for(asyncio.gather(plain, streamed), 5):
+            assert_no_replica_in_zone(r, "9")
+        assert f.clock.monotonic() - started == pytest.approx(2.0)
+        # No scale-up was asked for: the deployment already wants its replica.
+        assert f.cp.scale_ups == [] and f.queued() == 0
+        text = await f.metrics()
+        assert metric(text, "meridian_router_requests_total", region="", node="", status="503",
+                      reason="no_replica_in_zone") == 2
+        assert metric(text, "meridian_router_scale_from_zero_timeouts_total", model=MODEL) == 0
+
+
+async def test_a_starting_replica_that_turns_ready_serves_and_one_that_goes_ends_the_wait():
+    async with cold_start(deployments=[EU_KEPT], replica_start_wait_s=30.0) as f:
+        f.publish(f.node("us"), f.node("eu", NodeStatus.STARTING), deployments=[EU_KEPT])
+        await f.published()
+        waiting = f.chat(EU_KEY)
+        await eventually(lambda: f.queued() == 1)
+        await f.clock.advance_async(0.5)
+        f.publish(f.node("us"), f.node("eu"), deployments=[EU_KEPT])
+        r = await asyncio.wait_for(waiting, 5)
+        assert r.status_code == 200 and r.headers[HEADER_NODE] == "eu-1"
+        assert int(r.headers[HEADER_SCALE_WAIT_MS]) >= 500
+
+        # Starting again, then gone before it was ready: the waiter is answered at once.
+        f.publish(f.node("us"), f.node("eu", NodeStatus.STARTING), deployments=[EU_KEPT])
+        await f.published()
+        waiting = f.chat(EU_KEY)
+        await eventually(lambda: f.queued() == 1)
+        f.publish(f.node("us"), deployments=[EU_KEPT])
+        assert_no_replica_in_zone(await asyncio.wait_for(waiting, 5), "5")
+        assert f.cp.scale_ups == []

@@ -18,9 +18,10 @@ from geo_router.selection import (
     RoutingContext,
     models_for,
     select_candidates,
+    zone_ready_replicas,
 )
 from geo_router.table import LoadedTable
-from meridian.contracts import NodeStatus, TenantEntry
+from meridian.contracts import DeploymentEntry, NodeStatus, TenantEntry
 from meridian.geo import Point
 from meridian.registry import UnknownName
 from meridian.settings import RouterSettings
@@ -171,3 +172,31 @@ def test_policies_come_from_a_registry_by_name():
     ctx = RoutingContext(tenant=t, model=MODEL, stream=False, client_location=WASHINGTON,
                          request_id="r")
     assert [c.node.node_id for c in policy.order(cands, ctx)][0] == "apac-1"
+
+
+def test_ready_replicas_per_zone_of_each_deployment_that_keeps_replicas():
+    """The figure MeridianZoneWithoutReplica alerts on: per zone whose tenants may use a
+    deployment, the ready replicas they may use (issue 32: an eu zone without one answers 503)."""
+    deployments = [
+        DeploymentEntry(model=MODEL, zone="global", min_replicas=1, max_replicas=3),
+        DeploymentEntry(model="eu-only", zone="eu", min_replicas=1, max_replicas=3),
+        DeploymentEntry(model="cold", zone="global", min_replicas=0, max_replicas=3),
+    ]
+    nodes = [node("us", "http://us:1"), node("eu", "http://eu:1", status=NodeStatus.STARTING),
+             node("apac", "http://apac:1"), node("us", "http://us:2", models=["eu-only"])]
+    table = LoadedTable.build(make_table(nodes, deployments=deployments))
+    # Tenants: global ones (one limited to "other-model") and an eu one. The eu zone has no
+    # ready replica (its node is starting; the us node of "eu-only" is no use to it); a
+    # scale-from-zero deployment is not listed.
+    assert zone_ready_replicas(table) == {
+        ("global", MODEL): 2, ("eu", MODEL): 0, ("global", "eu-only"): 1, ("eu", "eu-only"): 0}
+
+    ready_eu = [*nodes[:1], node("eu", "http://eu:1", models=[MODEL, "eu-only"]), *nodes[2:]]
+    table = LoadedTable.build(make_table(ready_eu, deployments=deployments))
+    assert zone_ready_replicas(table) == {
+        ("global", MODEL): 3, ("eu", MODEL): 1, ("global", "eu-only"): 2, ("eu", "eu-only"): 1}
+
+    # A deployment that may never run where a zone's tenants may be served is not theirs.
+    us_only = DeploymentEntry(model=MODEL, zone="us", min_replicas=1, max_replicas=3)
+    table = LoadedTable.build(make_table(ready_eu, deployments=[us_only]))
+    assert zone_ready_replicas(table) == {("global", MODEL): 3}
