@@ -1,7 +1,9 @@
 """The local scaler's decision, pure: which nodes to start, in which role and region, for a
 deployment that wants more than it runs.
 
-A co-located deployment wants `desired_replicas` nodes, counting every live node of its model.
+A co-located deployment wants `desired_replicas` nodes, counting every live node of its model
+in a region its zone admits (a node elsewhere serves other zones' tenants, never this
+deployment's: counted, an eu deployment whose eu node died was never given another).
 A disaggregated one (`DeploymentView.disaggregation`) wants two pools, each counted by its own
 nodes: `desired_prefill_replicas` prefill nodes (its minimum while the control plane has set
 none) and `desired_replicas` decode nodes (a disaggregated deployment's desired_replicas
@@ -19,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meridian.contracts import GLOBAL_ZONE, DeploymentView, NodeRole, RegionInfo
+from meridian.contracts import DeploymentView, NodeRole, RegionInfo
 
 _PARTNER = {NodeRole.PREFILL: NodeRole.DECODE, NodeRole.DECODE: NodeRole.PREFILL}
 
@@ -47,7 +49,8 @@ def nodes_to_start(
 ) -> list[LocalNode] | None:
     """The nodes to start so that each pool reaches its target (prefill first); None when some
     are wanted but no region suits the deployment's zone."""
-    allowed = {r.name for r in regions if d.zone == GLOBAL_ZONE or d.zone in r.zones}
+    allowed = {r.name for r in regions if r.admits(d.zone)}
+    running = [n for n in running if n.region in allowed]
     ordered = [*own_regions, *sorted(allowed)]
     default = d.last_scale_region if d.last_scale_region in allowed else next(
         (name for name in ordered if name in allowed), None

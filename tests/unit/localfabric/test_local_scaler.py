@@ -49,6 +49,16 @@ def test_a_co_located_deployment_starts_nodes_up_to_desired_replicas_as_before()
     assert nodes_to_start(view(0, zone="mars"), [], REGIONS, OWN) == []
 
 
+def test_only_nodes_in_the_deployments_zone_count_as_its_replicas() -> None:
+    # An eu deployment whose eu node died: the us and apac nodes of the model serve their own
+    # zones' tenants, so an eu node is started.
+    others = [LocalNode(BOTH, US), LocalNode(BOTH, "onprem:tokyo-1")]
+    assert nodes_to_start(view(1, zone="eu"), others, REGIONS, OWN) == [LocalNode(BOTH, EU)]
+    assert nodes_to_start(view(1, zone="eu"), [*others, LocalNode(BOTH, EU)], REGIONS, OWN) == []
+    # A global deployment counts them all.
+    assert nodes_to_start(view(2), others, REGIONS, OWN) == []
+
+
 def test_a_disaggregated_deployment_starts_each_pool_in_its_role_up_to_its_own_count() -> None:
     d = view(2, prefill=1, disaggregated=True)
     assert pool_targets(d) == {PREFILL: 1, DECODE: 2}
@@ -67,10 +77,11 @@ def test_a_pools_node_goes_where_the_other_pool_runs() -> None:
     # even though the last scale-up asked from the US.
     d = view(1, prefill=1, disaggregated=True, last_scale_region=US)
     assert nodes_to_start(d, [LocalNode(DECODE, EU)], REGIONS, OWN) == [LocalNode(PREFILL, EU)]
-    # A partner outside the zone is no place for it (though it counts towards its pool, as any
-    # live node of the model counts for a co-located deployment).
+    # A partner outside the zone is no place for it, nor does it count towards its pool: both
+    # pools are started in the zone.
     d = view(1, prefill=2, disaggregated=True, zone="us")
-    assert nodes_to_start(d, [LocalNode(DECODE, EU), LocalNode(PREFILL, EU)], REGIONS, OWN) == [LocalNode(PREFILL, US)]
+    assert nodes_to_start(d, [LocalNode(DECODE, EU), LocalNode(PREFILL, EU)], REGIONS, OWN) == [
+        LocalNode(PREFILL, US), LocalNode(PREFILL, US), LocalNode(DECODE, US)]
     # Nodes planned in one decision stay together too.
     d = view(2, prefill=1, disaggregated=True, zone="eu")
     assert nodes_to_start(d, [], REGIONS, OWN) == [LocalNode(PREFILL, EU), LocalNode(DECODE, EU), LocalNode(DECODE, EU)]
