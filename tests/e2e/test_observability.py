@@ -95,6 +95,29 @@ def test_dashboards_and_rules_read_only_exported_metrics(fabric: LocalFabric) ->
     assert not vllm_relayed_names() & node
 
 
+def test_the_router_and_node_access_lines_join_on_request_id(fabric: LocalFabric) -> None:
+    # One request through the router and its node (separate processes, each logging as
+    # `meridian router serve` and `meridian node run` do): both lines name it.
+    info = fabric.info
+    assert info is not None
+    r = httpx.post(f"{info.router_url}/v1/chat/completions", timeout=60,
+                   headers={"authorization": f"Bearer {info.keys['global']}", "x-request-id": "join-me-1"},
+                   json={"model": DEMO_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "join-me-1"
+    node = info.nodes[REGION]
+
+    def lines(log: Path) -> list[str]:
+        return [line for line in log.read_text(errors="replace").splitlines() if "request_id=join-me-1" in line]
+
+    deadline = time.monotonic() + 10
+    while not (lines(fabric.spec.work_dir / "logs" / "router.log") and lines(node.log)):
+        assert time.monotonic() < deadline, "an access line without the request id"
+        time.sleep(0.2)
+    [router_line], [node_line] = lines(fabric.spec.work_dir / "logs" / "router.log"), lines(node.log)
+    assert "meridian.access" in router_line and f"node={node.node_id}" in router_line
+    assert "uvicorn.access" in node_line and '"POST /v1/chat/completions HTTP/1.1" 200' in node_line
+
+
 # Panels that must show data once a request went through (the others plot failures,
 # failovers, scale-from-zero, vLLM-only families or a plan in force: none here).
 SHOWING = {

@@ -104,3 +104,29 @@ async def test_a_scrape_is_not_logged_an_inference_request_is(capsys: pytest.Cap
     assert len(access) == 1 and "POST /v1/chat/completions" in access[0]["msg"]
     assert (access[0]["method"], access[0]["path"], access[0]["status"]) == ("POST", "/v1/chat/completions", 200)
 
+
+
+async def test_an_access_line_carries_the_requests_sane_request_id(capsys: pytest.CaptureFixture[str]) -> None:
+    # A node's line joins the router's on request_id (the router sends x-request-id); an id
+    # that is not a plain token (spaces, quotes, too long) is left out, not logged.
+    configure_logging(LogSettings(format=LogFormat.TEXT))
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> PlainTextResponse:
+        return PlainTextResponse("{}")
+
+    servers = ServerGroup()
+    try:
+        url = await servers.start(app, config=limited_config(app, ListenerSettings(), lifespan="on",
+                                                             timeout_graceful_shutdown=2))
+        async with httpx.AsyncClient(base_url=url) as client:
+            for request_id in ("req-7f3a:1", 'a" b=c', "x" * 129, None):
+                headers = {"x-request-id": request_id} if request_id else {}
+                assert (await client.post("/v1/chat/completions", headers=headers)).status_code == 200
+    finally:
+        await servers.stop()
+    access = [line for line in lines(capsys.readouterr().err) if "uvicorn.access" in line]
+    assert len(access) == 4
+    assert access[0].endswith('"POST /v1/chat/completions HTTP/1.1" 200 request_id=req-7f3a:1')
+    assert not any("request_id" in line for line in access[1:])
