@@ -32,7 +32,7 @@ from chaos.faults.deployed import create_deployed_injector, run_command
 from chaos.faults.injector import NotRunnable
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadTarget, warm_up
-from chaos.schedule import FaultState, RunOutcome, TickCallback, drive, finish
+from chaos.schedule import EventCallback, FaultState, RunOutcome, TickCallback, drive, finish
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,7 @@ class DeployedRunOptions:
     seed: int = 0
     on_step: Callable[[str], None] | None = None
     on_tick: TickCallback | None = None
+    on_event: EventCallback | None = None
 
 
 def run_drill_on(drill: Drill, deployment: Deployment, options: DeployedRunOptions) -> RunOutcome:
@@ -87,7 +88,8 @@ class _DeployedRun:
         client_log.unlink(missing_ok=True)
         started_at = datetime.now(UTC)
         admin = AdminApi(dep.control_plane, dep.admin_key())
-        env = DeployedEnvironment(deployment=dep, admin=admin, run_id=self.run_id, seed=self.options.seed)
+        env = DeployedEnvironment(deployment=dep, admin=admin, run_id=self.run_id, seed=self.options.seed,
+                                  on_event=self.options.on_event)
         state = FaultState()
         self._step(f"creating keys for the drill's tenants on {dep.name}")
         keys: dict[str, TenantKey] = {}
@@ -115,6 +117,7 @@ class _DeployedRun:
             invariants = dict(await state.injector.observe(history)) if state.injector is not None else {}
         finally:
             await self._revoke(admin, [k.key_id for k in keys.values()], state)
+        self._step("checking the request history against the pass criteria")
         return finish(self.drill, short=self.options.short, started_at=started_at, history=history,
                       region_zones=region_zones, env=env, state=state, invariants=invariants, out_dir=out)
 

@@ -37,7 +37,7 @@ from chaos.faults.netns import Sites, netns_unavailable
 from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadTarget, warm_up
-from chaos.schedule import FaultState, RunOutcome, TickCallback, drive, finish
+from chaos.schedule import EventCallback, FaultState, RunOutcome, TickCallback, drive, finish
 from chaos.streams import reference_run
 from localfabric import DEMO_MODEL, DEMO_REGIONS, FabricError, FabricInfo, FabricSpec, LocalFabric
 
@@ -65,9 +65,11 @@ class RunOptions:
     # Settings of every router, over the drill's own: how a test builds a deliberately
     # broken fabric (e.g. MERIDIAN_ROUTER_MAX_ATTEMPTS=1, no retries) to show a drill fails.
     router_env: dict[str, str] = field(default_factory=dict)
-    # Called with what the runner is doing, and every monitor tick with the load's counters.
+    # Called with what the runner is doing, every monitor tick with the load's counters, and
+    # with each of the fault's events (inject, heal, abort) as it happens.
     on_step: Callable[[str], None] | None = None
     on_tick: TickCallback | None = None
+    on_event: EventCallback | None = None
     keep_fabric_dir: bool = False
     # Where the tiny checkpoint and its weight origin are kept between runs of a suite, so a
     # run copies them instead of generating and pushing them again (None: every run makes its own).
@@ -139,7 +141,7 @@ class _Run:
                                        sites=self._sites,
                                        seed=self.options.seed, cleanups=cleanups,
                                        load=self.drill.load, load_target=target, writer=writer,
-                                       key_prefix=self.run_id)
+                                       key_prefix=self.run_id, on_event=self.options.on_event)
                 generator = LoadGenerator(self.drill.load, target, writer, seed=self.options.seed,
                                           key_prefix=self.run_id)
                 if self.drill.load.long_streams is not None:
@@ -158,6 +160,7 @@ class _Run:
         finally:
             await self._stop(fabric, cleanups, fabric_dir)
         assert env is not None
+        self._step("checking the request history against the pass criteria")
         # A history read after every writer stopped: no journal line is still on its way.
         return finish(self.drill, short=self.options.short, started_at=started_at,
                       history=self._history(client_log, journals), region_zones=region_zones, env=env,

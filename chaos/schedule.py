@@ -20,7 +20,7 @@ from chaos.heap import frozen_heap
 from chaos.history import History
 from chaos.load import LoadGenerator, LoadStats
 from chaos.report import ReportFiles, RunReport, write_report
-from chaos.timeline import Timeline
+from chaos.timeline import FaultEvent, Timeline
 
 _MONITOR_INTERVAL_S = 0.25
 
@@ -55,6 +55,7 @@ class RunOutcome:
 
 
 TickCallback = Callable[[float, float, LoadStats], None]  # (now_s, duration_s, stats)
+EventCallback = Callable[[FaultEvent], None]
 
 
 async def drive(

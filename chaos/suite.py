@@ -1,6 +1,7 @@
 """What `meridian chaos run` does (chaos/cli.py): run drills against a local fabric or a
-deployment with a progress bar, then show each verdict as a table and where the report is.
-The command imports this module when it runs: it loads the runners and the local fabric."""
+deployment, showing each one's steps, progress and fault events as it runs
+(chaos.progress), then each verdict as a table and where the report is. The command
+imports this module when it runs: it loads the runners and the local fabric."""
 
 from __future__ import annotations
 
@@ -9,37 +10,35 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from chaos.deployed import DeployedRunOptions, run_drill_on, runnable_on
 from chaos.deployment import Deployment
 from chaos.drill import Drill
-from chaos.load import LoadStats
+from chaos.progress import DrillProgress
 from chaos.report import summary_rows, write_suite_summary
 from chaos.runner import RunOptions, run_drill, runnable
-from chaos.schedule import RunOutcome, TickCallback
+from chaos.schedule import RunOutcome
 from meridian.cli_format import folding_table
-
-StepCallback = Callable[[str], None]
 
 
 @dataclass(frozen=True)
 class DrillRunner:
-    """Where drills run: why one cannot, and how one runs (into its report folder)."""
+    """Where drills run: why one cannot, and how one runs (into its report folder, telling
+    the progress display its steps, ticks and events)."""
 
     where: str
     why_not: Callable[[Drill], str | None]
-    run: Callable[[Drill, Path, StepCallback, TickCallback], RunOutcome]
+    run: Callable[[Drill, Path, DrillProgress], RunOutcome]
 
 
 def local_runner(out_dir: Path, *, short: bool, seed: int, redis_url: str) -> DrillRunner:
     """Drills against a local fabric each run starts (the tiny model made once per suite)."""
 
-    def run_one(drill: Drill, out: Path, on_step: StepCallback, on_tick: TickCallback) -> RunOutcome:
+    def run_one(drill: Drill, out: Path, progress: DrillProgress) -> RunOutcome:
         return run_drill(drill, RunOptions(out_dir=out, short=short, seed=seed, redis_url=redis_url,
-                                           model_cache_dir=out_dir / ".model-cache",
-                                           on_step=on_step, on_tick=on_tick))
+                                           model_cache_dir=out_dir / ".model-cache", on_step=progress.step,
+                                           on_tick=progress.tick, on_event=progress.event))
 
     return DrillRunner("a local fabric", runnable, run_one)
 
@@ -47,9 +46,10 @@ def local_runner(out_dir: Path, *, short: bool, seed: int, redis_url: str) -> Dr
 def deployment_runner(deployment: Deployment, *, short: bool, seed: int) -> DrillRunner:
     """Drills against a running deployment, with the actions its file gives."""
 
-    def run_one(drill: Drill, out: Path, on_step: StepCallback, on_tick: TickCallback) -> RunOutcome:
-        return run_drill_on(drill, deployment, DeployedRunOptions(out_dir=out, short=short, seed=seed,
-                                                                  on_step=on_step, on_tick=on_tick))
+    def run_one(drill: Drill, out: Path, progress: DrillProgress) -> RunOutcome:
+        return run_drill_on(drill, deployment, DeployedRunOptions(
+            out_dir=out, short=short, seed=seed, on_step=progress.step, on_tick=progress.tick,
+            on_event=progress.event))
 
     return DrillRunner(f"deployment {deployment.name}", lambda d: runnable_on(d, deployment), run_one)
 
@@ -90,21 +90,8 @@ def run(drills: list[Drill], out_dir: Path, runner: DrillRunner, *, short: bool,
 
 def _run_one(drill: Drill, out: Path, runner: DrillRunner, short: bool, console: Console) -> RunOutcome:
     form = drill.short_version() if short else drill
-    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[status]}"),
-                  TimeElapsedColumn(), console=console, transient=True) as progress:
-        task = progress.add_task(drill.name, total=form.load.duration_s, status=f"starting on {runner.where}")
-
-        def on_step(message: str) -> None:
-            progress.update(task, status=message)
-
-        def on_tick(now_s: float, duration_s: float, stats: LoadStats) -> None:
-            f = form.fault
-            phase = "fault" if f.start_s <= now_s < f.end_s else ("steady" if now_s < f.start_s else "recovery")
-            progress.update(task, completed=min(now_s, duration_s), status=(
-                f"{phase} · sent {stats.sent} ok {stats.ok} failed {stats.failed} "
-                f"indeterminate {stats.indeterminate} in flight {stats.in_flight}"))
-
-        outcome = runner.run(drill, out, on_step, on_tick)
+    with DrillProgress(drill.name, form.fault, runner.where, console) as progress:
+        outcome = runner.run(drill, out, progress)
     console.print(verdict_table(outcome))
     console.print(f"report: {outcome.files.report_md}  timeline: {outcome.files.timeline_png or '(not drawn)'}")
     return outcome

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,8 @@ class Timeline:
 
     clock_start: float = 0.0
     events: list[FaultEvent] = field(default_factory=list)
+    # Told of each event as it is recorded (`meridian chaos run` shows them: chaos.progress).
+    on_event: Callable[[FaultEvent], None] | None = field(default=None, repr=False, compare=False)
 
     def now_s(self) -> float:
         return time.monotonic() - self.clock_start
@@ -38,5 +41,8 @@ class Timeline:
     def event(self, action: str, detail: str) -> None:
         """Record what an injector did, for the report's timeline."""
         at = round(self.now_s(), 3)
-        self.events.append(FaultEvent(at_s=at, action=action, detail=detail))
+        recorded = FaultEvent(at_s=at, action=action, detail=detail)
+        self.events.append(recorded)
         log.info("%.2fs %s: %s", at, action, detail)
+        if self.on_event is not None:
+            self.on_event(recorded)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import signal
 import time
@@ -26,12 +27,25 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
+def _tracing(component: str, otlp_endpoint: str | None) -> dict[str, str]:
+    return {f"MERIDIAN_{component}_OTLP_ENDPOINT": otlp_endpoint} if otlp_endpoint else {}
+
+
+def _tracing_line(otlp_endpoint: str | None) -> str:
+    """Where the router's and nodes' spans go: the flag, else the environment the children inherit."""
+    endpoint = otlp_endpoint or os.environ.get("MERIDIAN_ROUTER_OTLP_ENDPOINT")
+    return f"OTLP to {endpoint}" if endpoint else "off (--otlp-endpoint URL turns them on)"
+
+
 DRILL_REPORTS = Path(".meridian/chaos")
 
 
 def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str = "torch",
-             model: DemoModel | None = None) -> None:
-    """Start the fabric, print how to use it, and stop everything on Ctrl-C or SIGTERM."""
+             model: DemoModel | None = None, otlp_endpoint: str | None = None) -> None:
+    """Start the fabric, print how to use it, and stop everything on Ctrl-C or SIGTERM.
+
+    `otlp_endpoint`: the router and the nodes send their traces there (OTLP/HTTP); the
+    demo's own MERIDIAN_* environment reaches every process too (localfabric.fabric)."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
     configure_logging()  # the launcher's own warnings, in the children's format
     model = model or DemoModel()
@@ -42,7 +56,8 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
     spec = FabricSpec(work_dir=work_dir, router_port=router_port, control_plane_port=8081, engine=engine,
                       model_name=model.name, model_dir=model.model_dir, model_uri=model.model_uri,
                       start_timeout_s=600.0 if slow else 180.0,
-                      control_plane_env={"MERIDIAN_CP_DRILL_REPORTS_DIR": str(DRILL_REPORTS.resolve())})
+                      control_plane_env={"MERIDIAN_CP_DRILL_REPORTS_DIR": str(DRILL_REPORTS.resolve())},
+                      router_env=_tracing("ROUTER", otlp_endpoint), node_env=_tracing("NODE", otlp_endpoint))
     progress = console.status("starting the fabric…")
     fabric = LocalFabric(spec, on_step=progress.update)
     try:
@@ -62,6 +77,9 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
             f"[bold]keys[/bold]      global, eu, us, apac in {work_dir / 'fabric.json'} (mode 0600)\n"
             f"[bold]admin[/bold]     control plane {info.control_plane_url}\n"
             f"[bold]console[/bold]   {info.control_plane_url}/console (sign in with the admin key below)\n"
+            f"[bold]metrics[/bold]   {info.router_url}/metrics, {info.control_plane_url}/metrics "
+            f"(bearer: metrics_token in fabric.json; nodes' /metrics need none)\n"
+            f"[bold]traces[/bold]    {escape(_tracing_line(otlp_endpoint))}\n"
             f"[bold]logs[/bold]      {work_dir / 'logs'}",
             title="Meridian demo is up", border_style="green"))
         # Plain prints, not wrapped in a panel, so they copy and paste as one command.

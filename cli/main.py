@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import typer
 from rich.markup import escape
@@ -149,6 +150,8 @@ def demo(
         help="Serve a model pushed with `meridian model push` to s3://, gs://, https:// or file://")] = None,
     model_name: Annotated[str | None, typer.Option(
         help="Served model name (default: the directory's or the URI's last segment)")] = None,
+    otlp_endpoint: Annotated[str | None, typer.Option(
+        help="Send the router's and the nodes' traces to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318)")] = None,
 ) -> None:
     """Start a three-region local fabric on embedded defaults; Ctrl-C stops it."""
     from cli.demo import run_demo
@@ -156,6 +159,10 @@ def demo(
 
     if engine not in ("torch", "vllm"):
         err_console.print(f"[red]--engine must be torch or vllm, not {engine!r}[/red]")
+        raise typer.Exit(2)
+    if otlp_endpoint is not None and not _is_http_url(otlp_endpoint):
+        err_console.print(f"[red]--otlp-endpoint must be an http:// or https:// URL, not {otlp_endpoint!r}[/red]",
+                          highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     try:
         model = resolve_demo_model(model_dir, model_uri, model_name, engine)
@@ -172,7 +179,16 @@ def demo(
             raise typer.Exit(2)
         if work_dir == Path(".meridian/demo"):
             work_dir = Path(".meridian/demo-vllm")  # its own checkpoint, origin and caches
-    run_demo(work_dir, port, console, engine=engine, model=model)
+    run_demo(work_dir, port, console, engine=engine, model=model, otlp_endpoint=otlp_endpoint)
+
+
+def _is_http_url(url: str) -> bool:
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
 
 
 def main() -> None:

@@ -6,6 +6,10 @@ request up by: `request_id`, `route`, `tenant`, `model`, `region` and `node` (th
 that answered; empty when none did), `status`, `latency_ms` (from the request's arrival to
 the answer's end), `stream`, and `prompt_tokens` / `completion_tokens` where the answer
 reported them (a stream reports them only when the client asked for its usage chunk).
+A stream that moved to other nodes mid-answer (geo_router.migration) also has `migrations`,
+`resumed_on` (the nodes it resumed on, in order, comma-separated; `node` is where it
+began), `tokens_before_break` (generated before it first broke) and `tokens_after_resume`
+(generated after that, by the resuming nodes); each move is logged when it happens too.
 With `MERIDIAN_LOG_FORMAT=json` they are the JSON object's fields (meridian.logs).
 
 It replaces uvicorn's access line for these routes (off at the router: it has none of
@@ -63,9 +67,10 @@ class AccessRecord:
 
     def _streamed(self, response: Response, tally: StreamTally) -> None:
         self._emit(response.status_code, response.headers.get(HEADER_REGION, ""),
-                   response.headers.get(HEADER_NODE, ""), tally.usage, stream=True)
+                   response.headers.get(HEADER_NODE, ""), tally.usage, stream=True, moved=_moves(tally))
 
-    def _emit(self, status: int, region: str, node: str, usage: dict[str, Any] | None, *, stream: bool) -> None:
+    def _emit(self, status: int, region: str, node: str, usage: dict[str, Any] | None, *, stream: bool,
+              moved: dict[str, Any] | None = None) -> None:
         latency_ms = round((time.perf_counter() - self.started) * 1000, 1)
         prompt, completion = _tokens(usage)
         log.info(
@@ -73,8 +78,18 @@ class AccessRecord:
             extra={"request_id": self.request_id, "route": self.route, "tenant": self.tenant,
                    "model": self.model, "region": region, "node": node, "status": status,
                    "latency_ms": latency_ms, "stream": stream,
-                   "prompt_tokens": prompt, "completion_tokens": completion},
+                   "prompt_tokens": prompt, "completion_tokens": completion, **(moved or {})},
         )
+
+
+def _moves(tally: StreamTally) -> dict[str, Any] | None:
+    """A migrated stream's fields: where it resumed and the tokens before and after."""
+    if not tally.moves:
+        return None
+    before = tally.moves[0].tokens_before
+    return {"migrations": len(tally.moves), "resumed_on": ",".join(m.node for m in tally.moves),
+            "tokens_before_break": before,
+            "tokens_after_resume": None if tally.generated is None else tally.generated - before}
 
 
 def _tokens(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:

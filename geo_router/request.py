@@ -17,12 +17,13 @@ from fastapi import Request
 from starlette.types import Receive, Scope
 
 from meridian import http_body
+from meridian.contracts import REQUEST_ID_PATTERN
 from meridian.http_server import DISCONNECT_EXTENSION
 from meridian.json_limits import MAX_JSON_DEPTH, too_deep
 
 from .errors import BadRequest, ClientClosedRequest, RequestTooLarge
 
-_SANE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_SANE_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 # msgspec, not json: it parses a chat request several times faster, and it refuses what is
 # not JSON (NaN, lone surrogates) rather than forwarding it to a node that would choke.
 _JSON = msgspec.json.Decoder()

@@ -3,7 +3,9 @@
 A node's stream is forwarded one run of complete events at a time (`SSEFramer`), so a
 stream that breaks never leaves half an event at the client, which then gets one
 `data: {"error": ...}` event (`error_event`). `StreamTally` counts the events and keeps the
-token usage they reported, for rate-limit settlement and metrics.
+token usage they reported, for rate-limit settlement and metrics; a migrated stream's tally
+also says where it moved (`StreamMove`) and how many tokens its nodes generated, for the
+access line (geo_router.access_log).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from meridian.contracts import openai_error
@@ -51,14 +53,27 @@ class SSEFramer:
         return self.rewrite(out) if out and self.rewrite is not None else out
 
 
+@dataclass(frozen=True, slots=True)
+class StreamMove:
+    """A stream that broke on one node and resumed on another (geo_router.migration)."""
+
+    node: str  # where it resumed
+    region: str
+    reason: str  # why it broke (migration.decide.BreakReason)
+    tokens_before: int  # tokens generated, on every node so far, when it broke
+
+
 @dataclass
 class StreamTally:
     """What a passed-through SSE stream carried: its JSON data events, and the token counts
     its events reported: an OpenAI usage chunk, the responses API's `response.usage`, or
-    Anthropic's `message.usage` then `usage` deltas (merged, later counts winning)."""
+    Anthropic's `message.usage` then `usage` deltas (merged, later counts winning). A
+    migrating stream adds its moves, in order, and the tokens its nodes generated in all."""
 
     events: int = 0
     usage: dict[str, Any] | None = None
+    moves: list[StreamMove] = field(default_factory=list)
+    generated: int | None = None
 
     def feed(self, events: bytes) -> None:
         """Count complete events; parse only those that carry token counts."""

@@ -14,6 +14,17 @@ Deployments declared in the spec are created in the control plane; with one decl
 small local scaler (a thread) starts a node whenever a deployment's desired_replicas
 exceeds the nodes it has, which is how scale-from-zero works on one machine. It never
 stops nodes: scaling down and real provider drivers belong to the reconciler.
+
+Settings: every child inherits the launcher's `MERIDIAN_*` environment (so that
+`MERIDIAN_ROUTER_OTLP_ENDPOINT=… meridian demo` turns tracing on), under what the fabric
+sets for each process itself, which wins: its flags (hosts, ports, URLs, model, node id),
+the cluster and metrics tokens, the spec's per-process environment, journals, caches and
+KV sockets. Settings that would make the children collide or stop speaking plain HTTP on
+their loopback ports (`FABRIC_OWNED`: other hosts and ports, one journal or advertised
+URL for every node, a node role, TLS, a config file) are not passed on at all.
+
+The routers' and the control plane's /metrics answer the fabric's own metrics token
+(FabricInfo.metrics_token, `metrics_token` in fabric.json): a scraper needs no cluster token.
 """
 
 from __future__ import annotations
@@ -54,6 +65,21 @@ class FabricError(RuntimeError):
     """The local fabric could not be started (the message says which process and why)."""
 
 
+# Settings that, the same in every child, would make its processes collide or stop speaking
+# plain HTTP on the fabric's loopback ports: addresses and ports, per-process files and
+# identities, a node's role and engine (--engine), TLS, a config file.
+FABRIC_OWNED = re.compile(
+    r"^MERIDIAN_(CONFIG|(CP|ROUTER|NODE)_(\w+_)?(HOST|PORT)"
+    r"|(ROUTER|NODE)_REQUEST_JOURNAL_PATH|ROUTER_TLS_(CERT|KEY)_FILE"
+    r"|NODE_(ADVERTISE_URL|MODEL_DIR|KV_EVENTS(_REPLAY)?_ADVERTISE|ROLE|ENGINE))$"
+)
+
+
+def passed_through(environ: dict[str, str]) -> dict[str, str]:
+    """The launcher's environment as every child inherits it: all of it but FABRIC_OWNED."""
+    return {k: v for k, v in environ.items() if not FABRIC_OWNED.match(k)}
+
+
 def _node_id(region: str) -> str:
     return "node-" + region.replace(":", "-")
 
@@ -81,6 +107,9 @@ class LocalFabric:
         self._kv_sockets = 0
         self.info: FabricInfo | None = None
         self._cluster_token = secrets.token_urlsafe(32)
+        # What a scraper presents to the routers' and the control plane's /metrics: it reads
+        # metrics only, where the cluster token would let it register nodes.
+        self._metrics_token = secrets.token_urlsafe(32)
         self._admin_key = generate_api_key()
         self._model_uri = ""
         self._replacements = 0
@@ -133,6 +162,7 @@ class LocalFabric:
                 control_plane_urls=[cp.url, *(p.url for p in standbys)],
                 admin_key=self._admin_key,
                 cluster_token=self._cluster_token,
+                metrics_token=self._metrics_token,
                 keys=keys,
                 nodes={p.region: p for p in self._procs if p.region},
                 router_urls=[r.url for r in routers],
@@ -321,6 +351,7 @@ class LocalFabric:
             "MERIDIAN_CP_HEARTBEAT_INTERVAL_S": str(self.spec.heartbeat_interval_s),
             "MERIDIAN_CP_NODE_TTL_S": str(self.spec.node_ttl_s),
             "MERIDIAN_CP_REPLICA_ID": name,
+            "MERIDIAN_CP_METRICS_TOKEN": self._metrics_token,
             **self.spec.control_plane_env,
         }
         args = ["control-plane", "serve", "--host", host, "--port", str(port),
@@ -478,6 +509,7 @@ class LocalFabric:
         env = {
             "MERIDIAN_ROUTER_TOKENIZER_DIRS": json.dumps(tokenizers),
             "MERIDIAN_ROUTER_GRPC_PORT": str(grpc_port),
+            "MERIDIAN_ROUTER_METRICS_TOKEN": self._metrics_token,
             **self._journal_env("MERIDIAN_ROUTER_REQUEST_JOURNAL_PATH", name),
             **env,
         }
@@ -516,6 +548,8 @@ class LocalFabric:
             "grpc_target": self.info.grpc_targets[0] if self.info.grpc_targets else None,
             "control_plane_url": self.info.control_plane_url,
             "admin_key": self.info.admin_key,
+            # The bearer token of the routers' and the control plane's /metrics.
+            "metrics_token": self.info.metrics_token,
             "keys": self.info.keys,
             "pids": {p.name: p.popen.pid for p in self.processes},
         }
@@ -529,7 +563,7 @@ class LocalFabric:
     # -- process plumbing ------------------------------------------------------------
 
     def _base_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+        env = passed_through(dict(os.environ))
         env["MERIDIAN_CLUSTER_TOKEN"] = self._cluster_token
         # Every child logs in the launcher's format and level (its environment or config file).
         log = LogSettings()

@@ -152,3 +152,5 @@ class FabricInfo:
     grpc_targets: list[str] = field(default_factory=list)
     # Every control-plane replica's URL, the first being control_plane_url.
     control_plane_urls: list[str] = field(default_factory=list)
+    # What a scraper presents to the routers' and the control plane's /metrics.
+    metrics_token: str = ""

@@ -43,6 +43,9 @@ HEADER_NODE = "x-meridian-node"
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 MODEL_ROUTES = (*GENERATION_ROUTES, "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize")
 HEADER_REQUEST_ID = "x-request-id"
+# A request id the router keeps from its client (else it makes one) and that every process
+# logs: a token with no room for log or header injection.
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 HEADER_OVERHEAD_MS = "x-meridian-overhead-ms"
 # Longest a node waits between heartbeat retries while the control plane does not answer;
 # after an outage the control plane waits this long (plus the TTL) before expiring anyone.

@@ -18,6 +18,10 @@ header until it ends). `LimitedHttpToolsProtocol` adds, per connection:
   of live transports, whatever protocol now serves them (a WebSocket upgrade or an HTTP/2
   hand-off replaces this protocol, not the connection).
 
+uvicorn's access line of a request that carries an `x-request-id` (a node's, from the
+router that sent it) has it as the record's `request_id` field, so that the router's line
+(geo_router.access_log) and the node's join on it.
+
 It also tells the app when a client hangs up, without the app having to wait on
 `receive()` in a task of its own for every request: the ASGI scope's
 `extensions[DISCONNECT_EXTENSION]` registers a callback, called (once, on the loop) if the
@@ -35,6 +39,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from meridian.contracts import HEADER_REQUEST_ID, REQUEST_ID_PATTERN
 from meridian.settings import ListenerSettings
 
 if TYPE_CHECKING:
@@ -52,6 +58,9 @@ if TYPE_CHECKING:
 # scope["extensions"][DISCONNECT_EXTENSION](callback): call `callback()` if the client goes
 # away before this request's answer is complete.
 DISCONNECT_EXTENSION = "meridian.on_disconnect"
+
+_REQUEST_ID_HEADER = HEADER_REQUEST_ID.encode()
+_SANE_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 # The first bytes of an HTTP/2 connection by prior knowledge (RFC 9113, 3.4).
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -217,6 +226,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._in_body = True
         self._arm(self.limits.body_timeout_s)
         super().on_headers_complete()
+        cycle = self.cycle
+        if self.access_log and cycle is not None and cycle.scope is self.scope:
+            request_id = _request_id(self.headers)
+            if request_id is not None:
+                cycle.access_logger = _RequestAccessLog(self.access_logger, {"request_id": request_id})
 
     def on_body(self, body: bytes) -> None:
         if not self._oversized:
@@ -344,6 +358,19 @@ class _Sweeper:
             for state, sweeper in list(self._running.items()):
                 if sweeper is self:
                     del self._running[state]
+
+
+class _RequestAccessLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """uvicorn's access logger for one request: its line gets the request's fields."""
+
+
+def _request_id(headers: list[tuple[bytes, bytes]]) -> str | None:
+    """The request's x-request-id when it is a sane token (REQUEST_ID_PATTERN), else None."""
+    for name, value in headers:
+        if name == _REQUEST_ID_HEADER:
+            text = value.decode("latin-1")
+            return text if _SANE_REQUEST_ID.match(text) else None
+    return None
 
 
 def limited_protocol(limits: ListenerLimits, error_body: ErrorBody = openai_error_body,

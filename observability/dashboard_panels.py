@@ -80,12 +80,14 @@ def ratio(bad: str, total: str, by: str = "", window: str = RATE, fn: str = "rat
 
 REQUESTS = "meridian_router_requests_total"
 ERRORS_5XX = 'meridian_router_requests_total{status=~"5.."}'
+TENANT_REQUESTS = "meridian_router_tenant_requests_total"
 
 
 FABRIC = Dashboard(
     uid="meridian-fabric", title="Meridian / Fabric",
     description="The whole fabric as its routers and control plane see it: traffic, errors, "
-                "latency by region, failovers, ejections, scale-from-zero, routing tables and the control plane.",
+                "latency by region, each model's traffic and latency, failovers, ejections, scale-from-zero, "
+                "routing tables and the control plane.",
     tags=("fabric",), variables=(),
     items=(
         Row("Traffic"),
@@ -118,6 +120,19 @@ FABRIC = Dashboard(
         Panel("Affinity fallbacks", (q(f"sum(rate(meridian_router_imbalance_fallbacks_total[{RATE}]))", "fallbacks"),),
               unit="reqps", width=8,
               description="Requests sent least-load first because cache affinity would have made a hot spot."),
+        Row("Models"),
+        Panel("Requests by model", (q(f"sum by (model) (rate({TENANT_REQUESTS}[{RATE}]))", "{{model}}"),),
+              unit="reqps", width=8, description="Inference requests of authenticated tenants, by the model asked for."),
+        Panel("Error ratio by model (5xx)", (q(ratio(f'{TENANT_REQUESTS}{{status=~"5.."}}', TENANT_REQUESTS,
+                                                     by="model"), "{{model}}"),),
+              unit="percentunit", min=0, width=8),
+        Panel("Tokens per second by model", (
+            q(f"sum by (model, kind) (rate(meridian_router_tenant_tokens_total[{RATE}]))", "{{model}} {{kind}}"),),
+            width=8),
+        Panel("Time to first token by model", quantiles("vllm:time_to_first_token_seconds", "model_name"),
+              unit="s", width=12, description="As the nodes' engines measure it, over every node serving the model."),
+        Panel("Request latency by model", quantiles("vllm:e2e_request_latency_seconds", "model_name"),
+              unit="s", width=12, description="Arrival at the node to the last token, over every node serving the model."),
         Row("Resilience"),
         Panel("Failovers", (q(f"sum by (from_region, to_region) (rate(meridian_router_failovers_total[{RATE}]))",
                               "{{from_region}} → {{to_region}}"),), unit="reqps", width=8),

@@ -153,6 +153,10 @@ def rule_queries(rules: Mapping[str, Any], source: str) -> tuple[dict[str, list[
     return queries, recorded
 
 
+# Series Prometheus writes itself for every scrape target (rules may read them: `up`).
+SCRAPE_SERIES = frozenset({"up", "scrape_duration_seconds", "scrape_samples_scraped",
+                           "scrape_samples_post_metric_relabeling", "scrape_series_added"})
+
 # The series names each metric type gives its family (prometheus_client's exposition).
 _SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
              "summary": ("_sum", "_count", "_created"), "info": ("_info",)}

@@ -201,4 +201,6 @@ class ResponsesStream:
             return
         self._closed = True
         await self._inner.close()
+        # Where the chat stream under it moved, for the access line.
+        self.tally.moves, self.tally.generated = self._inner.tally.moves, self._inner.tally.generated
         run_close_callbacks(self.on_close, self.tally)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..selection import Candidate
-from ..sse import SSEFramer, StreamTally, error_event
+from ..sse import SSEFramer, StreamMove, StreamTally, error_event
 from ..streaming import StreamHost, run_close_callbacks
 from ..upstream import FailureReason, UpstreamConnection, UpstreamError
 from .budget import MigrationBudget
@@ -271,9 +271,20 @@ class MigratingStream:
                 continue
             finally:
                 self._host.budget.release()
-            self._host.migrated(reason, source, decision.candidate, cost, time.perf_counter() - broken_at)
+            self._moved(reason, source, decision.candidate, cost, time.perf_counter() - broken_at)
             self._piece = piece
             return None
+
+    def _moved(self, reason: BreakReason, source: Candidate, target: Candidate, cost: int, resume_s: float) -> None:
+        """Count, log and tally a move that started: the access line names where it went."""
+        tokens = len(self._ledger.generated)
+        self._host.migrated(reason, source, target, cost, resume_s)
+        self.tally.moves.append(StreamMove(target.node.node_id, target.region.name, reason, tokens))
+        log.info("request %s: stream moved from %s to %s after %d tokens (%s), resumed in %.2fs",
+                 self._ctx.request_id, source.node.node_id, target.node.node_id, tokens, reason, resume_s,
+                 extra={"request_id": self._ctx.request_id, "node": source.node.node_id,
+                        "resumed_on": target.node.node_id, "region": target.region.name,
+                        "tokens_before_break": tokens, "reason": str(reason)})
 
     async def _resume(self, target: Candidate) -> Piece:
         """Open the continuation on `target` (PieceFailed if it cannot start there)."""
@@ -369,6 +380,7 @@ class MigratingStream:
             self._host.silence.ended(piece.candidate.node.node_id)
         self._host.end_request()
         self._host.budget.end_stream()
+        self.tally.generated = len(self._ledger.generated)
         run_close_callbacks(self.on_close, self.tally)
 
 

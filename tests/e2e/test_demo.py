@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from meridian.ports import free_port
@@ -48,7 +49,14 @@ def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
         assert "curl" in text and "/v1/chat/completions" in text
         for region in ("aws:us-east-1", "gcp:europe-west4", "onprem:tokyo-1"):
             assert region in text
-        pids = json.loads((work / "fabric.json").read_text())["pids"]
+        # How to scrape the router: its /metrics and the token fabric.json records.
+        assert "/metrics" in text and "metrics_token in fabric.json" in text
+        state = json.loads((work / "fabric.json").read_text())
+        router_url = state["router_url"]
+        assert httpx.get(f"{router_url}/metrics", timeout=10).status_code == 401
+        assert httpx.get(f"{router_url}/metrics", timeout=10,
+                         headers={"authorization": f"Bearer {state['metrics_token']}"}).status_code == 200
+        pids = state["pids"]
         assert len(pids) == 5 and all(_alive(p) for p in pids.values())
 
         proc.send_signal(signal.SIGINT)

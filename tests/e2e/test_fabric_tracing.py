@@ -1,7 +1,10 @@
 """The local fabric as processes (control plane, router, a torch node) with tracing on: one
 request from the official OpenAI client is one trace at the in-test OTLP collector, with
 spans from the router, the node and the engine under the client's trace id; an eu tenant's
-spans go to the eu collector only. The same fabric's /metrics pages are scraped for real."""
+spans go to the eu collector only. The default collector is set in the launcher's own
+environment, as `MERIDIAN_ROUTER_OTLP_ENDPOINT=… meridian demo` does: the fabric passes it
+on to its children. The same fabric's /metrics pages are scraped for real, with the metrics
+token fabric.json records."""
 
 from __future__ import annotations
 
@@ -35,13 +38,18 @@ def fabric(tmp_path_factory: pytest.TempPathFactory, collectors) -> Iterator[Loc
     default, eu = collectors
     zones = json.dumps({"eu": eu.url})
     # The batch exporter sends every 100 ms instead of every 5 s.
-    router_env = {"MERIDIAN_ROUTER_OTLP_ENDPOINT": default.url, "MERIDIAN_ROUTER_OTLP_ZONE_ENDPOINTS": zones,
-                  "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    node_env = {"MERIDIAN_NODE_OTLP_ENDPOINT": default.url, "MERIDIAN_NODE_OTLP_ZONE_ENDPOINTS": zones,
-                "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    router_env = {"MERIDIAN_ROUTER_OTLP_ZONE_ENDPOINTS": zones, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    node_env = {"MERIDIAN_NODE_OTLP_ZONE_ENDPOINTS": zones, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     spec = e2e_spec(tmp_path_factory.mktemp("fabric"), regions=(REGION,), default_client_location=REGION,
                     router_env=router_env, node_env=node_env)
-    yield from running(spec)
+    with pytest.MonkeyPatch.context() as env:
+        # The launcher's environment: the default collector, and settings the fabric must not
+        # pass on (every child would bind this port, advertise this URL).
+        env.setenv("MERIDIAN_ROUTER_OTLP_ENDPOINT", default.url)
+        env.setenv("MERIDIAN_NODE_OTLP_ENDPOINT", default.url)
+        env.setenv("MERIDIAN_ROUTER_METRICS_PORT", "1")
+        env.setenv("MERIDIAN_NODE_ADVERTISE_URL", "http://127.0.0.1:1")
+        yield from running(spec)
 
 
 def client(fabric: LocalFabric, zone: str) -> openai.OpenAI:
@@ -83,7 +91,11 @@ def test_an_eu_tenants_trace_goes_to_the_eu_collector_only(fabric: LocalFabric, 
 def test_router_and_control_plane_metrics_scraped_from_the_processes(fabric: LocalFabric):
     assert fabric.info is not None
     client(fabric, "eu").chat.completions.create(model=DEMO_MODEL, messages=MESSAGES, max_tokens=2)
-    token = {"authorization": f"Bearer {fabric.info.cluster_token}"}
+    # A scraper reads the metrics token from fabric.json; it is not the cluster token.
+    state = json.loads((fabric.spec.work_dir / "fabric.json").read_text())
+    assert state["metrics_token"] == fabric.info.metrics_token != fabric.info.cluster_token
+    token = {"authorization": f"Bearer {state['metrics_token']}"}
+    assert httpx.get(fabric.info.router_url + "/metrics", timeout=10).status_code == 401
     router = httpx.get(fabric.info.router_url + "/metrics", headers=token, timeout=10).text
     families = {f.name: f for f in text_string_to_metric_families(router)}
     requests = families["meridian_router_tenant_requests"]
@@ -91,8 +103,7 @@ def test_router_and_control_plane_metrics_scraped_from_the_processes(fabric: Loc
     assert any(s.labels == {"tenant": "demo-eu", "model": DEMO_MODEL, "zone": "eu", "status": "200"} and s.value >= 1
                for s in requests.samples)
     assert families["meridian_router_routing_table_age_seconds"].type == "gauge"
-    admin = {"authorization": f"Bearer {fabric.info.admin_key}"}
-    cp = httpx.get(fabric.info.control_plane_url + "/metrics", headers=admin, timeout=10).text
+    cp = httpx.get(fabric.info.control_plane_url + "/metrics", headers=token, timeout=10).text
     families = {f.name: f for f in text_string_to_metric_families(cp)}
     nodes = families["meridian_cp_nodes"]
     assert any(s.labels == {"region": REGION, "status": "ready"} and s.value == 1 for s in nodes.samples)

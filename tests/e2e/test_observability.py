@@ -15,7 +15,11 @@ does, node targets labelled from the control plane's node list, and every dashbo
 runs on it with the variables set from their own queries: the panels about traffic,
 latency, load, routing tables, the control plane and the tenant show data, and every rule
 evaluates without error. No alert fires on the healthy fabric; when its node is killed,
-the node-ejection and fast availability-burn alerts do.
+the node-ejection, fast availability-burn and lost-node alerts do. The router and the control
+plane are scraped with the fabric's metrics token. `up`, which the router-down alert reads,
+is Prometheus' own series.
+
+Also: one request's access lines at the router and at its node join on its request_id.
 """
 
 from __future__ import annotations
@@ -32,7 +36,14 @@ import pytest
 import yaml
 from e2e_fabric import e2e_spec, running
 from prometheus_server import ScrapeJob, prometheus, query, wait_until_scraped
-from promql_names import dashboard_queries, exported_names, rule_queries, unknown_names, vllm_relayed_names
+from promql_names import (
+    SCRAPE_SERIES,
+    dashboard_queries,
+    exported_names,
+    rule_queries,
+    unknown_names,
+    vllm_relayed_names,
+)
 
 from localfabric import DEMO_MODEL, FabricInfo, LocalFabric
 
@@ -73,15 +84,15 @@ def test_dashboards_and_rules_read_only_exported_metrics(fabric: LocalFabric) ->
                    json={"model": DEMO_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert r.status_code == 200, r.text
 
-    router = exported_names(_scrape(info.router_url, info.cluster_token))
+    router = exported_names(_scrape(info.router_url, info.metrics_token))
     node = exported_names(_scrape(info.nodes[REGION].url))
-    control_plane = exported_names(_scrape(info.control_plane_url, info.cluster_token))
+    control_plane = exported_names(_scrape(info.control_plane_url, info.metrics_token))
     # The request left labelled series behind, not just empty families.
     assert {"meridian_router_requests_total", "meridian_router_tenant_tokens_total",
             "meridian_router_request_duration_seconds_bucket"} <= router
     assert {"vllm:time_to_first_token_seconds_bucket", "vllm:request_success_total"} <= node
     assert {"meridian_cp_leader", "meridian_cp_nodes", "meridian_cp_routing_table_version"} <= control_plane
-    exported = router | node | control_plane | vllm_relayed_names()
+    exported = router | node | control_plane | vllm_relayed_names() | SCRAPE_SERIES
 
     queries, recorded = referenced()
     assert len(queries) >= 80
@@ -95,13 +106,38 @@ def test_dashboards_and_rules_read_only_exported_metrics(fabric: LocalFabric) ->
     assert not vllm_relayed_names() & node
 
 
+def test_the_router_and_node_access_lines_join_on_request_id(fabric: LocalFabric) -> None:
+    # One request through the router and its node (separate processes, each logging as
+    # `meridian router serve` and `meridian node run` do): both lines name it.
+    info = fabric.info
+    assert info is not None
+    r = httpx.post(f"{info.router_url}/v1/chat/completions", timeout=60,
+                   headers={"authorization": f"Bearer {info.keys['global']}", "x-request-id": "join-me-1"},
+                   json={"model": DEMO_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "join-me-1"
+    node = info.nodes[REGION]
+
+    def lines(log: Path) -> list[str]:
+        return [line for line in log.read_text(errors="replace").splitlines() if "request_id=join-me-1" in line]
+
+    deadline = time.monotonic() + 10
+    while not (lines(fabric.spec.work_dir / "logs" / "router.log") and lines(node.log)):
+        assert time.monotonic() < deadline, "an access line without the request id"
+        time.sleep(0.2)
+    [router_line], [node_line] = lines(fabric.spec.work_dir / "logs" / "router.log"), lines(node.log)
+    assert "meridian.access" in router_line and f"node={node.node_id}" in router_line
+    assert "uvicorn.access" in node_line and '"POST /v1/chat/completions HTTP/1.1" 200' in node_line
+
+
 # Panels that must show data once a request went through (the others plot failures,
 # failovers, scale-from-zero, vLLM-only families or a plan in force: none here).
 SHOWING = {
     "fabric": {"Availability (time range)", "Request rate by region", "Requests by status", "Error ratio (5xx)",
                "Request duration by region", "Time to first token by region", "Router overhead",
                "Tokens per second", "Affinity fallbacks", "Routing table version", "Routing table age",
-               "Control-plane leader", "Nodes by status", "Reconciler passes"},
+               "Control-plane leader", "Nodes by status", "Reconciler passes",
+               "Requests by model", "Error ratio by model (5xx)", "Tokens per second by model",
+               "Time to first token by model", "Request latency by model"},
     "region": {"Nodes by status", "Requests running per node", "Requests waiting per node", "KV-cache usage per node",
                "Generated tokens per node", "Request rate per node", "Error ratio per node (5xx)",
                "Time to first token (router)", "Time to first token (node)", "Request duration"},
@@ -158,8 +194,8 @@ def scraped(fabric: LocalFabric, tmp_path_factory: pytest.TempPathFactory) -> It
     """A Prometheus scraping the fabric, once it has seen requests go through; its URL."""
     info = fabric.info
     assert info is not None
-    jobs = [ScrapeJob("meridian-router", [_host_port(info.router_url)], {}, info.cluster_token),
-            ScrapeJob("meridian-control-plane", [_host_port(info.control_plane_url)], {}, info.cluster_token),
+    jobs = [ScrapeJob("meridian-router", [_host_port(info.router_url)], {}, info.metrics_token),
+            ScrapeJob("meridian-control-plane", [_host_port(info.control_plane_url)], {}, info.metrics_token),
             *_node_targets(info)]
     with prometheus(jobs, tmp_path_factory.mktemp("prometheus")) as url:
         wait_until_scraped(url)
@@ -206,7 +242,8 @@ def _firing(url: str) -> set[tuple[str, str | None]]:
     return {(a["labels"]["alertname"], a["labels"].get("node")) for a in alerts if a["state"] == "firing"}
 
 
-def test_a_killed_node_fires_the_ejection_and_availability_alerts(fabric: LocalFabric, scraped: str) -> None:
+def test_a_killed_node_fires_the_ejection_availability_and_lost_node_alerts(fabric: LocalFabric,
+                                                                           scraped: str) -> None:
     # Last in the module: the fabric is left without its node.
     info = fabric.info
     assert info is not None
@@ -218,7 +255,8 @@ def test_a_killed_node_fires_the_ejection_and_availability_alerts(fabric: LocalF
         if _chat(info).status_code >= 500:
             failed += 1
         firing = _firing(scraped)
-        if {("MeridianNodeEjected", node_id), ("MeridianAvailabilityBudgetBurnFast", None)} <= firing:
+        if {("MeridianNodeEjected", node_id), ("MeridianAvailabilityBudgetBurnFast", None),
+                ("MeridianNodesLost", None)} <= firing:
             break
         assert time.monotonic() < deadline, f"alerts firing after {failed} failed requests: {sorted(firing)}"
         time.sleep(1)

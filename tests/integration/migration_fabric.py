@@ -98,6 +98,7 @@ class Streamed:
     events: list[dict[str, Any]] = field(default_factory=list)
     error: dict[str, Any] | None = None
     done: bool = False
+    request_id: str = ""  # the router's x-request-id
 
     @property
     def text(self) -> str:
@@ -126,6 +127,7 @@ async def stream(rig: MigrationRig, route: str, body: dict[str, Any], *, break_a
     try:
         async with rig.client() as client, client.stream("POST", route, json=body) as r:
             assert r.status_code == 200, await r.aread()
+            out.request_id = r.headers.get("x-request-id", "")
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -151,6 +153,7 @@ class StreamedResponse:
     """A Responses API stream as the official `openai` client parsed it (typed events)."""
 
     events: list[Any] = field(default_factory=list)
+    request_id: str = ""  # the router's x-request-id
 
     @property
     def types(self) -> list[str]:
@@ -178,6 +181,7 @@ async def stream_response(rig: MigrationRig, body: dict[str, Any], *, break_afte
     try:
         async with client:
             events = await client.responses.create(**body, stream=True)
+            out.request_id = events.response.headers.get("x-request-id", "")
             async for event in events:
                 out.events.append(event)
                 deltas = sum(e.type == "response.output_text.delta" for e in out.events)

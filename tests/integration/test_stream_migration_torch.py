@@ -5,11 +5,14 @@ inside a stop string that two tokens make) by resetting the connection under the
 killed node; frozen nodes are the unit tests' and the gray drill's);
 the router resumes each on the same engine under another name, and the client's stream
 must be token-identical to an unbroken run: same ids, same text, one `id`, usage that
-counts every token received.
+counts every token received; the router's access line names where it resumed and how many
+tokens came before the break and after.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 
 import pytest
@@ -37,7 +40,8 @@ async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Migrati
 @pytest.mark.parametrize("route,body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)],
                          ids=["chat", "completions"])
 async def test_a_killed_stream_resumes_token_identical(rig: MigrationRig, route: str, body: dict[str, object],
-                                                       break_after: int) -> None:
+                                                       break_after: int, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="meridian.access")
     unbroken = await stream(rig, route, body)
     assert unbroken.done and unbroken.trailer is None and len(unbroken.token_ids) == 48
     got = await stream(rig, route, body, break_after=break_after)
@@ -47,6 +51,22 @@ async def test_a_killed_stream_resumes_token_identical(rig: MigrationRig, route:
     assert got.trailer is not None and got.trailer["node"] == "far"
     if "stream_options" in body:
         assert got.events[-1]["usage"]["completion_tokens"] == 48
+    line = await access_line(caplog, got.request_id)
+    assert (line.node, line.migrations, line.resumed_on) == ("near", 1, "far")  # type: ignore[attr-defined]
+    # The router may have read a few tokens more than the client had when the path broke.
+    before, after = line.tokens_before_break, line.tokens_after_resume  # type: ignore[attr-defined]
+    assert break_after <= before < 48 and before + after == 48
+
+
+async def access_line(caplog: pytest.LogCaptureFixture, request_id: str) -> logging.LogRecord:
+    """The router's access line of `request_id`: written as the stream closes, just after the
+    client read its end."""
+    for _ in range(100):
+        lines = [r for r in caplog.records if r.name == "meridian.access" and r.request_id == request_id]  # type: ignore[attr-defined]
+        if lines:
+            return lines[0]
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no access line for {request_id}")
 
 
 async def test_a_stop_string_across_the_seam_stops_as_it_would_unbroken(rig: MigrationRig) -> None:
@@ -70,7 +90,9 @@ RESPONSE = {"model": MODEL, "input": "write a long poem about the sea", "instruc
 
 
 @pytest.mark.parametrize("break_after", [1, 24, 42])
-async def test_a_killed_responses_stream_resumes_token_identical(rig: MigrationRig, break_after: int) -> None:
+async def test_a_killed_responses_stream_resumes_token_identical(rig: MigrationRig, break_after: int,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="meridian.access")
     # The torch engine serves no /v1/responses: the router serves it as a chat completion.
     unbroken = await stream_response(rig, RESPONSE)
     done = unbroken.completed.response
@@ -87,3 +109,5 @@ async def test_a_killed_responses_stream_resumes_token_identical(rig: MigrationR
     assert isinstance(got.events[-1], ResponseCompletedEvent) and got.events[-1].response.status == "incomplete"
     trailer = (got.completed.model_extra or {}).get("meridian")
     assert trailer is not None and trailer["node"] == "far" and trailer["migrations"] == 1
+    line = await access_line(caplog, got.request_id)
+    assert line.resumed_on == "far" and line.tokens_before_break + line.tokens_after_resume == 48  # type: ignore[attr-defined]

@@ -3,9 +3,10 @@ probes and scrapes, checked through a real uvicorn listener."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -72,8 +73,7 @@ def test_probe_paths(path: str, probe: bool) -> None:
     assert is_probe(path) is probe
 
 
-async def test_a_scrape_is_not_logged_an_inference_request_is(capsys: pytest.CaptureFixture[str]) -> None:
-    configure_logging(LogSettings(format=LogFormat.JSON))
+def _app() -> FastAPI:
     app = FastAPI()
 
     @app.get("/metrics")
@@ -88,19 +88,44 @@ async def test_a_scrape_is_not_logged_an_inference_request_is(capsys: pytest.Cap
     async def chat() -> PlainTextResponse:
         return PlainTextResponse("{}")
 
-    servers = ServerGroup()
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _client() -> AsyncIterator[httpx.AsyncClient]:
+    """A client of `_app()` served on a real listener (meridian.http_server)."""
+    app, servers = _app(), ServerGroup()
     try:
         url = await servers.start(app, config=limited_config(app, ListenerSettings(), lifespan="on",
                                                              timeout_graceful_shutdown=2))
         async with httpx.AsyncClient(base_url=url) as client:
-            for _ in range(3):
-                assert (await client.get("/metrics")).status_code == 200
-                assert (await client.get("/health")).status_code == 200
-            assert (await client.post("/v1/chat/completions")).status_code == 200
+            yield client
     finally:
         await servers.stop()
+
+
+async def test_a_scrape_is_not_logged_an_inference_request_is(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging(LogSettings(format=LogFormat.JSON))
+    async with _client() as client:
+        for _ in range(3):
+            assert (await client.get("/metrics")).status_code == 200
+            assert (await client.get("/health")).status_code == 200
+        assert (await client.post("/v1/chat/completions")).status_code == 200
     access = [json.loads(line) for line in lines(capsys.readouterr().err)]
     access = [a for a in access if a["logger"] == "uvicorn.access"]
     assert len(access) == 1 and "POST /v1/chat/completions" in access[0]["msg"]
     assert (access[0]["method"], access[0]["path"], access[0]["status"]) == ("POST", "/v1/chat/completions", 200)
 
+
+async def test_an_access_line_carries_the_requests_sane_request_id(capsys: pytest.CaptureFixture[str]) -> None:
+    # A node's line joins the router's on request_id (the router sends x-request-id); an id
+    # that is not a plain token (spaces, quotes, too long) is left out, not logged.
+    configure_logging(LogSettings(format=LogFormat.TEXT))
+    async with _client() as client:
+        for request_id in ("req-7f3a:1", 'a" b=c', "x" * 129, None):
+            headers = {"x-request-id": request_id} if request_id else {}
+            assert (await client.post("/v1/chat/completions", headers=headers)).status_code == 200
+    access = [line for line in lines(capsys.readouterr().err) if "uvicorn.access" in line]
+    assert len(access) == 4
+    assert access[0].endswith('"POST /v1/chat/completions HTTP/1.1" 200 request_id=req-7f3a:1')
+    assert not any("request_id" in line for line in access[1:])

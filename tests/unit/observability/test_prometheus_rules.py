@@ -1,17 +1,21 @@
 """The shipped Prometheus rules are valid (`promtool check rules`) and do what their unit
 tests say (`promtool test rules`): each alert fires on the series it is about and stays
-quiet on healthy ones. promtool: see conftest.py.
+quiet on healthy ones; each links its runbook, a section of docs/runbooks.md. promtool: see
+conftest.py.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-RULES_DIR = Path(__file__).parents[3] / "observability" / "prometheus"
+ROOT = Path(__file__).parents[3]
+RULES_DIR = ROOT / "observability" / "prometheus"
+RUNBOOKS = ROOT / "docs" / "runbooks.md"
 RULES = RULES_DIR / "alerts.yml"
 RULE_TESTS = RULES_DIR / "alerts_test.yml"
 
@@ -65,3 +69,20 @@ def test_every_alert_is_tested_firing_and_quiet() -> None:
     assert len(alerts) >= 10
     assert alerts - firing == set(), "alerts never tested firing"
     assert alerts - quiet == set(), "alerts never tested quiet"
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The anchors of a Markdown file's headings, as GitHub makes them."""
+    headings = re.findall(r"^#+ (.+)$", markdown, re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_alert_links_its_own_runbook_section() -> None:
+    groups: list[dict[str, Any]] = yaml.safe_load(RULES.read_text())["groups"]
+    alerts = {rule["alert"]: rule for group in groups for rule in group["rules"] if "alert" in rule}
+    anchors = _anchors(RUNBOOKS.read_text())
+    for name, rule in alerts.items():
+        assert rule["annotations"].get("runbook_url") == f"docs/runbooks.md#{name.lower()}", name
+        assert name.lower() in anchors, f"docs/runbooks.md has no section {name}"
+    # And no section is left over from an alert that is gone.
+    assert anchors - {"runbooks"} == {name.lower() for name in alerts}
