@@ -82,6 +82,9 @@ class LocalFabric:
         self.info: FabricInfo | None = None
         self._cluster_token = secrets.token_urlsafe(32)
         self._admin_key = generate_api_key()
+        # Its control plane reports it on /health and fabric.json records it: the CLI then knows
+        # that what answers on the recorded port is this fabric's control plane, not a later one.
+        self._instance_id = f"fabric-{secrets.token_hex(8)}"
         self._model_uri = ""
         self._replacements = 0
 
@@ -321,6 +324,7 @@ class LocalFabric:
             "MERIDIAN_CP_HEARTBEAT_INTERVAL_S": str(self.spec.heartbeat_interval_s),
             "MERIDIAN_CP_NODE_TTL_S": str(self.spec.node_ttl_s),
             "MERIDIAN_CP_REPLICA_ID": name,
+            "MERIDIAN_CP_INSTANCE_ID": self._instance_id,
             **self.spec.control_plane_env,
         }
         args = ["control-plane", "serve", "--host", host, "--port", str(port),
@@ -515,6 +519,7 @@ class LocalFabric:
             "router_url": self.info.router_url,
             "grpc_target": self.info.grpc_targets[0] if self.info.grpc_targets else None,
             "control_plane_url": self.info.control_plane_url,
+            "control_plane_instance_id": self._instance_id,
             "admin_key": self.info.admin_key,
             "keys": self.info.keys,
             "pids": {p.name: p.popen.pid for p in self.processes},

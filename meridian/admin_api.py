@@ -35,6 +35,22 @@ from meridian.contracts import (
 # The media type of the admin API's error answers (RFC 9457 problem details, contracts.Problem).
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 
+# --- health ----------------------------------------------------------------------------
+
+# What a control plane's GET /health says it is (a router or a node says otherwise).
+CONTROL_PLANE_SERVICE = "control-plane"
+
+
+class ControlPlaneHealth(BaseModel):
+    """The control plane is up and reaches its database. `service` tells it from a router or a
+    node on a mistyped port; `instance_id` (MERIDIAN_CP_INSTANCE_ID, null when unset) from another
+    control plane that later took the same port (the local fabric records its own)."""
+
+    status: Literal["ok"] = "ok"
+    service: Literal["control-plane"] = CONTROL_PLANE_SERVICE
+    instance_id: str | None = None
+
+
 # --- scopes ----------------------------------------------------------------------------
 
 

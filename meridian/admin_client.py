@@ -50,8 +50,10 @@ PLAN_TIMEOUT_MARGIN_S = 30.0
 class AdminAPIError(Exception):
     """The admin call failed: the control plane's problem answer, or why there was none.
 
-    `status` 0 means the control plane could not be reached (the httpx error is the cause).
-    `problem` says the answer was application/problem+json; `retry_after` is its header.
+    `status` 0 means the control plane could not be reached (the httpx error is the cause); its
+    message then has no status in front. `problem` says the answer was application/problem+json
+    (a control plane's: anything else answering is not one); `retry_after` is its header;
+    `base_url` the client's, so that a caller can go and see what answered instead.
     """
 
     def __init__(
@@ -64,9 +66,10 @@ class AdminAPIError(Exception):
         retry_after: str | None = None,
         problem: bool = False,
     ) -> None:
-        super().__init__(f"{status} {title}" + (f": {detail}" if detail else ""))
+        super().__init__((f"{status} {title}" if status else title) + (f": {detail}" if detail else ""))
         self.status, self.title, self.detail, self.errors = status, title, detail, errors
         self.retry_after, self.problem = retry_after, problem
+        self.base_url: str | None = None
 
     @property
     def unreachable(self) -> bool:
@@ -224,6 +227,12 @@ def _checked(r: httpx.Response) -> httpx.Response:
     return r
 
 
+def _unreachable(base_url: httpx.URL, e: httpx.HTTPError) -> AdminAPIError:
+    error = AdminAPIError(0, "control plane unreachable", f"{base_url}: {str(e) or type(e).__name__}")
+    error.base_url = str(base_url)
+    return error
+
+
 def _unexpected(call: _Call[Any], r: httpx.Response, why: object) -> AdminAPIError:
     return AdminAPIError(r.status_code, "unexpected answer", f"{call.method} {call.path}: {why}")
 
@@ -276,7 +285,10 @@ class AdminClient:
         try:
             return _checked(self._http.request(method, url, **kw))
         except httpx.HTTPError as e:
-            raise AdminAPIError(0, "control plane unreachable", f"{self._http.base_url}: {e}") from e
+            raise _unreachable(self._http.base_url, e) from e
+        except AdminAPIError as e:
+            e.base_url = str(self._http.base_url)
+            raise
 
     def _run(self, call: _Call[T]) -> T:
         r = self._send(call.method, call.path, **call.kwargs())
@@ -353,7 +365,10 @@ class AsyncAdminClient:
         try:
             return _checked(await self._http.request(method, url, **kw))
         except httpx.HTTPError as e:
-            raise AdminAPIError(0, "control plane unreachable", f"{self._http.base_url}: {e}") from e
+            raise _unreachable(self._http.base_url, e) from e
+        except AdminAPIError as e:
+            e.base_url = str(self._http.base_url)
+            raise
 
     async def _run(self, call: _Call[T]) -> T:
         r = await self._send(call.method, call.path, **call.kwargs())

@@ -4,10 +4,14 @@ their `-o json|yaml`, and their errors (one red line, field errors one per line,
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
 
 import pytest
 import yaml
-from cp_harness import ADMIN_KEY
+from cp_harness import ADMIN_KEY, CLUSTER_TOKEN, stop_process, wait_until_up
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -140,3 +144,25 @@ def test_plan_as_json_is_the_plan_alone(admin_env):
     r = cli(admin_env, "plan", "--time-limit", "0")
     assert_clean_failure(r, 2)
     assert "  time_limit_s: Input should be greater than 0" in r.stderr
+
+
+@pytest.fixture
+def router(control_plane: str) -> Iterator[str]:
+    """A geo router of the control plane (`meridian router serve`), serving its routing table."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cli", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
+         "--control-plane-url", control_plane],
+        env={**os.environ, "MERIDIAN_CLUSTER_TOKEN": CLUSTER_TOKEN}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until_up(proc, port, timeout_s=60)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_process(proc)
+
+
+def test_a_router_given_as_the_control_plane_is_named_as_one(admin_env, router):
+    r = cli({**admin_env, "MERIDIAN_CONTROL_PLANE_URL": router, "COLUMNS": "300"}, "tenants", "list")
+    assert_clean_failure(r, 1)
+    assert r.stderr.startswith(f"{router}: that is a router, not the control plane (")
+    assert "--control-plane" in r.stderr and len(r.stderr.strip().splitlines()) == 1
