@@ -20,11 +20,12 @@ from cli.admin_session import (
     api_errors,
     console,
     emit,
+    err_console,
     fail,
 )
 from cli.admin_views import deployments_table, keys_table, models_table, tenants_table
 from meridian.admin_api import ApiKeyCreate, TenantCreate, TenantPatch
-from meridian.admin_client import request_body
+from meridian.admin_client import AdminAPIError, request_body
 
 keys_app = typer.Typer(no_args_is_help=True, help="Tenants' API keys (admin scope).")
 tenants_app = typer.Typer(no_args_is_help=True, help="Tenants: residency zone, allowed models, rate limits.")
@@ -39,21 +40,38 @@ CacheGroupOpt = Annotated[str | None, typer.Option("--cache-group", help="Share 
 
 @keys_app.command("create")
 def keys_create(
-    tenant: Annotated[str, typer.Option(help="Tenant the key belongs to")],
+    tenant: Annotated[str, typer.Option(help="Tenant the key belongs to (it must exist, or see --create-tenant)")],
     zone: Annotated[str | None, typer.Option(help="Residency zone (eu, us, …) or global (default: the tenant's)")]
     = None,
     scope: Annotated[list[str] | None, typer.Option(help="admin, operator, read-only, inference")] = None,
     model: Annotated[list[str] | None, typer.Option(help="Allowed models (default: all)")] = None,
     name: Annotated[str | None, typer.Option(help="Label for the key")] = None,
+    create_tenant: Annotated[bool, typer.Option(
+        "--create-tenant", help="Create the tenant, in --zone, if it does not exist")] = False,
+    output: OutputOpt = OutputFormat.TABLE,
     control_plane: ControlPlaneOpt = None,
     api_key: ApiKeyOpt = None,
 ) -> None:
-    """Create an API key; the key is printed once and never stored."""
+    """Create an API key; the key is printed once and never stored (with -o json|yaml: the key's
+    record, the key in it)."""
+    if create_tenant and zone is None:
+        fail("--create-tenant needs --zone: the new tenant's residency zone (eu, us, …) or global", 2)
     with api_errors():
         body = request_body(ApiKeyCreate, name=name or tenant, tenant=tenant, zone=zone,
-                            scopes=scope or ["inference"], models=model or None)
+                            scopes=scope or ["inference"], models=model or None, create_tenant=create_tenant)
         with admin_client(control_plane, api_key) as admin:
-            k = admin.create_key(body)
+            try:
+                k = admin.create_key(body)
+            except AdminAPIError as e:
+                if e.status == 404 and e.problem and not create_tenant:
+                    fail(str(e), 1, [f"create it with: meridian tenants create {tenant} --zone ZONE, or "
+                                     f"meridian keys create --tenant {tenant} --create-tenant --zone ZONE"])
+                raise
+    if k.tenant_created:
+        err_console.print(f"created tenant {k.tenant} in zone {k.zone}", highlight=False)
+    if output != OutputFormat.TABLE:
+        emit(output, k)
+        return
     console.print(f"key id {k.id} for tenant {k.tenant} (zone {k.zone}, scopes {', '.join(k.scopes)})",
                   highlight=False)
     console.print("[bold]store it now; it is not shown again:[/bold]")

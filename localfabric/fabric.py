@@ -343,6 +343,7 @@ class LocalFabric:
                 try:
                     keys[zone] = admin.create_key(ApiKeyCreate(
                         name=f"demo-{zone}", tenant=f"demo-{zone}", zone=zone, scopes=[Scope.INFERENCE], models=None,
+                        create_tenant=True,
                     )).key
                 except AdminAPIError as e:
                     raise FabricError(f"creating the {zone} key failed: {e}") from e

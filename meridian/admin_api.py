@@ -113,16 +113,28 @@ class ApiKeyCreate(BaseModel):
 
     # Shown in listings, the audit log and logs: no control characters (CR/LF forge lines).
     name: str = Field(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN)
+    # An existing tenant: a key for an unknown one is refused (404), since a mistyped name would
+    # otherwise become a new tenant with a working key, unless create_tenant asks for one.
     tenant: str = Field(pattern=TENANT_PATTERN)
-    # The tenant's zone when left out; a new tenant is created in this zone (default global).
+    # The tenant's zone when left out, and must be it when given; the new tenant's with create_tenant.
     zone: ZoneName | None = None
     scopes: list[Scope] = Field(min_length=1, max_length=len(Scope))
     models: list[ModelName] | None = Field(None, max_length=64)
+    create_tenant: bool = Field(
+        False, description="Create the tenant in `zone` (required then) if it does not exist, in the "
+        "same transaction as the key; without it a key for an unknown tenant is refused with 404.")
 
     @field_validator("scopes")
     @classmethod
     def _unique(cls, v: list[Scope]) -> list[Scope]:
         return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _new_tenants_zone(self) -> ApiKeyCreate:
+        # Residency is never a default: a tenant created here gets the zone the caller chose.
+        if self.create_tenant and self.zone is None:
+            raise ValueError("create_tenant needs the new tenant's zone (a residency zone, or global)")
+        return self
 
 
 class ApiKeyView(BaseModel):
@@ -143,6 +155,7 @@ class ApiKeyCreated(ApiKeyView):
     """The answer to a creation: the only time the plaintext key is ever shown."""
 
     key: str
+    tenant_created: bool = Field(False, description="This request created the key's tenant (create_tenant)")
 
 
 # --- deployments -----------------------------------------------------------------------

@@ -15,7 +15,7 @@ from cp_harness import ADMIN_KEY, CLUSTER_TOKEN, stop_process, wait_until_up
 from typer.testing import CliRunner
 
 from cli.main import app
-from meridian.admin_api import ApiKeyView, TenantView
+from meridian.admin_api import ApiKeyCreated, ApiKeyView, TenantView
 from meridian.ports import free_port
 
 runner = CliRunner()
@@ -81,8 +81,9 @@ def test_the_control_planes_own_refusals_are_one_line(admin_env):
 
 
 def test_keys_are_listed_without_secrets_and_revoked(admin_env):
-    r = cli(admin_env, "keys", "create", "--tenant", "keyed", "--zone", "us", "--name", "ci")
+    r = cli(admin_env, "keys", "create", "--tenant", "keyed", "--zone", "us", "--name", "ci", "--create-tenant")
     assert r.exit_code == 0, r.output
+    assert "created tenant keyed in zone us" in r.stderr
     secret = r.stdout.strip().splitlines()[-1]
     r = cli(admin_env, "keys", "list", "--tenant", "keyed", "-o", "json")
     assert r.exit_code == 0, r.output
@@ -98,6 +99,35 @@ def test_keys_are_listed_without_secrets_and_revoked(admin_env):
     r = cli(admin_env, "keys", "revoke", "no-such-key")
     assert_clean_failure(r, 1)
     assert r.stderr.startswith("404 Not Found")
+
+
+def test_a_key_for_an_unknown_tenant_is_refused_and_nothing_is_created(admin_env):
+    assert cli(admin_env, "tenants", "create", "typo-corp", "--zone", "eu").exit_code == 0
+    r = cli(admin_env, "keys", "create", "--tenant", "typo-crop")
+    assert_clean_failure(r, 1)
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("404 Not Found: no tenant 'typo-crop' (did you mean 'typo-corp'?)")
+    assert lines[1] == ("  create it with: meridian tenants create typo-crop --zone ZONE, or meridian keys create "
+                        "--tenant typo-crop --create-tenant --zone ZONE")
+    tenants = {t["name"] for t in json.loads(cli(admin_env, "tenants", "list", "-o", "json").stdout)}
+    assert "typo-crop" not in tenants and "typo-corp" in tenants
+    assert json.loads(cli(admin_env, "keys", "list", "--tenant", "typo-crop", "-o", "json").stdout) == []
+    # Creating the tenant with its key takes a zone: residency is never a default.
+    r = cli(admin_env, "keys", "create", "--tenant", "typo-crop", "--create-tenant")
+    assert_clean_failure(r, 2)
+    assert "--create-tenant needs --zone" in r.stderr
+
+
+def test_keys_create_as_json_is_the_key_and_its_record(admin_env):
+    r = cli(admin_env, "keys", "create", "--tenant", "jsonco", "--zone", "eu", "--create-tenant", "-o", "json")
+    assert r.exit_code == 0, r.output
+    made = ApiKeyCreated.model_validate_json(r.stdout)  # stdout is the JSON alone
+    assert made.key.startswith(made.key_prefix) and (made.tenant, made.zone, made.tenant_created) == ("jsonco", "eu", True)
+    assert "created tenant jsonco in zone eu" in r.stderr
+    r = cli(admin_env, "keys", "create", "--tenant", "jsonco", "-o", "yaml")
+    assert r.exit_code == 0, r.output
+    again = yaml.safe_load(r.stdout)
+    assert again["tenant_created"] is False and again["key"] != made.key and r.stderr == ""
 
 
 def test_a_bad_flag_is_refused_before_anything_is_sent():

@@ -76,7 +76,8 @@ class ControlPlane:
         return version
 
     async def create_key(self, headers: dict[str, str] | None = None, **fields: Any) -> httpx.Response:
-        body = {"name": "k", "tenant": "acme", "zone": "eu", "scopes": ["inference"], **fields}
+        # The tenant is made with its first key: the tests are about keys, not tenants.
+        body = {"name": "k", "tenant": "acme", "zone": "eu", "scopes": ["inference"], "create_tenant": True, **fields}
         return await self.http.post("/v1/api-keys", json=body, headers=headers or self.admin)
 
 
