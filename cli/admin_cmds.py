@@ -3,6 +3,11 @@
 Each command is one or two admin calls (meridian.admin_client) and a table, or with `-o json|yaml`
 the API's models as they came. Request bodies are the kernel's models, built with
 `request_body`, so a bad flag is refused here in the words the control plane would use.
+
+A delete reads the resource first, asks (unless --yes) naming what goes with it, and deletes
+only the version it showed (If-Match): what changed meanwhile is refused with 412, not
+deleted unseen. A tenant's keys are revoked with it; a model with a deployment is refused
+(409: delete the deployment first); a deployment's model stays registered.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from cli.admin_session import (
     ControlPlaneOpt,
     OutputFormat,
     OutputOpt,
+    YesOpt,
     admin_client,
     api_errors,
+    confirm,
     console,
     emit,
     err_console,
@@ -30,6 +37,8 @@ from meridian.admin_client import AdminAPIError, request_body
 keys_app = typer.Typer(no_args_is_help=True, help="Tenants' API keys (admin scope).")
 tenants_app = typer.Typer(no_args_is_help=True, help="Tenants: residency zone, allowed models, rate limits.")
 deployments_app = typer.Typer(no_args_is_help=True, help="Deployments (create them with `meridian deploy`).")
+# `meridian models` alone lists them, as it did before the group had commands.
+models_app = typer.Typer(invoke_without_command=True, help="Registered models (register them with `meridian deploy`).")
 
 TenantZoneOpt = Annotated[str | None, typer.Option("--zone", help="Residency zone (eu, us, …) or global")]
 ModelsOpt = Annotated[list[str] | None, typer.Option("--model", help="Allowed model (repeat)")]
@@ -165,12 +174,52 @@ def tenants_update(
     emit(output, tenant, tenants_table([tenant]))
 
 
+@tenants_app.command("delete")
+def tenants_delete(
+    name: Annotated[str, typer.Argument(help="Tenant name")],
+    yes: YesOpt = False,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Delete a tenant; every key of it is revoked in the same transaction (admin)."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        tenant = admin.tenant(name)
+        keys = admin.list_keys(name)
+        confirm(f"delete tenant {name} (zone {tenant.zone}) and revoke its {len(keys)} key(s)?", yes)
+        admin.delete_tenant(name, tenant.resource_version)
+    console.print(f"tenant {name} deleted; its {len(keys)} key(s) revoked", highlight=False)
+
+
+@models_app.callback()
+def models_root(ctx: typer.Context, output: OutputOpt = OutputFormat.TABLE, control_plane: ControlPlaneOpt = None,
+                api_key: ApiKeyOpt = None) -> None:
+    """List the registered models and their shapes (or: models list, models delete NAME)."""
+    if ctx.invoked_subcommand is None:
+        models_list(output, control_plane, api_key)
+
+
+@models_app.command("list")
 def models_list(output: OutputOpt = OutputFormat.TABLE, control_plane: ControlPlaneOpt = None,
                 api_key: ApiKeyOpt = None) -> None:
     """List the registered models and their shapes."""
     with api_errors(), admin_client(control_plane, api_key) as admin:
         models = admin.models()
     emit(output, models, models_table(models))
+
+
+@models_app.command("delete")
+def models_delete(
+    name: Annotated[str, typer.Argument(help="Model name")],
+    yes: YesOpt = False,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Delete a registered model; refused while it has a deployment (operator)."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        model = admin.model(name)
+        confirm(f"delete model {name}?", yes)
+        admin.delete_model(name, model.resource_version)
+    console.print(f"model {name} deleted", highlight=False)
 
 
 @deployments_app.command("list")
@@ -180,6 +229,23 @@ def deployments_list(output: OutputOpt = OutputFormat.TABLE, control_plane: Cont
     with api_errors(), admin_client(control_plane, api_key) as admin:
         deployments = admin.deployments()
     emit(output, deployments, deployments_table(deployments))
+
+
+@deployments_app.command("delete")
+def deployments_delete(
+    model: Annotated[str, typer.Argument(help="The deployed model's name")],
+    yes: YesOpt = False,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Delete a model's deployment; the model stays registered (operator)."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        d = admin.deployment(model)
+        confirm(f"delete the deployment of {model} (zone {d.zone}, {d.min_replicas}–{d.max_replicas} replicas)?",
+                yes)
+        admin.delete_deployment(model, d.resource_version)
+    console.print(f"deployment of {model} deleted (the model stays registered: meridian models delete {model})",
+                  highlight=False)
 
 
 def _given(**fields: Any) -> dict[str, Any]:

@@ -59,6 +59,15 @@ def fail(message: str, code: int = 1, details: Sequence[str] = ()) -> NoReturn:
     raise typer.Exit(code)
 
 
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask before deleting")]
+
+
+def confirm(question: str, yes: bool) -> None:
+    """Go on if --yes was given or the operator answers yes; otherwise exit 1, nothing changed."""
+    if not yes and not typer.confirm(question, err=True):
+        fail("nothing was deleted")
+
+
 def fail_api(e: AdminAPIError) -> NoReturn:
     """The control plane's refusal: its status and detail, and each field error of a 422. An
     answer that is not a control plane's says what answered instead."""

@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from chaos.cli import app as chaos_app
 from cli import config_cmd
-from cli.admin_cmds import deployments_app, keys_app, models_list, tenants_app
+from cli.admin_cmds import deployments_app, keys_app, models_app, tenants_app
 from cli.admin_session import (
     ApiKeyOpt,
     ControlPlaneOpt,
@@ -46,6 +46,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(keys_app, name="keys")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(deployments_app, name="deployments")
+app.add_typer(models_app, name="models")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(chaos_app, name="chaos")
 app.add_typer(config_cmd.app, name="config")
@@ -128,7 +129,6 @@ def plan(
         err_console.print(f"[green]plan {applied.id} applied[/green]")
 
 
-app.command("models")(models_list)
 app.command("deploy")(deploy)
 
 

@@ -138,9 +138,12 @@ class _Call(Generic[T]):
     params: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
     paged: bool = False
+    headers: Mapping[str, str] = field(default_factory=dict)
 
     def kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"params": dict(self.params) or None}
+        if self.headers:
+            kw["headers"] = dict(self.headers)
         if self.body is not None:
             # Only what the caller set: the control plane fills in its own defaults.
             kw["json"] = self.body.model_dump(mode="json", exclude_unset=True)
@@ -188,25 +191,66 @@ def _create_tenant(body: TenantCreate) -> _Call[TenantView]:
 
 
 def _patch_tenant(name: str, body: TenantPatch) -> _Call[TenantView]:
-    return _Call("PATCH", f"/v1/tenants/{quote(name, safe='')}", TenantView.model_validate, body=body)
+    return _Call("PATCH", _tenant_path(name), TenantView.model_validate, body=body)
+
+
+def _if_match(version: int | None) -> dict[str, str]:
+    """Only if the resource is still at `version` (the API's ETags are its quoted versions)."""
+    return {"if-match": f'"{version}"'} if version is not None else {}
+
+
+def _tenant_path(name: str) -> str:
+    return f"/v1/tenants/{quote(name, safe='')}"
+
+
+def _get_tenant(name: str) -> _Call[TenantView]:
+    return _Call("GET", _tenant_path(name), TenantView.model_validate)
+
+
+def _delete_tenant(name: str, version: int | None) -> _Call[None]:
+    return _Call("DELETE", _tenant_path(name), _nothing, headers=_if_match(version))
 
 
 def _models() -> _Call[list[ModelView]]:
     return _paged("/v1/models", _list_of(ModelView))
 
 
-def _put_model(name: str, body: ModelUpsert) -> _Call[ModelView]:
+def _model_path(name: str) -> str:
     # Model names may hold '/', which the route takes as part of the name.
-    return _Call("PUT", f"/v1/models/{quote(name, safe='/')}", ModelView.model_validate, body=body)
+    return f"/v1/models/{quote(name, safe='/')}"
+
+
+def _put_model(name: str, body: ModelUpsert) -> _Call[ModelView]:
+    return _Call("PUT", _model_path(name), ModelView.model_validate, body=body)
+
+
+def _get_model(name: str) -> _Call[ModelView]:
+    return _Call("GET", _model_path(name), ModelView.model_validate)
+
+
+def _delete_model(name: str, version: int | None) -> _Call[None]:
+    return _Call("DELETE", _model_path(name), _nothing, headers=_if_match(version))
 
 
 def _deployments() -> _Call[list[DeploymentView]]:
     return _paged("/v1/deployments", _list_of(DeploymentView))
 
 
-def _put_deployment(model: str, body: DeploymentUpsert) -> _Call[DeploymentView]:
+def _deployment_path(model: str) -> str:
     # Model names may hold '/', which the route takes as part of the name.
-    return _Call("PUT", f"/v1/deployments/{quote(model, safe='/')}", DeploymentView.model_validate, body=body)
+    return f"/v1/deployments/{quote(model, safe='/')}"
+
+
+def _put_deployment(model: str, body: DeploymentUpsert) -> _Call[DeploymentView]:
+    return _Call("PUT", _deployment_path(model), DeploymentView.model_validate, body=body)
+
+
+def _get_deployment(model: str) -> _Call[DeploymentView]:
+    return _Call("GET", _deployment_path(model), DeploymentView.model_validate)
+
+
+def _delete_deployment(model: str, version: int | None) -> _Call[None]:
+    return _Call("DELETE", _deployment_path(model), _nothing, headers=_if_match(version))
 
 
 def _preview_plan(body: PlanRequest) -> _Call[PlanView]:
@@ -324,17 +368,38 @@ class AdminClient:
         """Change the fields `body` sets; the others stay as they are."""
         return self._run(_patch_tenant(name, body))
 
+    def tenant(self, name: str) -> TenantView:
+        return self._run(_get_tenant(name))
+
+    def delete_tenant(self, name: str, version: int | None = None) -> None:
+        """Delete the tenant and revoke its keys (only if still at `version`, when given)."""
+        self._run(_delete_tenant(name, version))
+
     def models(self) -> list[ModelView]:
         return self._run(_models())
+
+    def model(self, name: str) -> ModelView:
+        return self._run(_get_model(name))
 
     def put_model(self, name: str, body: ModelUpsert) -> ModelView:
         return self._run(_put_model(name, body))
 
+    def delete_model(self, name: str, version: int | None = None) -> None:
+        """Delete the model (409 while it has a deployment; only if still at `version`, when given)."""
+        self._run(_delete_model(name, version))
+
     def deployments(self) -> list[DeploymentView]:
         return self._run(_deployments())
 
+    def deployment(self, model: str) -> DeploymentView:
+        return self._run(_get_deployment(model))
+
     def put_deployment(self, model: str, body: DeploymentUpsert) -> DeploymentView:
         return self._run(_put_deployment(model, body))
+
+    def delete_deployment(self, model: str, version: int | None = None) -> None:
+        """Delete the deployment (only if still at `version`, when given)."""
+        self._run(_delete_deployment(model, version))
 
     def preview_plan(self, body: PlanRequest) -> PlanView:
         """Solve a placement preview; waits for the solve (its time limit and a margin)."""

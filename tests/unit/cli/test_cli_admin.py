@@ -15,7 +15,8 @@ from cp_harness import ADMIN_KEY, CLUSTER_TOKEN, stop_process, wait_until_up
 from typer.testing import CliRunner
 
 from cli.main import app
-from meridian.admin_api import ApiKeyCreated, ApiKeyView, TenantView
+from meridian.admin_api import ApiKeyCreated, ApiKeyView, DeploymentUpsert, ModelUpsert, TenantView
+from meridian.admin_client import AdminClient
 from meridian.ports import free_port
 
 runner = CliRunner()
@@ -196,3 +197,39 @@ def test_a_router_given_as_the_control_plane_is_named_as_one(admin_env, router):
     assert_clean_failure(r, 1)
     assert r.stderr.startswith(f"{router}: that is a router, not the control plane (")
     assert "--control-plane" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_tenant_is_deleted_only_when_confirmed_and_its_keys_go_with_it(admin_env):
+    assert cli(admin_env, "keys", "create", "--tenant", "leaving", "--zone", "eu", "--create-tenant").exit_code == 0
+    r = runner.invoke(app, ["tenants", "delete", "leaving"], env=admin_env, input="n\n")
+    assert r.exit_code == 1 and "delete tenant leaving (zone eu) and revoke its 1 key(s)?" in r.stderr
+    assert "nothing was deleted" in r.stderr
+    assert "leaving" in {t["name"] for t in json.loads(cli(admin_env, "tenants", "list", "-o", "json").stdout)}
+    r = runner.invoke(app, ["tenants", "delete", "leaving"], env=admin_env, input="y\n")
+    assert r.exit_code == 0, r.output
+    assert "tenant leaving deleted; its 1 key(s) revoked" in r.stdout
+    assert "leaving" not in {t["name"] for t in json.loads(cli(admin_env, "tenants", "list", "-o", "json").stdout)}
+    assert json.loads(cli(admin_env, "keys", "list", "--tenant", "leaving", "-o", "json").stdout) == []
+    r = cli(admin_env, "tenants", "delete", "leaving", "--yes")
+    assert_clean_failure(r, 1)
+    assert r.stderr.startswith("404 Not Found: no tenant 'leaving'")
+
+
+def test_a_model_is_deleted_after_its_deployment(admin_env):
+    shape = ModelUpsert(params_b=0.5, layers=2, kv_heads=2, head_dim=16)
+    with AdminClient(admin_env["MERIDIAN_CONTROL_PLANE_URL"], ADMIN_KEY) as admin:
+        admin.put_model("doomed", shape)
+        admin.put_deployment("doomed", DeploymentUpsert(zone="eu"))
+    r = cli(admin_env, "models", "delete", "doomed", "--yes")
+    assert_clean_failure(r, 1)
+    assert r.stderr.startswith("409 Conflict: model 'doomed' has a deployment; delete the deployment first")
+    r = runner.invoke(app, ["deployments", "delete", "doomed"], env=admin_env, input="y\n")
+    assert r.exit_code == 0, r.output
+    assert "delete the deployment of doomed (zone eu, 0–1 replicas)?" in r.stderr
+    assert "deployment of doomed deleted" in r.stdout
+    assert "doomed" not in {d["model"] for d in json.loads(cli(admin_env, "deployments", "list", "-o", "json").stdout)}
+    assert "doomed" in {m["name"] for m in json.loads(cli(admin_env, "models", "-o", "json").stdout)}
+    r = cli(admin_env, "models", "delete", "doomed", "-y")
+    assert r.exit_code == 0, r.output
+    assert "doomed" not in {m["name"] for m in json.loads(cli(admin_env, "models", "list", "-o", "json").stdout)}
+    assert_clean_failure(cli(admin_env, "deployments", "delete", "doomed", "--yes"), 1)
