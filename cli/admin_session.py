@@ -36,11 +36,11 @@ from rich.console import Console
 
 from meridian.admin_api import CONTROL_PLANE_SERVICE
 from meridian.admin_client import AdminAPIError, AdminClient
-from meridian.cli_format import OutputFormat, OutputOpt, emit
+from meridian.cli_format import OutputConsole, OutputFormat, OutputOpt, emit
 from meridian.cli_settings import settings_or_exit
 from meridian.settings import CLISettings
 
-console = Console()
+console = OutputConsole()  # piped: wide enough that no table row folds
 err_console = Console(stderr=True)
 
 # Where `meridian demo` leaves its state (localfabric writes it; cli/demo.py's default work dir).

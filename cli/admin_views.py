@@ -7,7 +7,7 @@ from datetime import datetime
 from rich.table import Table
 
 from meridian.admin_api import ApiKeyView, ModelView, TenantView
-from meridian.cli_format import folding_table
+from meridian.cli_format import folding_table, human_params
 from meridian.contracts import DeploymentView
 
 
@@ -49,7 +49,7 @@ def models_table(models: list[ModelView]) -> Table:
     table = folding_table("Model", "Params", "Layers", "KV heads", "Head dim", "Quant", "Context", "Weights",
                           right=("Params", "Layers", "KV heads", "Head dim", "Context"), title="Models")
     for m in models:
-        table.add_row(m.name, f"{m.params_b:g}B", str(m.layers), str(m.kv_heads), str(m.head_dim),
+        table.add_row(m.name, human_params(m.params_b), str(m.layers), str(m.kv_heads), str(m.head_dim),
                       m.quantization, f"{m.max_context:,}", m.weights_uri or "-")
     if not models:
         table.add_row("(no models registered)", *["-"] * 7)

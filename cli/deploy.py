@@ -38,6 +38,7 @@ from cli.admin_session import (
 )
 from meridian.admin_api import WEIGHTS_URI_PATTERN, DeploymentUpsert, ModelUpsert
 from meridian.admin_client import AdminAPIError
+from meridian.cli_format import human_params
 from meridian.contracts import ModelName
 
 
@@ -135,7 +136,7 @@ def deploy(
     with api_errors(), admin_client(control_plane, api_key) as admin:
         if model is not None:
             m = admin.put_model(spec.name, model)
-            err_console.print(f"model {m.name}: {m.params_b:g}B parameters, {m.layers} layers, "
+            err_console.print(f"model {m.name}: {human_params(m.params_b)} parameters, {m.layers} layers, "
                               f"{m.kv_heads} KV heads × {m.head_dim} (version {m.resource_version})",
                               highlight=False)
         try:

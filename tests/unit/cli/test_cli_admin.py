@@ -3,10 +3,14 @@ their `-o json|yaml`, and their errors (one red line, field errors one per line,
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import struct
 import subprocess
 import sys
+import termios
 from collections.abc import Iterator
 
 import pytest
@@ -233,3 +237,23 @@ def test_a_model_is_deleted_after_its_deployment(admin_env):
     assert r.exit_code == 0, r.output
     assert "doomed" not in {m["name"] for m in json.loads(cli(admin_env, "models", "list", "-o", "json").stdout)}
     assert_clean_failure(cli(admin_env, "deployments", "delete", "doomed", "--yes"), 1)
+
+
+def test_a_piped_table_keeps_each_row_on_one_line_whatever_the_terminal(admin_env):
+    """`meridian models | grep …` in an 80-column terminal: stdin is that terminal, stdout a pipe."""
+    name, uri = "acme/a-model-with-a-rather-long-name-v2", "s3://acme-weights-europe-west/a-model-with-a-long-name-v2"
+    with AdminClient(admin_env["MERIDIAN_CONTROL_PLANE_URL"], ADMIN_KEY) as admin:
+        admin.put_model(name, ModelUpsert(params_b=0.134515, layers=30, kv_heads=3, head_dim=64, weights_uri=uri))
+    terminal, tty = pty.openpty()
+    fcntl.ioctl(tty, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    env = {k: v for k, v in {**os.environ, **admin_env}.items() if k != "COLUMNS"}
+    try:
+        r = subprocess.run([sys.executable, "-m", "cli", "models"], stdin=tty, capture_output=True, text=True,
+                           env=env, timeout=60)
+    finally:
+        os.close(tty)
+        os.close(terminal)
+    assert r.returncode == 0, r.stderr
+    [row] = [line for line in r.stdout.splitlines() if name in line]
+    assert uri in row and "135M" in row
+    assert len(row) > 80  # the row's own width, not the terminal's
