@@ -1,4 +1,5 @@
-"""`meridian keys`, `tenants`, `models` and `deployments`: the admin API's resources from a shell.
+"""`meridian keys`, `tenants`, `models`, `deployments`, `nodes`, `audit` and `fit`: the admin API's
+resources from a shell.
 
 Each command is one or two admin calls (meridian.admin_client) and a table, or with `-o json|yaml`
 the API's models as they came. Request bodies are the kernel's models, built with
@@ -30,7 +31,8 @@ from cli.admin_session import (
     err_console,
     fail,
 )
-from cli.admin_views import deployments_table, keys_table, models_table, tenants_table
+from cli.admin_views import audit_table, deployments_table, fit_table, keys_table, models_table, tenants_table
+from cli.status_view import nodes_table
 from meridian.admin_api import ApiKeyCreate, TenantCreate, TenantPatch
 from meridian.admin_client import AdminAPIError, request_body
 
@@ -246,6 +248,56 @@ def deployments_delete(
         admin.delete_deployment(model, d.resource_version)
     console.print(f"deployment of {model} deleted (the model stays registered: meridian models delete {model})",
                   highlight=False)
+
+
+def nodes_list(output: OutputOpt = OutputFormat.TABLE, control_plane: ControlPlaneOpt = None,
+               api_key: ApiKeyOpt = None) -> None:
+    """List every node: region, provider, state, engine, models and load (lost ones too, until forgotten)."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        nodes = admin.nodes()
+    emit(output, nodes, nodes_table(nodes))
+
+
+def audit_log(
+    limit: Annotated[int, typer.Option(min=1, max=1000, help="Entries per page")] = 20,
+    cursor: Annotated[str | None, typer.Option(help="The next page's cursor (printed under a page)")] = None,
+    resource_type: Annotated[str | None, typer.Option(
+        "--type", help="Only this kind of resource: tenant, api_key, model, deployment, placement_plan, …")] = None,
+    resource_id: Annotated[str | None, typer.Option("--id", help="Only this resource (with --type)")] = None,
+    actor: Annotated[str | None, typer.Option(help="Only changes by this actor id (a key's id, or system:…)")]
+    = None,
+    since: Annotated[str | None, typer.Option(help="Only entries at or after this instant (ISO 8601, with zone)")]
+    = None,
+    output: OutputOpt = OutputFormat.TABLE,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Show the audit log, newest first, a page at a time: who changed what, when."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        page = admin.audit(limit, cursor, resource_type=resource_type, resource_id=resource_id, actor_id=actor,
+                           since=since)
+    emit(output, page.entries, audit_table(page.entries))
+    if page.next_cursor:
+        given = _given(limit=limit if limit != 20 else None, type=resource_type, id=resource_id, actor=actor,
+                       since=since)
+        flags = "".join(f" --{k} {v}" for k, v in given.items())
+        err_console.print(f"older entries: meridian audit{flags} --cursor {page.next_cursor}", highlight=False,
+                          soft_wrap=True)
+
+
+def model_fit(
+    model: Annotated[str, typer.Argument(help="A registered model's name")],
+    spot: Annotated[bool, typer.Option("--spot", help="Price the offerings at their spot price")] = False,
+    output: OutputOpt = OutputFormat.TABLE,
+    control_plane: ControlPlaneOpt = None,
+    api_key: ApiKeyOpt = None,
+) -> None:
+    """Which GPU SKUs one replica of a model fits on: GPUs, memory, throughput, cheapest offering."""
+    with api_errors(), admin_client(control_plane, api_key) as admin:
+        fit = admin.model_fit(model, spot)
+    emit(output, fit, fit_table(fit))
+    if output == OutputFormat.TABLE and fit.does_not_fit:
+        console.print(f"does not fit: {', '.join(fit.does_not_fit)}", highlight=False)
 
 
 def _given(**fields: Any) -> dict[str, Any]:

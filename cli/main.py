@@ -12,7 +12,15 @@ from rich.markup import escape
 
 from chaos.cli import app as chaos_app
 from cli import config_cmd
-from cli.admin_cmds import deployments_app, keys_app, models_app, tenants_app
+from cli.admin_cmds import (
+    audit_log,
+    deployments_app,
+    keys_app,
+    model_fit,
+    models_app,
+    nodes_list,
+    tenants_app,
+)
 from cli.admin_session import (
     ApiKeyOpt,
     ControlPlaneOpt,
@@ -37,7 +45,8 @@ from meridian.admin_client import request_body
 from providers.cli import app as catalog_app
 
 # The CLI composes the planes' own sub-apps (each imports its heavy modules inside its
-# commands) with the commands that cut across them: status, keys, tenants, models, deploy, plan, demo.
+# commands) with the commands that cut across them: status, keys, tenants, models, deployments,
+# deploy, nodes, audit, fit, plan, demo.
 app = typer.Typer(no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 app.add_typer(control_plane_app, name="control-plane")
 app.add_typer(router_app, name="router")
@@ -130,6 +139,9 @@ def plan(
 
 
 app.command("deploy")(deploy)
+app.command("nodes")(nodes_list)
+app.command("audit")(audit_log)
+app.command("fit")(model_fit)
 
 
 @app.command("demo")

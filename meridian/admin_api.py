@@ -234,6 +234,64 @@ class ModelView(BaseModel):
     updated_at: datetime
 
 
+# --- model fit -------------------------------------------------------------------------
+
+
+class OfferingCost(BaseModel):
+    """The offering that serves a model's tokens cheapest on one SKU, at full load."""
+
+    provider: str
+    region: str
+    instance_type: str
+    gpu_count: int
+    replicas_per_instance: int
+    price_per_hour: float
+    spot: bool
+    usd_per_million_tokens: float
+
+
+class SkuFitView(BaseModel):
+    """One replica of the model on one SKU: GPUs it needs, memory per GPU, roofline throughput."""
+
+    sku: str
+    tensor_parallel: int = Field(description="GPUs per replica (the smallest TP degree that fits)")
+    weights_gib_per_gpu: float
+    kv_cache_gib_per_gpu: float
+    overhead_gib_per_gpu: float
+    used_gib_per_gpu: float
+    usable_gib_per_gpu: float
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+    cheapest: OfferingCost | None = Field(description="None when no provider offers the SKU at a price")
+
+
+class ModelFitView(BaseModel):
+    model: str
+    resource_version: int
+    fits: list[SkuFitView] = Field(description="SKUs the model fits on, cheapest per token first")
+    does_not_fit: list[str] = Field(description="SKUs too small even at the largest TP degree")
+
+
+# --- audit log -------------------------------------------------------------------------
+
+
+class AuditEntryView(BaseModel):
+    """One change: when, who (API key id and name, or system:<component>), what, before and after."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    at: datetime
+    actor_id: str
+    actor_name: str
+    action: str
+    resource_type: str
+    resource_id: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    request_id: str | None
+
+
 # --- placement plans -------------------------------------------------------------------
 
 

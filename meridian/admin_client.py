@@ -29,7 +29,9 @@ from meridian.admin_api import (
     ApiKeyCreate,
     ApiKeyCreated,
     ApiKeyView,
+    AuditEntryView,
     DeploymentUpsert,
+    ModelFitView,
     ModelUpsert,
     ModelView,
     PlanRequest,
@@ -236,6 +238,24 @@ def _deployments() -> _Call[list[DeploymentView]]:
     return _paged("/v1/deployments", _list_of(DeploymentView))
 
 
+def _model_fit(name: str, spot: bool) -> _Call[ModelFitView]:
+    params = {"spot": "true"} if spot else {}
+    return _Call("GET", f"{_model_path(name)}/fit", ModelFitView.model_validate, params=params)
+
+
+@dataclass(frozen=True)
+class AuditPage:
+    """One page of the audit log, newest first; `next_cursor` asks for the older entries (None: no more)."""
+
+    entries: list[AuditEntryView]
+    next_cursor: str | None
+
+
+def _audit(limit: int, cursor: str | None, filters: Mapping[str, str | None]) -> _Call[list[AuditEntryView]]:
+    params = {k: v for k, v in {**filters, "cursor": cursor}.items() if v is not None}
+    return _Call("GET", "/v1/audit", _list_of(AuditEntryView), params={"limit": str(limit), **params})
+
+
 def _deployment_path(model: str) -> str:
     # Model names may hold '/', which the route takes as part of the name.
     return f"/v1/deployments/{quote(model, safe='/')}"
@@ -387,6 +407,20 @@ class AdminClient:
     def delete_model(self, name: str, version: int | None = None) -> None:
         """Delete the model (409 while it has a deployment; only if still at `version`, when given)."""
         self._run(_delete_model(name, version))
+
+    def model_fit(self, name: str, spot: bool = False) -> ModelFitView:
+        """Which GPU SKUs one replica of the model fits on, cheapest per token first."""
+        return self._run(_model_fit(name, spot))
+
+    def audit(self, limit: int = 50, cursor: str | None = None, *, resource_type: str | None = None,
+              resource_id: str | None = None, actor_id: str | None = None, since: str | None = None) -> AuditPage:
+        """One page of the audit log (newest first) and the cursor of the next, older one."""
+        call = _audit(limit, cursor, {"resource_type": resource_type, "resource_id": resource_id,
+                                      "actor_id": actor_id, "since": since})
+        r = self._send(call.method, call.path, **call.kwargs())
+        entries = _parsed(call, r, _body(call, r))
+        next_url = _next_url(r)
+        return AuditPage(entries, httpx.URL(next_url).params.get("cursor") if next_url else None)
 
     def deployments(self) -> list[DeploymentView]:
         return self._run(_deployments())

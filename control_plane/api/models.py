@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
-from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
@@ -18,7 +17,7 @@ from control_plane.db.models import ModelRecord
 from control_plane.errors import Conflict
 from control_plane.placement.fit import ModelFit, fit_model
 from control_plane.scopes import FLEET_READERS, Scope
-from meridian.admin_api import ModelUpsert, ModelView
+from meridian.admin_api import ModelFitView, ModelUpsert, ModelView, OfferingCost, SkuFitView
 from meridian.contracts import PRINTABLE_PATTERN
 from providers.catalog import Catalog
 
@@ -32,41 +31,6 @@ ModelNameParam = Annotated[
 
 def model_view(row: ModelRecord) -> ModelView:
     return ModelView.model_validate(model_store.as_dict(row))
-
-
-class OfferingCost(BaseModel):
-    """The offering that serves a model's tokens cheapest on one SKU, at full load."""
-
-    provider: str
-    region: str
-    instance_type: str
-    gpu_count: int
-    replicas_per_instance: int
-    price_per_hour: float
-    spot: bool
-    usd_per_million_tokens: float
-
-
-class SkuFitView(BaseModel):
-    """One replica of the model on one SKU: GPUs it needs, memory per GPU, roofline throughput."""
-
-    sku: str
-    tensor_parallel: int = Field(description="GPUs per replica (the smallest TP degree that fits)")
-    weights_gib_per_gpu: float
-    kv_cache_gib_per_gpu: float
-    overhead_gib_per_gpu: float
-    used_gib_per_gpu: float
-    usable_gib_per_gpu: float
-    decode_tokens_per_s: float
-    prefill_tokens_per_s: float
-    cheapest: OfferingCost | None = Field(description="None when no provider offers the SKU at a price")
-
-
-class ModelFitView(BaseModel):
-    model: str
-    resource_version: int
-    fits: list[SkuFitView] = Field(description="SKUs the model fits on, cheapest per token first")
-    does_not_fit: list[str] = Field(description="SKUs too small even at the largest TP degree")
 
 
 def _cheapest(fit: ModelFit, catalog: Catalog, sku: str, spot: bool) -> OfferingCost | None:

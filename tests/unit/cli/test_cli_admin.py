@@ -13,13 +13,21 @@ import sys
 import termios
 from collections.abc import Iterator
 
+import httpx
 import pytest
 import yaml
 from cp_harness import ADMIN_KEY, CLUSTER_TOKEN, stop_process, wait_until_up
 from typer.testing import CliRunner
 
 from cli.main import app
-from meridian.admin_api import ApiKeyCreated, ApiKeyView, DeploymentUpsert, ModelUpsert, TenantView
+from meridian.admin_api import (
+    ApiKeyCreated,
+    ApiKeyView,
+    DeploymentUpsert,
+    ModelFitView,
+    ModelUpsert,
+    TenantView,
+)
 from meridian.admin_client import AdminClient
 from meridian.ports import free_port
 
@@ -257,3 +265,61 @@ def test_a_piped_table_keeps_each_row_on_one_line_whatever_the_terminal(admin_en
     [row] = [line for line in r.stdout.splitlines() if name in line]
     assert uri in row and "135M" in row
     assert len(row) > 80  # the row's own width, not the terminal's
+
+
+def test_nodes_lists_every_node_with_its_state_and_load(admin_env, control_plane):
+    internal = {"authorization": f"Bearer {CLUSTER_TOKEN}"}
+    node = {"node_id": "node-eu-1", "region": "gcp:europe-west4", "url": "http://10.0.0.5:8000",
+            "models": ["tiny-llama"], "status": "ready"}
+    assert httpx.post(f"{control_plane}/v1/nodes/register", json=node, headers=internal).status_code == 200
+    beat = {"status": "ready", "load": {"running": 3, "waiting": 7, "kv_cache_usage": 0.25, "requests_completed": 1234}}
+    assert httpx.post(f"{control_plane}/v1/nodes/node-eu-1/heartbeat", json=beat, headers=internal).status_code == 200
+    r = cli(admin_env, "nodes")
+    assert r.exit_code == 0, r.output
+    [row] = [line for line in r.stdout.splitlines() if "node-eu-1" in line]
+    cells = [c.strip() for c in row.strip("│ ").split("│")]
+    assert cells[:6] == ["node-eu-1", "gcp:europe-west4", "gcp", "ready", "torch", "tiny-llama"]
+    assert cells[6:10] == ["3", "7", "25%", "1,234"]
+    r = cli(admin_env, "nodes", "-o", "json")
+    assert [(n["node_id"], n["load"]["waiting"]) for n in json.loads(r.stdout)] == [("node-eu-1", 7)]
+    assert httpx.delete(f"{control_plane}/v1/nodes/node-eu-1", headers=internal).status_code == 204
+
+
+def test_audit_shows_who_changed_what_a_page_at_a_time(admin_env):
+    assert cli(admin_env, "tenants", "create", "audited", "--zone", "eu").exit_code == 0
+    assert cli(admin_env, "tenants", "update", "audited", "--zone", "us", "--requests-per-minute", "600").exit_code == 0
+    r = cli(admin_env, "audit", "--type", "tenant", "--id", "audited")
+    assert r.exit_code == 0, r.output
+    rows = [line for line in r.stdout.splitlines() if "tenant audited" in line]
+    assert len(rows) == 2 and "update" in rows[0] and "create" in rows[1]  # newest first
+    assert "zone: eu → us; requests_per_minute: - → 600" in rows[0] and "bootstrap-admin" in rows[0]
+    r = cli(admin_env, "audit", "--type", "tenant", "--id", "audited", "--limit", "1", "-o", "json")
+    assert r.exit_code == 0, r.output
+    [newest] = json.loads(r.stdout)
+    assert (newest["action"], newest["after"]["zone"]) == ("update", "us")
+    more = r.stderr.strip()
+    assert more.startswith("older entries: meridian audit --limit 1 --type tenant --id audited --cursor ")
+    r = cli(admin_env, *more.removeprefix("older entries: meridian ").split(), "-o", "json")
+    assert [e["action"] for e in json.loads(r.stdout)] == ["create"] and r.stderr == ""
+    r = cli(admin_env, "audit", "--since", "2026-01-01T00:00:00")  # no zone: which instant is it?
+    assert_clean_failure(r, 2)
+    assert "since: Input should have timezone info" in r.stderr
+
+
+def test_fit_says_which_skus_a_model_fits_and_at_what_price(admin_env):
+    with AdminClient(admin_env["MERIDIAN_CONTROL_PLANE_URL"], ADMIN_KEY) as admin:
+        admin.put_model("llama-70b", ModelUpsert(params_b=70.6, layers=80, kv_heads=8, head_dim=128,
+                                                 attention_heads=64, hidden_size=8192))
+    r = cli(admin_env, "fit", "llama-70b", "-o", "json")
+    assert r.exit_code == 0, r.output
+    fit = ModelFitView.model_validate_json(r.stdout)
+    assert fit.fits and fit.does_not_fit and all(f.tensor_parallel > 1 for f in fit.fits)
+    cheapest = fit.fits[0]
+    r = cli(admin_env, "fit", "llama-70b")
+    assert r.exit_code == 0, r.output
+    [row] = [line for line in r.stdout.splitlines() if f"│ {cheapest.sku} " in line]
+    assert cheapest.cheapest is not None and cheapest.cheapest.instance_type in row
+    assert f"does not fit: {', '.join(fit.does_not_fit)}" in " ".join(r.stdout.split())
+    r = cli(admin_env, "fit", "no-such-model")
+    assert_clean_failure(r, 1)
+    assert r.stderr.startswith("404 Not Found: no model 'no-such-model'")
