@@ -158,29 +158,6 @@ class ApiKeyCreated(ApiKeyView):
     tenant_created: bool = Field(False, description="This request created the key's tenant (create_tenant)")
 
 
-# --- deployments -----------------------------------------------------------------------
-
-
-class DeploymentUpsert(BaseModel):
-    """The body of PUT /v1/deployments/{model}."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    zone: ZoneName = GLOBAL_ZONE
-    min_replicas: int = Field(0, ge=0, le=1000)
-    max_replicas: int = Field(1, ge=1, le=1000)
-    placement: PlacementSpec = PlacementSpec()
-    autoscaling: AutoscalingSpec = AutoscalingSpec()
-    # Prefill/decode disaggregation; None (the default): co-located.
-    disaggregation: DisaggregationSpec | None = None
-
-    @model_validator(mode="after")
-    def _bounds(self) -> DeploymentUpsert:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must not exceed max_replicas")
-        return self
-
-
 # --- models ----------------------------------------------------------------------------
 
 # Keys of control_plane.placement.fit.BYTES_PER_WEIGHT and KV_BYTES (a test keeps them in step).
@@ -232,6 +209,33 @@ class ModelView(BaseModel):
     resource_version: int
     created_at: datetime
     updated_at: datetime
+
+
+# --- deployments -----------------------------------------------------------------------
+
+
+class DeploymentUpsert(BaseModel):
+    """The body of PUT /v1/deployments/{model}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    zone: ZoneName = GLOBAL_ZONE
+    min_replicas: int = Field(0, ge=0, le=1000)
+    max_replicas: int = Field(1, ge=1, le=1000)
+    placement: PlacementSpec = PlacementSpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    # Prefill/decode disaggregation; None (the default): co-located.
+    disaggregation: DisaggregationSpec | None = None
+    # In the same transaction, so that a deployment refused (a bad zone) leaves no model behind.
+    model: ModelUpsert | None = Field(
+        None, description="Register (or replace) the model's spec under the same name, in the same transaction "
+        "as the deployment; left out, the registered model is left as it is.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> DeploymentUpsert:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
 
 
 # --- model fit -------------------------------------------------------------------------

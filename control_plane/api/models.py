@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from control_plane import audit, model_store
 from control_plane.api.etags import check_if_match, check_put_preconditions, set_etag
@@ -114,17 +116,25 @@ def put_model(
             check_put_preconditions(
                 if_match, if_none_match, existing.resource_version if existing else None, f"model {name!r}"
             )
-            before = model_store.as_dict(existing) if existing else None
-            saved = model_store.put(session, name, body.model_dump(), now, existing)
-            after = model_store.as_dict(saved.row)
-            if saved.changed:
-                audit.record(session, actor, action="create" if saved.created else "update",
-                             resource_type="model", resource_id=name, before=before, after=after, now=now)
+            saved = put_audited(session, actor, name, body, now, existing)
+            view = model_view(saved.row)
     except IntegrityError as e:
         raise Conflict(f"model {name!r} was created concurrently; retry") from e
     response.status_code = 201 if saved.created else 200
     set_etag(response, saved.row.resource_version)
-    return ModelView.model_validate(after)
+    return view
+
+
+def put_audited(session: Session, actor: Actor, name: str, body: ModelUpsert, now: datetime,
+                existing: ModelRecord | None) -> model_store.Saved:
+    """Create or replace the model and record the change, in the caller's transaction
+    (`existing`: the current row, locked, or None)."""
+    before = model_store.as_dict(existing) if existing else None
+    saved = model_store.put(session, name, body.model_dump(), now, existing)
+    if saved.changed:
+        audit.record(session, actor, action="create" if saved.created else "update", resource_type="model",
+                     resource_id=name, before=before, after=model_store.as_dict(saved.row), now=now)
+    return saved
 
 
 @router.get("/models", dependencies=fleet_readers)
