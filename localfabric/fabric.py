@@ -10,10 +10,12 @@ a private temporary directory: the publisher binds only wildcard TCP hosts, and 
 file readable by this user alone keeps the prompts' token ids off the network. Nodes
 advertise these endpoints, so the router builds its KV-prefix index from them.
 
-Deployments declared in the spec are created in the control plane; with one declared, a
-small local scaler (a thread) starts a node whenever a deployment's desired_replicas
-exceeds the nodes it has, which is how scale-from-zero works on one machine. It never
-stops nodes: scaling down and real provider drivers belong to the reconciler.
+Deployments declared in the spec are created in the control plane (and, for `meridian demo`,
+the served model and a deployment sized to its nodes: FabricSpec.register_served_model). With
+one declared in the spec, a small local scaler (a thread) starts a node whenever a
+deployment's desired_replicas exceeds the nodes it has, which is how scale-from-zero works on
+one machine. It never stops nodes: scaling down and real provider drivers belong to the
+reconciler.
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ class LocalFabric:
             standbys = [self._start_control_plane(i) for i in range(2, spec.control_plane_replicas + 1)]
             keys = self._create_keys(cp.url)
             self._create_deployments(cp.url)
+            if spec.register_served_model and not spec.region_roles:
+                self._register_served_model(cp.url, model_uri)
             i = 0
             for region in spec.regions:
                 for k, role in enumerate(spec.roles_in(region)):
@@ -357,6 +361,18 @@ class LocalFabric:
                 except AdminAPIError as e:
                     raise FabricError(f"creating deployment {d.model_name} failed: {e}") from e
 
+    def _register_served_model(self, cp_url: str, model_uri: str) -> None:
+        """The served model and its deployment, through `meridian deploy` (which reads the shape
+        from the weight origin, and writes both in one transaction)."""
+        nodes = sum(self.spec.nodes_in(r) for r in self.spec.regions)
+        deployment = {"name": self.spec.model_name, "model": {"uri": model_uri}, "zone": GLOBAL_ZONE,
+                      "min_replicas": nodes, "max_replicas": max(1, nodes)}
+        path = self.spec.work_dir / "served-deployment.json"  # JSON is YAML: `meridian deploy -f` reads it
+        path.write_text(json.dumps(deployment, indent=2))
+        self._on_step(f"registering {self.spec.model_name} and its deployment")
+        self._run_cli(["deploy", "-f", str(path.resolve())],
+                      {"MERIDIAN_CONTROL_PLANE_URL": cp_url, "MERIDIAN_API_KEY": self._admin_key})
+
     def _start_node(self, region: str, model_uri: str, cp_url: str, port: int,
                     model_name: str | None = None, node_id: str | None = None, niceness: int = 0,
                     env: dict[str, str] | None = None, role: NodeRole = NodeRole.BOTH) -> Proc:
@@ -543,8 +559,8 @@ class LocalFabric:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _run_cli(self, args: list[str]) -> None:
-        r = subprocess.run([sys.executable, "-m", "cli", *args], env=self._base_env(),
+    def _run_cli(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        r = subprocess.run([sys.executable, "-m", "cli", *args], env={**self._base_env(), **(env or {})},
                            capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise FabricError(f"meridian {' '.join(args)} failed:\n{r.stderr[-2000:]}")
