@@ -42,7 +42,6 @@ from cli.admin_session import (
 )
 from meridian.admin_api import WEIGHTS_URI_PATTERN, DeploymentUpsert, ModelUpsert
 from meridian.cli_format import human_params
-from meridian.config_file import Where, at_line, did_you_mean, line_of, yaml_error, yaml_lines
 from meridian.contracts import ModelName
 
 
@@ -73,14 +72,16 @@ _TOP_LEVEL = (DeploySpec, DeploymentUpsert)
 _MODEL_LEVEL = (ModelSource, ModelUpsert)
 
 
-# Each key's line in the spec file (config_file.yaml_lines), for the error messages.
-Lines = Mapping[Where, int]
+# Each key's line in the spec file (meridian.config_file.yaml_lines), for the error messages.
+Lines = Mapping[tuple[str | int, ...], int]
 
 
 def _field_lines(e: ValidationError, lines: Lines, roots: tuple[type[BaseModel], ...],
                  prefix: tuple[str, ...] = ()) -> list[tuple[int, str]]:
     """One "line 3: where: what" line per error (the line when the spec file has the key, which
     comes first, for sorting); an unknown field names the closest known one."""
+    from meridian.config_file import at_line, did_you_mean, line_of  # YAML: only when a spec is read
+
     out = []
     for err in e.errors():
         loc = (*prefix, *err["loc"])
@@ -115,6 +116,8 @@ def load_spec(path: Path) -> tuple[DeploySpec, Lines]:
     """The spec file, parsed and checked (exit 2 with a line per problem otherwise), and where
     each of its keys is."""
     import yaml
+
+    from meridian.config_file import yaml_error, yaml_lines
 
     try:
         text = path.read_text()
