@@ -46,7 +46,7 @@ class AdminApi:
     async def create_tenant_key(self, tenant: TenantLoad, name: str = "chaos") -> TenantKey:
         """An inference key for a drill tenant, in its residency zone, named `<name>-<tenant>`."""
         body = ApiKeyCreate(name=f"{name}-{tenant.name}", tenant=tenant.name, zone=tenant.zone,
-                            scopes=[Scope.INFERENCE], models=None)
+                            scopes=[Scope.INFERENCE], models=None, create_tenant=True)
         async with self._admin(f"creating the key of tenant {tenant.name}") as admin:
             made = await admin.create_key(body)
         return TenantKey(key_id=made.id, secret=made.key)

@@ -60,7 +60,8 @@ class AdminWrites:
                 name = f"{self._prefix}-ack-{n:05d}"
                 try:
                     made = await admin.create_key(ApiKeyCreate(name=name, tenant=TENANT, zone=GLOBAL_ZONE,
-                                                               scopes=[Scope.INFERENCE], models=None))
+                                                               scopes=[Scope.INFERENCE], models=None,
+                                                               create_tenant=True))
                     self._statuses["201"] += 1
                     self._acknowledged[name] = made.id
                 except AdminAPIError as e:

@@ -12,9 +12,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from meridian.cli_format import OutputConsole
+
 app = typer.Typer(no_args_is_help=True, help="Chaos drills: faults under load, checked from the request history.")
 
-console = Console()
+console = OutputConsole()  # piped: wide enough that no table row folds
 err_console = Console(stderr=True)
 
 DirOpt = Annotated[

@@ -55,7 +55,7 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
     # The console lists the drill reports `meridian chaos run` writes (to .meridian/chaos by default).
     spec = FabricSpec(work_dir=work_dir, router_port=router_port, control_plane_port=8081, engine=engine,
                       model_name=model.name, model_dir=model.model_dir, model_uri=model.model_uri,
-                      start_timeout_s=600.0 if slow else 180.0,
+                      start_timeout_s=600.0 if slow else 180.0, register_served_model=True,
                       control_plane_env={"MERIDIAN_CP_DRILL_REPORTS_DIR": str(DRILL_REPORTS.resolve())},
                       router_env=_tracing("ROUTER", otlp_endpoint), node_env=_tracing("NODE", otlp_endpoint))
     progress = console.status("starting the fabric…")

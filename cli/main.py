@@ -13,7 +13,15 @@ from rich.markup import escape
 
 from chaos.cli import app as chaos_app
 from cli import config_cmd
-from cli.admin_cmds import deployments_app, keys_app, models_list, tenants_app
+from cli.admin_cmds import (
+    audit_log,
+    deployments_app,
+    keys_app,
+    model_fit,
+    models_app,
+    nodes_list,
+    tenants_app,
+)
 from cli.admin_session import (
     ApiKeyOpt,
     ControlPlaneOpt,
@@ -39,8 +47,8 @@ from meridian.admin_client import request_body
 from providers.cli import app as catalog_app
 
 # The CLI composes the planes' own sub-apps (each imports its heavy modules inside its
-# commands) with the commands that cut across them: status, keys, tenants, models, deploy, plan,
-# reconciler, autoscaler, demo.
+# commands) with the commands that cut across them: status, keys, tenants, models, deployments,
+# deploy, nodes, audit, fit, plan, reconciler, autoscaler, demo.
 app = typer.Typer(no_args_is_help=True, help=__doc__, pretty_exceptions_enable=False)
 app.add_typer(control_plane_app, name="control-plane")
 app.add_typer(router_app, name="router")
@@ -49,6 +57,7 @@ app.add_typer(model_app, name="model")
 app.add_typer(keys_app, name="keys")
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(deployments_app, name="deployments")
+app.add_typer(models_app, name="models")
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(chaos_app, name="chaos")
 app.add_typer(config_cmd.app, name="config")
@@ -132,8 +141,10 @@ def plan(
                           " (watch it with: meridian reconciler)")
 
 
-app.command("models")(models_list)
 app.command("deploy")(deploy)
+app.command("nodes")(nodes_list)
+app.command("audit")(audit_log)
+app.command("fit")(model_fit)
 app.command("reconciler")(reconciler)
 app.command("autoscaler")(autoscaler)
 

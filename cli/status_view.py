@@ -1,4 +1,5 @@
-"""The `meridian status` table: regions, nodes, health, models."""
+"""The `meridian status` table (regions, nodes, health, models) and `meridian nodes` (every node
+with its provider, state, engine and load)."""
 
 from __future__ import annotations
 
@@ -26,23 +27,54 @@ def status_table(regions: list[RegionInfo], nodes: list[NodeView], now: datetime
     for n in sorted(nodes, key=lambda n: (n.region, n.node_id)):
         region = by_region.get(n.region)
         zones = ",".join(region.zones) if region else "?"
-        age = max(0.0, (now - n.last_heartbeat).total_seconds())
-        style = _STATUS_STYLE.get(n.status, "")
         table.add_row(
             n.region,
             zones,
-            n.node_id if n.role is NodeRole.BOTH else f"{n.node_id} ({n.role.value})",
-            f"[{style}]{n.status.value}[/{style}]" if style else n.status.value,
-            ", ".join([*n.models, *(f"+{a}" for a in n.load.lora_adapters)]) or "-",
+            _node_cell(n),
+            _status_cell(n),
+            _models_cell(n),
             str(n.load.running),
             str(n.load.waiting),
             f"{n.load.kv_cache_usage:.0%}",
             cold_start_cell(n.cold_start),
-            f"{age:.0f}s ago",
+            _heartbeat_cell(n, now),
         )
     if not nodes:
         table.add_row("-", "-", "(no nodes registered)", "-", "-", "-", "-", "-", "-", "-")
     return table
+
+
+def nodes_table(nodes: list[NodeView], now: datetime | None = None) -> Table:
+    """One row per node, by region and id: where it runs, its state, what it serves and its load."""
+    now = now or datetime.now(UTC)
+    table = folding_table("Node", "Region", "Provider", "State", "Engine", "Models", "Running", "Waiting", "KV",
+                          "Served", "Heartbeat", right=("Running", "Waiting", "KV", "Served", "Heartbeat"),
+                          title="Nodes")
+    for n in sorted(nodes, key=lambda n: (n.region, n.node_id)):
+        served = n.load.requests_completed
+        table.add_row(_node_cell(n), n.region, n.provider, _status_cell(n), n.engine, _models_cell(n),
+                      str(n.load.running), str(n.load.waiting), f"{n.load.kv_cache_usage:.0%}",
+                      "-" if served is None else f"{served:,}", _heartbeat_cell(n, now))
+    if not nodes:
+        table.add_row("(no nodes registered)", *["-"] * 10)
+    return table
+
+
+def _node_cell(n: NodeView) -> str:
+    return n.node_id if n.role is NodeRole.BOTH else f"{n.node_id} ({n.role.value})"
+
+
+def _status_cell(n: NodeView) -> str:
+    style = _STATUS_STYLE.get(n.status, "")
+    return f"[{style}]{n.status.value}[/{style}]" if style else n.status.value
+
+
+def _models_cell(n: NodeView) -> str:
+    return ", ".join([*n.models, *(f"+{a}" for a in n.load.lora_adapters)]) or "-"
+
+
+def _heartbeat_cell(n: NodeView, now: datetime) -> str:
+    return f"{max(0.0, (now - n.last_heartbeat).total_seconds()):.0f}s ago"
 
 
 def cold_start_cell(c: ColdStart | None) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -42,6 +43,11 @@ def get(session: Session, name: str, *, for_update: bool = False) -> Tenant:
 
 def find(session: Session, name: str) -> Tenant | None:
     return session.get(Tenant, name)
+
+
+def close_names(session: Session, name: str) -> list[str]:
+    """The tenants named most like `name` (a mistyped name's likely meaning), closest first."""
+    return difflib.get_close_matches(name, session.scalars(select(Tenant.name)).all(), n=1, cutoff=0.6)
 
 
 def create(

@@ -13,13 +13,14 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from meridian.cli_format import OutputConsole
 from meridian.cli_settings import settings_or_exit
 from meridian.settings import NodeSettings, WeightSettings
 
 node_app = typer.Typer(no_args_is_help=True, help="A data-plane node (runtime + node agent).")
 model_app = typer.Typer(no_args_is_help=True, help="Model checkpoints.")
 
-console = Console()
+console = OutputConsole()  # piped: wide enough that no table row folds
 err_console = Console(stderr=True)
 
 

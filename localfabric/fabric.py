@@ -10,10 +10,12 @@ a private temporary directory: the publisher binds only wildcard TCP hosts, and 
 file readable by this user alone keeps the prompts' token ids off the network. Nodes
 advertise these endpoints, so the router builds its KV-prefix index from them.
 
-Deployments declared in the spec are created in the control plane; with one declared, a
-small local scaler (a thread) starts a node whenever a deployment's desired_replicas
-exceeds the nodes it has, which is how scale-from-zero works on one machine. It never
-stops nodes: scaling down and real provider drivers belong to the reconciler.
+Deployments declared in the spec are created in the control plane (and, for `meridian demo`,
+the served model and a deployment sized to its nodes: FabricSpec.register_served_model). With
+one declared in the spec, a small local scaler (a thread) starts a node whenever a
+deployment's desired_replicas exceeds the nodes it has, which is how scale-from-zero works on
+one machine. It never stops nodes: scaling down and real provider drivers belong to the
+reconciler.
 
 Settings: every child inherits the launcher's `MERIDIAN_*` environment (so that
 `MERIDIAN_ROUTER_OTLP_ENDPOINT=… meridian demo` turns tracing on), under what the fabric
@@ -111,6 +113,9 @@ class LocalFabric:
         # metrics only, where the cluster token would let it register nodes.
         self._metrics_token = secrets.token_urlsafe(32)
         self._admin_key = generate_api_key()
+        # Its control plane reports it on /health and fabric.json records it: the CLI then knows
+        # that what answers on the recorded port is this fabric's control plane, not a later one.
+        self._instance_id = f"fabric-{secrets.token_hex(8)}"
         self._model_uri = ""
         self._replacements = 0
 
@@ -145,6 +150,8 @@ class LocalFabric:
             standbys = [self._start_control_plane(i) for i in range(2, spec.control_plane_replicas + 1)]
             keys = self._create_keys(cp.url)
             self._create_deployments(cp.url)
+            if spec.register_served_model and not spec.region_roles:
+                self._register_served_model(cp.url, model_uri)
             i = 0
             for region in spec.regions:
                 for k, role in enumerate(spec.roles_in(region)):
@@ -352,6 +359,7 @@ class LocalFabric:
             "MERIDIAN_CP_NODE_TTL_S": str(self.spec.node_ttl_s),
             "MERIDIAN_CP_REPLICA_ID": name,
             "MERIDIAN_CP_METRICS_TOKEN": self._metrics_token,
+            "MERIDIAN_CP_INSTANCE_ID": self._instance_id,
             **self.spec.control_plane_env,
         }
         args = ["control-plane", "serve", "--host", host, "--port", str(port),
@@ -370,6 +378,7 @@ class LocalFabric:
                 try:
                     keys[zone] = admin.create_key(ApiKeyCreate(
                         name=f"demo-{zone}", tenant=f"demo-{zone}", zone=zone, scopes=[Scope.INFERENCE], models=None,
+                        create_tenant=True,
                     )).key
                 except AdminAPIError as e:
                     raise FabricError(f"creating the {zone} key failed: {e}") from e
@@ -382,6 +391,18 @@ class LocalFabric:
                     admin.put_deployment(d.model_name, d.upsert())
                 except AdminAPIError as e:
                     raise FabricError(f"creating deployment {d.model_name} failed: {e}") from e
+
+    def _register_served_model(self, cp_url: str, model_uri: str) -> None:
+        """The served model and its deployment, through `meridian deploy` (which reads the shape
+        from the weight origin, and writes both in one transaction)."""
+        nodes = sum(self.spec.nodes_in(r) for r in self.spec.regions)
+        deployment = {"name": self.spec.model_name, "model": {"uri": model_uri}, "zone": GLOBAL_ZONE,
+                      "min_replicas": nodes, "max_replicas": max(1, nodes)}
+        path = self.spec.work_dir / "served-deployment.json"  # JSON is YAML: `meridian deploy -f` reads it
+        path.write_text(json.dumps(deployment, indent=2))
+        self._on_step(f"registering {self.spec.model_name} and its deployment")
+        self._run_cli(["deploy", "-f", str(path.resolve())],
+                      {"MERIDIAN_CONTROL_PLANE_URL": cp_url, "MERIDIAN_API_KEY": self._admin_key})
 
     def _start_node(self, region: str, model_uri: str, cp_url: str, port: int,
                     model_name: str | None = None, node_id: str | None = None, niceness: int = 0,
@@ -547,6 +568,7 @@ class LocalFabric:
             "router_url": self.info.router_url,
             "grpc_target": self.info.grpc_targets[0] if self.info.grpc_targets else None,
             "control_plane_url": self.info.control_plane_url,
+            "control_plane_instance_id": self._instance_id,
             "admin_key": self.info.admin_key,
             # The bearer token of the routers' and the control plane's /metrics.
             "metrics_token": self.info.metrics_token,
@@ -571,8 +593,8 @@ class LocalFabric:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def _run_cli(self, args: list[str]) -> None:
-        r = subprocess.run([sys.executable, "-m", "cli", *args], env=self._base_env(),
+    def _run_cli(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        r = subprocess.run([sys.executable, "-m", "cli", *args], env={**self._base_env(), **(env or {})},
                            capture_output=True, text=True, timeout=300)
         if r.returncode != 0:
             raise FabricError(f"meridian {' '.join(args)} failed:\n{r.stderr[-2000:]}")

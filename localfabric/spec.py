@@ -63,6 +63,12 @@ class FabricSpec:
     drain_timeout_s: float = 10.0
     start_timeout_s: float = 180.0
     deployments: tuple[LocalDeployment, ...] = ()
+    # Register the served model (its shape read from the weight origin) and a deployment of it in
+    # zone global, sized to the nodes started for it, so that `meridian models` and `meridian
+    # deployments list` show what the fabric serves (`meridian demo`). Min = max = those nodes: the
+    # autoscaler then never asks for more or fewer, and the local scaler (for `deployments`
+    # only) never starts one. Not with region_roles (a disaggregated fabric declares its own).
+    register_served_model: bool = False
     # Run the local scaler when deployments are declared, polling the control plane this often.
     local_scaler: bool = True
     scaler_interval_s: float = 0.5

@@ -36,6 +36,22 @@ from meridian.contracts import (
 # The media type of the admin API's error answers (RFC 9457 problem details, contracts.Problem).
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 
+# --- health ----------------------------------------------------------------------------
+
+# What a control plane's GET /health says it is (a router or a node says otherwise).
+CONTROL_PLANE_SERVICE = "control-plane"
+
+
+class ControlPlaneHealth(BaseModel):
+    """The control plane is up and reaches its database. `service` tells it from a router or a
+    node on a mistyped port; `instance_id` (MERIDIAN_CP_INSTANCE_ID, null when unset) from another
+    control plane that later took the same port (the local fabric records its own)."""
+
+    status: Literal["ok"] = "ok"
+    service: Literal["control-plane"] = CONTROL_PLANE_SERVICE
+    instance_id: str | None = None
+
+
 # --- scopes ----------------------------------------------------------------------------
 
 
@@ -98,16 +114,28 @@ class ApiKeyCreate(BaseModel):
 
     # Shown in listings, the audit log and logs: no control characters (CR/LF forge lines).
     name: str = Field(min_length=1, max_length=200, pattern=PRINTABLE_PATTERN)
+    # An existing tenant: a key for an unknown one is refused (404), since a mistyped name would
+    # otherwise become a new tenant with a working key, unless create_tenant asks for one.
     tenant: str = Field(pattern=TENANT_PATTERN)
-    # The tenant's zone when left out; a new tenant is created in this zone (default global).
+    # The tenant's zone when left out, and must be it when given; the new tenant's with create_tenant.
     zone: ZoneName | None = None
     scopes: list[Scope] = Field(min_length=1, max_length=len(Scope))
     models: list[ModelName] | None = Field(None, max_length=64)
+    create_tenant: bool = Field(
+        False, description="Create the tenant in `zone` (required then) if it does not exist, in the "
+        "same transaction as the key; without it a key for an unknown tenant is refused with 404.")
 
     @field_validator("scopes")
     @classmethod
     def _unique(cls, v: list[Scope]) -> list[Scope]:
         return sorted(set(v))
+
+    @model_validator(mode="after")
+    def _new_tenants_zone(self) -> ApiKeyCreate:
+        # Residency is never a default: a tenant created here gets the zone the caller chose.
+        if self.create_tenant and self.zone is None:
+            raise ValueError("create_tenant needs the new tenant's zone (a residency zone, or global)")
+        return self
 
 
 class ApiKeyView(BaseModel):
@@ -128,29 +156,7 @@ class ApiKeyCreated(ApiKeyView):
     """The answer to a creation: the only time the plaintext key is ever shown."""
 
     key: str
-
-
-# --- deployments -----------------------------------------------------------------------
-
-
-class DeploymentUpsert(BaseModel):
-    """The body of PUT /v1/deployments/{model}."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    zone: ZoneName = GLOBAL_ZONE
-    min_replicas: int = Field(0, ge=0, le=1000)
-    max_replicas: int = Field(1, ge=1, le=1000)
-    placement: PlacementSpec = PlacementSpec()
-    autoscaling: AutoscalingSpec = AutoscalingSpec()
-    # Prefill/decode disaggregation; None (the default): co-located.
-    disaggregation: DisaggregationSpec | None = None
-
-    @model_validator(mode="after")
-    def _bounds(self) -> DeploymentUpsert:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError("min_replicas must not exceed max_replicas")
-        return self
+    tenant_created: bool = Field(False, description="This request created the key's tenant (create_tenant)")
 
 
 # --- models ----------------------------------------------------------------------------
@@ -204,6 +210,91 @@ class ModelView(BaseModel):
     resource_version: int
     created_at: datetime
     updated_at: datetime
+
+
+# --- deployments -----------------------------------------------------------------------
+
+
+class DeploymentUpsert(BaseModel):
+    """The body of PUT /v1/deployments/{model}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    zone: ZoneName = GLOBAL_ZONE
+    min_replicas: int = Field(0, ge=0, le=1000)
+    max_replicas: int = Field(1, ge=1, le=1000)
+    placement: PlacementSpec = PlacementSpec()
+    autoscaling: AutoscalingSpec = AutoscalingSpec()
+    # Prefill/decode disaggregation; None (the default): co-located.
+    disaggregation: DisaggregationSpec | None = None
+    # In the same transaction, so that a deployment refused (a bad zone) leaves no model behind.
+    model: ModelUpsert | None = Field(
+        None, description="Register (or replace) the model's spec under the same name, in the same transaction "
+        "as the deployment; left out, the registered model is left as it is.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> DeploymentUpsert:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
+# --- model fit -------------------------------------------------------------------------
+
+
+class OfferingCost(BaseModel):
+    """The offering that serves a model's tokens cheapest on one SKU, at full load."""
+
+    provider: str
+    region: str
+    instance_type: str
+    gpu_count: int
+    replicas_per_instance: int
+    price_per_hour: float
+    spot: bool
+    usd_per_million_tokens: float
+
+
+class SkuFitView(BaseModel):
+    """One replica of the model on one SKU: GPUs it needs, memory per GPU, roofline throughput."""
+
+    sku: str
+    tensor_parallel: int = Field(description="GPUs per replica (the smallest TP degree that fits)")
+    weights_gib_per_gpu: float
+    kv_cache_gib_per_gpu: float
+    overhead_gib_per_gpu: float
+    used_gib_per_gpu: float
+    usable_gib_per_gpu: float
+    decode_tokens_per_s: float
+    prefill_tokens_per_s: float
+    cheapest: OfferingCost | None = Field(description="None when no provider offers the SKU at a price")
+
+
+class ModelFitView(BaseModel):
+    model: str
+    resource_version: int
+    fits: list[SkuFitView] = Field(description="SKUs the model fits on, cheapest per token first")
+    does_not_fit: list[str] = Field(description="SKUs too small even at the largest TP degree")
+
+
+# --- audit log -------------------------------------------------------------------------
+
+
+class AuditEntryView(BaseModel):
+    """One change: when, who (API key id and name, or system:<component>), what, before and after."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+    id: int
+    at: datetime
+    actor_id: str
+    actor_name: str
+    action: str
+    resource_type: str
+    resource_id: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
+    request_id: str | None
 
 
 # --- placement plans -------------------------------------------------------------------

@@ -29,8 +29,10 @@ from meridian.admin_api import (
     ApiKeyCreate,
     ApiKeyCreated,
     ApiKeyView,
+    AuditEntryView,
     AutoscalerStatus,
     DeploymentUpsert,
+    ModelFitView,
     ModelUpsert,
     ModelView,
     PlanRequest,
@@ -52,8 +54,10 @@ PLAN_TIMEOUT_MARGIN_S = 30.0
 class AdminAPIError(Exception):
     """The admin call failed: the control plane's problem answer, or why there was none.
 
-    `status` 0 means the control plane could not be reached (the httpx error is the cause).
-    `problem` says the answer was application/problem+json; `retry_after` is its header.
+    `status` 0 means the control plane could not be reached (the httpx error is the cause); its
+    message then has no status in front. `problem` says the answer was application/problem+json
+    (a control plane's: anything else answering is not one); `retry_after` is its header;
+    `base_url` the client's, so that a caller can go and see what answered instead.
     """
 
     def __init__(
@@ -66,9 +70,10 @@ class AdminAPIError(Exception):
         retry_after: str | None = None,
         problem: bool = False,
     ) -> None:
-        super().__init__(f"{status} {title}" + (f": {detail}" if detail else ""))
+        super().__init__((f"{status} {title}" if status else title) + (f": {detail}" if detail else ""))
         self.status, self.title, self.detail, self.errors = status, title, detail, errors
         self.retry_after, self.problem = retry_after, problem
+        self.base_url: str | None = None
 
     @property
     def unreachable(self) -> bool:
@@ -137,9 +142,12 @@ class _Call(Generic[T]):
     params: Mapping[str, str] = field(default_factory=dict)
     timeout_s: float | None = None
     paged: bool = False
+    headers: Mapping[str, str] = field(default_factory=dict)
 
     def kwargs(self) -> dict[str, Any]:
         kw: dict[str, Any] = {"params": dict(self.params) or None}
+        if self.headers:
+            kw["headers"] = dict(self.headers)
         if self.body is not None:
             # Only what the caller set: the control plane fills in its own defaults.
             kw["json"] = self.body.model_dump(mode="json", exclude_unset=True)
@@ -187,25 +195,84 @@ def _create_tenant(body: TenantCreate) -> _Call[TenantView]:
 
 
 def _patch_tenant(name: str, body: TenantPatch) -> _Call[TenantView]:
-    return _Call("PATCH", f"/v1/tenants/{quote(name, safe='')}", TenantView.model_validate, body=body)
+    return _Call("PATCH", _tenant_path(name), TenantView.model_validate, body=body)
+
+
+def _if_match(version: int | None) -> dict[str, str]:
+    """Only if the resource is still at `version` (the API's ETags are its quoted versions)."""
+    return {"if-match": f'"{version}"'} if version is not None else {}
+
+
+def _tenant_path(name: str) -> str:
+    return f"/v1/tenants/{quote(name, safe='')}"
+
+
+def _get_tenant(name: str) -> _Call[TenantView]:
+    return _Call("GET", _tenant_path(name), TenantView.model_validate)
+
+
+def _delete_tenant(name: str, version: int | None) -> _Call[None]:
+    return _Call("DELETE", _tenant_path(name), _nothing, headers=_if_match(version))
 
 
 def _models() -> _Call[list[ModelView]]:
     return _paged("/v1/models", _list_of(ModelView))
 
 
-def _put_model(name: str, body: ModelUpsert) -> _Call[ModelView]:
+def _model_path(name: str) -> str:
     # Model names may hold '/', which the route takes as part of the name.
-    return _Call("PUT", f"/v1/models/{quote(name, safe='/')}", ModelView.model_validate, body=body)
+    return f"/v1/models/{quote(name, safe='/')}"
+
+
+def _put_model(name: str, body: ModelUpsert) -> _Call[ModelView]:
+    return _Call("PUT", _model_path(name), ModelView.model_validate, body=body)
+
+
+def _get_model(name: str) -> _Call[ModelView]:
+    return _Call("GET", _model_path(name), ModelView.model_validate)
+
+
+def _delete_model(name: str, version: int | None) -> _Call[None]:
+    return _Call("DELETE", _model_path(name), _nothing, headers=_if_match(version))
 
 
 def _deployments() -> _Call[list[DeploymentView]]:
     return _paged("/v1/deployments", _list_of(DeploymentView))
 
 
-def _put_deployment(model: str, body: DeploymentUpsert) -> _Call[DeploymentView]:
+def _model_fit(name: str, spot: bool) -> _Call[ModelFitView]:
+    params = {"spot": "true"} if spot else {}
+    return _Call("GET", f"{_model_path(name)}/fit", ModelFitView.model_validate, params=params)
+
+
+@dataclass(frozen=True)
+class AuditPage:
+    """One page of the audit log, newest first; `next_cursor` asks for the older entries (None: no more)."""
+
+    entries: list[AuditEntryView]
+    next_cursor: str | None
+
+
+def _audit(limit: int, cursor: str | None, filters: Mapping[str, str | None]) -> _Call[list[AuditEntryView]]:
+    params = {k: v for k, v in {**filters, "cursor": cursor}.items() if v is not None}
+    return _Call("GET", "/v1/audit", _list_of(AuditEntryView), params={"limit": str(limit), **params})
+
+
+def _deployment_path(model: str) -> str:
     # Model names may hold '/', which the route takes as part of the name.
-    return _Call("PUT", f"/v1/deployments/{quote(model, safe='/')}", DeploymentView.model_validate, body=body)
+    return f"/v1/deployments/{quote(model, safe='/')}"
+
+
+def _put_deployment(model: str, body: DeploymentUpsert) -> _Call[DeploymentView]:
+    return _Call("PUT", _deployment_path(model), DeploymentView.model_validate, body=body)
+
+
+def _get_deployment(model: str) -> _Call[DeploymentView]:
+    return _Call("GET", _deployment_path(model), DeploymentView.model_validate)
+
+
+def _delete_deployment(model: str, version: int | None) -> _Call[None]:
+    return _Call("DELETE", _deployment_path(model), _nothing, headers=_if_match(version))
 
 
 def _preview_plan(body: PlanRequest) -> _Call[PlanView]:
@@ -233,6 +300,12 @@ def _checked(r: httpx.Response) -> httpx.Response:
     if r.status_code >= 400:
         raise AdminAPIError.of_response(r)
     return r
+
+
+def _unreachable(base_url: httpx.URL, e: httpx.HTTPError) -> AdminAPIError:
+    error = AdminAPIError(0, "control plane unreachable", f"{base_url}: {str(e) or type(e).__name__}")
+    error.base_url = str(base_url)
+    return error
 
 
 def _unexpected(call: _Call[Any], r: httpx.Response, why: object) -> AdminAPIError:
@@ -287,7 +360,10 @@ class AdminClient:
         try:
             return _checked(self._http.request(method, url, **kw))
         except httpx.HTTPError as e:
-            raise AdminAPIError(0, "control plane unreachable", f"{self._http.base_url}: {e}") from e
+            raise _unreachable(self._http.base_url, e) from e
+        except AdminAPIError as e:
+            e.base_url = str(self._http.base_url)
+            raise
 
     def _run(self, call: _Call[T]) -> T:
         r = self._send(call.method, call.path, **call.kwargs())
@@ -323,17 +399,52 @@ class AdminClient:
         """Change the fields `body` sets; the others stay as they are."""
         return self._run(_patch_tenant(name, body))
 
+    def tenant(self, name: str) -> TenantView:
+        return self._run(_get_tenant(name))
+
+    def delete_tenant(self, name: str, version: int | None = None) -> None:
+        """Delete the tenant and revoke its keys (only if still at `version`, when given)."""
+        self._run(_delete_tenant(name, version))
+
     def models(self) -> list[ModelView]:
         return self._run(_models())
+
+    def model(self, name: str) -> ModelView:
+        return self._run(_get_model(name))
 
     def put_model(self, name: str, body: ModelUpsert) -> ModelView:
         return self._run(_put_model(name, body))
 
+    def delete_model(self, name: str, version: int | None = None) -> None:
+        """Delete the model (409 while it has a deployment; only if still at `version`, when given)."""
+        self._run(_delete_model(name, version))
+
+    def model_fit(self, name: str, spot: bool = False) -> ModelFitView:
+        """Which GPU SKUs one replica of the model fits on, cheapest per token first."""
+        return self._run(_model_fit(name, spot))
+
+    def audit(self, limit: int = 50, cursor: str | None = None, *, resource_type: str | None = None,
+              resource_id: str | None = None, actor_id: str | None = None, since: str | None = None) -> AuditPage:
+        """One page of the audit log (newest first) and the cursor of the next, older one."""
+        call = _audit(limit, cursor, {"resource_type": resource_type, "resource_id": resource_id,
+                                      "actor_id": actor_id, "since": since})
+        r = self._send(call.method, call.path, **call.kwargs())
+        entries = _parsed(call, r, _body(call, r))
+        next_url = _next_url(r)
+        return AuditPage(entries, httpx.URL(next_url).params.get("cursor") if next_url else None)
+
     def deployments(self) -> list[DeploymentView]:
         return self._run(_deployments())
 
+    def deployment(self, model: str) -> DeploymentView:
+        return self._run(_get_deployment(model))
+
     def put_deployment(self, model: str, body: DeploymentUpsert) -> DeploymentView:
         return self._run(_put_deployment(model, body))
+
+    def delete_deployment(self, model: str, version: int | None = None) -> None:
+        """Delete the deployment (only if still at `version`, when given)."""
+        self._run(_delete_deployment(model, version))
 
     def preview_plan(self, body: PlanRequest) -> PlanView:
         """Solve a placement preview; waits for the solve (its time limit and a margin)."""
@@ -372,7 +483,10 @@ class AsyncAdminClient:
         try:
             return _checked(await self._http.request(method, url, **kw))
         except httpx.HTTPError as e:
-            raise AdminAPIError(0, "control plane unreachable", f"{self._http.base_url}: {e}") from e
+            raise _unreachable(self._http.base_url, e) from e
+        except AdminAPIError as e:
+            e.base_url = str(self._http.base_url)
+            raise
 
     async def _run(self, call: _Call[T]) -> T:
         r = await self._send(call.method, call.path, **call.kwargs())

@@ -6,19 +6,23 @@ plane, status and plans in the CLI), so the rules they share live in the kernel.
 must stay whole on an 80-column terminal: rich's default shrinks a narrow column's cells to
 "Regi…", losing the value; these columns wrap on words and fold long names (region and node
 ids, digests) instead, and keep a minimum width so no column is squeezed to one letter.
-A listing's `-o json` (or yaml) prints the API's models as they came and nothing else on
-stdout (notes and progress go to stderr), so that scripts can read it.
+Piped into grep or awk (stdout not a terminal), a table is as wide as its rows need, one
+line per row, unless COLUMNS says otherwise: rich would fold it at 80 columns (or at the
+width of the terminal stdin happens to be), splitting values over lines a script reads
+one at a time. A listing's `-o json` (or yaml) prints the API's models as they came and
+nothing else on stdout (notes and progress go to stderr), so that scripts can read it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from enum import StrEnum
 from typing import Annotated, Any
 
 import typer
 from pydantic import BaseModel, TypeAdapter
-from rich.console import Console, RenderableType
+from rich.console import Console, ConsoleDimensions, RenderableType
 from rich.table import Table
 
 # A column is never narrower than its header's longest word, within these bounds: rich
@@ -27,7 +31,13 @@ from rich.table import Table
 MIN_COLUMN_WIDTH = 3
 MAX_MIN_COLUMN_WIDTH = 5
 
+# The width of output piped elsewhere: wider than any row, so that none folds (a table is only
+# as wide as its cells, so this pads nothing).
+PIPED_WIDTH = 1000
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+# Parameter counts as model cards write them (decimal: "8B" is eight billion).
+_COUNT_UNITS = ("", "K", "M", "B", "T")
 
 
 def human_bytes(n: int | float | None) -> str:
@@ -40,6 +50,36 @@ def human_bytes(n: int | float | None) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def human_params(params_b: float) -> str:
+    """A parameter count given in billions, as model cards write it: 0.134515 → "135M",
+    8.03 → "8B", 1.24 → "1.2B" (whole numbers from 10 up, one decimal below)."""
+    value = params_b * 1e9
+    for unit in _COUNT_UNITS:
+        rounded = round(value) if value >= 10 else round(value, 1)
+        if rounded < 1000 or unit == _COUNT_UNITS[-1]:
+            return f"{rounded:g}{unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+class OutputConsole(Console):
+    """A console on stdout that, piped (not a terminal) and without COLUMNS, is PIPED_WIDTH wide.
+
+    Decided at each print, not at start-up: tests and callers swap sys.stdout.
+    """
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        size = super().size
+        if self.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+            return size
+        return ConsoleDimensions(PIPED_WIDTH, size.height)
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        Console.size.fset(self, new_size)  # type: ignore[attr-defined]
 
 
 def folding_table(*columns: str, right: tuple[str, ...] = (), **table_kwargs: Any) -> Table:
@@ -78,7 +118,7 @@ def emit(output: OutputFormat, data: Any, table: RenderableType | None = None,
          console: Console | None = None) -> None:
     """Print `table` (on `console`), or `data` as JSON or YAML on stdout and nothing else."""
     if output == OutputFormat.TABLE and table is not None:
-        (console or Console()).print(table)
+        (console or OutputConsole()).print(table)
     elif output == OutputFormat.YAML:
         import yaml
 

@@ -151,6 +151,9 @@ class ControlPlaneSettings(ListenerSettings):
     max_long_poll_s: float = Field(30.0, gt=0)
     max_request_bytes: int = Field(1_000_000, gt=0)
     onprem_inventory: Path | None = None
+    # Reported by GET /health, so a client can tell this control plane from another that later
+    # answers on the same address: the local fabric sets one and records it in its fabric.json.
+    instance_id: str | None = Field(None, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")
     # Chaos drill reports the web console lists (`meridian chaos run --out DIR` writes
     # DIR/<drill>/report.json and timeline.png); None: the console shows none.
     drill_reports_dir: Path | None = None

@@ -12,11 +12,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from meridian.cli_format import OutputFormat, OutputOpt, emit
+from meridian.cli_format import OutputConsole, OutputFormat, OutputOpt, emit
 
 app = typer.Typer(no_args_is_help=True, help="The GPU SKU catalog: SKUs and providers' offerings.")
 
-console = Console()
+console = OutputConsole()  # piped: wide enough that no table row folds
 err_console = Console(stderr=True)
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from typing import Annotated, Any
+from datetime import UTC
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
-from pydantic import AwareDatetime, BaseModel, ConfigDict
+from pydantic import AwareDatetime
 from sqlalchemy import select
 
 from control_plane.api.pagination import PageParams, list_page, page_params
@@ -14,28 +14,12 @@ from control_plane.auth import Ctx, require_scopes
 from control_plane.db.models import AuditEntry
 from control_plane.errors import BadRequest
 from control_plane.scopes import FLEET_READERS
+from meridian.admin_api import AuditEntryView
 from meridian.contracts import PRINTABLE_PATTERN
 
 # Readers of the fleet may read it: entries hold no secrets (an API key's entry has neither the
 # key nor its hash).
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes(FLEET_READERS))], tags=["audit"])
-
-
-class AuditEntryView(BaseModel):
-    """One change: when, who (API key id and name, or system:<component>), what, before and after."""
-
-    model_config = ConfigDict(from_attributes=True)
-
-    id: int
-    at: datetime
-    actor_id: str
-    actor_name: str
-    action: str
-    resource_type: str
-    resource_id: str
-    before: dict[str, Any] | None
-    after: dict[str, Any] | None
-    request_id: str | None
 
 
 @router.get("/audit")

@@ -8,8 +8,9 @@ from fastapi import APIRouter, Depends, Header, Path, Request, Response
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 
-from control_plane import audit, deployment_store
+from control_plane import audit, deployment_store, model_store
 from control_plane.api.etags import check_if_match, check_put_preconditions, set_etag
+from control_plane.api.models import put_audited
 from control_plane.api.pagination import PageParams, list_page, page_params
 from control_plane.api.tenants import known_zone
 from control_plane.audit import Actor
@@ -48,8 +49,9 @@ def put_deployment(
     if_match: Annotated[str | None, Header()] = None,
     if_none_match: Annotated[str | None, Header()] = None,
 ) -> DeploymentView:
-    """Create or replace a deployment. If-Match: its ETag (412 if it changed meanwhile);
-    If-None-Match: * creates only (412 if it exists)."""
+    """Create or replace a deployment (and, given `model`, register the model's spec, in the same
+    transaction). If-Match: its ETag (412 if it changed meanwhile); If-None-Match: * creates
+    only (412 if it exists)."""
     known_zone(ctx, body.zone)
     for field, regions in (("demand", body.placement.demand), ("replicas", body.placement.replicas)):
         unknown = sorted(r for r in regions if r not in ctx.regions)
@@ -65,6 +67,8 @@ def put_deployment(
                 if_match, if_none_match, existing.resource_version if existing else None, f"deployment {model!r}"
             )
             before = deployment_store.as_dict(existing) if existing else None
+            if body.model is not None:
+                put_audited(session, actor, model, body.model, now, model_store.find(session, model, for_update=True))
             row, created, changed = deployment_store.upsert(
                 session,
                 model,
@@ -83,7 +87,7 @@ def put_deployment(
                 audit.record(session, actor, action="create" if created else "update",
                              resource_type="deployment", resource_id=model, before=before, after=after, now=now)
     except IntegrityError as e:
-        raise Conflict(f"deployment {model!r} was created concurrently; retry") from e
+        raise Conflict(f"deployment {model!r} (or its model) was created concurrently; retry") from e
     response.status_code = 201 if created else 200
     set_etag(response, view.resource_version)
     return view

@@ -1,4 +1,5 @@
-"""Liveness: answers only when the database does."""
+"""Liveness: answers only when the database does, and says that a control plane answered (which one:
+its instance id), so that clients can tell it from a router or from another control plane."""
 
 from __future__ import annotations
 
@@ -10,17 +11,18 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from control_plane.auth import Ctx
 from control_plane.errors import ServiceUnavailable
+from meridian.admin_api import ControlPlaneHealth
 
 log = logging.getLogger(__name__)
 router = APIRouter(tags=["health"])
 
 
 @router.get("/health")
-def health(ctx: Ctx) -> dict[str, str]:
+def health(ctx: Ctx) -> ControlPlaneHealth:
     try:
         with ctx.read() as session:
             session.execute(text("SELECT 1"))
     except SQLAlchemyError as e:
         log.warning("health check: database unreachable: %s", e)
         raise ServiceUnavailable("database unreachable") from e
-    return {"status": "ok"}
+    return ControlPlaneHealth(instance_id=ctx.settings.instance_id)

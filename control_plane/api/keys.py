@@ -1,4 +1,5 @@
-"""Admin API for API keys: create (key shown once), list (no secrets), revoke."""
+"""Admin API for API keys: create (key shown once; for a tenant that exists, or one created with it
+on purpose), list (no secrets), revoke."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from control_plane import audit, keystore, tenant_store
 from control_plane.api.pagination import PageParams, list_page, page_params
@@ -14,10 +16,10 @@ from control_plane.api.tenants import create_audited, known_zone
 from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import ApiKey
-from control_plane.errors import BadRequest, Conflict
+from control_plane.errors import BadRequest, Conflict, NotFound
 from control_plane.scopes import Scope
 from meridian.admin_api import TENANT_PATTERN, ApiKeyCreate, ApiKeyCreated, ApiKeyView, TenantCreate
-from meridian.contracts import GLOBAL_ZONE, allows_model
+from meridian.contracts import allows_model
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_scopes([Scope.ADMIN]))], tags=["keys"])
 AdminActor = Annotated[Actor, Depends(require_actor([Scope.ADMIN]))]
@@ -35,14 +37,19 @@ def _key_audit(row: ApiKey) -> dict[str, object]:
 
 @router.post("/api-keys", status_code=201)
 def create_api_key(ctx: Ctx, actor: AdminActor, body: ApiKeyCreate) -> ApiKeyCreated:
-    """Create a key bound to its tenant's zone (creating the tenant if new); shown once."""
+    """Create a key bound to its tenant's zone; shown once. An unknown tenant is 404, unless
+    create_tenant creates it (in `zone`) in the same transaction."""
     now = ctx.clock.now()
+    if body.create_tenant and body.zone is not None:
+        known_zone(ctx, body.zone)
     try:
         with ctx.write() as session:
             tenant = tenant_store.find(session, body.tenant)
+            created = tenant is None
             if tenant is None:
-                zone = known_zone(ctx, body.zone or GLOBAL_ZONE)
-                tenant = create_audited(session, actor, TenantCreate(name=body.tenant, zone=zone), now)
+                if not body.create_tenant or body.zone is None:
+                    raise NotFound(_no_tenant(session, body.tenant))
+                tenant = create_audited(session, actor, TenantCreate(name=body.tenant, zone=body.zone), now)
             elif body.zone is not None and body.zone != tenant.zone:
                 raise Conflict(
                     f"tenant {tenant.name!r} is bound to zone {tenant.zone!r}; its keys take that zone "
@@ -66,7 +73,14 @@ def create_api_key(ctx: Ctx, actor: AdminActor, body: ApiKeyCreate) -> ApiKeyCre
                          before=None, after=view.model_dump(mode="json"), now=now)
     except IntegrityError as e:
         raise Conflict(f"tenant {body.tenant!r} was created concurrently; retry") from e
-    return ApiKeyCreated(key=plaintext, **view.model_dump())
+    return ApiKeyCreated(key=plaintext, tenant_created=created, **view.model_dump())
+
+
+def _no_tenant(session: Session, name: str) -> str:
+    close = tenant_store.close_names(session, name)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return (f"no tenant {name!r}{hint}; create it first (POST /v1/tenants), or send create_tenant "
+            "with its zone")
 
 
 @router.get("/api-keys")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
-from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from control_plane import audit, model_store
 from control_plane.api.etags import check_if_match, check_put_preconditions, set_etag
@@ -18,7 +19,7 @@ from control_plane.db.models import ModelRecord
 from control_plane.errors import Conflict
 from control_plane.placement.fit import ModelFit, fit_model
 from control_plane.scopes import FLEET_READERS, Scope
-from meridian.admin_api import ModelUpsert, ModelView
+from meridian.admin_api import ModelFitView, ModelUpsert, ModelView, OfferingCost, SkuFitView
 from meridian.contracts import PRINTABLE_PATTERN
 from providers.catalog import Catalog
 
@@ -32,41 +33,6 @@ ModelNameParam = Annotated[
 
 def model_view(row: ModelRecord) -> ModelView:
     return ModelView.model_validate(model_store.as_dict(row))
-
-
-class OfferingCost(BaseModel):
-    """The offering that serves a model's tokens cheapest on one SKU, at full load."""
-
-    provider: str
-    region: str
-    instance_type: str
-    gpu_count: int
-    replicas_per_instance: int
-    price_per_hour: float
-    spot: bool
-    usd_per_million_tokens: float
-
-
-class SkuFitView(BaseModel):
-    """One replica of the model on one SKU: GPUs it needs, memory per GPU, roofline throughput."""
-
-    sku: str
-    tensor_parallel: int = Field(description="GPUs per replica (the smallest TP degree that fits)")
-    weights_gib_per_gpu: float
-    kv_cache_gib_per_gpu: float
-    overhead_gib_per_gpu: float
-    used_gib_per_gpu: float
-    usable_gib_per_gpu: float
-    decode_tokens_per_s: float
-    prefill_tokens_per_s: float
-    cheapest: OfferingCost | None = Field(description="None when no provider offers the SKU at a price")
-
-
-class ModelFitView(BaseModel):
-    model: str
-    resource_version: int
-    fits: list[SkuFitView] = Field(description="SKUs the model fits on, cheapest per token first")
-    does_not_fit: list[str] = Field(description="SKUs too small even at the largest TP degree")
 
 
 def _cheapest(fit: ModelFit, catalog: Catalog, sku: str, spot: bool) -> OfferingCost | None:
@@ -150,17 +116,25 @@ def put_model(
             check_put_preconditions(
                 if_match, if_none_match, existing.resource_version if existing else None, f"model {name!r}"
             )
-            before = model_store.as_dict(existing) if existing else None
-            saved = model_store.put(session, name, body.model_dump(), now, existing)
-            after = model_store.as_dict(saved.row)
-            if saved.changed:
-                audit.record(session, actor, action="create" if saved.created else "update",
-                             resource_type="model", resource_id=name, before=before, after=after, now=now)
+            saved = put_audited(session, actor, name, body, now, existing)
+            view = model_view(saved.row)
     except IntegrityError as e:
         raise Conflict(f"model {name!r} was created concurrently; retry") from e
     response.status_code = 201 if saved.created else 200
     set_etag(response, saved.row.resource_version)
-    return ModelView.model_validate(after)
+    return view
+
+
+def put_audited(session: Session, actor: Actor, name: str, body: ModelUpsert, now: datetime,
+                existing: ModelRecord | None) -> model_store.Saved:
+    """Create or replace the model and record the change, in the caller's transaction
+    (`existing`: the current row, locked, or None)."""
+    before = model_store.as_dict(existing) if existing else None
+    saved = model_store.put(session, name, body.model_dump(), now, existing)
+    if saved.changed:
+        audit.record(session, actor, action="create" if saved.created else "update", resource_type="model",
+                     resource_id=name, before=before, after=model_store.as_dict(saved.row), now=now)
+    return saved
 
 
 @router.get("/models", dependencies=fleet_readers)

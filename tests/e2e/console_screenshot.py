@@ -73,8 +73,8 @@ def main() -> None:
             try:
                 _plans(fabric)
                 with AdminClient(info.control_plane_url, info.admin_key, 10.0) as admin:
-                    key = admin.create_key(ApiKeyCreate(name="ops-console", tenant="ops",
-                                                        scopes=[Scope.OPERATOR])).key
+                    key = admin.create_key(ApiKeyCreate(name="ops-console", tenant="ops", zone="global",
+                                                        scopes=[Scope.OPERATOR], create_tenant=True)).key
                 _shoot(info.control_plane_url, key, args.out)
             finally:
                 stop.set()

@@ -52,7 +52,8 @@ def console_fabric(tmp_path_factory: pytest.TempPathFactory, reports: Path) -> I
 def _key(fabric: LocalFabric, scope: Scope) -> str:
     assert fabric.info is not None
     with AdminClient(fabric.info.control_plane_url, fabric.info.admin_key, 10.0) as admin:
-        return admin.create_key(ApiKeyCreate(name=f"console-{scope}", tenant="ops", scopes=[scope])).key
+        return admin.create_key(ApiKeyCreate(name=f"console-{scope}", tenant="ops", zone="global", scopes=[scope],
+                                             create_tenant=True)).key
 
 
 def _deploy(fabric: LocalFabric, replicas: int) -> None:

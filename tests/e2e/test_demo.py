@@ -28,11 +28,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _meridian(cwd, env, *args: str) -> subprocess.CompletedProcess[str]:
+    """The CLI as an operator runs it next to the demo: no key given, so it reads fabric.json."""
+    return subprocess.run([sys.executable, "-m", "cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
 def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
-    work = tmp_path / "demo"
+    work = tmp_path / ".meridian" / "demo"  # the default work dir, where the CLI looks for fabric.json
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "demo", "--work-dir", str(work), "--port", str(free_port())],
+        [sys.executable, "-m", "cli", "demo", "--port", str(free_port())], cwd=tmp_path,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**env, "COLUMNS": "200", "MERIDIAN_LOG_FORMAT": "json"},
         start_new_session=True,
     )
@@ -58,12 +64,26 @@ def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
                          headers={"authorization": f"Bearer {state['metrics_token']}"}).status_code == 200
         pids = state["pids"]
         assert len(pids) == 5 and all(_alive(p) for p in pids.values())
+        # The model the demo serves (as its router lists it) is registered, with a deployment sized
+        # to its three nodes.
+        served = httpx.get(f"{state['router_url']}/v1/models", timeout=10,
+                           headers={"authorization": f"Bearer {state['keys']['global']}"}).json()["data"]
+        [model] = [m["id"] for m in served]
+        registered = json.loads(_meridian(tmp_path, env, "models", "-o", "json").stdout)
+        assert [m["name"] for m in registered] == [model]
+        [deployment] = json.loads(_meridian(tmp_path, env, "deployments", "list", "-o", "json").stdout)
+        assert (deployment["model"], deployment["zone"], deployment["min_replicas"], deployment["max_replicas"],
+                deployment["desired_replicas"]) == (model, "global", 3, 3, 3)
 
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0
         assert "all processes stopped" in rest.decode()
         assert not [name for name, pid in pids.items() if _alive(pid)]
+        # Its fabric.json stays behind: the CLI calls it stale rather than using it.
+        stale = _meridian(tmp_path, env, "status")
+        assert stale.returncode == 1 and stale.stdout == ""
+        assert " is not running (stale .meridian/demo/fabric.json: its processes have exited)" in stale.stderr
         # A clean stop: no process logged an error or a traceback (the control plane used to
         # cancel a router's routing-table long-poll with both on every stop).
         logs = {log.name: log.read_text(errors="replace") for log in (work / "logs").glob("*.log")}

@@ -123,18 +123,20 @@ def test_a_sharded_checkpoint_at_a_uri_is_read_through_its_index(checkpoint, sha
         spec = write_spec(tmp_path, {"name": "tiny-sharded", "model": source})
         r = runner.invoke(app, ["deploy", "-f", str(spec), "--dry-run"])
         assert r.exit_code == 0, r.output
-        model = json.loads(r.stdout)["PUT /v1/models/tiny-sharded"]
+        model = json.loads(r.stdout)["PUT /v1/deployments/tiny-sharded"]["model"]
         assert round(model["params_b"] * 1e9) == parameters(checkpoint) == parameters(sharded)
 
 
-def test_dry_run_prints_both_bodies_and_sends_nothing(checkpoint, tmp_path):
+def test_dry_run_prints_the_body_and_sends_nothing(checkpoint, tmp_path):
     spec = write_spec(tmp_path, {"name": "org/tiny", "model": {"path": str(checkpoint)}, "zone": "us"})
     env = {"MERIDIAN_CONTROL_PLANE_URL": f"http://127.0.0.1:{free_port()}", "MERIDIAN_API_KEY": "k"}
     r = runner.invoke(app, ["deploy", "-f", str(spec), "--dry-run"], env=env)
     assert r.exit_code == 0, r.output
     bodies = json.loads(r.stdout)
-    assert bodies["PUT /v1/deployments/org/tiny"] == {"zone": "us"}
-    assert bodies["PUT /v1/models/org/tiny"]["layers"] == 2
+    # One request: the deployment and, in its body, the model (one transaction on the control plane).
+    [body] = bodies.values()
+    assert list(bodies) == ["PUT /v1/deployments/org/tiny"]
+    assert body["zone"] == "us" and body["model"]["layers"] == 2
     r = runner.invoke(app, ["deploy", "-f", str(spec), "--dry-run", "-o", "yaml"], env=env)
     assert yaml.safe_load(r.stdout) == bodies
 
@@ -148,13 +150,15 @@ def test_a_deployment_spec_without_a_model_deploys_a_registered_one(admin_env, t
 
 @pytest.mark.parametrize(("spec", "expected"), [
     ({"zone": "eu"}, ["is not a valid deployment spec:", "  name: Field required"]),
-    ({"name": "m", "model": {"path": "/x", "uri": "s3://b/m"}}, ["  model: Value error, give the checkpoint's"]),
-    ({"name": "m", "model": {"uri": "ftp://b/m"}}, ["  model.uri: String should match pattern"]),
+    # yaml.safe_dump sorts the keys: the lines below are those of the file it writes.
+    ({"name": "m", "model": {"path": "/x", "uri": "s3://b/m"}}, ["  line 1: model: Value error, give the checkpoint's"]),
+    ({"name": "m", "model": {"uri": "ftp://b/m"}}, ["  line 2: model.uri: String should match pattern"]),
     ({"name": "m", "model": {"path": "/nonexistent"}}, ["model: /nonexistent is not a directory"]),
     ({"name": "m", "zone": "EU", "max_replicas": 0},
-     ["the deployment fields are not valid:", "  zone: String should match", "  max_replicas: Input should be"]),
+     ["is not a valid deployment spec:", "  line 3: zone: String should match",
+      "  line 1: max_replicas: Input should be"]),
     ({"name": "m", "model": {"params_b": 1, "layers": 1, "kv_heads": 3, "head_dim": 8, "attention_heads": 4}},
-     ["  model.(spec)", "attention_heads must be a multiple of kv_heads"]),
+     ["  line 1: model: Value error, attention_heads must be a multiple of kv_heads"]),
 ])
 def test_a_bad_spec_is_refused_with_its_fields_named(tmp_path, spec, expected):
     r = runner.invoke(app, ["deploy", "-f", str(write_spec(tmp_path, spec)), "--dry-run"])
@@ -168,9 +172,10 @@ def test_a_spec_that_is_not_a_checkpoint_or_not_yaml_is_one_line(tmp_path):
     (tmp_path / "ckpt").mkdir()
     r = runner.invoke(app, ["deploy", "-f", str(write_spec(tmp_path, {"name": "m", "model": {"path": "ckpt"}}))])
     assert r.exit_code == 2 and "model: " in r.stderr and "has no config.json" in r.stderr
-    (tmp_path / "bad.yaml").write_text("name: [unclosed\n")
-    r = runner.invoke(app, ["deploy", "-f", str(tmp_path / "bad.yaml")])
-    assert r.exit_code == 2 and "is not YAML or JSON" in r.stderr and "Traceback" not in r.output
+    (tmp_path / "bad.yaml").write_text("name: m\nzone: eu\nplacement: {min_regions: 1\n")
+    r = runner.invoke(app, ["deploy", "-f", str(tmp_path / "bad.yaml")], env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert " is not YAML or JSON: line 4, column 1: expected ',' or '}'" in r.stderr
     (tmp_path / "list.yaml").write_text("- a\n")
     r = runner.invoke(app, ["deploy", "-f", str(tmp_path / "list.yaml")])
     assert r.exit_code == 2 and "a deployment spec is a mapping" in r.stderr
@@ -178,9 +183,41 @@ def test_a_spec_that_is_not_a_checkpoint_or_not_yaml_is_one_line(tmp_path):
     assert r.exit_code == 2 and "cannot read" in r.stderr
 
 
-def test_the_control_planes_refusal_of_a_deployment_is_one_line(admin_env, checkpoint, tmp_path):
-    spec = write_spec(tmp_path, {"name": "tiny-bad", "model": {"path": str(checkpoint)}, "zone": "mars"})
-    r = runner.invoke(app, ["deploy", "-f", str(spec)], env=admin_env)
-    assert r.exit_code == 1 and "Traceback" not in r.output
-    assert "400 Bad Request: unknown zone 'mars'" in r.stderr
-    assert "model tiny-bad was registered; its deployment was not" in r.stderr
+def test_a_refused_deployment_leaves_no_model_behind(admin_env, checkpoint, tmp_path):
+    for name, fields in (("tiny-bad-zone", {"zone": "mars"}),
+                         ("tiny-bad-region", {"placement": {"replicas": {"aws:atlantis-1": 1}}})):
+        spec = write_spec(tmp_path, {"name": name, "model": {"path": str(checkpoint)}, **fields})
+        r = runner.invoke(app, ["deploy", "-f", str(spec)], env=admin_env)
+        assert r.exit_code == 1 and "Traceback" not in r.output and r.stdout == ""
+        assert r.stderr.startswith("400 Bad Request: ") and len(r.stderr.strip().splitlines()) == 1
+        models = json.loads(runner.invoke(app, ["models", "-o", "json"], env=admin_env).stdout)
+        assert name not in {m["name"] for m in models}
+    assert "unknown zone 'mars'" in runner.invoke(
+        app, ["deploy", "-f", str(write_spec(tmp_path, {"name": "x", "zone": "mars"}))], env=admin_env).stderr
+
+
+def test_a_misspelt_key_in_a_spec_names_its_line_and_the_key_meant(checkpoint, tmp_path):
+    spec = tmp_path / "llama.yaml"
+    spec.write_text(f"""name: tiny
+model:
+  path: {checkpoint}
+  quantisation: fp8
+zone: eu
+max_replica: 2
+placement:
+  min_region: 1
+autoscale: {{target_concurrency: 4}}
+""")
+    r = runner.invoke(app, ["deploy", "-f", str(spec), "--dry-run"], env={"COLUMNS": "300"})
+    assert r.exit_code == 2 and r.stdout == ""
+    # Every problem at once, each on the line the file has it.
+    assert r.stderr.splitlines()[1:] == [
+        "  line 4: model.quantisation: unknown field (did you mean quantization?)",
+        "  line 6: max_replica: unknown field (did you mean max_replicas?)",
+        "  line 8: placement.min_region: unknown field (did you mean min_regions?)",
+        "  line 9: autoscale: unknown field (did you mean autoscaling?)"]
+    spec.write_text(spec.read_text().replace("max_replica:", "max_replicas:").replace("min_region:", "min_regions:")
+                    .replace("autoscale:", "autoscaling:").replace("quantisation", "quantization"))
+    r = runner.invoke(app, ["deploy", "-f", str(spec), "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["PUT /v1/deployments/tiny"]["model"]["quantization"] == "fp8"

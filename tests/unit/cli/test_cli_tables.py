@@ -12,7 +12,7 @@ from rich.table import Table
 from cli.admin_views import deployments_table, keys_table, models_table, tenants_table
 from cli.status_view import status_table
 from meridian.admin_api import ApiKeyView, ModelView, Scope, TenantView
-from meridian.cli_format import human_bytes
+from meridian.cli_format import human_bytes, human_params
 from meridian.contracts import DeploymentView, NodeLoad, NodeStatus, NodeView, PlacementSpec
 from providers.catalog import load_catalog
 from providers.catalog_view import gpus_table, sku_offerings_table
@@ -106,7 +106,7 @@ def test_the_admin_tables_keep_every_value_at_80_columns():
                       created_at=NOW, updated_at=NOW)
     text, cols = columns(models_table([model]))
     assert "…" not in text and cols["Model"] == model.name and cols["Weights"] == model.weights_uri
-    assert cols["Params"] == "70.6B" and cols["Context"] == "131,072"
+    assert cols["Params"] == "71B" and cols["Context"] == "131,072"
     deployment = DeploymentView(model=model.name, zone="eu", min_replicas=1, max_replicas=4, desired_replicas=2,
                                 placement=PlacementSpec(replicas={"gcp:europe-west4": 1, "aws:eu-central-1": 1}),
                                 created_at=NOW, updated_at=NOW)
@@ -121,3 +121,11 @@ def test_the_admin_tables_keep_every_value_at_80_columns():
 ])
 def test_human_bytes(n, text):
     assert human_bytes(n) == text
+
+
+@pytest.mark.parametrize(("params_b", "text"), [
+    (0.134515, "135M"), (8.03, "8B"), (1.24, "1.2B"), (70.6, "71B"), (0.5, "500M"), (0.9996, "1B"),
+    (405, "405B"), (1e-6, "1K"), (1.5e-6, "1.5K"), (1200, "1.2T"),
+])
+def test_parameter_counts_read_as_model_cards_write_them(params_b, text):
+    assert human_params(params_b) == text

@@ -21,6 +21,8 @@ from meridian.settings import ControlPlaneSettings
 
 CLUSTER_TOKEN = "test-cluster-token"
 ADMIN_KEY = "mrd_bootstrap-admin-key-for-tests"
+# The instance id a spawned control plane reports on /health (as a local fabric's does).
+INSTANCE_ID = "cp-tests"
 
 
 @dataclass
@@ -74,7 +76,8 @@ class ControlPlane:
         return version
 
     async def create_key(self, headers: dict[str, str] | None = None, **fields: Any) -> httpx.Response:
-        body = {"name": "k", "tenant": "acme", "zone": "eu", "scopes": ["inference"], **fields}
+        # The tenant is made with its first key: the tests are about keys, not tenants.
+        body = {"name": "k", "tenant": "acme", "zone": "eu", "scopes": ["inference"], "create_tenant": True, **fields}
         return await self.http.post("/v1/api-keys", json=body, headers=headers or self.admin)
 
 
@@ -134,6 +137,7 @@ def spawn_control_plane(port: int, database_url: str, **env: str) -> subprocess.
         "MERIDIAN_CP_DATABASE_URL": database_url,
         "MERIDIAN_CP_PORT": str(port),
         "MERIDIAN_CLUSTER_TOKEN": CLUSTER_TOKEN,
+        "MERIDIAN_CP_INSTANCE_ID": INSTANCE_ID,
         **env,
     }
     return subprocess.Popen(

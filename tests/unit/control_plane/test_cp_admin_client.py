@@ -19,9 +19,10 @@ def _client(cp: ControlPlane, key: str | None = ADMIN_KEY) -> AsyncAdminClient:
 async def test_keys_are_created_listed_by_tenant_and_revoked(cp: ControlPlane) -> None:
     async with _client(cp) as admin:
         made = await admin.create_key(ApiKeyCreate(name="k1", tenant="acme", zone="eu", scopes=[Scope.INFERENCE],
-                                                   models=None))
+                                                   models=None, create_tenant=True))
         assert made.key and made.tenant == "acme" and made.zone == "eu" and made.scopes == [Scope.INFERENCE]
-        await admin.create_key(ApiKeyCreate(name="other", tenant="zeta", scopes=[Scope.INFERENCE]))
+        await admin.create_key(ApiKeyCreate(name="other", tenant="zeta", zone="global", scopes=[Scope.INFERENCE],
+                                            create_tenant=True))
         assert [k.name for k in await admin.list_keys(tenant="acme")] == ["k1"]
         await admin.revoke_key(made.id)
         assert await admin.list_keys(tenant="acme") == []
@@ -43,7 +44,8 @@ class _PagesOfTwo(httpx.AsyncBaseTransport):
 async def test_listings_follow_every_page(cp: ControlPlane) -> None:
     async with AsyncAdminClient("http://cp.test", ADMIN_KEY, transport=_PagesOfTwo(cp.app)) as admin:
         for n in range(5):
-            await admin.create_key(ApiKeyCreate(name=f"k{n}", tenant="paged", scopes=[Scope.INFERENCE]))
+            await admin.create_key(ApiKeyCreate(name=f"k{n}", tenant="paged", zone="global", scopes=[Scope.INFERENCE],
+                                                create_tenant=True))
         first = await admin._http.get("/v1/api-keys", params={"tenant": "paged"})
         assert "next" in first.links  # the listing does span pages
         assert sorted(k.name for k in await admin.list_keys(tenant="paged")) == [f"k{n}" for n in range(5)]

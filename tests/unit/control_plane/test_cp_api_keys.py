@@ -157,3 +157,35 @@ async def test_a_tenants_cache_sharing_group_is_published_with_its_keys(cp: Cont
     assert "cache_group" not in entry
     bad = await cp.http.post("/v1/tenants", json={"name": "b", "cache_group": "no spaces\n"}, headers=cp.admin)
     cp.assert_problem(bad, 422)
+
+
+async def test_a_key_for_an_unknown_tenant_is_refused_and_creates_nothing(cp: ControlPlane) -> None:
+    assert (await cp.http.post("/v1/tenants", json={"name": "acme", "zone": "eu"}, headers=cp.admin)).status_code == 201
+    audit_before = await cp.admin_list("/v1/audit")
+    # A typo of a tenant's name: no tenant appears in zone global with a working key.
+    r = await cp.http.post("/v1/api-keys", json={"name": "k", "tenant": "acmee", "scopes": ["inference"]},
+                           headers=cp.admin)
+    body = cp.assert_problem(r, 404)
+    assert body["detail"].startswith("no tenant 'acmee' (did you mean 'acme'?)")
+    assert "create_tenant" in body["detail"]
+    assert [t["name"] for t in await cp.admin_list("/v1/tenants")] == ["acme"]
+    assert [k["tenant"] for k in await cp.admin_list("/v1/api-keys")] == ["meridian"]  # the bootstrap key alone
+    assert await cp.admin_list("/v1/audit") == audit_before
+
+
+async def test_create_tenant_creates_it_in_the_zone_given_and_says_so(cp: ControlPlane) -> None:
+    r = await cp.http.post("/v1/api-keys", json={"name": "k", "tenant": "newco", "scopes": ["inference"],
+                                                 "create_tenant": True}, headers=cp.admin)
+    body = cp.assert_problem(r, 422)  # no default residency for a new tenant
+    assert "create_tenant needs the new tenant's zone" in str(body["errors"])
+    cp.assert_problem(await cp.create_key(tenant="newco", zone="mars"), 400)
+    made = await cp.create_key(tenant="newco", zone="us")
+    assert made.status_code == 201 and made.json()["tenant_created"] is True and made.json()["zone"] == "us"
+    [tenant] = await cp.admin_list("/v1/tenants")
+    assert (tenant["name"], tenant["zone"]) == ("newco", "us")
+    # Asking again for a tenant that now exists makes a key for it, and no tenant.
+    again = await cp.create_key(tenant="newco", zone="us")
+    assert again.status_code == 201 and again.json()["tenant_created"] is False
+    plain = await cp.http.post("/v1/api-keys", json={"name": "k", "tenant": "newco", "scopes": ["inference"]},
+                               headers=cp.admin)
+    assert plain.status_code == 201 and plain.json()["tenant_created"] is False

@@ -17,8 +17,8 @@ async def _key(cp: ControlPlane, scope: str) -> dict[str, str]:
     return {"authorization": f"Bearer {r.json()['key']}"}
 
 
-async def _put(cp: ControlPlane, model: str, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
-    return await cp.http.put(f"/v1/deployments/{model}", json=body, headers=headers or cp.admin)
+async def _put(cp: ControlPlane, name: str, /, headers: dict[str, str] | None = None, **body: Any) -> httpx.Response:
+    return await cp.http.put(f"/v1/deployments/{name}", json=body, headers=headers or cp.admin)
 
 
 async def _scale_up(cp: ControlPlane, model: str, **body: Any) -> httpx.Response:
@@ -203,3 +203,28 @@ async def test_a_deployment_change_wakes_long_polls(cp: ControlPlane, clock: Man
     answered = await asyncio.wait_for(poll, 2.0)
     assert answered.status_code == 200
     assert [d["model"] for d in answered.json()["deployments"]] == ["m"]
+
+
+async def test_a_deployment_and_its_model_are_written_together_or_not_at_all(cp: ControlPlane) -> None:
+    model = {"params_b": 0.135, "layers": 30, "kv_heads": 3, "head_dim": 64}
+    audit_before = await cp.admin_list("/v1/audit")
+    r = await _put(cp, "org/smol", zone="mars", model=model)
+    cp.assert_problem(r, 400)
+    r = await _put(cp, "org/smol", zone="eu", placement={"replicas": {"aws:atlantis-1": 1}}, model=model)
+    cp.assert_problem(r, 400)
+    r = await _put(cp, "org/smol", zone="eu", model={**model, "layers": 0})
+    cp.assert_problem(r, 422)
+    # Refused: no model was registered, and nothing was recorded.
+    cp.assert_problem(await cp.http.get("/v1/models/org/smol", headers=cp.admin), 404)
+    assert await cp.admin_list("/v1/audit") == audit_before
+
+    r = await _put(cp, "org/smol", zone="eu", model=model)
+    assert r.status_code == 201 and r.json()["zone"] == "eu"
+    registered = (await cp.http.get("/v1/models/org/smol", headers=cp.admin)).json()
+    assert (registered["layers"], registered["params_b"], registered["max_context"]) == (30, 0.135, 8192)
+    entries = await cp.admin_list("/v1/audit")
+    assert [(e["resource_type"], e["action"], e["resource_id"]) for e in entries[:2]] == [
+        ("deployment", "create", "org/smol"), ("model", "create", "org/smol")]
+    # Without a model, a PUT leaves the registered one as it is.
+    assert (await _put(cp, "org/smol", zone="eu", max_replicas=2)).status_code == 200
+    assert (await cp.http.get("/v1/models/org/smol", headers=cp.admin)).json() == registered

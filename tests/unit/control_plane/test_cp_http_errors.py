@@ -11,13 +11,14 @@ from cp_harness import ControlPlane
 
 @pytest.fixture
 def settings_overrides() -> dict[str, Any]:
-    return {"max_request_bytes": 2048}
+    return {"max_request_bytes": 2048, "instance_id": "cp-a"}
 
 
 async def test_health(cp: ControlPlane) -> None:
     r = await cp.http.get("/health")
     assert r.status_code == 200
-    assert r.json() == {"status": "ok"}
+    # It says it is a control plane (not a router or a node on a mistyped port), and which one.
+    assert r.json() == {"status": "ok", "service": "control-plane", "instance_id": "cp-a"}
 
 
 async def test_oversized_body_by_content_length_is_413(cp: ControlPlane) -> None:

@@ -97,8 +97,9 @@ def test_unknown_keys_and_sections_are_named_with_the_closest_known_one(tmp_path
     path = write(tmp_path, {"router": {"prot": 8080}, "nodes": {"port": 1}, "log": {"level": "INFO"}})
     with pytest.raises(config_file.ConfigFileError) as e:
         config_file.load(path)
-    assert e.value.problems[0] == "router.prot: unknown key (did you mean port?)"
-    assert e.value.problems[1].startswith("nodes: unknown section (did you mean node?)")
+    # Each with the line it is on (yaml.safe_dump writes router:, prot:, nodes:, port:, log:, …).
+    assert e.value.problems[0] == "line 2: router.prot: unknown key (did you mean port?)"
+    assert e.value.problems[1].startswith("line 3: nodes: unknown section (did you mean node?)")
     assert len(e.value.problems) == 2
 
 
@@ -107,8 +108,9 @@ def test_wrong_types_and_ranges_are_field_errors(tmp_path: Path) -> None:
                             "log": {"format": "xml"}})
     with pytest.raises(config_file.ConfigFileError) as e:
         config_file.load(path)
-    assert [p.split(":")[0] for p in e.value.problems] == [
-        "router.port", "router.max_attempts", "router.trusted_proxies[0]", "log.format"]
+    assert [p.split(": ")[:2] for p in e.value.problems] == [
+        ["line 2", "router.port"], ["line 3", "router.max_attempts"], ["line 5", "router.trusted_proxies[0]"],
+        ["line 7", "log.format"]]
     assert "valid integer" in e.value.problems[0] and "less than or equal to 10" in e.value.problems[1]
 
 
@@ -117,6 +119,19 @@ def test_an_error_in_the_file_is_found_even_when_the_environment_overrides_it(
     monkeypatch.setenv("MERIDIAN_ROUTER_PORT", "8080")
     with pytest.raises(config_file.ConfigFileError, match=r"router\.port"):
         config_file.load(write(tmp_path, {"router": {"port": -1}}))
+
+
+def test_a_problem_in_a_hand_written_file_names_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "meridian.yaml"
+    path.write_text("# the router\nrouter:\n  port: 8080\n\n  routing_polcy: nearest  # a typo\n")
+    with pytest.raises(config_file.ConfigFileError) as e:
+        config_file.load(path)
+    assert e.value.problems == ["line 5: router.routing_polcy: unknown key (did you mean routing_policy?)"]
+    path.write_text("router:\n  port: 8080\n  host: [unclosed\n")
+    with pytest.raises(config_file.ConfigFileError) as e:
+        config_file.load(path)
+    [problem] = e.value.problems
+    assert problem.startswith("not valid YAML: line 4, column 1: expected ',' or ']'")
 
 
 @pytest.mark.parametrize(("text", "message"), [
