@@ -1,17 +1,20 @@
-"""First run from a clean clone: `make demo` until "Meridian demo is up", timed.
+"""First run from a clean clone: `make demo` until its first real answer, timed.
 
     python3 bench/first_run.py [--ref REF ...] [--cold-cache] [--repo DIR]
 
 For each git ref it clones the repository into a fresh temporary directory, checks the ref
-out and runs `make demo` there, timing two phases from the output: the install (until make
-echoes the `.venv/bin/meridian demo` command) and the start (until the demo prints "Meridian
-demo is up"). Then it asks the router for a chat completion with the demo's global key (the
-run fails unless it answers 200), stops the demo with SIGINT and deletes the clone. One JSON
-line per ref, with the venv's size and package count.
+out and runs `make demo` there, timing three phases from the output: the install (until make
+echoes the `.venv/bin/meridian demo` command), the start (until the demo prints "Meridian
+demo is up": the model fetched and converted on a cold cache, the processes started) and the
+first answer (the demo's own question, printed as "answer …"). Then it asks the router for
+a chat completion with the demo's global key through /v1/models' first model (the run fails
+unless it answers 200), stops the demo with SIGINT and deletes the clone. One JSON line per
+ref, with the venv's size and package count and the model cache's size.
 
---cold-cache gives each run an empty pip cache (PIP_CACHE_DIR), a fresh machine's; without
-it pip's own cache is used as it is. Standard library only: it runs before any venv exists.
-Not part of `python -m bench` (it installs gigabytes).
+--cold-cache gives each run an empty pip cache (PIP_CACHE_DIR) and an empty model cache
+(MERIDIAN_MODEL_CACHE_DIR), a fresh machine's; without it both caches are used as they
+are. Standard library only: it runs before any venv exists. Not part of `python -m bench`
+(it installs gigabytes).
 """
 
 from __future__ import annotations
@@ -30,21 +33,28 @@ from pathlib import Path
 
 INSTALL_DONE = ".venv/bin/meridian demo"
 UP = "Meridian demo is up"
+# The demo's own question's answer (refs before it printed one end at UP).
+ANSWER = "answer "
 
 
 def _du_bytes(path: Path) -> int:
     return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
 
 
-def _chat(fabric_json: Path, model: str) -> dict[str, object]:
+def _chat(fabric_json: Path) -> dict[str, object]:
     state = json.loads(fabric_json.read_text())
-    body = json.dumps({"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": "Hello!"}]})
-    req = urllib.request.Request(
-        f"{state['router_url']}/v1/chat/completions", data=body.encode(), method="POST",
-        headers={"authorization": f"Bearer {state['keys']['global']}", "content-type": "application/json"},
-    )
+    auth = {"authorization": f"Bearer {state['keys']['global']}", "content-type": "application/json"}
+    with urllib.request.urlopen(urllib.request.Request(f"{state['router_url']}/v1/models", headers=auth),
+                                timeout=60) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = json.dumps({"model": model, "max_tokens": 16, "temperature": 0,
+                       "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+    req = urllib.request.Request(f"{state['router_url']}/v1/chat/completions", data=body.encode(), method="POST",
+                                 headers=auth)
     with urllib.request.urlopen(req, timeout=60) as r:
-        return {"status": r.status, "region": r.headers.get("x-meridian-region")}
+        answer = json.load(r)
+        return {"status": r.status, "region": r.headers.get("x-meridian-region"), "model": model,
+                "content": answer["choices"][0]["message"]["content"]}
 
 
 def run_one(repo: Path, ref: str, cold_cache: bool, timeout_s: float, log: Path) -> dict[str, object]:
@@ -55,12 +65,14 @@ def run_one(repo: Path, ref: str, cold_cache: bool, timeout_s: float, log: Path)
     env["COLUMNS"] = "200"
     if cold_cache:
         env["PIP_CACHE_DIR"] = str(tmp / "pip-cache")
+        env["MERIDIAN_MODEL_CACHE_DIR"] = str(tmp / "model-cache")
     try:
         subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
         subprocess.run(["git", "-C", str(clone), "checkout", "-q", ref], check=True)
         start = time.monotonic()
         load_before = os.getloadavg()[0]
-        install_s = up_s = None
+        install_s = up_s = answer_s = None
+        demo_answer = ""
         load_up = 0.0
         with open(log, "w") as out:
             proc = subprocess.Popen(["make", "demo"], cwd=clone, env=env, stdout=subprocess.PIPE,
@@ -72,15 +84,16 @@ def run_one(repo: Path, ref: str, cold_cache: bool, timeout_s: float, log: Path)
                     out.write(f"[{now:7.1f}s] {line}")
                     if install_s is None and line.startswith(INSTALL_DONE):
                         install_s = now
-                    if UP in line:
+                    if up_s is None and UP in line:
                         up_s = now
                         load_up = os.getloadavg()[0]
-                        break
-                    if now > timeout_s:
+                    elif up_s is not None and line.startswith(ANSWER):
+                        answer_s, demo_answer = now, line[len(ANSWER):].strip()
+                    if answer_s is not None or "try it" in line or now > timeout_s:
                         break
                 if up_s is None:
                     raise RuntimeError(f"{ref}: the demo was not up within {timeout_s:g}s; see {log}")
-                answer = _chat(clone / ".meridian" / "demo" / "fabric.json", "tiny-llama")
+                answer = _chat(clone / ".meridian" / "demo" / "fabric.json")
             finally:
                 os.killpg(proc.pid, signal.SIGINT)
                 try:
@@ -99,8 +112,12 @@ def run_one(repo: Path, ref: str, cold_cache: bool, timeout_s: float, log: Path)
             "install_s": round(install_s or 0.0, 1),
             "demo_up_s": round(up_s - (install_s or 0.0), 1),
             "total_s": round(up_s, 1),
+            # From `make demo` to the demo's printed answer to its own question.
+            "first_answer_s": round(answer_s, 1) if answer_s is not None else None,
+            "demo_answer": demo_answer,
             "venv_packages": len(json.loads(pip_list.stdout)),
             "venv_gb": round(_du_bytes(venv) / 1e9, 2),
+            "model_cache_mb": round(_du_bytes(Path(env["MERIDIAN_MODEL_CACHE_DIR"])) / 1e6) if cold_cache else None,
             "chat_completion": answer,
             # The machine's 1-minute load average at the start and at "up": neighbours' load
             # stretches both phases.
