@@ -124,7 +124,6 @@ class NodeRuntime:
                 self.engine.set_kv_event_sink(self.kv_events)
             await self.engine.start()
             self._step(loaded_s=None)
-            _warn_without_chat_template(self.engine)
         except Exception as exc:
             log.exception("the model failed to load")
             self.load_error = exc
@@ -190,14 +189,6 @@ class NodeRuntime:
         if self.weights is not None:
             await self.weights.aclose()
         self.lifecycle.mark_stopped()
-
-
-def _warn_without_chat_template(engine: Engine) -> None:
-    """Say at start, not at the first chat, that chats will be refused: the checkpoint's
-    tokenizer has no template to lay messages out with."""
-    if engine.get_tokenizer().chat_template is None:
-        log.warning("%s has no chat template (no chat_template.jinja, none in tokenizer_config.json): "
-                    "chat completions will answer 400; completions work", engine.models()[0])
 
 
 def _kv_transfer(engine: Engine, settings: NodeSettings) -> KVTransferInfo | None:

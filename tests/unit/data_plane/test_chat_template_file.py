@@ -71,7 +71,7 @@ async def test_a_node_without_a_template_warns_at_start_and_still_serves_complet
     config = json.loads((tiny_checkpoint / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (d / "tokenizer_config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING, logger="data_plane.runtime"):
+    with caplog.at_level(logging.WARNING, logger="data_plane.engine.base"):
         async with asgi_client(create_app(make_settings(d, model_name=MODEL_NAME))) as client:
             warned = [r.getMessage() for r in caplog.records if "no chat template" in r.getMessage()]
             assert warned and MODEL_NAME in warned[0], caplog.text
@@ -85,7 +85,7 @@ async def test_a_node_without_a_template_warns_at_start_and_still_serves_complet
 async def test_a_checkpoint_with_a_template_starts_without_the_warning(
     saved_by_transformers: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="data_plane.runtime"):
+    with caplog.at_level(logging.WARNING, logger="data_plane.engine.base"):
         async with asgi_client(create_app(make_settings(saved_by_transformers))) as client:
             assert (await client.get("/health")).status_code == 200
     assert "no chat template" not in caplog.text
