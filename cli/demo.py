@@ -1,4 +1,9 @@
-"""`meridian demo`: a three-region fabric on embedded defaults, stopped by Ctrl-C."""
+"""`meridian demo`: a three-region fabric on embedded defaults, stopped by Ctrl-C.
+
+Once it is up, the demo asks the served model one question through the router (greedy, so the
+same answer every time) and prints the answer: the first thing a newcomer sees is the whole
+path working, and, with the default SmolLM2 model, a real answer.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+import httpx
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
@@ -38,6 +44,23 @@ def _tracing_line(otlp_endpoint: str | None) -> str:
 
 
 DRILL_REPORTS = Path(".meridian/chaos")
+QUESTION = "What is the capital of France?"
+# Three nodes loading at once on a small CPU host answer the first request slowly.
+ASK_TIMEOUT_S = 120.0
+
+
+def ask(router_url: str, key: str, model: str, question: str = QUESTION) -> str:
+    """The model's greedy answer to `question` through the router, or why there is none."""
+    try:
+        r = httpx.post(f"{router_url}/v1/chat/completions", timeout=ASK_TIMEOUT_S,
+                       headers={"authorization": f"Bearer {key}"},
+                       json={"model": model, "max_tokens": 48, "temperature": 0,
+                             "messages": [{"role": "user", "content": question}]})
+    except httpx.HTTPError as e:
+        return f"(no answer: {type(e).__name__} {e})"
+    if r.status_code != 200:
+        return f"(no answer: HTTP {r.status_code} {r.text[:200]})"
+    return str(r.json()["choices"][0]["message"]["content"]).strip()
 
 
 def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str = "torch",
@@ -82,12 +105,14 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
             f"[bold]traces[/bold]    {escape(_tracing_line(otlp_endpoint))}\n"
             f"[bold]logs[/bold]      {work_dir / 'logs'}",
             title="Meridian demo is up", border_style="green"))
+        console.print(f"[bold]asked[/bold] {escape(model.name)}: {QUESTION}")
+        console.print(f"[bold]answer[/bold] {escape(ask(info.router_url, key, model.name))}", highlight=False)
+        if model.random_weights:
+            console.print(f"[dim]{model.name} has random weights (--model tiny, made here in a second), so its "
+                          "answers are noise; without --model tiny the demo serves SmolLM2-135M-Instruct.[/dim]")
         # Plain prints, not wrapped in a panel, so they copy and paste as one command.
         console.print(f"try it (the {HEADER_REGION} response header says which region served it):")
         print(curl)
-        if model.model_dir is None and model.model_uri is None:
-            console.print(f"[dim]{model.name} has random weights (made here: there is no model hub to fetch one "
-                          "from), so its answers are noise; --model-dir DIR serves a real checkpoint.[/dim]")
         console.print("status:")
         if any((work_dir / "fabric.json").resolve() == f.resolve() for f in DEMO_STATE_FILES):
             # The CLI finds this demo's admin key and control plane in its fabric.json by itself.

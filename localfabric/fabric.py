@@ -90,6 +90,24 @@ def _slug(text: str, limit: int) -> str:
     return re.sub(r"[^a-z0-9.-]+", "-", text.lower()).strip("-.")[:limit] or "x"
 
 
+
+def vllm_node_spec(model_name: str) -> dict[str, object]:
+    """The deployment spec of a fabric's vLLM node: sized for a shared CPU host (KV cache in
+    host memory, threads not pinned to cores), with tool calling on as a deployment would set
+    it: without it vLLM refuses tools with the default tool_choice ("auto"). The pythonic
+    parser reads calls written as Python in the model's text, so it needs nothing of the model
+    (SmolLM2's chat template renders no tools); named and "required" tool choices are vLLM's
+    structured output whatever the parser.
+
+    float32, as the fabric's checkpoints are written: vLLM's CPU build would otherwise run them
+    in bfloat16, and its compiled bfloat16 path answers SmolLM2's "What is the capital of
+    France?" with noise where float32 (or bfloat16 run eagerly) answers "Paris"."""
+    return {
+        "name": model_name, "model": model_name, "dtype": "float32", "max_model_len": 2048, "max_num_seqs": 16,
+        "cpu_kvcache_space_gib": 1, "cpu_threads_bind": "nobind",
+        "extra_args": ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"],
+    }
+
 class LocalFabric:
     """Starts and stops a local fabric; use as a context manager so it always stops."""
 
@@ -442,16 +460,15 @@ class LocalFabric:
         return p
 
     def _engine_env(self, model_name: str) -> dict[str, str]:
-        """What a node needs to run the fabric's engine: for vLLM, a deployment spec sized
-        for a shared CPU host (KV cache in host memory, threads not pinned to cores)."""
+        """What a node needs to run the fabric's engine: for vLLM, vllm_node_spec's deployment
+        spec, rewritten when it differs (a work directory kept from an older demo gets today's)."""
         if self.spec.engine != "vllm":
             return {}
         spec_file = self.spec.work_dir / f"vllm-spec-{model_name}.json"
-        if not spec_file.exists():
-            spec_file.write_text(json.dumps({
-                "name": model_name, "model": model_name, "max_model_len": 2048, "max_num_seqs": 16,
-                "cpu_kvcache_space_gib": 1, "cpu_threads_bind": "nobind",
-            }))
+        text = json.dumps(vllm_node_spec(model_name))
+        with self._lock:
+            if not spec_file.exists() or spec_file.read_text() != text:
+                spec_file.write_text(text)
         return {"MERIDIAN_NODE_ENGINE": "vllm", "MERIDIAN_NODE_DEPLOYMENT_SPEC_FILE": str(spec_file.resolve())}
 
     def _threads_per_node(self) -> int:

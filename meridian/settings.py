@@ -600,3 +600,6 @@ class CLISettings(FileSettings):
     control_plane_url: str = "http://127.0.0.1:8081"
     api_key: SecretStr | None = None
     timeout_s: float = Field(10.0, gt=0)
+    # Where `meridian demo` keeps the models it fetches and converts (SmolLM2); None:
+    # $XDG_CACHE_HOME/meridian/models, else ~/.cache/meridian/models.
+    model_cache_dir: Path | None = None

@@ -1,5 +1,9 @@
-"""A checkpoint's tokenizer: tokenizer.json for ids, tokenizer_config.json's jinja chat
-template for chat prompts, and incremental decoding for streaming.
+"""A checkpoint's tokenizer: tokenizer.json for ids, the jinja chat template for chat prompts,
+and incremental decoding for streaming.
+
+The chat template is chat_template.jinja where the checkpoint has one (transformers 5 saves it
+there and leaves it out of tokenizer_config.json; like transformers, the file wins), else
+tokenizer_config.json's "chat_template".
 
 Shared by nodes and routers: a router that templates and tokenises a chat exactly as the
 node does gets the same token ids, hence the same KV block hashes (meridian.block_hash).
@@ -21,6 +25,7 @@ from tokenizers import Tokenizer, decoders
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens a detokenizer decodes new tokens against (spaces, a character's first bytes).
 CONTEXT_TOKENS = 6
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 class ChatTemplateError(ValueError):
@@ -68,11 +73,15 @@ class ChatTokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> ChatTokenizer:
-        """Load tokenizer.json and (optional) tokenizer_config.json from a checkpoint."""
+        """Load tokenizer.json and the (optional) tokenizer_config.json and chat_template.jinja
+        of a checkpoint."""
         model_dir = Path(model_dir)
         tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         cfg_path = model_dir / "tokenizer_config.json"
         config = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        template_path = model_dir / CHAT_TEMPLATE_FILE
+        if template_path.is_file():
+            config["chat_template"] = template_path.read_text(encoding="utf-8")
         return cls(tok, config)
 
     @property

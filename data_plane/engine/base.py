@@ -4,6 +4,7 @@ a `meridian.registry.Registry` whose built-ins load lazily)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
@@ -22,6 +23,15 @@ if TYPE_CHECKING:
     from meridian.tokenizer import ChatTokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
+log = logging.getLogger(__name__)
+
+
+def warn_without_chat_template(tokenizer: ChatTokenizer, model: str) -> None:
+    """Say when the model loads, not at the first chat, that chats will be refused: its
+    tokenizer has no template to lay messages out with."""
+    if tokenizer.chat_template is None:
+        log.warning("%s has no chat template (no chat_template.jinja, none in tokenizer_config.json): "
+                    "chat completions will answer 400; completions work", model)
 
 
 class EngineError(Exception):

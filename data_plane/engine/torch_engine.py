@@ -38,6 +38,7 @@ from data_plane.engine.base import (
     KVEventSink,
     TokenLogprob,
     served_model_name,
+    warn_without_chat_template,
 )
 from data_plane.engine.kv_cache.manager import KVCacheManager
 from data_plane.engine.kv_transfer.holds import HeldKV, KVHold, Leases
@@ -309,6 +310,7 @@ class TorchEngine:
         s = self._settings
         model = load_model(self._model_dir, dtype=s.dtype, device=s.device)
         self._tokenizer = ChatTokenizer.from_dir(self._model_dir)
+        warn_without_chat_template(self._tokenizer, self._model_name)
         eos = set(model.config.eos_token_ids)
         if self._tokenizer.eos_token_id is not None:
             eos.add(self._tokenizer.eos_token_id)

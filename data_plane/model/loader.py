@@ -89,7 +89,7 @@ def load_model(
     # meta device, so nothing is allocated or randomly initialised for parameters that are
     # about to be replaced by the checkpoint's tensors.
     with_bias = config if config.attention_bias else dataclasses.replace(config, attention_bias=True)
-    allowed = _parameter_shapes(with_bias)
+    allowed = parameter_shapes(with_bias)
     seen: dict[str, str] = {}
 
     def check(header: SafetensorsHeader) -> None:
@@ -138,6 +138,7 @@ def load_model(
     return model
 
 
-def _parameter_shapes(config: LlamaConfig) -> dict[str, torch.Size]:
+def parameter_shapes(config: LlamaConfig) -> dict[str, torch.Size]:
+    """Every parameter's name and shape in a model of `config` (nothing allocated)."""
     with torch.device("meta"):
         return {name: p.shape for name, p in LlamaForCausalLM(config).named_parameters()}

@@ -1,4 +1,5 @@
-"""`meridian demo` starts the fabric and Ctrl-C leaves nothing running."""
+"""`meridian demo` starts the fabric, answers its question with its real model (SmolLM2,
+fetched once into the user's cache), and Ctrl-C leaves nothing running."""
 
 import json
 import os
@@ -53,6 +54,9 @@ def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
         text = "".join(out)
         assert "Meridian demo is up" in text, text
         assert "curl" in text and "/v1/chat/completions" in text
+        # The question the demo asks through the router, answered by a real model.
+        assert "asked smollm2-135m-instruct: What is the capital of France?" in text
+        assert any(line.startswith("answer ") and "Paris" in line for line in out), text
         for region in ("aws:us-east-1", "gcp:europe-west4", "onprem:tokyo-1"):
             assert region in text
         # How to scrape the router: its /metrics and the token fabric.json records.

@@ -36,30 +36,13 @@ from token_ids_contract import (
     stop_across_chunks,
     stream,
 )
-from vllm_fabric import ADAPTER, ALICE, BOB, require_vllm, vllm_fabric, write_spec
+from vllm_fabric import ADAPTER, ALICE, BOB, WEATHER, require_vllm, vllm_fabric, write_spec
 
 from data_plane.model.make_tiny import VLLM_CPU_ARCH
 from data_plane.server.app import create_app as create_node_app
 from meridian.tokenizer import ChatTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 7},
-            },
-            "required": ["city", "days"],
-            "additionalProperties": False,
-        },
-    },
-}
 
 
 @pytest.fixture(scope="module")

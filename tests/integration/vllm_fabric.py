@@ -34,6 +34,23 @@ from meridian.contracts import NodeRole, NodeStatus, RoutingNode, RoutingTable
 from meridian.ports import free_port
 
 ADAPTER = "sql"
+# A function tool, for the tool_choice tests.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
 ALICE = Tenant("alice", "sk-alice-0123456789abcdef")
 BOB = Tenant("bob", "sk-bob-0123456789abcdef00")
 

@@ -36,6 +36,7 @@ from data_plane.engine.base import (
     GenerationRequest,
     KVEventSink,
     TokenLogprob,
+    warn_without_chat_template,
 )
 from data_plane.engine.vllm.command import (
     LOOPBACK,
@@ -281,6 +282,7 @@ class VllmEngine:
             kv_transfer=self.kv_side_channel,
         )
         self._tokenizer = await asyncio.to_thread(ChatTokenizer.from_dir, self._model_dir)
+        warn_without_chat_template(self._tokenizer, self._served)
         self.base_url = f"http://{LOOPBACK}:{port}"
         self.relay = KVEventRelay(endpoints.endpoint, topic=endpoints.topic,
                                   replay_endpoint=endpoints.replay_endpoint, clock=self._clock)

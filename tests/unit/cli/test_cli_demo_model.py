@@ -29,8 +29,9 @@ def _demo(tmp_path: Path, *args: str) -> tuple[int, str]:
     return r.exit_code, r.output
 
 
-def test_no_option_is_the_generated_tiny_model():
-    assert resolve_demo_model(None, None, None, "torch") == DemoModel(name=DEMO_MODEL)
+def test_model_tiny_is_the_generated_tiny_model():
+    assert resolve_demo_model(None, None, None, "torch", "tiny") == DemoModel(name=DEMO_MODEL)
+    assert DemoModel(name=DEMO_MODEL).random_weights
 
 
 def test_a_checkpoint_directory_is_served_under_its_name(checkpoint):
@@ -70,6 +71,8 @@ def test_remote_uris_are_named_after_their_last_segment(uri, name):
     (["--model-uri", "s3://bucket"], "give --model-name"),
     (["--model-uri", "file:///nonexistent/model"], "no such directory"),
     (["--model-dir", ".", "--model-uri", "s3://b/m"], "not both"),
+    (["--model", "tiny", "--model-dir", "."], "give --model or --model-dir/--model-uri, not both"),
+    (["--model", "llama-70b"], "the demo's models are smollm2, tiny"),
 ])
 def test_unservable_options_are_one_line_and_exit_2(tmp_path, args, message):
     code, out = _demo(tmp_path, *args)

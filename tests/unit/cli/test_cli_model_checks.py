@@ -1,6 +1,7 @@
 """Inputs are checked before any work: `node run --model-dir` (exists, is a checkpoint),
-`model push` (checkpoint, URI scheme, residency zone); one red line and exit 2, no traceback.
-A push that passes the checks lands, and the cache lists it in human-readable sizes."""
+`model push` (checkpoint, URI scheme, residency zone), `model import-gguf` (a GGUF it can
+convert); one red line and exit 2, no traceback, nothing written. A push that passes the checks
+lands, and the cache lists it in human-readable sizes; an import writes a checkpoint."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import re
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf_files import write_gguf
 from typer.testing import CliRunner
 
 from cli.main import app
-from data_plane.model.make_tiny import make_tiny_checkpoint
+from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
+from meridian.tokenizer import ChatTokenizer
 
 runner = CliRunner()
 NODE_ENV = {"MERIDIAN_CLUSTER_TOKEN": "a-long-enough-cluster-token-for-tests-0123456789"}
@@ -97,3 +101,41 @@ def test_a_checked_push_lands_and_the_cache_lists_it_in_human_sizes(checkpoint, 
 def test_node_run_refuses_a_uri_no_origin_reads():
     line = one_red_line(runner.invoke(app, ["node", "run", "--model-uri", "ftp://host/m"], env=NODE_ENV))
     assert line.startswith("--model-uri 'ftp://host/m': the URI must start with one of") and "s3://" in line
+
+
+@pytest.fixture(scope="module")
+def gguf_source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny checkpoint whose rows divide into quantization blocks, to write GGUFs from."""
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("src") / "tiny", seed=2, arch=TinyArch(intermediate_size=192))
+
+
+def test_a_gguf_becomes_a_checkpoint_with_a_chat_template(gguf_source: Path, tmp_path: Path) -> None:
+    gguf_path = write_gguf(gguf_source, tmp_path / "m.gguf", Q.Q8_0)
+    r = runner.invoke(app, ["model", "import-gguf", str(gguf_path), str(tmp_path / "out")], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert f"wrote checkpoint {tmp_path / 'out'}" in r.stdout
+    messages = [{"role": "user", "content": "Hi"}]
+    assert ChatTokenizer.from_dir(tmp_path / "out").render_chat(messages) == ChatTokenizer.from_dir(gguf_source).render_chat(
+        messages)
+
+
+def test_another_architecture_is_one_red_line_and_nothing_written(gguf_source: Path, tmp_path: Path) -> None:
+    gguf_path = write_gguf(gguf_source, tmp_path / "m.gguf", arch="qwen2")
+    line = one_red_line(runner.invoke(app, ["model", "import-gguf", str(gguf_path), str(tmp_path / "out")],
+                                       env={"COLUMNS": "80"}))
+    assert line == "architecture 'qwen2' cannot be imported (only llama)"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+
+
+def test_a_missing_file_isone_red_line(tmp_path: Path) -> None:
+    line = one_red_line(runner.invoke(app, ["model", "import-gguf", str(tmp_path / "nope.gguf"), str(tmp_path / "o")]))
+    assert line == f"{tmp_path / 'nope.gguf'}: no such file"
+
+
+def test_a_non_empty_directory_is_kept(gguf_source: Path, tmp_path: Path) -> None:
+    gguf_path = write_gguf(gguf_source, tmp_path / "m.gguf")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "x").write_text("x")
+    line = one_red_line(runner.invoke(app, ["model", "import-gguf", str(gguf_path), str(tmp_path / "out")],
+                                       env={"COLUMNS": "200"}), code=1)
+    assert line.endswith("exists and is not empty; pass --overwrite to replace it")
