@@ -92,7 +92,10 @@ def run_one(repo: Path, ref: str, cold_cache: bool, timeout_s: float, log: Path)
                     if answer_s is not None or "try it" in line or now > timeout_s:
                         break
                 if up_s is None:
-                    exited = proc.poll()
+                    try:  # stdout closed: make is exiting
+                        exited: int | None = proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        exited = None
                     why = (f"make demo exited ({exited}) before the demo was up" if exited is not None
                            else f"the demo was not up within {timeout_s:g}s")
                     raise RuntimeError(f"{ref}: {why}; see {log}")
