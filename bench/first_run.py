@@ -20,6 +20,7 @@ are. Standard library only: it runs before any venv exists. Not part of `python 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -101,7 +102,8 @@ def run_one(repo: Path, ref: str, cold_cache: bool, timeout_s: float, log: Path)
                     raise RuntimeError(f"{ref}: {why}; see {log}")
                 answer = _chat(clone / ".meridian" / "demo" / "fabric.json")
             finally:
-                os.killpg(proc.pid, signal.SIGINT)
+                with contextlib.suppress(ProcessLookupError):  # a make that exited took its group
+                    os.killpg(proc.pid, signal.SIGINT)
                 try:
                     proc.communicate(timeout=90)
                 except subprocess.TimeoutExpired:
