@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from meridian.cli_format import OutputConsole
 
@@ -18,6 +19,12 @@ app = typer.Typer(no_args_is_help=True, help="Chaos drills: faults under load, c
 
 console = OutputConsole()  # piped: wide enough that no table row folds
 err_console = Console(stderr=True)
+
+
+def _error(e: Exception) -> None:
+    """One line, unwrapped whatever the terminal's width (it names a file a user may grep for),
+    the message's brackets printed as they are, not read as markup."""
+    err_console.print(f"[red]{escape(str(e))}[/red]", highlight=False, soft_wrap=True)
 
 DirOpt = Annotated[
     Path | None, typer.Option("--dir", help="A folder of drill YAML files (default: the built-in drills)")
@@ -34,7 +41,7 @@ def chaos_list(directory: DirOpt = None) -> None:
     try:
         drills = load_drills(directory or DRILLS_DIR)
     except DrillError as e:
-        err_console.print(f"[red]{e}[/red]")
+        _error(e)
         raise typer.Exit(2) from None
     table = Table(title=f"{len(drills)} drills")
     for column in ("drill", "fault", "target", "fault window", "full", "short", "what it proves"):
@@ -79,7 +86,7 @@ def chaos_run(
         else:
             runner = suite.local_runner(out, short=short, seed=seed, redis_url=redis_url)
     except (DrillError, DeploymentError, ValueError) as e:
-        err_console.print(f"[red]{e}[/red]")
+        _error(e)
         raise typer.Exit(2) from None
     if not suite.run(chosen, out, runner, short=short, console=console):
         raise typer.Exit(1)

@@ -70,6 +70,10 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
     `otlp_endpoint`: the router and the nodes send their traces there (OTLP/HTTP); the
     demo's own MERIDIAN_* environment reaches every process too (localfabric.fabric)."""
     signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Python leaves SIGINT ignored when it starts ignored, as under `nohup` or in a background job
+    # of a non-interactive shell: the demo's documented way to stop (Ctrl-C, `kill -INT`) must
+    # work however it was started.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     configure_logging()  # the launcher's own warnings, in the children's format
     model = model or DemoModel()
     # Three vLLM processes start in a minute or two on a small CPU host; so do three nodes
