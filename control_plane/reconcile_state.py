@@ -338,15 +338,16 @@ def state_after(action: StepAction, outcome: StepOutcome, current: int, target: 
 def _progress(key: GroupKey, snap: Snapshot) -> NodeGroupProgress:
     """One group's desired nodes against those its provider holds (none before it is created)."""
     model, region, instance_type, spot, role = key
-    where = {"model": model, "provider": region.split(":", 1)[0], "region": region, "instance_type": instance_type,
-             "spot": spot, "role": NodeRole(role), "desired": snap.targets.get(key, 0)}
     row = snap.groups.get(key)
+    group = row if row is not None else snap.placed[key]  # the row, or its placement before it exists
+    where = {"model": model, "provider": group.provider, "region": region, "instance_type": instance_type,
+             "spot": spot, "role": NodeRole(role), "sku": group.sku, "desired": snap.targets.get(key, 0)}
     if row is None:  # placed, not created yet
-        return NodeGroupProgress(**where, sku=snap.placed[key].sku, group_id=None, actual=0, ready=0, state=None,
+        return NodeGroupProgress(**where, group_id=None, actual=0, ready=0, state=None,
                                  failures=0, last_error=None, error_at=None, retry_at=None)
     ready = [n for n in row.nodes if n in snap.nodes and snap.nodes[n].status == NodeStatus.READY.value]
     return NodeGroupProgress(
-        **where, sku=row.sku, group_id=row.id, actual=len(row.nodes), ready=len(ready), state=row.state.value,
+        **where, group_id=row.id, actual=len(row.nodes), ready=len(ready), state=row.state.value,
         failures=row.failures, last_error=row.last_error, error_at=row.updated_at if row.last_error else None,
         retry_at=row.retry_at,
     )
