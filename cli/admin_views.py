@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 
 from rich.table import Table
 
 from meridian.admin_api import ApiKeyView, AuditEntryView, ModelFitView, ModelView, TenantView
-from meridian.cli_format import folding_table, human_params
+from meridian.cli_format import folding_table, human_params, human_time
 from meridian.contracts import DeploymentView
-
-
-def _when(t: datetime | None) -> str:
-    return "-" if t is None else t.strftime("%Y-%m-%d %H:%M")
 
 
 def _names(values: list[str] | None) -> str:
@@ -29,7 +24,7 @@ def keys_table(keys: list[ApiKeyView]) -> Table:
                           title="API keys")
     for k in keys:
         table.add_row(k.id, k.name, k.tenant, k.zone, ", ".join(k.scopes), _names(k.models), k.key_prefix,
-                      _when(k.created_at), _when(k.revoked_at))
+                      human_time(k.created_at), human_time(k.revoked_at))
     if not keys:
         table.add_row("(no keys)", *["-"] * 8)
     return table
@@ -63,7 +58,7 @@ def deployments_table(deployments: list[DeploymentView]) -> Table:
     for d in deployments:
         regions = ", ".join(f"{r}×{n}" for r, n in sorted(d.placement.replicas.items())) or "any"
         table.add_row(d.model, d.zone, f"{d.min_replicas}–{d.max_replicas}", str(d.desired_replicas), regions,
-                      f"{d.autoscaling.target_concurrency:g}", _when(d.updated_at))
+                      f"{d.autoscaling.target_concurrency:g}", human_time(d.updated_at))
     if not deployments:
         table.add_row("(no deployments)", *["-"] * 6)
     return table
@@ -88,7 +83,7 @@ def _value(v: Any) -> str:
 def audit_table(entries: list[AuditEntryView]) -> Table:
     table = folding_table("When", "Actor", "Action", "Resource", "Changes", title="Audit log (newest first)")
     for e in entries:
-        table.add_row(e.at.strftime("%Y-%m-%d %H:%M:%S"), e.actor_name, e.action, f"{e.resource_type} {e.resource_id}",
+        table.add_row(human_time(e.at, seconds=True), e.actor_name, e.action, f"{e.resource_type} {e.resource_id}",
                       changes(e.before, e.after))
     if not entries:
         table.add_row("(no entries)", *["-"] * 4)

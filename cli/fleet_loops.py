@@ -10,7 +10,6 @@ decision with its reason. Both come from the admin API (`GET /v1/reconciler/stat
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 import typer
@@ -27,7 +26,7 @@ from cli.admin_session import (
     emit,
 )
 from meridian.admin_api import AutoscalerStatus, NodeGroupProgress, ReconcilerState, ReconcilerStatus
-from meridian.cli_format import folding_table
+from meridian.cli_format import folding_table, human_time
 from meridian.contracts import NodeRole
 
 _STATE_STYLE = {
@@ -38,15 +37,11 @@ _STATE_STYLE = {
 }
 
 
-def _when(t: datetime | None) -> str:
-    return "-" if t is None else t.strftime("%Y-%m-%d %H:%M:%S")
-
-
 def _error_cell(g: NodeGroupProgress) -> str:
     if g.last_error is None:
         return "-"
-    retry = f"; retried {_when(g.retry_at)}" if g.retry_at else ""
-    return f"[red]{escape(g.last_error)}[/red] ({_when(g.error_at)}, {g.failures}× {retry})"
+    retry = f"; retried {human_time(g.retry_at, seconds=True)}" if g.retry_at else ""
+    return f"[red]{escape(g.last_error)}[/red] ({human_time(g.error_at, seconds=True)}, {g.failures}× {retry})"
 
 
 def reconciler_table(status: ReconcilerStatus) -> Table:
@@ -79,7 +74,7 @@ def autoscaler_table(pools: list[AutoscalerStatus]) -> Table:
     for p in pools:
         d = p.last_decision
         table.add_row(p.model, p.pool.value, str(p.ready), str(p.desired), f"{p.min_replicas}–{p.max_replicas}",
-                      _when(d.at) if d else "-", d.mode if d else "-",
+                      human_time(d.at, seconds=True) if d else "-", d.mode if d else "-",
                       escape(d.reason) if d else "(no decision recorded yet)")
     if not pools:
         table.add_row("(no deployments)", *["-"] * 7)

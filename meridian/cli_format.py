@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -62,6 +63,11 @@ def human_params(params_b: float) -> str:
             return f"{rounded:g}{unit}"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+def human_time(t: datetime | None, *, seconds: bool = False) -> str:
+    """A timestamp in a table cell ("-" when there is none), to the minute or the second."""
+    return "-" if t is None else t.strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M")
 
 
 class OutputConsole(Console):
