@@ -16,7 +16,17 @@ header until it ends). `LimitedHttpToolsProtocol` adds, per connection:
   `Retry-After` at once and closed, before anything of it is read;
 - `max_connections_per_client` (when set): the same for one client address. The count is
   of live transports, whatever protocol now serves them (a WebSocket upgrade or an HTTP/2
-  hand-off replaces this protocol, not the connection).
+  hand-off replaces this protocol, not the connection);
+- `max_pipelined_requests`: HTTP/1.1 pipelining. uvicorn parses every request in what it
+  reads and queues the ones behind the running request without bound, and resumes reading
+  after each answer and on each `receive()`: one keyless connection sending pipelined
+  `GET /health` grew a router by 430 MiB in 11 s and starved every other client. Here,
+  what is read is parsed only as far as the queue has room (a burst of a thousand
+  requests in one read is parsed this many at a time), and with this many queued reading
+  stops (nginx's way: the kernel's buffers and TCP push back) until one is answered. A
+  client that pipelines is served in order, however many it sends; what it costs the
+  server is this many queued requests and one read held back. Past 1 MiB held back (which
+  takes reading resumed against the limit) the connection is closed.
 
 uvicorn's access line of a request that carries an `x-request-id` (a node's, from the
 router that sent it) has it as the record's `request_id` field, so that the router's line
@@ -47,6 +57,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from uvicorn.config import Config
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from meridian.contracts import HEADER_REQUEST_ID, REQUEST_ID_PATTERN
@@ -64,6 +75,10 @@ _SANE_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 # The first bytes of an HTTP/2 connection by prior knowledge (RFC 9113, 3.4).
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+# Bytes held back past a full pipeline queue beyond which the connection is closed: more
+# than one read (asyncio reads at most 256 KiB) means something resumed reading anyway.
+_MAX_HELD_BYTES = 1 << 20
 
 # How long a refused connection's further bytes are read and dropped before it is closed.
 _LINGER_S = 2.0
@@ -96,11 +111,28 @@ class ListenerLimits:
     # Seconds a client told "too many connections" should wait.
     retry_after_s: int = 1
     max_connections_per_client: int = 0
+    max_pipelined_requests: int = 8
 
     @classmethod
     def of(cls, settings: ListenerSettings) -> ListenerLimits:
         return cls(settings.max_header_bytes, settings.header_timeout_s, settings.body_timeout_s,
-                   settings.max_connections, max_connections_per_client=settings.max_connections_per_client)
+                   settings.max_connections, max_connections_per_client=settings.max_connections_per_client,
+                   max_pipelined_requests=settings.max_pipelined_requests)
+
+
+class _PipelineFlow(FlowControl):
+    """uvicorn's read flow control, except that reading stays paused while the connection
+    has max_pipelined_requests queued: uvicorn resumes it after every answer and on every
+    `receive()`, which is what let one connection queue requests without bound."""
+
+    def __init__(self, transport: asyncio.Transport, pipeline: deque[Any], limit: int) -> None:
+        super().__init__(transport)
+        self._pipeline = pipeline
+        self._limit = limit
+
+    def resume_reading(self) -> None:
+        if len(self._pipeline) < self._limit:
+            super().resume_reading()
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
@@ -131,6 +163,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._on_disconnect: deque[list[Callable[[], None]]] = deque()
         # When the head or body being read must be whole (loop time; inf: nothing due).
         self._deadline = math.inf
+        # Bytes read past a full pipeline queue, parsed once an answer makes room.
+        self._held = b""
         # The connection's first bytes, held until they say whether it speaks HTTP/2.
         self._sniffing = self.h2 is not None
         self._sniffed = b""
@@ -139,6 +173,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = _PipelineFlow(transport, self.pipeline, self.limits.max_pipelined_requests)
         if len(self.connections) > self.limits.max_connections:
             self._refuse(503, f"The server has too many open connections ({self.limits.max_connections}). "
                               "Retry later.", retry_after=True)
@@ -164,6 +199,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+        self.pipeline.clear()  # queued requests that will never run: free them now
         callbacks = [cb for pending in self._on_disconnect for cb in pending]
         self._on_disconnect.clear()
         for callback in callbacks:
@@ -176,6 +212,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._on_disconnect:
             self._on_disconnect.popleft()  # answers complete in the order requests came
         super().on_response_complete()
+        if self._held:
+            # Not from here: this runs inside the app's send(), and parsing may start
+            # the next request or answer an error.
+            self.loop.call_soon(self._release_held)
 
     def data_received(self, data: bytes) -> None:
         if self._lingering or self.transport.is_closing():
@@ -190,6 +230,28 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 return
             self._sniffing = False
             data, self._sniffed = self._sniffed, b""
+        self._feed(self._held + data if self._held else data)
+
+    def _feed(self, data: bytes) -> None:
+        """Parse `data` a few requests at a time: no further than the queue has room for
+        (max_pipelined_requests); what is left is held, with reading paused, until an
+        answer makes room."""
+        self._held = b""
+        while data:
+            room = self.limits.max_pipelined_requests - len(self.pipeline)
+            if room <= 0:
+                self._held = data
+                self.flow.pause_reading()
+                if len(data) > _MAX_HELD_BYTES:  # reading was resumed past the queue's limit
+                    self._overflow()
+                return
+            cut = _after_heads(data, room)
+            self._parse(data[:cut])
+            data = data[cut:]
+            if self.transport.is_closing() or self.transport.get_protocol() is not self:
+                return  # refused, closed, or upgraded to a WebSocket
+
+    def _parse(self, data: bytes) -> None:
         if self._in_head:
             if not self._head_clock:
                 self._head_clock = True
@@ -199,6 +261,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         too_big = self._in_head and self._head_bytes > self.limits.max_header_bytes
         if (too_big or self._oversized) and not self.transport.is_closing():
             self._refuse(431, f"The request head is larger than {self.limits.max_header_bytes} bytes.")
+
+    def _release_held(self) -> None:
+        """Parse what was held back once an answer has made room in the queue."""
+        if self._held and not self._lingering and not self.transport.is_closing() \
+                and self.transport.get_protocol() is self:
+            self._feed(self._held)
+            if not self._held:
+                self.flow.resume_reading()
 
     # --- parser callbacks ---------------------------------------------------------------
 
@@ -270,6 +340,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             else:
                 self.transport.close()
 
+    def _overflow(self) -> None:
+        """Too much held back past a full queue: close. No answer is written: the queued
+        requests are not answered yet, and HTTP/1.1 answers in order."""
+        self._held = b""
+        self.pipeline.clear()
+        self._disarm()
+        self.transport.close()
+
     def _refuse(self, status: int, message: str, *, retry_after: bool = False) -> None:
         """Answer `status` and close, whatever state the exchange is in (nothing was sent)."""
         self._disarm()
@@ -291,6 +369,23 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.write_eof()
         self._lingering = True
         self.loop.call_later(_LINGER_S, self.transport.close)
+
+
+def _after_heads(data: bytes, n: int) -> int:
+    """The offset just past the n-th possible end of a request head in `data` (len(data)
+    if there are fewer): parsing up to there queues at most n requests. A head ends at a
+    blank line (CRLF CRLF, or LF LF, which the parser also accepts); the same bytes in a
+    body only make the cut earlier, which costs a call, never correctness (the parser
+    takes its input in pieces of any size)."""
+    at = 0
+    for _ in range(n):
+        crlf = data.find(b"\n\r\n", at)
+        lf = data.find(b"\n\n", at)
+        if crlf < 0 and lf < 0:
+            return len(data)
+        at = (min(crlf, lf) if crlf >= 0 and lf >= 0 else max(crlf, lf)) + 2
+        at += data[at - 1:at] == b"\r"  # past the CRLF CRLF's last LF
+    return at
 
 
 def _speaks_h2(first: bytes) -> bool | None:

@@ -120,6 +120,9 @@ class ListenerSettings(FileSettings):
     # The same, per client address (0: no such limit). Leave it off behind a load balancer
     # or proxy, whose few addresses carry every client's connections.
     max_connections_per_client: int = Field(0, ge=0)
+    # HTTP/1.1 pipelining: with this many requests of one connection waiting behind the one
+    # being answered, nothing more of it is parsed or read until one is answered.
+    max_pipelined_requests: int = Field(8, ge=1, le=1024)
 
 
 class ControlPlaneSettings(ListenerSettings):

@@ -309,6 +309,10 @@ class ServerGroup:
             raise TimeoutError("uvicorn did not start")
         return url_of(sock)
 
+    def connections(self) -> list[Any]:
+        """The protocol objects of every open connection of these servers."""
+        return [conn for server, _, _ in self._running for conn in server.server_state.connections]
+
     async def stop(self) -> None:
         for server, _, _ in self._running:
             server.should_exit = True

@@ -1,17 +1,19 @@
 """The listener limits every Meridian HTTP server runs with (meridian.http_server), on a
 real uvicorn server: head size (431), head and body timeouts (408), the connection cap
-(503), each in the listener's error format, and kept-alive requests limited like the first."""
+(503), each in the listener's error format, kept-alive requests limited like the first, and
+pipelined requests queued no further than max_pipelined_requests."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 
 import pytest
 from fastapi import FastAPI, Request
-from router_harness import ServerGroup
+from router_harness import ServerGroup, eventually
 
 from meridian.http_server import limited_config, openai_error_body, problem_body
 from meridian.settings import ListenerSettings
@@ -86,6 +88,52 @@ async def test_a_stalled_head_or_body_is_408() -> None:
             answer = await exchange(port, partial)
             assert answer.startswith(b"HTTP/1.1 408 "), (partial, answer)
             assert body_of(answer)["error"]["code"] == "request_timeout"  # type: ignore[index]
+
+
+def gated_app(gate: asyncio.Event) -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/hold")
+    async def hold() -> dict[str, bool]:
+        await gate.wait()
+        return {"held": True}
+
+    @app.get("/n/{i}")
+    async def number(i: int) -> dict[str, int]:
+        return {"i": i}
+
+    return app
+
+
+async def test_pipelined_requests_queue_no_further_than_the_limit_and_all_are_answered_in_order() -> None:
+    # Issue 33, finding 1: one connection pipelining GETs grew the router by 430 MiB, since
+    # every request read was queued. 3,000 behind one that is held, in a single write.
+    gate = asyncio.Event()
+    app = gated_app(gate)
+    limits = ListenerSettings(header_timeout_s=5, body_timeout_s=5, max_pipelined_requests=4)
+    servers = ServerGroup()
+    url = await servers.start(app, config=limited_config(app, limits, log_level="warning",
+                                                         timeout_graceful_shutdown=2))
+    reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+    try:
+        writer.write(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n" + b"".join(
+            b"GET /n/%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(3000)))
+        await writer.drain()
+        await eventually(lambda: any(conn.flow.read_paused for conn in servers.connections()))
+        for _ in range(20):  # the loop turns; nothing more is parsed while the first is held
+            await asyncio.sleep(0)
+        [conn] = servers.connections()
+        assert len(conn.pipeline) == 4
+        gate.set()
+        answers = b""
+        async with asyncio.timeout(30):
+            while answers.count(b"HTTP/1.1 200 ") < 3001:
+                answers += await reader.read(65536) or b"EOF"
+                assert not answers.endswith(b"EOF"), "the connection was closed"
+        assert [int(i) for i in re.findall(rb'\{"i":(\d+)\}', answers)] == list(range(3000))
+    finally:
+        writer.close()
+        await servers.stop()
 
 
 async def test_connections_past_the_cap_are_refused_with_retry_after() -> None:
