@@ -7,9 +7,11 @@ router's own pipeline (geo_router.internal_call): the API key in the call's meta
 (`authorization: Bearer …`), its residency, rate limits, affinity, failover and migration
 are the HTTP API's, and so are its errors, mapped to gRPC codes (geo_router.kserve.status).
 
-- `ServerLive`, `ServerReady` and `ServerMetadata` need no key (load balancers ask them);
-  ready means a routing table is loaded. `ModelReady` and `ModelMetadata` need one, and a
-  model the tenant may not use is NOT_FOUND, as on HTTP.
+- `ServerLive` and `ServerReady` need no key (load balancers ask them, as they ask
+  grpc.health.v1); ready means a routing table is loaded. `ServerMetadata` needs one: it
+  names the exact version, which tells a keyless prober which advisories apply, and no
+  load balancer asks it. `ModelReady` and `ModelMetadata` need one too, and a model the
+  tenant may not use is NOT_FOUND, as on HTTP.
 - `ModelInfer` answers one response (a `stream` input there is INVALID_ARGUMENT: streaming
   is ModelStreamInfer's). The call's deadline bounds the work (DEADLINE_EXCEEDED), and a
   cancelled call cancels the node's request.
@@ -98,6 +100,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self._table() is not None)
 
     async def ServerMetadata(self, request: Any, context: Any) -> pb.ServerMetadataResponse:  # noqa: N802
+        await self._tenant(context)
         return pb.ServerMetadataResponse(name=SERVER_NAME, version=self._version, extensions=["streaming"])
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:  # noqa: N802

@@ -163,6 +163,12 @@ async def test_health_liveness_and_reflection(rig: GrpcRig) -> None:
         assert not await client.is_model_ready("no-such-model", headers=_bearer(GLOBAL_KEY))
         meta = await client.get_model_metadata(MODEL, headers=_bearer(GLOBAL_KEY), as_json=True)
         assert {i["name"] for i in meta["inputs"]} >= {"text_input", "stream", "sampling_parameters"}
+        # The exact version only to a tenant (issue 33, finding 6): it tells a prober which
+        # advisories apply, and load balancers ask ServerLive/ServerReady or grpc.health.
+        server = await client.get_server_metadata(headers=_bearer(GLOBAL_KEY), as_json=True)
+        assert server["version"] and "streaming" in server["extensions"]
+        with pytest.raises(InferenceServerException, match="UNAUTHENTICATED|API key"):
+            await client.get_server_metadata()
     async with grpc.aio.insecure_channel(rig.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "inference.GRPCInferenceService"):
