@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlencode
@@ -42,7 +42,7 @@ from .access_log import AccessRecord
 from .accounting import account, count_request, model_label
 from .admin_listener import metrics_page, scraper_tokens
 from .affinity import Affinity
-from .auth import authenticate
+from .auth import authenticate, key_digest
 from .disagg.bodies import refuse_client_params
 from .disagg.pools import plan as pd_plan
 from .errors import (
@@ -91,6 +91,7 @@ from .selection import (
 )
 from .table import LoadedTable, RoutingTableClient, TableSource
 from .tokens import estimate_tokens
+from .tracing import RequestTrace
 from .tracing import begin as begin_trace
 from .upstream import make_upstream_client
 from .websocket import RESPONSES_PATH, ResponsesSocket
@@ -336,14 +337,23 @@ def _add_other_routes(app: FastAPI, state: RouterState) -> None:
     @app.websocket(RESPONSES_PATH)
     async def responses_socket(ws: WebSocket) -> None:
         # The key is checked on the upgrade (a bad one gets no socket: 401 with the error
-        # JSON, as OpenAI answers) and again by every turn's own request.
+        # JSON, as OpenAI answers), before every turn and while the socket idles.
         try:
             _tenant(state.table(), ws)
         except RouterError as exc:
             await ws.send_denial_response(error_response(exc))
             return
-        turn = ResponsesSocket(ws, settings, state.clock, lambda request: _route(state, request, RESPONSES_PATH))
-        await turn.run()
+        digest = key_digest(ws.headers.get("authorization"), ws.headers.get("x-api-key"))
+
+        def turn(request: Request, answer: Callable[[], Response] | None = None, /) -> Awaitable[Response]:
+            return _route(state, request, RESPONSES_PATH, answer)
+
+        def key_holds() -> bool:
+            # No table (never, once one loaded) is not the key's fault: the turn answers 503.
+            loaded = state.table_source.current()
+            return loaded is None or digest in loaded.tenants
+
+        await ResponsesSocket(ws, settings, state.clock, turn, key_holds).run()
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -419,7 +429,11 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
-async def _route(state: RouterState, request: Request, route: str) -> Response:
+async def _route(state: RouterState, request: Request, route: str,
+                 answer: Callable[[], Response] | None = None) -> Response:
+    """The request through the pipeline; with `answer`, answered by the router itself once
+    admitted (a WebSocket warm-up): key, size, rate limits, accounting, log and trace as
+    any request, and no replica."""
     headers = request.headers
     # An idempotency key names the request end to end (journals, nodes, logs).
     request_id = request_id_for(headers.get(HEADER_IDEMPOTENCY_KEY) or headers.get(HEADER_REQUEST_ID))
@@ -445,37 +459,11 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         if route == "/v1/responses":
             inference, stored = follow_up(state.response_ids, inference, tenant)
         admission = _admit(state, route, tenant, inference)
-        peer = request.client.host if request.client else None
-        location = state.locator.locate(request.headers, peer, loaded.regions)
-        candidates, queued_s = await _candidates(state, loaded, tenant, inference, location, request)
-        if stored is not None:
-            candidates = pinned(loaded, candidates, stored, inference.model)
-        ordered = _ordered(state, candidates, tenant, inference, location, request_id)
-        pd = pd_plan(ordered)
-        # Until the answer starts, nothing else notices the client leaving: the node would
-        # go on generating a whole non-streamed answer (or a stream's prefill) for nobody.
-        watch = ClientWatch(request.scope, request.receive)
-        try:
-            response = await state.forwarder.forward(
-                route,
-                inference,
-                pd.decode,
-                request_id,
-                received_at,
-                exhausted=exhausted_error(tenant, inference.model),
-                queued_s=queued_s,
-                rewrite=state.response_ids.rewriter(tenant) if route == "/v1/responses" else None,
-                trace=trace,
-                pd=pd if pd.prefill else None,
-            )
-        except asyncio.CancelledError:
-            if not watch.fired:
-                raise
-            raise watch.closed_request() from None
-        finally:
-            watch.stop()
-        if queued_s:
-            response.headers[HEADER_SCALE_WAIT_MS] = f"{queued_s * 1000:.0f}"
+        if answer is not None:
+            response = answer()
+        else:
+            response = await _forwarded(state, request, route, loaded, tenant, inference, stored,
+                                        request_id, received_at, trace)
         response.headers.update(admission.headers)
         account(state.metrics, state.rate_limiter.settle, admission, model_label(loaded, inference.model),
                 inference.payload, response)
@@ -495,6 +483,53 @@ async def _route(state: RouterState, request: Request, route: str) -> Response:
         if trace is not None:
             trace.fail(499, "the request ended without an answer")
         raise
+
+
+async def _forwarded(
+    state: RouterState,
+    request: Request,
+    route: str,
+    loaded: LoadedTable,
+    tenant: TenantEntry,
+    inference: InferenceRequest,
+    stored: StoredResponse | None,
+    request_id: str,
+    received_at: float,
+    trace: RequestTrace | None,
+) -> Response:
+    """An admitted request's answer from a replica: located, ordered, forwarded."""
+    peer = request.client.host if request.client else None
+    location = state.locator.locate(request.headers, peer, loaded.regions)
+    candidates, queued_s = await _candidates(state, loaded, tenant, inference, location, request)
+    if stored is not None:
+        candidates = pinned(loaded, candidates, stored, inference.model)
+    ordered = _ordered(state, candidates, tenant, inference, location, request_id)
+    pd = pd_plan(ordered)
+    # Until the answer starts, nothing else notices the client leaving: the node would
+    # go on generating a whole non-streamed answer (or a stream's prefill) for nobody.
+    watch = ClientWatch(request.scope, request.receive)
+    try:
+        response = await state.forwarder.forward(
+            route,
+            inference,
+            pd.decode,
+            request_id,
+            received_at,
+            exhausted=exhausted_error(tenant, inference.model),
+            queued_s=queued_s,
+            rewrite=state.response_ids.rewriter(tenant) if route == "/v1/responses" else None,
+            trace=trace,
+            pd=pd if pd.prefill else None,
+        )
+    except asyncio.CancelledError:
+        if not watch.fired:
+            raise
+        raise watch.closed_request() from None
+    finally:
+        watch.stop()
+    if queued_s:
+        response.headers[HEADER_SCALE_WAIT_MS] = f"{queued_s * 1000:.0f}"
+    return response
 
 
 def _admit(state: RouterState, route: str, tenant: TenantEntry, inference: InferenceRequest) -> Admission:

@@ -260,9 +260,24 @@ class RouterSettings(ListenerSettings):
     # for ws_idle_timeout_s, or open for ws_max_connection_s (OpenAI's limit: 60 min), is
     # closed between turns (code 1001: the client reconnects); at most ws_max_lanes
     # conversations (`stream_id`) per connection. A message is at most max_request_bytes.
+    # Every turn, a warm-up (`generate: false`) too, is a request: the key, max_request_bytes,
+    # the tenant's rate limits and accounting apply to it (geo_router.websocket.endpoint).
     ws_idle_timeout_s: float = Field(300.0, gt=0)
     ws_max_connection_s: float = Field(3600.0, gt=0)
     ws_max_lanes: int = Field(16, ge=1, le=1024)
+    # An idle connection's key is checked again this often (each turn checks it too): a
+    # revoked or expired key's socket is closed 1008 within this time of the routing table
+    # dropping it. One dict lookup per connection per interval, so the bound can be short.
+    ws_key_recheck_s: float = Field(30.0, gt=0)
+    # What the router may remember for a connection, in bytes of JSON: a lane's conversation
+    # (the turn as sent plus the output it continues from) and all lanes together. A turn
+    # that would go past either is refused (`conversation_too_large`) and nothing is kept.
+    # A lane holds what its next turn re-sends, which max_request_bytes bounds too, so the
+    # lane cap bites where an operator raises that: 8 MB is ~2M tokens of text, past any
+    # context window served, or a long conversation with a few images. 32 MB is four such
+    # lanes and more than 16 lanes at the default max_request_bytes.
+    ws_max_lane_bytes: int = Field(8_000_000, gt=0)
+    ws_max_socket_bytes: int = Field(32_000_000, gt=0)
     # gRPC (KServe Open Inference Protocol v2 with Triton's streaming, geo_router.kserve) on
     # this port when set (0: any free port); on grpc_host, else host. At most
     # grpc_max_concurrent_rpcs calls at once (more: RESOURCE_EXHAUSTED), that many streams per

@@ -18,11 +18,23 @@ connection-local cache: chaining from an older unstored one is `previous_respons
 `generate: false` makes no model call: it records the turn's input (instructions, tools,
 messages) as a response the next turn can continue, which is what a warm-up is for.
 
+What is remembered is bounded, in bytes of JSON (the measure the next turn pays anyway): a
+lane holds its last turn as sent (`Turn.body`: the conversation so far, the new input and
+the turn's other fields) plus that turn's output, at most `max_lane_bytes`; the lanes of a
+connection together hold at most `max_socket_bytes`. `room_for` refuses a turn that would
+go past either (ConversationTooLarge: `conversation_too_large`, 400) before it is sent, so
+nothing of it is kept and the lane keeps what it had. A generated turn whose output takes
+its lane past a cap (the output's size is known only at the end) is not kept either: its
+lane then remembers only the id, and a turn continuing it gets the same error, not
+`previous_response_not_found`. Why caps in bytes and not turns: a warm-up chained on its
+own lane grew a connection by its whole message per turn, and bytes are what memory costs.
+
 Pure: no I/O, no clock; geo_router.websocket.endpoint does the talking.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,29 +58,64 @@ class PreviousResponseNotFound(BadRequest):
         )
 
 
+class ConversationTooLarge(BadRequest):
+    code = "conversation_too_large"
+
+    def __init__(self, message: str, *, param: str = "input") -> None:
+        super().__init__(message + " Start a new conversation (no `previous_response_id`), or store the "
+                         "response (`store: true`) and continue that.", param=param)
+
+    @classmethod
+    def lane(cls, size: int, limit: int) -> ConversationTooLarge:
+        return cls(f"This conversation would hold {size} bytes, over the limit of {limit} bytes per "
+                   "conversation (`stream_id`) of a connection.")
+
+    @classmethod
+    def socket(cls, size: int, limit: int) -> ConversationTooLarge:
+        return cls(f"This connection's conversations would hold {size} bytes, over the limit of {limit} "
+                   "bytes per connection.")
+
+    @classmethod
+    def not_kept(cls) -> ConversationTooLarge:
+        return cls("The previous response was not kept: with its output, its conversation went past this "
+                   "connection's limit.", param="previous_response_id")
+
+
 @dataclass(frozen=True, slots=True)
 class Turn:
-    """One `response.create`, ready to send: the streamed POST /v1/responses body, the
-    conversation's input items it carries, and whether it generates at all."""
+    """One `response.create`, ready to send: the streamed POST /v1/responses body (its
+    payload, and as JSON), the conversation's input items it carries, and whether it
+    generates at all."""
 
     lane: str | None
     payload: dict[str, Any]
     items: list[Any]
     generate: bool
+    body: bytes
 
 
 @dataclass(slots=True)
 class _Previous:
     response_id: str
     items: list[Any]  # the whole conversation: every input item and the response's output
+    size: int  # bytes it counts for (see the module's docstring)
+    kept: bool = True  # False: over a cap, only the id is remembered
 
 
 @dataclass(slots=True)
 class Conversation:
-    """The most recent response of each lane of one connection."""
+    """The most recent response of each lane of one connection, within its byte caps."""
 
     max_lanes: int = 16
+    max_lane_bytes: int = 8_000_000
+    max_socket_bytes: int = 32_000_000
     _last: dict[str | None, _Previous] = field(default_factory=dict)
+    _held: int = 0  # bytes of every lane together
+
+    @property
+    def held(self) -> int:
+        """The bytes this connection's lanes count for."""
+        return self._held
 
     def prepare(self, event: Any) -> Turn:
         """The turn `event` asks for (BadRequest, in the HTTP API's words, when it is not one)."""
@@ -95,6 +142,8 @@ class Conversation:
                 raise BadRequest("`previous_response_id` must be a string.", param="previous_response_id")
             kept = self._last.get(lane)
             if kept is not None and kept.response_id == previous:
+                if not kept.kept:
+                    raise ConversationTooLarge.not_kept()
                 items = kept.items + items
                 del payload["previous_response_id"]
             elif _unstored(previous):
@@ -108,15 +157,39 @@ class Conversation:
         if lane not in self._last and len(self._last) >= self.max_lanes:
             raise BadRequest(f"A connection holds at most {self.max_lanes} conversations (`stream_id`).",
                              param="stream_id")
-        return Turn(lane, payload, items, generate)
+        return Turn(lane, payload, items, generate, _json(payload))
+
+    def room_for(self, turn: Turn) -> None:
+        """ConversationTooLarge unless keeping `turn` (in place of its lane's last) stays within the caps."""
+        self._check(turn.lane, len(turn.body))
 
     def record(self, turn: Turn, response: dict[str, Any]) -> None:
-        """The turn's response is complete: it becomes the one its lane's next turn continues."""
+        """The turn's response is complete: it becomes the one its lane's next turn continues
+        (only its id, when with its output it is over a cap)."""
         response_id = response.get("id")
         if not isinstance(response_id, str):
             return
-        output = response.get("output") or []
-        self._last[turn.lane] = _Previous(response_id, turn.items + [_as_input(i) for i in output])
+        output = [_as_input(i) for i in response.get("output") or []]
+        size = len(turn.body) + (len(_json(output)) if output else 0)
+        try:
+            self._check(turn.lane, size)
+        except ConversationTooLarge:
+            self._keep(turn.lane, _Previous(response_id, [], 0, kept=False))
+            return
+        self._keep(turn.lane, _Previous(response_id, turn.items + output, size))
+
+    def _check(self, lane: str | None, size: int) -> None:
+        if size > self.max_lane_bytes:
+            raise ConversationTooLarge.lane(size, self.max_lane_bytes)
+        kept = self._last.get(lane)
+        total = self._held - (kept.size if kept is not None else 0) + size
+        if total > self.max_socket_bytes:
+            raise ConversationTooLarge.socket(total, self.max_socket_bytes)
+
+    def _keep(self, lane: str | None, previous: _Previous) -> None:
+        kept = self._last.get(lane)
+        self._held += previous.size - (kept.size if kept is not None else 0)
+        self._last[lane] = previous
 
     def warm_up(self, turn: Turn) -> dict[str, Any]:
         """Record a `generate: false` turn without a model call; the response object that says so."""
@@ -133,6 +206,10 @@ class Conversation:
         """The id a turn of `lane` can continue (None when there is none yet)."""
         kept = self._last.get(lane)
         return kept.response_id if kept is not None else None
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
 
 
 def _items(value: Any) -> list[Any]:

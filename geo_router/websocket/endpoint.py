@@ -7,8 +7,33 @@ each). Each turn is one streamed `POST /v1/responses` through the router's own p
 (`route`: the app's, with tenant, limits, residency, candidates, affinity, forwarding,
 failover, migration, accounting, access log and tracing): an ASGI request is made from the
 upgrade's headers and the turn's body, and the answer it gets is written to the socket. So
-nothing about routing, residency or limits is WebSocket-specific, and the key is checked
-again on every turn (a revoked key stops the next one).
+nothing about routing, residency or limits is WebSocket-specific.
+
+Every turn is a request, a warm-up (`generate: false`) too. A warm-up is answered by the
+router itself (geo_router.websocket.conversation keeps its input), but only once the
+pipeline has admitted it as it admits any request: the key, max_request_bytes (413
+`request_too_large`), the tenant's rate limits (429 `rate_limit_exceeded`, with
+retry-after), and accounting, access log and tracing as one request of the 0 tokens its
+usage reports. Why: a warm-up keeps what it is sent, and one that skipped the checks let
+any key (or none) grow the router's memory without bound.
+
+The key. It is looked up again before every turn and, while the connection idles, every
+ws_key_recheck_s on the router's clock (one dict lookup of its digest, hashed once at the
+upgrade): a key the routing table no longer has (revoked, expired, its tenant deleted)
+gets an `error` event (401 `invalid_api_key`) and the connection is closed 1008 (policy
+violation). A turn already streaming ends as an HTTP request would: it was admitted.
+
+Memory. What a connection remembers between turns is capped in bytes of JSON:
+ws_max_lane_bytes per lane (default 8 MB) and ws_max_socket_bytes for all its lanes
+(default 32 MB; see RouterSettings for why). A turn that would go past either gets
+
+    {"type": "error", "status": 400, "error": {"type": "invalid_request_error",
+     "code": "conversation_too_large", "param": "input", "message": "..."}}
+
+(plus its `stream_id`), before any rate-limit charge or model call; nothing of it is kept,
+the lane keeps its previous response, and the connection stays open. A generated turn
+whose output takes its lane past a cap is answered but not kept: continuing it gets the
+same error (param `previous_response_id`).
 
 Turns of one connection run one after another, in the order sent (events that arrive
 during a turn wait; at most ws_max_lanes * 4 of them, beyond which the connection is closed
@@ -26,19 +51,32 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from meridian.clock import Clock, first_or_timeout
 from meridian.settings import RouterSettings
 
-from ..errors import RequestTooLarge, RouterError, error_response
-from ..internal_call import Departure, Head, Route, answer_events, http_request
+from ..errors import InvalidApiKey, RequestTooLarge, RouterError, error_response
+from ..internal_call import Departure, Head, answer_events, http_request
 from .conversation import Conversation, Turn
 from .events import FINAL, answered_error, error_message, socket_message, warm_up_messages
+
+# The router's own answer to a request the pipeline admitted (a warm-up's), made only then.
+Answer = Callable[[], Response]
+# Whether the upgrade's API key is still one the routing table has.
+KeyCheck = Callable[[], bool]
+
+
+class TurnRoute(Protocol):
+    """The app's pipeline for one turn: forwarded, or with `answer` answered by the router."""
+
+    def __call__(self, request: Request, answer: Answer | None = None, /) -> Awaitable[Response]: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -50,32 +88,62 @@ POLICY_VIOLATION = 1008
 class ResponsesSocket:
     """One accepted connection: reads events, runs turns, writes their events."""
 
-    def __init__(self, ws: WebSocket, settings: RouterSettings, clock: Clock, route: Route) -> None:
+    def __init__(self, ws: WebSocket, settings: RouterSettings, clock: Clock, route: TurnRoute,
+                 key_holds: KeyCheck) -> None:
         self._ws = ws
         self._settings = settings
         self._clock = clock
         self._route = route
-        self._conversation = Conversation(max_lanes=settings.ws_max_lanes)
+        self._key_check = key_holds
+        self._conversation = Conversation(max_lanes=settings.ws_max_lanes,
+                                          max_lane_bytes=settings.ws_max_lane_bytes,
+                                          max_socket_bytes=settings.ws_max_socket_bytes)
         self._inbox: asyncio.Queue[str | None] = asyncio.Queue(maxsize=settings.ws_max_lanes * 4)
         self._departure = Departure()
+        self._checked = clock.monotonic()  # the upgrade checked the key
 
     async def run(self) -> None:
         await self._ws.accept()
         reader = asyncio.create_task(self._read(), name="ws-reader")
-        opened = self._clock.monotonic()
         try:
-            while True:
-                left = opened + self._settings.ws_max_connection_s - self._clock.monotonic()
-                text = await self._next(min(left, self._settings.ws_idle_timeout_s))
-                if text is None:
-                    break
-                await self._turn(text)
-            if not self._departure.gone.is_set():
-                await self._close(GOING_AWAY, "idle or open too long: reconnect")
+            await self._serve()
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
+
+    async def _serve(self) -> None:
+        """Turns until the client leaves, the key goes, or the connection's time is up.
+
+        The wait for the next event ends at the earliest of the connection's end, its idle
+        end and the next key check; a check does not restart the idle time, a turn does."""
+        s = self._settings
+        opened = idle_from = self._clock.monotonic()
+        while True:
+            now = self._clock.monotonic()
+            if now - self._checked >= s.ws_key_recheck_s and not await self._key_holds():
+                return
+            ends = min(opened + s.ws_max_connection_s, idle_from + s.ws_idle_timeout_s)
+            if ends <= now:
+                await self._close(GOING_AWAY, "idle or open too long: reconnect")
+                return
+            text = await self._next(min(ends, self._checked + s.ws_key_recheck_s) - now)
+            if text is None:
+                if self._departure.gone.is_set():
+                    return
+                continue  # a time came: the loop sees which
+            if not await self._turn(text):
+                return
+            idle_from = self._clock.monotonic()
+
+    async def _key_holds(self) -> bool:
+        """Whether the key still holds; when not, says so and closes the connection 1008."""
+        self._checked = self._clock.monotonic()
+        if self._key_check():
+            return True
+        await self.send_event(error_message(InvalidApiKey("The API key was revoked or has expired."), None))
+        await self._close(POLICY_VIOLATION, "the API key was revoked or has expired")
+        return False
 
     async def _next(self, seconds: float) -> str | None:
         """The next event's text; None when the time passed or the client left."""
@@ -115,35 +183,41 @@ class ResponsesSocket:
             self._inbox.put_nowait(None)
         self._departure.left()
 
-    async def _turn(self, text: str) -> None:
+    async def _turn(self, text: str) -> bool:
+        """Run one turn; False when the connection was closed for its key."""
+        if not await self._key_holds():
+            return False
         try:
             event = json.loads(text)
         except ValueError:
             await self.send_event(error_message(RouterError("The message is not JSON.", status=400), None))
-            return
+            return True
         lane = event.get("stream_id") if isinstance(event, dict) and isinstance(event.get("stream_id"), str) else None
         try:
             turn = self._conversation.prepare(event)
+            if len(turn.body) > self._settings.max_request_bytes:
+                raise RequestTooLarge(self._settings.max_request_bytes)
+            self._conversation.room_for(turn)
         except RouterError as exc:
             await self.send_event(error_message(exc, lane))
-            return
-        if not turn.generate:
-            for message in warm_up_messages(self._conversation.warm_up(turn), turn.lane):
-                await self.send_event(message)
-            return
-        body = json.dumps(turn.payload, separators=(",", ":")).encode()
-        if len(body) > self._settings.max_request_bytes:
-            await self.send_event(error_message(RequestTooLarge(self._settings.max_request_bytes), turn.lane))
-            return
-        await self._forward(turn, body)
+            return True
+        await self._answer(turn)
+        return True
 
-    async def _forward(self, turn: Turn, body: bytes) -> None:
+    async def _answer(self, turn: Turn) -> None:
+        """The turn through the pipeline: forwarded, or a warm-up answered here once admitted."""
         ws = self._ws
-        request = http_request(RESPONSES_PATH, list(ws.scope["headers"]), body, self._departure,
+        warmed: list[dict[str, Any]] = []
+
+        def warm_up() -> Response:
+            warmed.append(self._conversation.warm_up(turn))
+            return JSONResponse(warmed[0])
+
+        request = http_request(RESPONSES_PATH, list(ws.scope["headers"]), turn.body, self._departure,
                                client=ws.scope.get("client"), app=ws.scope.get("app"),
                                scheme="https" if ws.scope.get("scheme") == "wss" else "http")
         try:
-            response = await self._route(request)
+            response = await self._route(request, None if turn.generate else warm_up)
         except RouterError as exc:
             response = error_response(exc, getattr(request.state, "request_id", None))
         except asyncio.CancelledError:
@@ -154,6 +228,10 @@ class ResponsesSocket:
             log.exception("WebSocket turn failed")
             response = error_response(RouterError("The router hit an internal error.", status=500,
                                                   code="internal_error"))
+        if warmed:
+            for message in warm_up_messages(warmed[0], turn.lane):
+                await self.send_event(message)
+            return
         final = await self._relay(response, request, turn)
         if final is not None:
             self._conversation.record(turn, final)

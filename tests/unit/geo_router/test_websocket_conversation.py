@@ -8,7 +8,7 @@ import json
 import pytest
 
 from geo_router.errors import BadRequest, RateLimited
-from geo_router.websocket.conversation import Conversation, PreviousResponseNotFound
+from geo_router.websocket.conversation import Conversation, ConversationTooLarge, PreviousResponseNotFound
 from geo_router.websocket.events import answered_error, error_message, socket_message, warm_up_messages
 
 ANSWER = {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
@@ -89,6 +89,46 @@ def test_a_connection_holds_a_bounded_number_of_lanes() -> None:
     with pytest.raises(BadRequest, match="at most 2"):
         conversation.prepare(_create(input="x", stream_id="c"))
     assert conversation.prepare(_create(input="x", stream_id="a")).lane == "a"
+
+
+def test_a_lane_remembers_at_most_its_cap_and_a_refused_turn_changes_nothing() -> None:
+    conversation = Conversation(max_lane_bytes=2_000)
+    first = conversation.prepare(_create(input="a" * 900))
+    response = conversation.warm_up(first)
+    held = conversation.held
+    assert held == len(first.body)
+    second = conversation.prepare(_create(input="b" * 1200, previous_response_id=response["id"]))
+    with pytest.raises(ConversationTooLarge) as refused:
+        conversation.room_for(second)
+    assert refused.value.code == "conversation_too_large" and refused.value.status == 400
+    assert refused.value.param == "input" and "2000 bytes" in refused.value.message
+    # The lane still continues from the first turn.
+    assert conversation.holds(None) == response["id"] and conversation.held == held
+
+
+def test_the_lanes_of_a_connection_share_its_cap() -> None:
+    conversation = Conversation(max_lane_bytes=2_000, max_socket_bytes=3_200)
+    for lane in ("a", "b"):
+        conversation.warm_up(conversation.prepare(_create(input="x" * 1400, stream_id=lane)))
+    third = conversation.prepare(_create(input="x" * 1400, stream_id="c"))
+    with pytest.raises(ConversationTooLarge, match="3200 bytes per connection"):
+        conversation.room_for(third)
+    # A lane's new conversation replaces its old one in the count.
+    conversation.warm_up(conversation.prepare(_create(input="x", stream_id="a")))
+    conversation.room_for(third)
+
+
+def test_an_answer_that_takes_its_lane_past_the_cap_is_not_kept() -> None:
+    conversation = Conversation(max_lane_bytes=2_000)
+    turn = conversation.prepare(_create(input="short"))
+    conversation.room_for(turn)
+    long_answer = {**ANSWER, "content": [{"type": "output_text", "text": "w" * 3000, "annotations": []}]}
+    conversation.record(turn, {"id": "resp_long", "output": [long_answer]})
+    assert conversation.held == 0
+    # Continuing it says why it cannot be, not that it was never there.
+    with pytest.raises(ConversationTooLarge) as refused:
+        conversation.prepare(_create(input="more", previous_response_id="resp_long"))
+    assert refused.value.param == "previous_response_id"
 
 
 def test_streamed_events_become_messages_with_the_lane() -> None:
