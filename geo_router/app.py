@@ -250,15 +250,18 @@ def _build_state(
     return state, shared_fleet
 
 
+def servable_models(loaded: LoadedTable, tenant: TenantEntry) -> set[str]:
+    """The models `tenant` may ask for: served in its zone, or deployed there while scaled
+    to zero (a request for one starts a replica)."""
+    return set(models_for(loaded, tenant)) | set(deployed_models(loaded, tenant))
+
+
 def _grpc_listener(state: RouterState) -> GrpcListener:
     """The KServe v2 gRPC endpoint of this app: its inferences go through `_route` as
     /v1/completions requests."""
 
-    def models(loaded: LoadedTable, tenant: TenantEntry) -> set[str]:
-        return set(models_for(loaded, tenant)) | set(deployed_models(loaded, tenant))
-
     service = InferenceService(lambda request: _route(state, request, COMPLETIONS), state.table_source.current,
-                               models, meridian_version, state.settings.grpc_max_requests_per_stream)
+                               servable_models, meridian_version, state.settings.grpc_max_requests_per_stream)
     return GrpcListener(state.settings, service)
 
 
@@ -320,8 +323,7 @@ def _add_other_routes(app: FastAPI, state: RouterState) -> None:
     def tenant_models(request: Request) -> list[str]:
         loaded = state.table()
         tenant = _tenant(loaded, request)
-        # A deployed model is listed while scaled to zero: a request for it starts a replica.
-        return sorted(set(models_for(loaded, tenant)) | set(deployed_models(loaded, tenant)))
+        return sorted(servable_models(loaded, tenant))
 
     @app.get("/v1/models")
     async def list_models(request: Request) -> JSONResponse:
@@ -458,6 +460,9 @@ async def _route(state: RouterState, request: Request, route: str,
         stored: StoredResponse | None = None
         if route == "/v1/responses":
             inference, stored = follow_up(state.response_ids, inference, tenant)
+        if answer is not None and not tenant.may_use(inference.model):
+            # A forwarded request learns this from its candidates; a warm-up has none.
+            raise ModelNotFound(inference.model[:MAX_MODEL_NAME_CHARS])
         admission = _admit(state, route, tenant, inference)
         if answer is not None:
             response = answer()

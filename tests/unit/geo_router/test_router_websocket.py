@@ -22,6 +22,7 @@ from fastapi import FastAPI
 from router_harness import (
     EU_KEY,
     GLOBAL_KEY,
+    LIMITED_KEY,
     MODEL,
     SCRAPE,
     NodeBehaviour,
@@ -195,6 +196,15 @@ async def test_errors_of_the_pipeline_are_error_events(rig: SocketRig) -> None:
     assert limited["status"] == 429 and limited["error"]["code"] == "rate_limit_exceeded"
     assert int(limited["error"]["headers"]["retry-after"]) >= 1
     assert unknown["status"] == 404 and unknown["error"]["code"] == "model_not_found"
+
+
+async def test_a_warm_up_for_a_model_the_key_may_not_use_is_model_not_found(rig: SocketRig) -> None:
+    # A warm-up reaches no replica, so nothing else would tell it the model is not its to use.
+    async with rig.connect(LIMITED_KEY) as ws:  # this key may use "other-model" only
+        refused = await _turn(ws, _warm_up("context"))
+        kept = await _turn(ws, _warm_up("context", model="other-model"))
+    assert refused["status"] == 404 and refused["error"]["code"] == "model_not_found"
+    assert kept["type"] == "response.completed"
 
 
 
