@@ -1,6 +1,7 @@
 """`python -m bench` (`make bench`): every benchmark in its quick form, JSON lines out."""
 
 from bench import (
+    attacks,
     engine,
     engine_vllm,
     failover,
@@ -45,6 +46,10 @@ def main() -> None:
         print(fig.json_line(), flush=True)
     for fig in placement.run():
         print(fig.json_line(), flush=True)
+    # The listener attack suite (issue 33), short form: ~80 s.
+    for result in attacks.run():
+        for fig in attacks.figures(result):
+            print(fig.json_line(), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""Finding 1: HTTP/1.1 pipelining with no bound, on the router and on the control plane.
+
+The attack: one connection, no key, `GET /health` requests written back to back as fast as
+the server takes them, never reading an answer (its receive buffer capped at 64 KiB, so
+answers back up at once). Short form: at most 200,000 requests (6.6 MB) in 3 s; long form:
+600,000 (19.8 MB) in 10 s, the issue's 539,600 in 10.8 s.
+
+Cut off: the server closes the connection, or stops reading it (no byte taken for
+STALL_S, up to the attack's end). Bound: 2 s. A listener that bounds the requests parsed and
+waiting on a connection stops reading once that queue is full and its answers back up; the
+kernel's buffers then fill in well under a second at loopback speed.
+
+On code without the bound (b4d2a0b), uvicorn's httptools protocol parses every request of
+every chunk it reads into an unbounded deque and reads on after each answer: the server
+takes the whole flood, its memory grows with it and one core is spent parsing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from chaos.attacks import wire
+from chaos.attacks.form import Form
+from chaos.attacks.result import Outcome
+from chaos.attacks.target import AttackFabric
+
+REQUEST = b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n"
+PER_WRITE = 1000
+STALL_S = 1.0
+RCVBUF = 64 * 1024
+
+
+@dataclass(frozen=True)
+class PipelinedFlood:
+    target: str = "router"
+    name: str = "pipelining"
+    cut_off_bound_s: float = 2.0
+    router_env: Mapping[str, str] = field(default_factory=dict)
+
+    def seconds(self, form: Form) -> float:
+        return 10.0 if form.long else 3.0
+
+    def requests(self, form: Form) -> int:
+        return 600_000 if form.long else 200_000
+
+    async def run(self, fabric: AttackFabric, form: Form) -> Outcome:
+        listener = fabric.listener(self.target)
+        _reader, writer = await wire.connect(listener.host, listener.port, rcvbuf=RCVBUF)
+        start = time.monotonic()
+        deadline = start + self.seconds(form)
+        try:
+            poured = await wire.pour(writer, REQUEST * PER_WRITE, self.requests(form) * len(REQUEST), deadline)
+            if poured.broken_at is None:
+                await wire.hold(deadline)  # the flood's requests wait on the server until the end
+        finally:
+            await wire.close(writer)
+        return wire.flood_outcome(poured, start, time.monotonic() - start, STALL_S, "requests", len(REQUEST))
