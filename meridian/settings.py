@@ -120,6 +120,13 @@ class ListenerSettings(FileSettings):
     # The same, per client address (0: no such limit). Leave it off behind a load balancer
     # or proxy, whose few addresses carry every client's connections.
     max_connections_per_client: int = Field(0, ge=0)
+    # HTTP/2 (the router's public listener, meridian.http2): a connection that sends more
+    # control frames than this within a second (SETTINGS, PING, PRIORITY, RST_STREAM,
+    # WINDOW_UPDATE beyond two per DATA frame sent, unknown types, empty DATA) is sent GOAWAY
+    # ENHANCE_YOUR_CALM and closed. A real client sends a few SETTINGS and PINGs per
+    # connection and at most one RST_STREAM per stream it cancels (100 streams at once), so
+    # 1,000 leaves it tenfold room; the flood it stops sent 86,000 a second.
+    http2_max_control_frames_per_s: int = Field(1000, ge=10)
 
 
 class ControlPlaneSettings(ListenerSettings):
