@@ -27,9 +27,22 @@ Limits on an HTTP/2 connection:
   WINDOW_UPDATE is free while the server has sent DATA frames it can answer (two per DATA
   frame: stream and connection), so a client downloading fast with small flow-control
   windows is never cut off;
+- a request's body must arrive whole within `body_timeout_s` of its head, as on HTTP/1.1:
+  408 in the listener's error format when no answer has started, else the stream is reset.
+  Deadlines are checked by one sweep per listener (a deadline assignment per stream, no
+  timer);
+- a stream answered before its body ended (the 408, or an app's early 401 or 413) is reset
+  with NO_ERROR once the answer is complete (RFC 9113, 8.1): it stops counting against the
+  concurrent streams, and its further DATA is dropped by h2 rather than reaching hypercorn
+  (which failed the whole connection on it);
 - the connection counts towards the listener's max_connections while it lives (its place
   is held by a marker that uvicorn's shutdown asks to close, so a SIGTERM drains HTTP/2
   connections as it drains HTTP/1.1 ones).
+
+The stream bookkeeping reaches into hypercorn's H2Protocol (its h2 connection and stream
+table) and HTTPStream (the stream id behind the ASGI `send`): hypercorn is pinned below
+the next minor version for that, and tests/e2e/test_http2_limits.py and
+tests/unit/meridian/test_http2.py exercise both.
 """
 
 from __future__ import annotations
@@ -40,12 +53,16 @@ import logging
 import math
 from typing import Any
 
+import h2.exceptions
 from h2.errors import ErrorCodes
-from hypercorn.app_wrappers import ASGIWrapper
+from h2.stream import StreamState
 from hypercorn.asyncio.tcp_server import TCPServer
 from hypercorn.asyncio.worker_context import WorkerContext
 from hypercorn.config import Config as HypercornConfig
+from hypercorn.protocol.h2 import H2Protocol
 from uvicorn.config import Config
+
+from meridian.http_server import ErrorBody
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +77,7 @@ _END_STREAM = 0x1
 _EMPTY_SETTINGS = bytes([0, 0, 0, _SETTINGS, 0, 0, 0, 0, 0])
 # How long a cut-off connection is read (and its bytes dropped) before it is aborted.
 _LINGER_S = 2.0
+_STILL_SENDING = (StreamState.OPEN, StreamState.HALF_CLOSED_LOCAL)
 
 
 class FrameMeter:
@@ -183,7 +201,7 @@ class H2Handoff:
     """Serves the HTTP/2 connections of one listener with hypercorn's protocol."""
 
     def __init__(self, app: Any, *, max_streams: int, max_header_bytes: int, keep_alive_s: float,
-                 max_control_frames_per_s: int) -> None:
+                 max_control_frames_per_s: int, body_timeout_s: float, error_body: ErrorBody) -> None:
         config = HypercornConfig()
         config.h2_max_concurrent_streams = max_streams
         config.h2_max_header_list_size = max_header_bytes
@@ -192,11 +210,14 @@ class H2Handoff:
         config.accesslog = None
         config.errorlog = logging.getLogger("meridian.http2")
         self._config = config
-        self._app = ASGIWrapper(app)
+        self._app = app
         self._max_control_frames_per_s = max_control_frames_per_s
+        self.body_timeout_s = body_timeout_s
+        self.error_body = error_body
         self._context = WorkerContext(None)
         self._state: dict[str, Any] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._deadlines = _BodyDeadlines(min(1.0, body_timeout_s / 4))
 
     def take(self, transport: asyncio.Transport, first: bytes, connections: set[Any]) -> None:
         """Serve the connection on `transport` over HTTP/2 from now on; `first`: what was
@@ -214,10 +235,27 @@ class H2Handoff:
             transport.resume_reading()
         marker = _Held(self)
         connections.add(marker)
-        server = TCPServer(self._app, loop, self._config, self._context, self._state, reader, writer)
+        streams = _Streams(self, self._app)
+        server = TCPServer(streams, loop, self._config, self._context, self._state, reader, writer)
+        streams.server = server
         task = loop.create_task(self._serve(server, marker, connections), name="http2-connection")
+        self.spawned(task)
+
+    def spawned(self, task: asyncio.Task[None]) -> None:
+        """Hold `task` until it ends (the loop keeps only weak references)."""
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("HTTP/2 %s failed", task.get_name(), exc_info=task.exception())
+
+    def guard(self, stream: _StreamGuard) -> None:
+        self._deadlines.add(stream)
+
+    def unguard(self, stream: _StreamGuard) -> None:
+        self._deadlines.discard(stream)
 
     async def _serve(self, server: TCPServer, marker: _Held, connections: set[Any]) -> None:
         try:
@@ -231,6 +269,146 @@ class H2Handoff:
         """Stop taking new streams: connections close once their streams end (GOAWAY)."""
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().create_task(self._context.terminated.set())
+
+
+class _Streams:
+    """The app as hypercorn calls it on one connection (its AppWrapper): each HTTP
+    stream's app runs behind a _StreamGuard."""
+
+    def __init__(self, handoff: H2Handoff, app: Any) -> None:
+        self.handoff = handoff
+        self._app = app
+        self.server: TCPServer | None = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
+        # hypercorn's `send` for an HTTP stream is its HTTPStream's method: the stream's id.
+        stream_id = getattr(getattr(send, "__self__", None), "stream_id", None)
+        if scope["type"] != "http" or stream_id is None:
+            await self._app(scope, receive, send)
+            return
+        guard = _StreamGuard(self, stream_id, send)
+        try:
+            await self._app(scope, receive, guard.send)
+        finally:
+            self.handoff.unguard(guard)
+
+    def protocol(self) -> H2Protocol | None:
+        """hypercorn's protocol of this connection while it serves HTTP/2."""
+        wrapper = getattr(self.server, "protocol", None)
+        protocol = getattr(wrapper, "protocol", None)
+        return protocol if isinstance(protocol, H2Protocol) and not protocol.closed else None
+
+    def still_sending(self, stream_id: int) -> bool:
+        """Whether the client has yet to end the request on `stream_id` (its body)."""
+        protocol = self.protocol()
+        stream = protocol.connection.streams.get(stream_id) if protocol is not None else None
+        return stream is not None and stream.state_machine.state in _STILL_SENDING
+
+    async def reset(self, stream_id: int, code: ErrorCodes) -> None:
+        """Reset the stream (RST_STREAM with `code`) and let hypercorn forget it: its app
+        sees a disconnect, and what it still sends is dropped."""
+        protocol = self.protocol()
+        if protocol is None:
+            return
+        try:
+            protocol.connection.reset_stream(stream_id, code)
+        except h2.exceptions.ProtocolError:
+            return  # closed meanwhile
+        await protocol._flush()
+        await protocol._close_stream(stream_id)
+        await protocol._window_updated(stream_id)
+
+
+class _StreamGuard:
+    """One HTTP stream's body deadline, and the app's `send` as the stream sees it: nothing
+    the app sends passes once the listener has answered or reset the stream."""
+
+    __slots__ = ("_conn", "_send", "answered", "deadline", "started", "stream_id")
+
+    def __init__(self, conn: _Streams, stream_id: int, send: Any) -> None:
+        self._conn = conn
+        self._send = send
+        self.stream_id = stream_id
+        self.started = False
+        self.answered = False
+        self.deadline = asyncio.get_running_loop().time() + conn.handoff.body_timeout_s
+        conn.handoff.guard(self)
+
+    async def send(self, message: Any) -> None:
+        if self.answered:
+            return
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.started = True
+        await self._send(message)
+        if kind == "http.response.body" and not message.get("more_body", False):
+            self._conn.handoff.unguard(self)
+            await self._end_request()
+
+    async def _end_request(self) -> None:
+        """After a complete answer: a request still being sent is reset with NO_ERROR."""
+        if self._conn.still_sending(self.stream_id):
+            await self._conn.reset(self.stream_id, ErrorCodes.NO_ERROR)
+
+    def expired(self) -> None:
+        """The body deadline passed (called by the sweep)."""
+        if self.answered or not self._conn.still_sending(self.stream_id):
+            return  # the body came whole: the app's answer takes the time it takes
+        self.answered = True
+        task = asyncio.get_running_loop().create_task(
+            self._reset_late() if self.started else self._answer_timeout(), name="http2-body-timeout")
+        self._conn.handoff.spawned(task)
+
+    async def _answer_timeout(self) -> None:
+        handoff = self._conn.handoff
+        content_type, body = handoff.error_body(
+            408, f"The request body did not arrive within {handoff.body_timeout_s:g} seconds.")
+        await self._send({"type": "http.response.start", "status": 408, "headers": [
+            (b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]})
+        await self._send({"type": "http.response.body", "body": body})
+        await self._end_request()
+
+    async def _reset_late(self) -> None:
+        await self._conn.reset(self.stream_id, ErrorCodes.CANCEL)
+
+
+class _BodyDeadlines:
+    """The body deadlines of one listener's HTTP/2 streams, swept every `period` while any
+    is pending. Streams come in deadline order (one timeout for all), so a sweep reads
+    from the oldest and stops at the first one not due."""
+
+    def __init__(self, period: float) -> None:
+        self._period = period
+        self._pending: dict[_StreamGuard, None] = {}
+        self._sweeping = False
+
+    def add(self, stream: _StreamGuard) -> None:
+        self._pending[stream] = None
+        if not self._sweeping:
+            self._sweeping = True
+            asyncio.get_running_loop().call_later(self._period, self._sweep)
+
+    def discard(self, stream: _StreamGuard) -> None:
+        self._pending.pop(stream, None)
+
+    def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        due: list[_StreamGuard] = []
+        for stream in self._pending:
+            if stream.deadline > now:
+                break
+            due.append(stream)
+        for stream in due:
+            del self._pending[stream]
+            try:
+                stream.expired()
+            except Exception:  # noqa: BLE001 - one stream's failure must not stop the sweep
+                log.exception("HTTP/2 body deadline failed")
+        if self._pending:
+            loop.call_later(self._period, self._sweep)
+        else:
+            self._sweeping = False
 
 
 class _Held:

@@ -112,7 +112,8 @@ class ListenerSettings(FileSettings):
     # A request head (request line + headers) over this is answered 431.
     max_header_bytes: int = Field(32 * 1024, ge=1024)
     # The whole head must arrive within this of its first byte, the body within
-    # body_timeout_s of the head's end: 408 and the connection closed otherwise.
+    # body_timeout_s of the head's end: 408 and the connection closed otherwise (an HTTP/2
+    # stream is answered 408 and reset; its connection stays).
     header_timeout_s: float = Field(15.0, gt=0)
     body_timeout_s: float = Field(60.0, gt=0)
     # Open connections beyond this are answered 503 with Retry-After and closed at once.

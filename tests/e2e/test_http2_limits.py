@@ -10,14 +10,16 @@ whose body never came was held past 168 s, counting against the connection's str
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
 from collections.abc import Iterator
 
+import h2.events
 import httpx
 import pytest
 from h2.errors import ErrorCodes
-from h2_client import flood, frame, frames_of
+from h2_client import H2Client, flood, frame, frames_of
 
 from bench.router import TENANT_KEY, RunningRouter, router_process
 
@@ -87,3 +89,61 @@ async def test_a_control_frame_flood_is_sent_goaway_and_closed(router: RunningRo
     latencies = sorted(await timed)
     assert cut >= len(FLOODS) and len(latencies) >= 20, (cut, len(latencies))
     assert latencies[int(len(latencies) * 0.99)] < NEIGHBOUR_P99_S, statistics.quantiles(latencies, n=100)[-1]
+
+
+async def test_a_body_that_never_ends_is_408_and_frees_its_stream(router: RunningRouter) -> None:
+    client = await H2Client.open(port_of(router))
+    try:
+        # As many unfinished bodies as the connection may have streams: each is answered 408
+        # in the inference API's error format within the body timeout, then reset.
+        started = time.monotonic()
+        streams = [1 + 2 * i for i in range(MAX_STREAMS)]
+        for stream_id in streams:
+            client.request(stream_id, "POST", "/v1/chat/completions", CHAT, b'{"model": "m', end=False)
+        await client.flush()
+        for stream_id in streams:
+            await client.until(lambda e, s=stream_id: isinstance(e, h2.events.StreamEnded) and e.stream_id == s,
+                               BODY_TIMEOUT_S + 3)
+            assert client.status(stream_id) == 408
+            assert json.loads(client.body(stream_id))["error"]["code"] == "request_timeout"
+        assert time.monotonic() - started < BODY_TIMEOUT_S + 2
+        for stream_id in streams:
+            reset = await client.until(lambda e, s=stream_id: isinstance(e, h2.events.StreamReset)
+                                       and e.stream_id == s, 2)
+            assert reset.error_code == ErrorCodes.NO_ERROR
+
+        # Their places are free: the same connection serves as many streams again.
+        more = [streams[-1] + 2 * (i + 1) for i in range(MAX_STREAMS)]
+        for stream_id in more:
+            client.request(stream_id, "GET", "/health")
+        await client.flush()
+        for stream_id in more:
+            await client.until(lambda e, s=stream_id: isinstance(e, h2.events.StreamEnded) and e.stream_id == s, 5)
+            assert client.status(stream_id) == 200
+    finally:
+        client.close()
+
+
+async def test_a_stream_answered_early_keeps_its_connection(router: RunningRouter) -> None:
+    # No key: 401 before the body is read. The rest of the body then comes; the connection
+    # serves on (hypercorn failed the whole connection on DATA for a stream it had answered).
+    client = await H2Client.open(port_of(router))
+    try:
+        client.request(1, "POST", "/v1/chat/completions", {"content-type": "application/json"}, b"{", end=False)
+        await client.flush()
+        await client.until(lambda e: isinstance(e, h2.events.StreamEnded) and e.stream_id == 1, 5)
+        assert client.status(1) == 401
+        reset = await client.until(lambda e: isinstance(e, h2.events.StreamReset) and e.stream_id == 1, 2)
+        assert reset.error_code == ErrorCodes.NO_ERROR
+        client.request(3, "GET", "/health")
+        await client.flush()
+        # Late DATA for the answered stream, as a client whose RST_STREAM crossed it sends.
+        client.writer.write(frame(0x0, b"more body", stream_id=1))
+        await client.until(lambda e: isinstance(e, h2.events.StreamEnded) and e.stream_id == 3, 5)
+        assert client.status(3) == 200
+        client.request(5, "GET", "/health")
+        await client.flush()
+        await client.until(lambda e: isinstance(e, h2.events.StreamEnded) and e.stream_id == 5, 5)
+        assert client.status(5) == 200
+    finally:
+        client.close()

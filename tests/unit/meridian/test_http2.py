@@ -17,7 +17,7 @@ from h2_client import H2Client, frame
 from router_harness import ServerGroup
 
 from meridian.http2 import FrameMeter
-from meridian.http_server import ErrorBody, limited_config, openai_error_body
+from meridian.http_server import ErrorBody, limited_config, openai_error_body, problem_body
 from meridian.settings import ListenerSettings
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -156,5 +156,37 @@ async def test_an_upload_in_many_frames_arrives_whole() -> None:
                 await client.flush()
             await client.until(ended(1), 10)
             assert client.status(1) == 200 and json.loads(client.body(1)) == {"bytes": 2 << 20}
+        finally:
+            client.close()
+
+
+async def test_a_late_body_is_408_in_the_listeners_format() -> None:
+    async with serving(problem_body) as port:
+        client = await H2Client.open(port)
+        try:
+            client.request(1, "POST", "/echo", {"content-type": "application/json"}, b"{", end=False)
+            await client.flush()
+            await client.until(ended(1), LIMITS.body_timeout_s + 2)
+            assert client.status(1) == 408
+            assert json.loads(client.body(1))["status"] == 408
+            reset = await client.until(lambda e: isinstance(e, h2.events.StreamReset), 2)
+            assert (reset.stream_id, reset.error_code) == (1, ErrorCodes.NO_ERROR)
+        finally:
+            client.close()
+
+
+async def test_a_late_body_after_the_answer_started_resets_the_stream() -> None:
+    async with serving() as port:
+        client = await H2Client.open(port)
+        try:
+            client.request(1, "POST", "/early", {}, b"partial", end=False)
+            await client.flush()
+            reset = await client.until(lambda e: isinstance(e, h2.events.StreamReset), LIMITS.body_timeout_s + 2)
+            assert (reset.stream_id, reset.error_code) == (1, ErrorCodes.CANCEL)
+            assert client.status(1) == 200 and client.body(1) == b"started "
+            client.request(3, "POST", "/echo", {}, b"{}")
+            await client.flush()
+            await client.until(ended(3), 5)
+            assert json.loads(client.body(3)) == {"bytes": 2}
         finally:
             client.close()
