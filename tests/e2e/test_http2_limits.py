@@ -15,6 +15,8 @@ import statistics
 import time
 from collections.abc import Iterator
 
+import h2.config
+import h2.connection
 import h2.events
 import httpx
 import pytest
@@ -31,12 +33,29 @@ CUT_OFF_S = 1.5
 NEIGHBOUR_P99_S = 0.25
 ATTACK_S = 2.0
 GOAWAY = 0x7
+
+
+def rapid_reset(pairs: int) -> bytes:
+    """HEADERS then RST_STREAM on `pairs` new streams (CVE-2023-44487's shape), without the
+    client's preface."""
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.clear_outbound_data_buffer()
+    for stream_id in range(1, 2 * pairs, 2):
+        client.send_headers(stream_id, [(":method", "GET"), (":path", "/health"), (":scheme", "http"),
+                                        (":authority", "router")], end_stream=True)
+        client.reset_stream(stream_id)
+    return client.data_to_send()
+
+
 FLOODS = {
     "SETTINGS": frame(0x4),
     "PING": frame(0x6, b"12345678"),
     "PRIORITY": frame(0x2, b"\x00\x00\x00\x00\x10", stream_id=1),
     "WINDOW_UPDATE": frame(0x8, (1).to_bytes(4, "big")),
     "unknown type": frame(0xFA, b"x"),
+    # Past the budget on its first pass (so before any stream id would repeat).
+    "rapid reset": rapid_reset(1500),
 }
 CHAT = {"content-type": "application/json", "authorization": f"Bearer {TENANT_KEY}"}
 

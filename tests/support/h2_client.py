@@ -131,6 +131,7 @@ async def flood(port: int, frames: bytes, seconds: float, after_settings: bool =
             while not closed.done() and time.monotonic() - started < seconds:
                 writer.write(burst)
                 await writer.drain()
+                await asyncio.sleep(0)  # drain does not yield while the buffer is low: let the reader run
     try:
         elapsed: float | None = await asyncio.wait_for(closed, 3)
     except TimeoutError:
