@@ -489,5 +489,7 @@ def limited_config(app: Any, settings: ListenerSettings, error_body: ErrorBody =
     from meridian.http2 import AlpnConfig, H2Handoff
 
     h2 = H2Handoff(app, max_streams=http2_max_streams, max_header_bytes=limits.max_header_bytes,
-                   keep_alive_s=kwargs.get("timeout_keep_alive", 5))
+                   keep_alive_s=kwargs.get("timeout_keep_alive", 5),
+                   max_control_frames_per_s=settings.http2_max_control_frames_per_s,
+                   body_timeout_s=limits.body_timeout_s, error_body=error_body)
     return AlpnConfig(app, http=limited_protocol(limits, error_body, h2), **kwargs)

@@ -112,7 +112,8 @@ class ListenerSettings(FileSettings):
     # A request head (request line + headers) over this is answered 431.
     max_header_bytes: int = Field(32 * 1024, ge=1024)
     # The whole head must arrive within this of its first byte, the body within
-    # body_timeout_s of the head's end: 408 and the connection closed otherwise.
+    # body_timeout_s of the head's end: 408 and the connection closed otherwise (an HTTP/2
+    # stream is answered 408 and reset; its connection stays).
     header_timeout_s: float = Field(15.0, gt=0)
     body_timeout_s: float = Field(60.0, gt=0)
     # Open connections beyond this are answered 503 with Retry-After and closed at once.
@@ -123,6 +124,13 @@ class ListenerSettings(FileSettings):
     # HTTP/1.1 pipelining: with this many requests of one connection waiting behind the one
     # being answered, nothing more of it is parsed or read until one is answered.
     max_pipelined_requests: int = Field(8, ge=1, le=1024)
+    # HTTP/2 (the router's public listener, meridian.http2): a connection that sends more
+    # control frames than this within a second (SETTINGS, PING, PRIORITY, RST_STREAM,
+    # WINDOW_UPDATE beyond two per DATA frame sent, unknown types, empty DATA) is sent GOAWAY
+    # ENHANCE_YOUR_CALM and closed. A real client sends a few SETTINGS and PINGs per
+    # connection and at most one RST_STREAM per stream it cancels (100 streams at once), so
+    # 1,000 leaves it tenfold room; the flood it stops sent 86,000 a second.
+    http2_max_control_frames_per_s: int = Field(1000, ge=10)
 
 
 class ControlPlaneSettings(ListenerSettings):
