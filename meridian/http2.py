@@ -7,9 +7,12 @@ connection speaks HTTP/2 either by prior knowledge (h2c: its first bytes are the
 preface, as gRPC-style clients, Envoy and `curl --http2-prior-knowledge` send) or, over
 TLS, by ALPN (`h2`, offered next to `http/1.1` by `alpn_config`). The listener's protocol
 sees the preface or the ALPN choice before anything is parsed and hands the transport to
-hypercorn's connection handler, which serves the same ASGI app (WebSocket mode stays
-HTTP/1.1's upgrade; the h2c Upgrade header is not taken: clients that want h2c send the
-preface).
+hypercorn's connection handler, which serves the same ASGI app. WebSocket mode stays
+HTTP/1.1's upgrade: hypercorn advertises RFC 8441's extended CONNECT, but a WebSocket over
+HTTP/2 is refused (403) since it would bypass the HTTP/1.1 socket's message size and pings;
+the Responses WebSocket's clients (SDKs: browsers cannot set its Authorization header)
+upgrade over HTTP/1.1. The h2c Upgrade header is not taken: clients that want h2c send the
+preface.
 
 Limits on an HTTP/2 connection:
 
@@ -283,6 +286,12 @@ class _Streams:
     async def __call__(self, scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
         # hypercorn's `send` for an HTTP stream is its HTTPStream's method: the stream's id.
         stream_id = getattr(getattr(send, "__self__", None), "stream_id", None)
+        if scope["type"] == "websocket":
+            # RFC 8441's WebSocket over HTTP/2, which hypercorn offers, would bypass the HTTP/1.1
+            # socket's limits (its message size, its pings), and its flow control stalls a
+            # message past 128 KiB. Refused before it is accepted (hypercorn answers 403).
+            await send({"type": "websocket.close", "code": 1008})
+            return
         if scope["type"] != "http" or stream_id is None:
             await self._app(scope, receive, send)
             return

@@ -166,3 +166,25 @@ async def test_a_stream_answered_early_keeps_its_connection(router: RunningRoute
         assert client.status(5) == 200
     finally:
         client.close()
+
+
+
+async def test_a_websocket_over_http2_is_refused(router: RunningRouter) -> None:
+    # RFC 8441's extended CONNECT, which hypercorn advertises, carried the Responses
+    # WebSocket over HTTP/2 past the HTTP/1.1 socket's limits: hypercorn's 16 MiB messages
+    # instead of max_request_bytes, no pings. It is refused; its clients upgrade over HTTP/1.1.
+    client = await H2Client.open(port_of(router))
+    try:
+        client.conn.send_headers(1, [(":method", "CONNECT"), (":protocol", "websocket"), (":path", "/v1/responses"),
+                                     (":scheme", "http"), (":authority", "router"), ("sec-websocket-version", "13"),
+                                     ("authorization", f"Bearer {TENANT_KEY}")])
+        await client.flush()
+        await client.until(lambda e: isinstance(e, h2.events.ResponseReceived), 5)
+        assert client.status(1) == 403
+        # The connection serves other streams still.
+        client.request(3, "GET", "/health")
+        await client.flush()
+        await client.until(lambda e: isinstance(e, h2.events.StreamEnded) and e.stream_id == 3, 5)
+        assert client.status(3) == 200
+    finally:
+        client.close()
