@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from chaos.attacks.result import AttackResult, check
 
-COLUMNS = ("attack", "target", "sent MB", "cut off", "neighbour p50/p99 ms (idle)", "RSS MiB idle/peak/after",
+COLUMNS = ("attack", "target", "sent MB", "read MB", "cut off", "neighbour p50/p99 ms (idle)", "RSS MiB idle/peak/after",
            "verdict")
 
 
@@ -16,7 +16,9 @@ def _cut(r: AttackResult) -> str:
 
 
 def row(r: AttackResult) -> tuple[str, ...]:
-    return (r.attack, r.target, f"{r.outcome.bytes_sent / 1e6:.1f}", _cut(r),
+    read = r.outcome.detail.get("bytes_read")
+    return (r.attack, r.target, f"{r.outcome.bytes_sent / 1e6:.1f}", "-" if read is None else f"{read / 1e6:.1f}",
+            _cut(r),
             f"{r.neighbour_p50_ms:.1f}/{r.neighbour_p99_ms:.0f} ({r.idle_p50_ms:.1f}/{r.idle_p99_ms:.0f})",
             f"{r.rss_idle_mib:.0f}/{r.rss_peak_mib:.0f}/{r.rss_after_mib:.0f}",
             "held" if not check(r) else "FAILED")
