@@ -14,6 +14,7 @@ first whole SSE event read before anything is committed to the client.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from meridian.contracts import HEADER_REQUEST_ID
 from meridian.settings import RouterSettings
@@ -53,12 +54,16 @@ class NodeCaller:
             raise RouterOverloaded() from None
 
     async def exchange(self, origin: Origin, head: bytes, body: bytes, stream: bool,
-                        status_timeout_s: float | None = None) -> UpstreamConnection:
+                        status_timeout_s: float | None = None,
+                        on_send: Callable[[], None] | None = None) -> UpstreamConnection:
         """Send the request and wait for the answer's status line on a pooled connection (a
-        stream's within `status_timeout_s`, the read timeout by default)."""
+        stream's within `status_timeout_s`, the read timeout by default); `on_send` is
+        called as the request goes out (before that, nothing of it can have run)."""
         status_timeout_s = status_timeout_s or self.read_timeout_s
         conn, reused = await self.client.acquire(origin)
         for retry in (True, False):
+            if on_send is not None:
+                on_send()
             conn.send(head, body)
             try:
                 if stream:

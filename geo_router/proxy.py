@@ -98,6 +98,11 @@ class _Waiter:
 
     task: asyncio.Task[Any]
     abandoned: bool = False
+    # The request went out to the node (before that, an ejection may retry it elsewhere).
+    sent: bool = False
+
+    def mark_sent(self) -> None:
+        self.sent = True
 
 
 
@@ -521,7 +526,8 @@ class UpstreamForwarder:
         try:
             async with asyncio.timeout_at(deadline):
                 sent_at = time.perf_counter()
-                conn = await self._calls.exchange(origin, head, request.body, request.stream)
+                conn = await self._calls.exchange(origin, head, request.body, request.stream,
+                                                  on_send=waiter.mark_sent)
                 status, upstream_headers = await conn.status()
                 if self._on_first_byte is not None:
                     self._on_first_byte(candidate.node.node_id, time.perf_counter() - sent_at)
@@ -545,6 +551,10 @@ class UpstreamForwarder:
             if not waiter.abandoned:
                 raise
             waiter.task.uncancel()
+            if not waiter.sent:
+                # Still connecting when its node was ejected: nothing of it can have run there.
+                raise _NodeFailed(FailureReason.CONNECT, "ejected by its health checks before the request went out") \
+                    from None
             raise UpstreamLost(node_id) from None
         finally:
             waiting = self._waiting.get(node_id)

@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import logging
 import re
+import socket
 from collections.abc import Callable
 
 import httpx
@@ -452,6 +453,29 @@ async def test_a_node_failing_health_checks_ends_requests_waiting_on_it_without_
         assert r.status_code == 200 and r.headers[HEADER_REGION] == "gcp:europe-west4"
     finally:
         us.release.set()
+
+
+async def test_a_request_still_connecting_when_its_node_is_ejected_goes_to_the_next_replica(fabric: Fabric):
+    """Ejected by its health checks while the router still connects to it (here: a listener
+    whose accept queue is full, so the SYN goes unanswered), the node has had nothing of the
+    request: it runs on the next replica instead of ending in a 504."""
+    with socket.socket() as full:
+        full.bind(("127.0.0.1", 0))
+        full.listen(0)
+        queued = [socket.create_connection(full.getsockname(), timeout=1)]  # listen(0): the queue is full
+        stuck = f"http://127.0.0.1:{full.getsockname()[1]}"
+        fabric.source.set(make_table([node("us", stuck), node("eu", fabric.node_urls["eu"])], version=2))
+        client = fabric.client()
+        try:
+            pending = asyncio.create_task(client.post("/v1/chat/completions", json=CHAT))
+            router = fabric.app.state.router
+            await eventually(lambda: "us-1" in router.forwarder._waiting)
+            router.fleet.record_failure("us-1", FailureKind.PROBE)
+            r = await asyncio.wait_for(pending, 5)
+            assert r.status_code == 200 and r.headers[HEADER_REGION] == "gcp:europe-west4"
+        finally:
+            for conn in queued:
+                conn.close()
 
 
 async def test_a_failed_request_or_a_5xx_does_not_abandon_other_requests_on_the_node(fabric: Fabric):
