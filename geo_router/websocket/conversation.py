@@ -110,12 +110,11 @@ class Conversation:
     max_lane_bytes: int = 8_000_000
     max_socket_bytes: int = 32_000_000
     _last: dict[str | None, _Previous] = field(default_factory=dict)
-    _held: int = 0  # bytes of every lane together
 
     @property
     def held(self) -> int:
-        """The bytes this connection's lanes count for."""
-        return self._held
+        """The bytes this connection's lanes count for (a sum over at most max_lanes)."""
+        return sum(previous.size for previous in self._last.values())
 
     def prepare(self, event: Any) -> Turn:
         """The turn `event` asks for (BadRequest, in the HTTP API's words, when it is not one)."""
@@ -174,22 +173,17 @@ class Conversation:
         try:
             self._check(turn.lane, size)
         except ConversationTooLarge:
-            self._keep(turn.lane, _Previous(response_id, [], 0, kept=False))
+            self._last[turn.lane] = _Previous(response_id, [], 0, kept=False)
             return
-        self._keep(turn.lane, _Previous(response_id, turn.items + output, size))
+        self._last[turn.lane] = _Previous(response_id, turn.items + output, size)
 
     def _check(self, lane: str | None, size: int) -> None:
         if size > self.max_lane_bytes:
             raise ConversationTooLarge.lane(size, self.max_lane_bytes)
         kept = self._last.get(lane)
-        total = self._held - (kept.size if kept is not None else 0) + size
+        total = self.held - (kept.size if kept is not None else 0) + size
         if total > self.max_socket_bytes:
             raise ConversationTooLarge.socket(total, self.max_socket_bytes)
-
-    def _keep(self, lane: str | None, previous: _Previous) -> None:
-        kept = self._last.get(lane)
-        self._held += previous.size - (kept.size if kept is not None else 0)
-        self._last[lane] = previous
 
     def warm_up(self, turn: Turn) -> dict[str, Any]:
         """Record a `generate: false` turn without a model call; the response object that says so."""
