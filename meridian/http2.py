@@ -65,7 +65,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.protocol.h2 import H2Protocol
 from uvicorn.config import Config
 
-from meridian.http_server import ErrorBody
+from meridian.http_server import LINGER_S, ErrorBody
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,6 @@ _END_STREAM = 0x1
 # What a server sends first (RFC 9113, 3.4): an empty SETTINGS frame, when a connection is
 # cut off before hypercorn has sent its own.
 _EMPTY_SETTINGS = bytes([0, 0, 0, _SETTINGS, 0, 0, 0, 0, 0])
-# How long a cut-off connection is read (and its bytes dropped) before it is aborted.
-_LINGER_S = 2.0
 _STILL_SENDING = (StreamState.OPEN, StreamState.HALF_CLOSED_LOCAL)
 
 
@@ -178,13 +176,13 @@ class _MeteredProtocol(asyncio.StreamReaderProtocol):
         transport.write((b"" if self._meter.sent_any else _EMPTY_SETTINGS) + self._meter.goaway())
         # A lingering close, as meridian.http_server's: closing with the client's bytes unread
         # would reset the connection, and the client could lose the GOAWAY. Its further bytes
-        # are read and dropped until it closes, or for _LINGER_S; a client that does not read
+        # are read and dropped until it closes, or for LINGER_S; a client that does not read
         # cannot hold the connection open with the GOAWAY unsent either.
         if transport.can_write_eof():
             transport.write_eof()
         else:
             transport.close()
-        self._loop.call_later(_LINGER_S, transport.abort)
+        self._loop.call_later(LINGER_S, transport.abort)
 
 
 class _MeteredWriter(asyncio.StreamWriter):

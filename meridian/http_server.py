@@ -81,7 +81,7 @@ H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _MAX_HELD_BYTES = 1 << 20
 
 # How long a refused connection's further bytes are read and dropped before it is closed.
-_LINGER_S = 2.0
+LINGER_S = 2.0
 
 # (content type, body) of an error answered by the listener itself.
 ErrorBody = Callable[[int, str], tuple[str, bytes]]
@@ -368,7 +368,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self.transport.write_eof()
         self._lingering = True
-        self.loop.call_later(_LINGER_S, self.transport.close)
+        self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def _after_heads(data: bytes, n: int) -> int:
