@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.router import TENANT_KEY, router_process
+from chaos.attacks.target import rss_mib
 
 HEADER_TIMEOUT_S = 2.0
 BODY_TIMEOUT_S = 2.0
@@ -26,13 +27,6 @@ HUGE_HEADS = 20
 MEMORY_BOUND_MIB = 64
 
 pytestmark = pytest.mark.e2e
-
-
-def rss_mib(pid: int, field: str = "VmRSS") -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError(f"no {field} for {pid}")
 
 
 async def answer_of(reader: asyncio.StreamReader, within_s: float) -> bytes:
