@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 
 import uvicorn
 from fastapi import FastAPI
+from sqlalchemy import Engine
 from sqlalchemy.exc import IntegrityError
 
 from control_plane import keystore, openapi_doc
@@ -37,16 +38,20 @@ from control_plane.api import (
 from control_plane.apidocs import router as api_docs
 from control_plane.body_limit import BodyLimitMiddleware
 from control_plane.console import router as console_shell
-from control_plane.context import AppContext
+from control_plane.context import LEASE_THREADS, AppContext
 from control_plane.db import migrate
 from control_plane.db.engine import make_engine, make_sessionmakers
 from control_plane.errors import register_error_handlers
 from control_plane.fleet import fleet_loops
+from control_plane.heartbeat_fast_path import HeartbeatFastPath
 from control_plane.metrics import ControlPlaneMetrics
 from control_plane.reaper import run_reaper
-from control_plane.routing_table import current_version
+from control_plane.registration_gate import RegistrationAdmission
+from control_plane.routing_table import NodeRows, build_routing_table, current_version
+from control_plane.table_stream import TableStream
 from control_plane.version_watch import VersionWatch
 from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.contracts import RoutingTable
 from meridian.http_server import limited_config, problem_body
 from meridian.logs import configure_logging
 from meridian.settings import ControlPlaneSettings, ProviderSettings
@@ -85,7 +90,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     inventory = await asyncio.to_thread(load_inventory, settings.onprem_inventory)
     regions = region_catalog(inventory)
     catalog = await asyncio.to_thread(load_catalog, inventory)
-    engine = make_engine(settings.database_url)
+    engine = make_engine(settings.database_url, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_max_overflow)
     try:
         reads, writes = make_sessionmakers(engine)
 
@@ -93,9 +99,23 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
             with reads() as session:
                 return current_version(session)
 
+        def build_table(known: NodeRows) -> RoutingTable:
+            with reads() as session:
+                return build_routing_table(session, regions, clock.now(), known)
+
+        tables = TableStream(
+            build_table,
+            max_versions=settings.routing_history_versions,
+            max_bytes=settings.routing_history_bytes,
+            min_interval_s=settings.routing_build_min_interval_s,
+            max_cpu_share=settings.routing_build_max_cpu_share,
+            clock=clock,
+        )
         ctx = AppContext(
+            tables=tables,
             settings=settings,
             engine=engine,
+            lease_engine=_lease_engine(settings.database_url, engine),
             read_sessions=reads,
             write_sessions=writes,
             regions=regions,
@@ -107,7 +127,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(_ensure_bootstrap_key, ctx)
         app.state.ctx = ctx
         stop = asyncio.Event()
-        reaper = asyncio.create_task(run_reaper(ctx, stop), name="meridian-reaper")
+        reaper = asyncio.create_task(run_reaper(ctx, stop, app.state.metrics.observe_reaper),
+                                     name="meridian-reaper")
         try:
             async with fleet_loops(ctx, app.state.metrics) as elector:
                 app.state.elector = elector
@@ -115,8 +136,17 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         finally:
             stop.set()
             await reaper
+            ctx.close()
     finally:
         engine.dispose()
+
+
+def _lease_engine(url: str, shared: Engine) -> Engine | None:
+    """Lease renewals' own pool on Postgres (see AppContext.lease_engine); SQLite has one writer
+    whatever the pool, so renewals share its engine."""
+    if shared.dialect.name != "postgresql":
+        return None
+    return make_engine(url, pool_size=LEASE_THREADS, max_overflow=0)
 
 
 def create_app(
@@ -140,6 +170,11 @@ def create_app(
     app.state.elector = None
     register_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    # Before the body limit: a registration refused under a storm costs no body read
+    # (registration_gate).
+    app.add_middleware(RegistrationAdmission)
+    # Outermost: the unchanged heartbeat, nearly all of a large fleet's requests, skips the rest.
+    app.add_middleware(HeartbeatFastPath)
     for module in (
         health, nodes, residency, routing, keys, tenants, deployments, models, capacity, offerings, placement,
         weights, audit_log, scaling, metrics, console,

@@ -27,32 +27,49 @@ class BodyLimitMiddleware:
         if declared is not None and declared > self.max_bytes:
             await self._reject(scope, receive, send)
             return
-        buffered: list[Message] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                # The client left mid-body (or the listener cut it off): nobody reads an answer.
-                return
-            buffered.append(message)
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._reject(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-
-        async def replay() -> Message:
-            if buffered:
-                return buffered.pop(0)
-            return await receive()
-
-        await self.app(scope, replay, send)
+        buffered = await buffer_body(receive, self.max_bytes)
+        if buffered is None:
+            # The client left mid-body (or the listener cut it off): nobody reads an answer.
+            return
+        if body_size(buffered) > self.max_bytes:
+            await self._reject(scope, receive, send)
+            return
+        await self.app(scope, replaying(buffered, receive), send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = problem_response(413, f"request body exceeds the limit of {self.max_bytes} bytes")
         response.headers["connection"] = "close"
         await response(scope, receive, send)
+
+
+async def buffer_body(receive: Receive, limit: int) -> list[Message] | None:
+    """The request's body messages, read until the body ends or passes `limit` bytes (the
+    caller tells which by `body_size`); None when the client left mid-body."""
+    buffered: list[Message] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        buffered.append(message)
+        size += len(message.get("body", b""))
+        if size > limit or not message.get("more_body", False):
+            return buffered
+
+
+def body_size(messages: list[Message]) -> int:
+    return sum(len(m.get("body", b"")) for m in messages)
+
+
+def replaying(messages: list[Message], receive: Receive) -> Receive:
+    """A receive that hands out `messages` first, then reads on (an app downstream of a
+    middleware that read the body reads it again)."""
+    pending = list(messages)
+
+    async def replay() -> Message:
+        return pending.pop(0) if pending else await receive()
+
+    return replay
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -1,8 +1,8 @@
 """The control plane's Prometheus metrics, in a registry owned by one app.
 
 Counters are incremented where the work happens: `observe_reconciler` and
-`observe_autoscaler` wrap the fleet loops' passes (control_plane.fleet), so the reconciler
-and autoscaler themselves stay free of metrics code. Gauges describe the fleet as the
+`observe_autoscaler` wrap the fleet loops' passes (control_plane.fleet), and `observe_reaper`
+is handed each reaper pass's report, so the loops themselves stay free of metrics code. Gauges describe the fleet as the
 database has it and are read at scrape time (`render`), in a worker thread: who leads
 (this replica's elector), the plan in force, the routing-table version, the registered
 nodes by region and status.
@@ -26,6 +26,7 @@ from control_plane.autoscaler import Decision
 from control_plane.db.models import Node
 from control_plane.leader import Deposed, Fence
 from control_plane.planner import current_plan
+from control_plane.reaper import Hold, PassKind, PassReport
 from control_plane.reconciler import StepResult
 from control_plane.routing_table import current_version
 
@@ -90,6 +91,23 @@ class ControlPlaneMetrics:
                                      "Version of the routing table the control plane serves.", registry=reg)
         self.nodes = Gauge("meridian_cp_nodes", "Registered nodes by region and status.", ("region", "status"),
                            registry=reg)
+        self.reaper_passes = Counter(
+            "meridian_cp_reaper_passes", "Reaper passes of this replica, by kind (reaped, held: silent nodes "
+            "kept because the control plane is the likelier cause, grace: after start-up, a database outage "
+            "or a stall of this control plane, failed).", ("kind",), registry=reg)
+        for kind in PassKind:
+            self.reaper_passes.labels(kind.value)
+        self.reaper_expired = Counter(
+            "meridian_cp_reaper_expired_nodes", "Nodes this replica's reaper marked lost.", registry=reg)
+        self.reaper_holding = Gauge(
+            "meridian_cp_reaper_holding", "1 while this replica's reaper expires no silent node because "
+            "heartbeat processing is behind or the fleet fell silent at once (reason), else 0.",
+            ("reason",), registry=reg)
+        for hold in Hold:
+            self.reaper_holding.labels(hold.value).set(0)
+        self.reaper_deferred = Gauge(
+            "meridian_cp_reaper_deferred_nodes", "Nodes silent past the TTL that the last reaper pass left "
+            "for later (held, or beyond the per-region share expired per pass).", registry=reg)
         # Gauges are cleared and refilled per scrape: concurrent scrapes take turns.
         self._lock = threading.Lock()
 
@@ -121,6 +139,14 @@ class ControlPlaneMetrics:
             return decisions
 
         return counted
+
+    def observe_reaper(self, report: PassReport) -> None:
+        """Count one reaper pass; the hold and deferred gauges show the last one."""
+        self.reaper_passes.labels(report.kind.value).inc()
+        self.reaper_expired.inc(report.lost)
+        for hold in Hold:
+            self.reaper_holding.labels(hold.value).set(1 if report.hold is hold else 0)
+        self.reaper_deferred.set(report.deferred)
 
     def render(self, view: FleetView, elector: Leading | None) -> bytes:
         """The exposition, gauges set from `view` and `elector` (None: loops disabled)."""

@@ -1,4 +1,9 @@
-"""Nodes at rest: registration, heartbeats and deregistration."""
+"""Nodes at rest: registration, heartbeats and deregistration.
+
+A write here that changes what routers see marks its session (version_bumper.mark_changed)
+rather than bumping the routing version inside its transaction: AppContext.write bumps after
+the commit, one bump for all the node writes that committed meanwhile, so a registration storm
+never queues on the version's row lock."""
 
 from __future__ import annotations
 
@@ -6,10 +11,11 @@ from datetime import datetime
 
 from sqlalchemy.orm import Session
 
-from control_plane import weight_registry
+from control_plane import node_lease, weight_registry
 from control_plane.db.models import Node, NodeDrain
 from control_plane.errors import BadRequest, NotFound
-from control_plane.routing_table import bump_version, current_version, node_kv_transfer
+from control_plane.routing_table import current_version, node_kv_transfer
+from control_plane.version_bumper import mark_changed
 from meridian.contracts import (
     ColdStart,
     NodeHeartbeat,
@@ -66,16 +72,21 @@ def register(session: Session, reg: NodeRegistration, regions: dict[str, RegionI
     node.load = NodeLoad(running=0, waiting=0, kv_cache_usage=0.0).model_dump()
     node.registered_at = now
     node.last_heartbeat = now
+    # The first heartbeat after a registration takes the full path (it syncs the weights).
+    node.report_digest = None
     session.flush()
     if _routing_fields(node) != before:
-        bump_version(session)
+        mark_changed(session)
 
 
-def heartbeat(session: Session, node_id: str, hb: NodeHeartbeat, now: datetime) -> int:
-    """Record liveness and load; returns the routing version. NotFound if unknown or lost.
+def heartbeat(session: Session, node_id: str, hb: NodeHeartbeat, now: datetime) -> int | None:
+    """Record liveness and load; returns the routing version, or None when the heartbeat
+    changed what routers see (the version is then the bump after the commit). NotFound if
+    unknown or lost.
 
     An empty model list means "unchanged", so a heartbeat that omits it never pulls a
-    node's models out of the table.
+    node's models out of the table. This is the full path: a heartbeat that repeats the
+    node's last report is cheaper through control_plane.node_lease.renew first.
     """
     if hb.status == NodeStatus.LOST:
         raise BadRequest("a node cannot report itself lost")
@@ -91,11 +102,16 @@ def heartbeat(session: Session, node_id: str, hb: NodeHeartbeat, now: datetime) 
     if hb.cold_start is not None:
         node.cold_start = hb.cold_start.model_dump()
     node.last_heartbeat = now
-    if hb.weights is not None:
+    digest = node_lease.report_digest(node.models, hb.weights)
+    if hb.weights is not None and digest != node.report_digest:
+        # Only when the models or the weights differ from the last report: most status
+        # changes (loading -> ready) leave the cached set as it was.
         weight_registry.sync_cached(session, node_id, hb.weights, now)
+    node.report_digest = digest
     session.flush()
     if _routing_fields(node) != before:
-        return bump_version(session)
+        mark_changed(session)
+        return None
     return current_version(session)
 
 
@@ -109,7 +125,7 @@ def deregister(session: Session, node_id: str) -> None:
     session.delete(node)
     session.flush()
     if was_routed:
-        bump_version(session)
+        mark_changed(session)
 
 
 def view(session: Session, n: Node) -> NodeView:

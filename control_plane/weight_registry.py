@@ -7,7 +7,7 @@ from __future__ import annotations
 import zlib
 from datetime import datetime
 
-from sqlalchemy import delete, select, text
+from sqlalchemy import delete, select, text, update
 from sqlalchemy.orm import Session
 
 from control_plane.db.models import Node, WeightReplica
@@ -75,6 +75,9 @@ def sources(
 def withdraw(session: Session, digest: str, node_id: str) -> None:
     """The node no longer has (or will not finish) this model."""
     session.execute(delete(WeightReplica).where(WeightReplica.digest == digest, WeightReplica.node_id == node_id))
+    # The node's next heartbeat syncs its cached set again, whatever it reports
+    # (control_plane.node_lease renews only a report the rows still match).
+    session.execute(update(Node).where(Node.node_id == node_id).values(report_digest=None))
 
 
 def sync_cached(session: Session, node_id: str, digests: list[str], now: datetime) -> None:

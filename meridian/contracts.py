@@ -264,6 +264,10 @@ class WeightSources(_Wire):
 
 class HeartbeatAck(_Wire):
     routing_version: int
+    # How long to wait for the next heartbeat (s): the control plane lengthens it as the fleet
+    # grows (control_plane.heartbeat_pacing). A node follows the latest one it was told; an
+    # older node that ignores it keeps the interval of its registration, which stays safe.
+    heartbeat_interval_s: float | None = _OMITTED_WHEN_UNSET
 
 
 class RegionInfo(_Wire):
@@ -348,6 +352,38 @@ class RoutingTable(_Wire):
     tenants: list[TenantEntry]
     # Deployments a router may ask to scale up (scale-from-zero); absent in old snapshots.
     deployments: list[DeploymentEntry] = Field(default_factory=list)
+
+
+# Incremental routing-table stream (RFC 3229 delta encoding, as Envoy's incremental xDS):
+# a router that holds version V of build B asks `GET /v1/routing-table` with
+# `If-None-Match: "V"`, `A-IM: meridian-delta` and `X-Meridian-Table-Build: B`; a control
+# plane that still holds that very build answers `226 IM Used` (`IM: meridian-delta`) with
+# a RoutingTableDelta, else `200` with the full RoutingTable. Every 200 and 226 names the
+# build it is (or leads to) in `X-Meridian-Table-Build`. A control plane that knows no deltas
+# ignores both request headers and answers 200: the router takes the full table.
+TABLE_DELTA_IM = "meridian-delta"
+HEADER_TABLE_BUILD = "x-meridian-table-build"
+TABLE_BUILD_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+class RoutingTableDelta(_Wire):
+    """What changed in the routing table from (base_version, base_build) to (version, build).
+
+    Nodes travel one by one (upserted whole, removed by id); regions, tenants and deployments
+    are small and travel whole when any of them changed (None: unchanged). Applied to exactly
+    the base build, the result equals the full table of `build`, order included (nodes by
+    node_id)."""
+
+    base_version: int = Field(ge=0)
+    base_build: str = Field(pattern=TABLE_BUILD_PATTERN)
+    version: int = Field(ge=0)
+    build: str = Field(pattern=TABLE_BUILD_PATTERN)
+    generated_at: datetime
+    nodes_upserted: list[RoutingNode] = Field(default_factory=list)
+    nodes_removed: list[NodeId] = Field(default_factory=list)
+    regions: list[RegionInfo] | None = None
+    tenants: list[TenantEntry] | None = None
+    deployments: list[DeploymentEntry] | None = None
 
 
 class NodeView(_Wire):

@@ -152,6 +152,24 @@ class ControlPlaneSettings(ListenerSettings):
     heartbeat_interval_s: float = Field(2.0, gt=0)
     # A node whose last heartbeat is older than this is marked lost and leaves the table.
     node_ttl_s: float = Field(10.0, gt=0)
+    # The heartbeat rate the control plane is sized to take (all replicas together; None: no
+    # limit). A larger fleet is told a longer interval, live nodes / this, and its TTL grows
+    # in proportion (control_plane.heartbeat_pacing). A heartbeat costs ~2 ms of control-plane
+    # CPU (bench/heartbeats, 2-core box): 250 a second is half a core, and 10,000 nodes are
+    # told 40 s (TTL 200 s).
+    max_heartbeats_per_s: float | None = Field(250.0, gt=0)
+    # Registrations in flight at once per process (control_plane.registration_gate); the rest
+    # are answered 429 with a Retry-After at once. A registration is ~6-8 ms of CPU and waits
+    # for its version bump besides: on an idle 2-core box 8 at a time register 158 a second and
+    # 32 at a time 112 (contention). In the fleet simulator at 3,000 nodes joining at 100 a
+    # second, 8 admitted ~21 a second and reaped no live node; 16 and 64 admitted faster and
+    # starved the heartbeats (33 and 9 live nodes reaped). None: no limit.
+    max_concurrent_registrations: int | None = Field(8, ge=1)
+    # The database pool of the API's threads (Postgres; SQLite has one writer anyway). Sized
+    # to what runs at once, so that a burst does not open and close a connection per request
+    # past the pool (a Postgres backend's start is milliseconds of CPU).
+    db_pool_size: int = Field(20, ge=1)
+    db_max_overflow: int = Field(10, ge=0)
     # Lost nodes are forgotten after this long.
     lost_node_retention_s: float = Field(3600.0, gt=0)
     reaper_interval_s: float = Field(1.0, gt=0)
@@ -159,7 +177,37 @@ class ControlPlaneSettings(ListenerSettings):
     # long: nobody could record heartbeats meanwhile. Default: the TTL plus the longest
     # heartbeat retry backoff of a node (meridian.contracts.HEARTBEAT_RETRY_MAX_S).
     reaper_grace_s: float | None = Field(None, ge=0)
+    # Static stability (control_plane.reaper): the control plane's own lag never expires a
+    # healthy fleet. A reaper pass that starts more than reaper_interval_s + this after the
+    # previous one means the control plane itself stalled (paused, starved of CPU, blocked)
+    # and heard no heartbeat meanwhile: the grace above restarts. Default: the heartbeat interval.
+    reaper_stall_s: float | None = Field(None, gt=0)
+    # While nodes are silent past the TTL, expire none ("hold") if the newest heartbeat of any
+    # node is older than this (nobody's heartbeat is being recorded: the control plane is
+    # behind). Default: two heartbeat intervals.
+    reaper_heartbeats_behind_s: float | None = Field(None, gt=0)
+    # Hold too while more than this share of the fleet is silent past the TTL at once (1: never).
+    reaper_max_silent_share: float = Field(0.5, gt=0, le=1)
+    # The holds apply to fleets of at least this many nodes: a lone node's death is reaped.
+    reaper_hold_min_nodes: int = Field(2, ge=1)
+    # A pass expires at most this share of a region's nodes (lost ones included; at least
+    # one), longest silent first: a region that goes silent is taken out over 1/share passes.
+    reaper_region_share_per_pass: float = Field(0.2, gt=0, le=1)
     max_long_poll_s: float = Field(30.0, gt=0)
+    # Routing tables this process built and keeps to answer "changes since version V" with a
+    # delta (control_plane.table_stream): at most this many versions and about this many bytes
+    # (the serialized size of each, an upper bound on what they hold). A router further behind
+    # gets the full table.
+    routing_history_versions: int = Field(64, ge=1)
+    routing_history_bytes: int = Field(64 * 1024 * 1024, ge=0)
+    # Routing-table builds are at least this far apart: a storm of changes (a fleet
+    # registering at once) costs one build per interval, each covering every change committed
+    # before it, rather than one per version (at 10,000 nodes a build is ~0.2 s of CPU, and
+    # builds back to back starved the heartbeats). A change reaches routers at most this later.
+    routing_build_min_interval_s: float = Field(0.25, ge=0)
+    # And at least the last build's CPU time times (1 / share - 1) apart: table builds take at
+    # most this share of a core however large the fleet (control_plane.table_stream).
+    routing_build_max_cpu_share: float = Field(0.25, gt=0, le=1)
     max_request_bytes: int = Field(1_000_000, gt=0)
     onprem_inventory: Path | None = None
     # Reported by GET /health, so a client can tell this control plane from another that later
@@ -248,6 +296,9 @@ class RouterSettings(ListenerSettings):
     # Last routing table is kept here so a restarted router can serve while the
     # control plane is down.
     snapshot_path: Path | None = None
+    # The snapshot is rewritten at most this often (the newest table is always written in the
+    # end, and at stop): at 10,000 nodes it is 1.7 MB, and tables change every few seconds.
+    snapshot_interval_s: float = Field(5.0, ge=0)
     table_poll_timeout_s: float = Field(20.0, gt=0)
     connect_timeout_s: float = Field(2.0, gt=0)
     # Upper bound on a whole upstream request (generation can be long).
@@ -305,6 +356,13 @@ class RouterSettings(ListenerSettings):
     # Name of the RoutingPolicy (geo_router.policies registry) that orders replicas:
     # affinity (default), nearest, least-load or round-robin.
     routing_policy: str = "affinity"
+    # At most this many replicas of a model are candidates for one request (geo_router.selection):
+    # the nearest regions' first (3/4), a uniform sample of the rest after them. Routing work per
+    # request grows with it, not with the fleet: each candidate is built, annotated and scored,
+    # ~3x what building it costs (python -m bench.candidates). 32 keeps 24 near replicas
+    # (several regions' worth, past max_attempts) and 8 further ones to spill and fail over
+    # to; sampled choices balance load long before that (power of d choices: d=2 does).
+    max_candidates: int = Field(32, ge=2)
     # affinity policy: weights of KV-prefix overlap, LoRA residency, load and KV usage in a
     # replica's score; a region whose RTT plus queueing exceeds the latency objective spills
     # to the next one; the imbalance gate falls back to least-load when the best-scoring
@@ -377,6 +435,12 @@ class RouterSettings(ListenerSettings):
     probe_unhealthy_threshold: int = Field(2, ge=1)
     probe_healthy_threshold: int = Field(2, ge=1)
     probe_concurrency: int = Field(32, ge=1)
+    # The probes one router sends per second at most, whatever the fleet's size: a node is
+    # probed every max(probe_interval_s, READY nodes / probe_max_per_s) seconds (jittered),
+    # so a fleet of up to probe_max_per_s x probe_interval_s nodes is probed as configured
+    # and a larger one less often. A probe costs the router ~1.7-2 ms of CPU (httpx; measured
+    # by bench/probes.py on a busy 2-core box), so 100/s is ~20% of a core at most.
+    probe_max_per_s: float = Field(100.0, gt=0)
     # Passive outlier detection: a node that cannot be reached is ejected at once; 5xx,
     # timeouts and broken streams eject it after this many in a row (Envoy's consecutive_5xx).
     consecutive_failures_to_eject: int = Field(5, ge=1)

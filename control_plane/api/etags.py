@@ -55,3 +55,15 @@ def check_put_preconditions(
 
 def set_etag(response: Response, version: int) -> None:
     response.headers["ETag"] = etag(version)
+
+
+def etag_version(if_none_match: str | None) -> int | None:
+    """The version an If-None-Match header names when it names exactly one (a router's
+    base for a delta); None otherwise."""
+    if not if_none_match:
+        return None
+    tags = _tags(if_none_match, weak=True)
+    if len(tags) != 1 or not (tag := tags[0]).startswith('"') or not tag.endswith('"'):
+        return None
+    inner = tag[1:-1]
+    return int(inner) if inner.isascii() and inner.isdigit() else None

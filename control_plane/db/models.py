@@ -82,10 +82,14 @@ class Node(Base):
     engine: Mapped[str] = mapped_column(String(16))
     version: Mapped[str] = mapped_column(String(64))
     # A meridian.contracts.NodeStatus value; a plain string keeps both backends alike.
-    status: Mapped[str] = mapped_column(String(16), index=True)
+    # Not indexed: nearly every node has one status, and an index here is what a renewal's
+    # prepared statement, planned on a small table, kept reading (migration 0013).
+    status: Mapped[str] = mapped_column(String(16))
     load: Mapped[dict[str, Any]] = mapped_column(JSON)
     registered_at: Mapped[datetime] = mapped_column(UTCDateTime())
-    last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+    # Not indexed: a heartbeat's renewal then rewrites no index entry (a HOT update, with the
+    # table's fillfactor; migration 0013 says why and what it measured).
+    last_heartbeat: Mapped[datetime] = mapped_column(UTCDateTime())
     # meridian.contracts.ColdStart of the node's last start, as it reported it.
     cold_start: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
     # ZMQ endpoints of the node's KV cache events and their replay, as it advertised them.
@@ -97,6 +101,10 @@ class Node(Base):
     # decode node, its meridian.contracts.KVTransferInfo (connector, endpoint, lease) as JSON.
     role: Mapped[str] = mapped_column(String(16), default="both", server_default="both")
     kv_transfer: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    # control_plane.node_lease.report_digest of the models and cached weights the node last
+    # reported (NULL until its first heartbeat after registering): a heartbeat that repeats
+    # them only renews the lease.
+    report_digest: Mapped[str | None] = mapped_column(String(64), nullable=True)
 
 
 class ApiKey(Base):

@@ -17,6 +17,7 @@ key_price is an optional price per GPU of a (region, SKU) (the Lagrangian price 
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from control_plane.placement.problem import Assignment, Problem
 Key = tuple[str, str]  # (region, SKU): what quotas are per
 AssignmentKey = tuple[str, str, str, str, bool]
 
+# Instance counts of an LP solution within this of an integer are that integer (HiGHS's feasibility tolerance).
+_ROUND_TOL = 1e-6
 # The elastic model minimises the GPUs over quota first; cost only breaks ties.
 ELASTIC_COST_WEIGHT = 1e-6
 
@@ -73,11 +76,17 @@ class PlacementModel:
         self.n: list[list[int]] = []  # per deployment, per option: column of n[d,o]
         self.capacity_slack: dict[Key, int] = {}
         self.capacity_rows: dict[Key, int] = {}
+        # Per instance column: (column, option, unit price without a quota price, held today).
+        self._instance_cols: list[tuple[int, Option, float, bool]] = []
         key_price = key_price or {}
         weight = ELASTIC_COST_WEIGHT if elastic else 1.0
         gpu_terms: dict[Key, list[tuple[int, float]]] = defaultdict(list)
 
+        # Per deployment: its columns [first, end) and its slice of _instance_cols.
+        self.block_cols: list[tuple[int, int]] = []
+        self.block_instances: list[tuple[int, int]] = []
         for cand in self.cands:
+            first, first_instance = len(self.milp.cost), len(self._instance_cols)
             d = cand.deployment
             churn = problem.churn_penalty if d.name in current.deployments else 0.0
             cols: list[int] = []
@@ -87,6 +96,7 @@ class PlacementModel:
                 # A new placement pays the churn penalty on every instance it adds; an existing one
                 # pays it through add/rem below.
                 unit = (o.price * (1.0 + (churn if held == 0 else 0.0))) * weight
+                self._instance_cols.append((len(self.milp.cost), o, unit, bool(held)))
                 if not held:
                     # GPUs a deployment already holds are not priced: the current plan fitted the quotas,
                     # and pricing them would push unchanged deployments around on every re-plan. (Still
@@ -110,6 +120,8 @@ class PlacementModel:
             self._spread(problem, cand, by_region)
             if d.disaggregated:
                 self._both_pools(by_region)
+            self.block_cols.append((first, len(self.milp.cost)))
+            self.block_instances.append((first_instance, len(self._instance_cols)))
 
         for key, terms in sorted(gpu_terms.items()):
             quota = capacity.get(key)
@@ -120,6 +132,30 @@ class PlacementModel:
                 self.capacity_slack[key] = slack
                 terms = [*terms, (slack, -1.0)]
             self.capacity_rows[key] = self.milp.row(terms, upper=float(max(0, quota)))
+
+    def retarget(self, capacity: Mapping[Key, int], key_price: Mapping[Key, float]) -> None:
+        """The same model for other quotas and quota prices: instance bounds, capacity rows and prices
+        as the constructor would set them (a block re-solved against what the others left is not
+        built again). `capacity` must quota the same keys as the one the model was built with."""
+        for col, o, unit, held in self._instance_cols:
+            key = (o.region, o.sku)
+            self.milp.cost[col] = unit if held else unit + key_price.get(key, 0.0) * o.gpus
+            quota = capacity.get(key)
+            upper = o.max_useful if quota is None else min(o.max_useful, max(0, quota) // o.gpus)
+            self.milp.col_upper[col] = float(upper)
+        for key, row in self.capacity_rows.items():
+            self.milp.row_upper[row] = float(max(0, capacity[key]))
+
+    def block_value(self, sol: MilpSolution, k: int, key_price: Mapping[Key, float]) -> float:
+        """Deployment k's share of the objective at `sol`, with `key_price` added to the GPUs it
+        does not hold today (its block's objective under those quota prices)."""
+        first, end = self.block_cols[k]
+        value = float(np.dot(np.asarray(self.milp.cost[first:end]), sol.values[first:end]))
+        lo, hi = self.block_instances[k]
+        for col, o, _, held in self._instance_cols[lo:hi]:
+            if not held:
+                value += key_price.get((o.region, o.sku), 0.0) * o.gpus * float(sol.values[col])
+        return value
 
     def _demand(self, cand: Candidates, by_region: Mapping[str, list[tuple[Option, int]]]) -> None:
         d = cand.deployment
@@ -197,16 +233,38 @@ class PlacementModel:
                 value.append(float(by_key.get((cand.deployment.name, *o.key), 0)))
         return np.asarray(index, dtype=np.int32), np.asarray(value, dtype=np.float64)
 
-    def read(self, sol: MilpSolution) -> list[list[Assignment]]:
-        """Assignments per deployment of the model, in its order."""
+    def read(self, sol: MilpSolution, round_up: bool = False, only: int | None = None) -> list[list[Assignment]]:
+        """Assignments per deployment of the model, in its order.
+
+        `round_up` reads the LP relaxation's solution as a plan: every fractional instance count
+        rounded up (and a disaggregated region's single instance doubled). Rounding up keeps the
+        demand, replica and spread rows and the per-option bounds (which are integers); only a
+        quota row shared by several options can be exceeded, which the caller checks.
+        `only`: deployment k's plan alone (a list of one)."""
         plans: list[list[Assignment]] = []
-        for cand, cols in zip(self.cands, self.n, strict=True):
+        blocks = zip(self.cands, self.n, strict=True) if only is None else [(self.cands[only], self.n[only])]
+        for cand, cols in blocks:
+            counts = [math.ceil(sol.values[col] - _ROUND_TOL) if round_up else int(round(sol.values[col]))
+                      for col in cols]
+            if round_up and cand.deployment.disaggregated:
+                _two_per_region(cand.options, counts)
             mine: list[Assignment] = []
-            for o, col in zip(cand.options, cols, strict=True):
-                count = int(round(sol.values[col]))
+            for o, count in zip(cand.options, counts, strict=True):
                 if count > 0:
                     off = o.offering
                     mine.append(Assignment(cand.deployment.name, off.region, off.instance_type, off.sku,
                                            count, count * o.replicas, o.spot, count * o.price))
             plans.append(mine)
         return plans
+
+
+def _two_per_region(options: Sequence[Option], counts: list[int]) -> None:
+    """A disaggregated region with one instance gets a second of the same option (its bound allows
+    two: candidates make every option of a disaggregated deployment useful up to two at least)."""
+    total: dict[str, int] = defaultdict(int)
+    for o, c in zip(options, counts, strict=True):
+        total[o.region] += c
+    for j, o in enumerate(options):
+        if counts[j] and total[o.region] == 1:
+            counts[j] += 1
+            total[o.region] = 2

@@ -106,13 +106,19 @@ class Assignment:
 
 @dataclass(frozen=True, slots=True)
 class SolveOptions:
-    """Solver limits: wall-clock time limit for the whole solve, relative MIP gap, and the size
+    """Solver limits: wall-clock time limit for the whole solve, relative MIP gap, the size
     (instance options over all deployments) up to which the MILP goes to HiGHS whole rather than
-    decomposed per deployment."""
+    decomposed per deployment, and how many per-deployment MILPs run at once (HiGHS releases the
+    GIL while it solves, so threads use the cores; 1 solves them one after another)."""
 
     time_limit_s: float = 10.0
     mip_rel_gap: float = 0.005
     joint_max_options: int = 1500
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.time_limit_s <= 0 or self.mip_rel_gap < 0 or self.threads < 1:
+            raise ValueError("time_limit_s must be positive, mip_rel_gap >= 0 and threads >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +179,7 @@ class PlacementResult:
     notes: tuple[str, ...] = ()  # how a feasible plan was reached (quota repairs)
     objective: float = 0.0  # cost + churn penalty, what the solver minimised
     mip_gap: float = 0.0  # relative, against a proven lower bound
+    lower_bound: float = 0.0  # that bound on the objective (-inf when none was proven in the time limit)
     solve_seconds: float = 0.0
 
     @property

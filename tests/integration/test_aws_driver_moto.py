@@ -40,6 +40,9 @@ def aws(private_moto_server: str) -> Iterator[dict[str, Any]]:
         {"us-east-1a": True, "us-east-1b": True, "us-east-1c": False, "us-east-1e": True},
         [("p5.48xlarge", False), ("p5.48xlarge", True), ("g6.xlarge", False)],
     )
+    # moto builds its Auto Scaling backend on the first call, seconds on a loaded box: done here,
+    # under boto3's own timeouts, so that no test's bounded driver call pays for it.
+    aws_client(private_moto_server, "autoscaling", "us-east-1").describe_auto_scaling_groups()
     yield {"endpoint": private_moto_server, "gpu_subnets": subnets}
 
 
@@ -49,7 +52,7 @@ def _aws_env(aws_env: None) -> None:
 
 
 def settings(endpoint: str, **fields: Any) -> ProviderSettings:
-    values: dict[str, Any] = {"aws_endpoint_url": endpoint, "call_timeout_s": 10.0, "operation_timeout_s": 10.0,
+    values: dict[str, Any] = {"aws_endpoint_url": endpoint, "call_timeout_s": 20.0, "operation_timeout_s": 20.0,
                               **fields}
     return ProviderSettings(**values)
 

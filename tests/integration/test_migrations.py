@@ -18,7 +18,7 @@ TABLES = {
     "models", "capacity", "placement_plans", "tenants", "audit_log",
     "leadership", "node_groups", "node_drains", "reconcile_steps", "autoscaler_decisions",
 }
-HEAD = "0011"
+HEAD = "0013"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

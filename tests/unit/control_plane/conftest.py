@@ -44,6 +44,10 @@ def settings(database_url: str, settings_overrides: dict[str, Any]) -> ControlPl
         "cluster_token": SecretStr(CLUSTER_TOKEN),
         "bootstrap_admin_key": SecretStr(ADMIN_KEY),
         "max_long_poll_s": 5.0,
+        # Builds spaced in time wait on the app's clock, which a ManualClock test would have to
+        # advance for every table it reads; test_table_stream covers the spacing itself.
+        "routing_build_min_interval_s": 0.0,
+        "routing_build_max_cpu_share": 1.0,
         **settings_overrides,
     }
     return ControlPlaneSettings(**values)

@@ -153,6 +153,9 @@ async def test_a_leader_that_loses_its_connection_is_replaced_and_fenced(
                     text(
                         "SELECT pg_terminate_backend(pid) FROM pg_locks WHERE locktype = 'advisory'"
                         " AND ((classid::bigint << 32) | objid::bigint) = :k AND granted"
+                        # Advisory locks are the server's: another test's control plane on
+                        # another database (a parallel worker) holds the same key there.
+                        " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
                     ),
                     {"k": ADVISORY_LOCK_KEY},
                 ).scalars().all()

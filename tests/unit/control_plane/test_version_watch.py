@@ -47,3 +47,24 @@ async def test_close_releases_every_long_poll_now_and_answers_new_ones_at_once()
     # No time passes: shutdown does not wait for the polls' timeouts.
     assert await asyncio.wait_for(asyncio.gather(*waiters), 5) == [7, 7, 7]
     assert await asyncio.wait_for(w.wait_for_change(7, 30), 5) == 7
+
+
+async def test_waiters_share_their_version_reads_yet_each_sees_a_bump() -> None:
+    clock, version = ManualClock(), [5]
+    w = watch(version, clock)
+    waiters = [asyncio.ensure_future(w.wait_for_change(5, 30)) for _ in range(20)]
+    await asleep(clock, 20)
+    assert w.reads == 1  # one read for all twenty
+    for _ in range(3):  # each re-check: one read again, not twenty
+        clock.advance(1)
+        await asleep(clock, 20)
+    assert w.reads == 4
+    version[0] = 6
+    w.notify()
+    assert await asyncio.wait_for(asyncio.gather(*waiters), 5) == [6] * 20
+    # A bump by another process (no notify) is seen at the next re-check.
+    late = asyncio.ensure_future(w.wait_for_change(6, 30))
+    await asleep(clock)
+    version[0] = 7
+    clock.advance(1)
+    assert await asyncio.wait_for(late, 5) == 7

@@ -1,10 +1,12 @@
 """HTTP/2 on a listener (meridian.http2): the control-frame meter's arithmetic on raw
 bytes, and on a real uvicorn server with the hand-off, what a client meets: DATA (up or
 down) never counts as control frames, a body that does not arrive in time is 408 in the
-listener's format or, once the answer has started, a reset stream."""
+listener's format or, once the answer has started, a reset stream; and the gate that lets
+those answers out a few per turn of the event loop."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -16,7 +18,7 @@ from h2.errors import ErrorCodes
 from h2_client import H2Client, frame
 from router_harness import ServerGroup
 
-from meridian.http2 import FrameMeter
+from meridian.http2 import FrameMeter, PerTurn
 from meridian.http_server import ErrorBody, limited_config, openai_error_body, problem_body
 from meridian.settings import ListenerSettings
 
@@ -190,3 +192,36 @@ async def test_a_late_body_after_the_answer_started_resets_the_stream() -> None:
             assert json.loads(client.body(3)) == {"bytes": 2}
         finally:
             client.close()
+
+
+# --- expired streams, a few per turn ----------------------------------------------------
+
+
+async def test_at_most_n_pass_per_turn_of_the_loop_in_the_order_they_came() -> None:
+    turn = 0
+
+    def tick() -> None:
+        nonlocal turn
+        turn += 1
+        asyncio.get_running_loop().call_soon(tick)
+
+    passed: list[tuple[int, int]] = []
+
+    async def taker(i: int) -> None:
+        await gate.take()
+        passed.append((i, turn))
+
+    gate = PerTurn(3)
+    asyncio.get_running_loop().call_soon(tick)
+    takers = [asyncio.create_task(taker(i)) for i in range(10)]
+    cancelled = asyncio.create_task(taker(99))
+    await asyncio.sleep(0)
+    cancelled.cancel()  # waiting, then gone: it takes no place
+    await asyncio.gather(*takers)
+
+    assert [i for i, _ in passed] == list(range(10))
+    per_turn = [sum(1 for _, t in passed if t == k) for k in {t for _, t in passed}]
+    assert max(per_turn) <= 3 and len(per_turn) >= 4
+    # Nothing is held while the gate is idle: a later caller passes at once.
+    await asyncio.sleep(0)
+    await asyncio.wait_for(gate.take(), 1)

@@ -7,9 +7,11 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from control_plane.placement.bruteforce import TooLarge, solve_bruteforce
-from control_plane.placement.check import violations
+from control_plane.placement.candidates import build_candidates
+from control_plane.placement.check import deployment_violations, violations
+from control_plane.placement.model import CurrentPlan, PlacementModel
 from control_plane.placement.problem import Deployment, Problem, ReplicaShape, SolveOptions, in_zone
-from control_plane.placement.solver import solve
+from control_plane.placement.solver import _objective, solve
 from meridian.contracts import RegionInfo
 from providers.offerings import Offering
 
@@ -96,3 +98,38 @@ def test_milp_cost_equals_bruteforce_optimum(problem: Problem) -> None:
     if best.feasible:
         assert abs(ours.objective - best.objective) <= 1e-6 * max(1.0, best.objective)
         assert abs(ours.total_cost_per_hour - best.total_cost_per_hour) <= 1e-6 * max(1.0, best.total_cost_per_hour)
+
+
+@PROPERTY_SETTINGS
+@given(problems())
+def test_decomposed_lower_bound_is_at_most_the_optimum(problem: Problem) -> None:
+    try:
+        best = solve_bruteforce(problem, max_configs=20_000)
+    except TooLarge:
+        assume(False)
+        return
+    parts = solve(problem, SolveOptions(joint_max_options=0))
+    assert parts.feasible == best.feasible
+    if best.feasible:
+        # The gap it reports is against a bound that no plan beats.
+        assert parts.lower_bound <= best.objective + 1e-6 * max(1.0, best.objective)
+        assert parts.objective >= best.objective - 1e-6 * max(1.0, best.objective)
+
+
+@PROPERTY_SETTINGS
+@given(problems())
+def test_a_deployment_lp_relaxation_rounded_up_is_a_valid_plan(problem: Problem) -> None:
+    cands, errors = build_candidates(problem)
+    assume(not errors)
+    current = CurrentPlan.of(problem)
+    offerings = {(o.region, o.instance_type): o for o in problem.offerings}
+    for cand in cands:
+        model = PlacementModel(problem, current, [cand], problem.capacity)
+        model.milp.integer = [0] * len(model.milp.integer)
+        lp = model.milp.solve(5.0, 0.0)
+        if not lp.has_solution:
+            continue
+        plan = model.read(lp, round_up=True)[0]
+        assert deployment_violations(problem, cand.deployment, plan, offerings, cand.min_providers) == []
+        # Its LP value bounds its cost from below.
+        assert _objective(problem, current, [cand], [plan]) >= lp.objective - 1e-6
