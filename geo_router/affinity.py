@@ -10,12 +10,20 @@ the prober, combined with this router's own in-flight count (Candidate.pending).
 
 A request with one candidate is not annotated at all: there is nothing to choose, and
 that keeps the common single-replica path cheap.
+
+When the candidates are a bounded sample of a large model's replicas (geo_router.selection),
+the replica a conversation went to may not be in it: `annotate` asks the routing history for
+the nodes holding the longest run of the prompt (O(log keys), not O(replicas)) and adds the
+usable ones. The history records where every request went, exact-index nodes included, so
+this finds a conversation's replica; a node whose cache holds the prefix for another reason
+(another router's request without shared history) is found only by a KV index that can name
+a hash's holders, which geo_router.kv_index does not offer yet.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -31,6 +39,8 @@ _EWMA_ALPHA = 0.2
 _ADAPTER_RECENT_S = 60.0
 # Block size assumed until a node's metrics or events say otherwise (vLLM's and ours).
 DEFAULT_BLOCK_SIZE = 16
+# Holders of a prompt's prefix added to a bounded candidate set, at most (most recent first).
+_MAX_HOLDERS = 4
 
 
 class LoadSource(Protocol):
@@ -45,6 +55,8 @@ class BlockIndex(Protocol):
 
 class History(Protocol):
     def match(self, keys: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]: ...
+
+    def holders(self, keys: Sequence[int], limit: int) -> list[str]: ...
 
     def record(self, node_id: str, keys: Sequence[int]) -> None: ...
 
@@ -136,9 +148,19 @@ class Affinity:
         self._recent_adapters: dict[str, dict[str, float]] = {}
 
     def annotate(
-        self, candidates: Sequence[Candidate], model: str, payload: Mapping[str, Any]
+        self,
+        candidates: Sequence[Candidate],
+        model: str,
+        payload: Mapping[str, Any],
+        more: Callable[[Sequence[str]], list[Candidate]] | None = None,
     ) -> tuple[list[Candidate], RequestPrefix | None]:
-        """The candidates with load, prefix overlap, LoRA state and queueing filled in."""
+        """The candidates with load, prefix overlap, LoRA state and queueing filled in.
+
+        `more`, given when the candidates are a bounded sample of the model's replicas, turns
+        node ids into candidates (selection's checks applied): the nodes the routing history
+        says hold the longest run of the prompt are added through it when the sample missed
+        them, so a conversation can go back to its replica whatever the fleet's size.
+        """
         if len(candidates) < 2:
             return list(candidates), None
         loads = {c.node.node_id: self._loads.load(c.node.node_id) for c in candidates}
@@ -147,6 +169,8 @@ class Affinity:
         # Token hashes serve only the exact index: without KV events, skip tokenizing.
         block_size = min(sizes.values(), default=None)
         prefix = self._prefixes.build(model, payload, block_size)
+        if more is not None and prefix.text_keys:
+            candidates = self._with_holders(candidates, prefix, more, loads, sizes)
         hits = self._prefix_hits(candidates, prefix, sizes)
         _, adapter = split_adapter(model)
         out = []
@@ -165,6 +189,25 @@ class Affinity:
                 recent=self.recent.get(node_id),
             ))
         return out, prefix
+
+    def _with_holders(
+        self,
+        candidates: Sequence[Candidate],
+        prefix: RequestPrefix,
+        more: Callable[[Sequence[str]], list[Candidate]],
+        loads: dict[str, NodeLoad | None],
+        sizes: dict[str, int],
+    ) -> Sequence[Candidate]:
+        """`candidates` plus the usable holders of the prompt's longest known run left out
+        (their loads and block sizes recorded alongside); `candidates` when none is."""
+        have = loads.keys()
+        missing = [n for n in self._history.holders(prefix.text_keys, _MAX_HOLDERS) if n not in have]
+        extra = more(missing) if missing else []
+        for c in extra:
+            loads[c.node.node_id] = load = self._loads.load(c.node.node_id)
+            if self._exact(c):
+                sizes[c.node.node_id] = self._block_size(c.node.node_id, load)
+        return [*candidates, *extra] if extra else candidates
 
     def chosen(self, candidate: Candidate, model: str, prefix: RequestPrefix | None) -> Choice | None:
         """Remember that the request's prompt (and adapter) went to `candidate`."""

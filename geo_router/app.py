@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from urllib.parse import urlencode
@@ -86,6 +86,7 @@ from .selection import (
     RoutingContext,
     exhausted_error,
     models_for,
+    named_candidates,
     select_candidates,
     zone_ready_replicas,
 )
@@ -136,12 +137,23 @@ class RouterState:
         loaded = self.table_source.current()
         if loaded is None:
             return ""
-        return loaded.node_regions.get(node_id, "")
+        node = loaded.nodes_by_id.get(node_id)
+        return node.region if node is not None else ""
 
-    def select(self, table: LoadedTable, tenant: TenantEntry, model: str, location: Point | None) -> list[Candidate]:
-        """Candidates for the request: residency, health and circuit breakers applied."""
+    def select(self, table: LoadedTable, tenant: TenantEntry, model: str, location: Point | None,
+               also: Collection[str] = ()) -> list[Candidate]:
+        """Candidates for the request: residency, health and circuit breakers applied, at most
+        max_candidates of them plus the usable ones of `also` (a stored response's node)."""
         return select_candidates(
-            table, tenant, model, self.fleet, location, rtt=self.rtt.rtt_ms, allows=self.breaker.allows
+            table, tenant, model, self.fleet, location, rtt=self.rtt.rtt_ms, allows=self.breaker.allows,
+            limit=self.settings.max_candidates, also=also,
+        )
+
+    def more(self, table: LoadedTable, tenant: TenantEntry, model: str,
+             location: Point | None) -> Callable[[Sequence[str]], list[Candidate]]:
+        """Named nodes as candidates, with select's checks (prefix holders a bounded set left out)."""
+        return lambda node_ids: named_candidates(
+            table, tenant, model, self.fleet, location, node_ids, rtt=self.rtt.rtt_ms, allows=self.breaker.allows
         )
 
 
@@ -391,7 +403,7 @@ def _on_table(state: RouterState, loaded: LoadedTable) -> None:
     state.kv_events.on_table(loaded)
     if state.grpc is not None:
         state.grpc.table_loaded()
-    present = {n.node_id for n in loaded.table.nodes}
+    present = loaded.nodes_by_id.keys()
     for node_id in state.kv_index.nodes():
         if node_id not in present:
             state.kv_index.remove_node(node_id)
@@ -505,10 +517,11 @@ async def _forwarded(
     """An admitted request's answer from a replica: located, ordered, forwarded."""
     peer = request.client.host if request.client else None
     location = state.locator.locate(request.headers, peer, loaded.regions)
-    candidates, queued_s = await _candidates(state, loaded, tenant, inference, location, request)
+    also = (stored.node_id,) if stored is not None else ()
+    candidates, queued_s = await _candidates(state, loaded, tenant, inference, location, request, also)
     if stored is not None:
         candidates = pinned(loaded, candidates, stored, inference.model)
-    ordered = _ordered(state, candidates, tenant, inference, location, request_id)
+    ordered = _ordered(state, loaded, candidates, tenant, inference, location, request_id)
     pd = pd_plan(ordered)
     # Until the answer starts, nothing else notices the client leaving: the node would
     # go on generating a whole non-streamed answer (or a stream's prefill) for nobody.
@@ -555,10 +568,11 @@ async def _candidates(
     inference: InferenceRequest,
     location: Point | None,
     request: Request,
+    also: Collection[str] = (),
 ) -> tuple[list[Candidate], float]:
     """The replicas that may serve, and how long the request was held for one to scale up."""
     try:
-        return state.select(loaded, tenant, inference.model, location), 0.0
+        return state.select(loaded, tenant, inference.model, location, also), 0.0
     except (ModelNotFound, NoHealthyReplica, NoReplicaInZone):
         seen = outlook(loaded, tenant, inference.model)
         if seen is Outlook.AS_IS:
@@ -569,7 +583,7 @@ async def _candidates(
         tenant,
         inference.model,
         location,
-        lambda table: state.select(table, tenant, inference.model, location),
+        lambda table: state.select(table, tenant, inference.model, location, also),
         request.receive,
         seen,
     )
@@ -578,6 +592,7 @@ async def _candidates(
 
 def _ordered(
     state: RouterState,
+    loaded: LoadedTable,
     candidates: list[Candidate],
     tenant: TenantEntry,
     inference: InferenceRequest,
@@ -585,7 +600,9 @@ def _ordered(
     request_id: str,
 ) -> list[Candidate]:
     """The candidates in the policy's order, counting the first choice's predicted cache hits."""
-    candidates, prefix = state.affinity.annotate(candidates, inference.model, inference.payload)
+    # A set at the bound may have left out the replica holding the prompt: affinity adds it.
+    more = state.more(loaded, tenant, inference.model, location) if len(candidates) >= state.settings.max_candidates else None
+    candidates, prefix = state.affinity.annotate(candidates, inference.model, inference.payload, more)
     ctx = RoutingContext(
         tenant=tenant,
         model=inference.model,
@@ -611,14 +628,14 @@ async def _stored_response(state: RouterState, request: Request, response_id: st
     loaded = state.table()
     tenant = _tenant(loaded, request)
     stored = state.response_ids.resolve(response_id, tenant)
-    node = next((n for n in loaded.table.nodes if n.node_id == stored.node_id), None)
+    node = loaded.nodes_by_id.get(stored.node_id)
     if node is None:
         raise ResponseNotFound(response_id)
     location = state.locator.locate(request.headers, request.client.host if request.client else None, loaded.regions)
     candidates: list[Candidate] = []
     for model in node.models:
         with contextlib.suppress(RouterError):
-            candidates = pinned(loaded, state.select(loaded, tenant, model, location), stored, model)
+            candidates = pinned(loaded, state.select(loaded, tenant, model, location, (stored.node_id,)), stored, model)
             break
     if not candidates:
         raise NoHealthyReplica(node.models[0] if node.models else "", 5)

@@ -91,6 +91,11 @@ class FleetState(Protocol):
         with the residency zones it serves (whose own share is capped too)."""
         ...
 
+    def update_known_nodes(self, upserted: Mapping[str, Iterable[str]], removed: Iterable[str]) -> None:
+        """Change the known nodes by what changed (nodes added or whose zones changed, nodes
+        gone): `set_known_nodes` for a routing-table delta, in O(changed nodes)."""
+        ...
+
     def add_ejection_listener(self, listener: EjectionListener) -> None:
         """Call `listener` (synchronously, must not block) with each ejection this router decides."""
         ...
@@ -134,10 +139,10 @@ class EjectionRules:
         self._max_s = max(ejection_max_s, ejection_base_s)
         self._consecutive = max(1, consecutive_failures_to_eject)
         self._max_percent = max_ejected_percent
-        self.known: frozenset[str] = frozenset()
+        self.known: set[str] = set()
         # Node -> the pools it counts in: "*" (every known node) and each zone it serves.
         self._pools_of: dict[str, tuple[str, ...]] = {}
-        self._members: dict[str, frozenset[str]] = {}
+        self._members: dict[str, set[str]] = {}
         self._listeners: list[EjectionListener] = []
         self._last_cap_warning = -math.inf
 
@@ -147,13 +152,23 @@ class EjectionRules:
     def set_known(self, nodes: Iterable[str] | Mapping[str, Iterable[str]]) -> None:
         """The known nodes, and the zones each serves when given as a mapping."""
         zones_of = nodes if isinstance(nodes, Mapping) else dict.fromkeys(nodes, ())
-        self.known = frozenset(zones_of)
-        self._pools_of = {n: ("*", *sorted(set(z))) for n, z in zones_of.items()}
-        members: dict[str, set[str]] = {}
-        for node_id, pools in self._pools_of.items():
+        self.known, self._pools_of, self._members = set(), {}, {}
+        self.update_known(zones_of, ())
+
+    def update_known(self, upserted: Mapping[str, Iterable[str]], removed: Iterable[str]) -> None:
+        """Add or re-zone the `upserted` nodes and drop the `removed` ones."""
+        for node_id in (*removed, *upserted):
+            for pool in self._pools_of.pop(node_id, ()):
+                members = self._members[pool]
+                members.discard(node_id)
+                if not members:
+                    del self._members[pool]
+            self.known.discard(node_id)
+        for node_id, zones in upserted.items():
+            pools = self._pools_of[node_id] = ("*", *sorted(set(zones)))
             for pool in pools:
-                members.setdefault(pool, set()).add(node_id)
-        self._members = {pool: frozenset(m) for pool, m in members.items()}
+                self._members.setdefault(pool, set()).add(node_id)
+            self.known.add(node_id)
 
     def fail(
         self,
@@ -293,6 +308,15 @@ class InProcessFleetState:
         for node_id, h in list(self._nodes.items()):
             # A node that left the table keeps only its in-flight count, until that ends.
             if node_id not in self._rules.known and not self._keep_record(node_id):
+                h.reset()
+                self._forget_if_clean(node_id, h)
+
+    def update_known_nodes(self, upserted: Mapping[str, Iterable[str]], removed: Iterable[str]) -> None:
+        removed = list(removed)
+        self._rules.update_known(upserted, removed)
+        for node_id in removed:
+            h = self._nodes.get(node_id)
+            if h is not None and node_id not in self._rules.known and not self._keep_record(node_id):
                 h.reset()
                 self._forget_if_clean(node_id, h)
 

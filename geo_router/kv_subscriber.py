@@ -158,6 +158,7 @@ class KVEventSubscriber:
         self._replay_timeout_s = settings.kv_events_replay_timeout_s
         self._replay_on_connect = settings.kv_events_replay_on_connect
         self._wanted: dict[str, tuple[str, str | None]] | None = None
+        self._version: int | None = None  # of the table followed last
         self._control: queue.SimpleQueue[dict[str, tuple[str, str | None]]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -168,13 +169,41 @@ class KVEventSubscriber:
     # --- event loop side ---------------------------------------------------------------
 
     def on_table(self, loaded: LoadedTable) -> None:
-        """Follow a new routing table (a TableSource listener: cheap, never blocks)."""
-        wanted = {n.node_id: (n.kv_events, n.kv_events_replay) for n in loaded.table.nodes if n.kv_events}
+        """Follow a new routing table (a TableSource listener: cheap, never blocks).
+
+        A table a delta led to from the one followed last is looked at only for the nodes the
+        delta changed; any other table over every node.
+        """
+        changed = loaded.changes_since(self._version)
+        self._version = loaded.version
+        if changed is None or self._wanted is None:
+            wanted = {n.node_id: (n.kv_events, n.kv_events_replay) for n in loaded.table.nodes if n.kv_events}
+        else:
+            wanted = self._wanted_after(loaded, changed)
         if wanted == self._wanted:
             return
         self._wanted = wanted
-        self._control.put(wanted)
+        self._control.put(wanted)  # the thread's own dict: never changed once put
         self._wake()
+
+    def _wanted_after(self, loaded: LoadedTable, changed: frozenset[str]) -> dict[str, tuple[str, str | None]]:
+        """The endpoints wanted now: those followed last, changed where `changed` says."""
+        assert self._wanted is not None
+        updates: dict[str, tuple[str, str | None] | None] = {}
+        for node_id in changed:
+            node = loaded.nodes_by_id.get(node_id)
+            endpoints = (node.kv_events, node.kv_events_replay) if node is not None and node.kv_events else None
+            if self._wanted.get(node_id) != endpoints:
+                updates[node_id] = endpoints
+        if not updates:
+            return self._wanted
+        wanted = dict(self._wanted)
+        for node_id, endpoints in updates.items():
+            if endpoints is None:
+                del wanted[node_id]
+            else:
+                wanted[node_id] = endpoints
+        return wanted
 
     def subscribed_nodes(self) -> frozenset[str]:
         """Nodes whose event stream the subscriber is connected to (or connecting to) now."""

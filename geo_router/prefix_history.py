@@ -58,6 +58,8 @@ class PrefixHistory(Protocol):
 
     def match(self, keys: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]: ...
 
+    def holders(self, keys: Sequence[int], limit: int) -> list[str]: ...
+
     def forget_node(self, node_id: str) -> None: ...
 
     async def start(self) -> None: ...
@@ -152,6 +154,31 @@ class InProcessPrefixHistory:
                 break
             alive = still
         return counts
+
+    def holders(self, keys: Sequence[int], limit: int) -> list[str]:
+        """Up to `limit` nodes believed to hold the longest run of leading `keys`, most
+        recently sent first, whatever nodes a request's candidates are: where a bounded
+        candidate set (geo_router.selection) finds a conversation's replica it left out.
+        Keys are chained, so the deepest key with a live holder is found by bisection:
+        O(log keys) lookups, each over at most max_nodes_per_key nodes."""
+        now = self._clock.monotonic()
+        lo, hi, found = 0, len(keys), []  # keys[:lo] held by someone, keys[hi:] by nobody
+        while lo < hi:
+            mid = (lo + hi) // 2
+            live = self._live(keys[mid], now)
+            if live:
+                lo, found = mid + 1, live
+            else:
+                hi = mid
+        found.sort(key=lambda held: -held[0])
+        return [node_id for _until, node_id in found[:limit]]
+
+    def _live(self, key: int, now: float) -> list[tuple[float, str]]:
+        nodes = self._entries.get(key)
+        if not nodes:
+            return []
+        return [(until, node_id) for node_id, (until, epoch) in nodes.items()
+                if until > now and epoch == self._epochs.get(node_id, 0)]
 
     def forget_node(self, node_id: str) -> None:
         """The node's cache is gone (restarted, removed): it holds none of its keys."""
@@ -253,6 +280,9 @@ class RedisPrefixHistory(RedisMirror):
 
     def match(self, keys: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]:
         return self._local.match(keys, node_ids)
+
+    def holders(self, keys: Sequence[int], limit: int) -> list[str]:
+        return self._local.holders(keys, limit)
 
     def forget_node(self, node_id: str) -> None:
         self._local.forget_node(node_id)

@@ -17,11 +17,25 @@ Envoy's active health checking, with these semantics:
 - probes never clear the passive detector's counts: answering /metrics is not answering
   requests.
 
+Scale: one router probes at most `probe_max_per_s` nodes a second, so a node is probed every
+max(probe_interval_s, READY nodes / probe_max_per_s) seconds, the effective interval (jittered
+as above). A fleet of up to probe_max_per_s x probe_interval_s nodes (100 by default) is probed
+exactly as configured; a larger one less often, so that probing stays a small share of the
+router's CPU and of the nodes' (50 routers x 10,000 nodes at 1 s would be 500,000 probes a
+second). Health does not wait for probes: the passive detector (outlier.py) ejects a node at
+the first refused connection a request meets. One scheduler task walks a heap of due times
+and starts each probe when a slot of `probe_concurrency` is free, so an idle node costs a heap
+entry, not a task (10,000 sleeping tasks hold ~10 MiB, the heap ~1.2 MiB: bench/probes.py).
+
 The prober follows the routing table (`on_table`): a node that leaves it, or is no longer
-READY, is no longer probed and its load is forgotten. Each node has a task of its own and a
-semaphore bounds the probes in flight. Load and round trips older than three intervals are
-not reported. The round trip is measured to the response headers, so it includes the node's
-rendering of /metrics: an upper bound on the network RTT, smoothed per region.
+READY, is no longer probed and its load is forgotten. A table a delta led to names the nodes
+it changed, and the prober then looks only at those (O(changed nodes) per install); a table
+built whole is followed over every node. Load and round trips older than three effective
+intervals are not reported. Routing reads an unknown load as an idle node (policies, through
+affinity.annotate), so staleness follows the effective interval: a large fleet keeps routing
+by its nodes' last load rather than by none. The round trip is measured to the response
+headers, so it includes the node's rendering of /metrics: an upper bound on the network RTT,
+smoothed per region.
 
 Intervals and the age of what was learnt are on the router's `Clock` (tests move them with a
 ManualClock); the probe timeout and the round trip are real network time.
@@ -30,9 +44,13 @@ ManualClock); the probe timeout and the round trip are real network time.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
+import math
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -68,7 +86,10 @@ class ProbeResult(StrEnum):
 @dataclass(slots=True)
 class _Target:
     node: RoutingNode
-    task: asyncio.Task[None] | None = None
+    # The heap entry of its next probe (its sequence number); None while a probe runs or
+    # before the prober starts. Entries of a target no longer held, or of an older sequence
+    # number, are skipped when they come due.
+    due_seq: int | None = None
     failures: int = 0  # probe failures in a row
     successes: int = 0  # probe successes in a row while the node is ejected
     load: NodeLoad | None = None
@@ -121,12 +142,26 @@ class NodeProber:
         self._owns_client = client is None
         self._client = client if client is not None else make_probe_client(settings)
         self._clock = clock
-        self._stale_s = _STALE_INTERVALS * settings.probe_interval_s
+        self._interval_s = settings.probe_interval_s  # the effective interval
+        self._stale_s = _STALE_INTERVALS * self._interval_s
         self._semaphore = asyncio.Semaphore(settings.probe_concurrency)
         self._targets: dict[str, _Target] = {}
+        self._ready_in_region: Counter[str] = Counter()
         self._rtt: dict[str, _RegionRtt] = {}
-        self._leaving: set[asyncio.Task[None]] = set()
+        # The table followed last: a delta's changes apply on top of it only.
+        self._version: int | None = None
+        self._regions: object = None
+        # Scheduling: (due, seq, node id) of each target's next probe, the scheduler task,
+        # its sleep until the earliest due probe (cancelled by an earlier one) and the probes
+        # running (each holds a slot of the semaphore).
+        self._due: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self._scheduler: asyncio.Task[None] | None = None
+        self._nap: asyncio.Future[None] | None = None
+        self._nap_until = math.inf
+        self._probing: set[asyncio.Task[None]] = set()
         self._running = False
+        self.probes_started = 0  # counted for tests and benchmarks
 
     # --- what selection reads ---------------------------------------------------------------
 
@@ -148,31 +183,79 @@ class NodeProber:
             return None
         return r.ms
 
+    @property
+    def in_flight(self) -> int:
+        """Background probes running now."""
+        return len(self._probing)
+
+    @property
+    def interval_s(self) -> float:
+        """The effective interval: max(probe_interval_s, READY nodes / probe_max_per_s)."""
+        return self._interval_s
+
     # --- following the routing table ------------------------------------------------------
 
     def on_table(self, loaded: LoadedTable) -> None:
         """Probe the table's READY nodes from now on (a TableSource listener; never blocks).
 
-        Also tells the FleetState which nodes the max ejected percent is a share of.
+        Also tells the FleetState which nodes the max ejected percent is a share of. O(changed
+        nodes) for a table a delta led to from the one followed last, O(fleet) otherwise.
         """
+        changed = loaded.changes_since(self._version)
+        if changed is None or loaded.regions is not self._regions:
+            self._follow_all(loaded)
+        else:
+            self._follow_changes(loaded, changed)
+        self._version = loaded.version
+        self._regions = loaded.regions
+        self._interval_s = max(self._settings.probe_interval_s, len(self._targets) / self._settings.probe_max_per_s)
+        self._stale_s = _STALE_INTERVALS * self._interval_s
+
+    def _follow_all(self, loaded: LoadedTable) -> None:
         ready = {n.node_id: n for n in loaded.table.nodes if n.status == NodeStatus.READY}
-        self._fleet.set_known_nodes({
-            node_id: region.zones if (region := loaded.regions.get(n.region)) is not None else ()
-            for node_id, n in ready.items()
-        })
+        self._fleet.set_known_nodes({node_id: _zones(loaded, n) for node_id, n in ready.items()})
         for node_id in self._targets.keys() - ready.keys():
             self._forget(node_id)
         for node_id, node in ready.items():
-            target = self._targets.get(node_id)
-            if target is None:
-                target = self._targets[node_id] = _Target(node)
-                if self._running:
-                    self._spawn(node_id, target)
+            self._keep(node_id, node)
+
+    def _follow_changes(self, loaded: LoadedTable, changed: frozenset[str]) -> None:
+        upserted: dict[str, tuple[str, ...]] = {}
+        removed: list[str] = []
+        for node_id in changed:
+            node = loaded.nodes_by_id.get(node_id)
+            if node is not None and node.status == NodeStatus.READY:
+                upserted[node_id] = _zones(loaded, node)
+                self._keep(node_id, node)
             else:
-                target.node = node  # its URL may have changed
-        regions = {n.region for n in ready.values()}
-        for region in self._rtt.keys() - regions:
-            del self._rtt[region]
+                removed.append(node_id)
+                if node_id in self._targets:
+                    self._forget(node_id)
+        self._fleet.update_known_nodes(upserted, removed)
+
+    def _keep(self, node_id: str, node: RoutingNode) -> None:
+        target = self._targets.get(node_id)
+        if target is None:
+            target = self._targets[node_id] = _Target(node)
+            self._ready_in_region[node.region] += 1
+            if self._scheduler is not None:
+                self._schedule(node_id, target, self._clock.monotonic() + random.uniform(0, self._interval_s))
+            return
+        if target.node.region != node.region:
+            self._left_region(target.node.region)
+            self._ready_in_region[node.region] += 1
+        target.node = node  # its URL may have changed
+
+    def _forget(self, node_id: str) -> None:
+        # Its heap entry stays until it comes due, and is skipped then.
+        target = self._targets.pop(node_id)
+        self._left_region(target.node.region)
+
+    def _left_region(self, region: str) -> None:
+        self._ready_in_region[region] -= 1
+        if self._ready_in_region[region] <= 0:
+            del self._ready_in_region[region]
+            self._rtt.pop(region, None)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -184,20 +267,80 @@ class NodeProber:
         if not self._settings.probe_enabled:
             log.info("active health probes are off (probe_enabled=false)")
             return
+        # The first probe of each node at a random point of the first interval.
+        now = self._clock.monotonic()
         for node_id, target in self._targets.items():
-            self._spawn(node_id, target)
+            self._schedule(node_id, target, now + random.uniform(0, self._interval_s))
+        self._scheduler = asyncio.create_task(self._run(), name="probe-scheduler")
 
     async def stop(self) -> None:
         """Stop probing at once (probes in flight are cancelled) and close the client."""
         self._running = False
-        tasks = [t.task for t in self._targets.values() if t.task is not None] + list(self._leaving)
-        for target in self._targets.values():
-            target.task = None
+        tasks = list(self._probing)
+        if self._scheduler is not None:
+            tasks.append(self._scheduler)
+            self._scheduler = None
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        self._due.clear()
+        for target in self._targets.values():
+            target.due_seq = None
         if self._owns_client:
             await self._client.aclose()
+
+    # --- scheduling --------------------------------------------------------------------
+
+    def _schedule(self, node_id: str, target: _Target, at: float) -> None:
+        seq = next(self._seq)
+        target.due_seq = seq
+        heapq.heappush(self._due, (at, seq, node_id))
+        if at < self._nap_until and self._nap is not None:
+            self._nap.cancel()  # the scheduler sleeps past this probe: wake it
+
+    async def _run(self) -> None:
+        """Start each probe when it is due and a slot is free; sleep until the next is due."""
+        while True:
+            now = self._clock.monotonic()
+            while self._due and self._due[0][0] <= now:
+                _, seq, node_id = heapq.heappop(self._due)
+                target = self._targets.get(node_id)
+                if target is None or target.due_seq != seq:
+                    continue  # forgotten, or scheduled again since
+                target.due_seq = None
+                await self._semaphore.acquire()  # bounded: waits while probe_concurrency run
+                if self._targets.get(node_id) is not target:
+                    self._semaphore.release()  # forgotten while it waited
+                    continue
+                task = asyncio.create_task(self._probe_and_reschedule(node_id, target, now))
+                self._probing.add(task)
+                task.add_done_callback(self._probing.discard)
+            await self._sleep_until(self._due[0][0] if self._due else math.inf)
+
+    async def _sleep_until(self, at: float) -> None:
+        if at == math.inf:
+            nap: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        else:
+            nap = asyncio.ensure_future(self._clock.sleep(at - self._clock.monotonic()))
+        self._nap, self._nap_until = nap, at
+        try:
+            await asyncio.wait({nap})
+        finally:
+            nap.cancel()
+            self._nap, self._nap_until = None, math.inf
+
+    async def _probe_and_reschedule(self, node_id: str, target: _Target, started: float) -> None:
+        try:
+            self.probes_started += 1
+            await self._probe_target(node_id, target)
+        except Exception:  # noqa: BLE001 - a probe's bug must not end the node's probing
+            log.exception("probing node %s failed unexpectedly", node_id)
+        finally:
+            self._semaphore.release()
+        if self._running and self._targets.get(node_id) is target:
+            # As a loop per node would: the next probe an interval after this one's start.
+            delay = self._interval_s * random.uniform(1 - _JITTER, 1 + _JITTER)
+            self._schedule(node_id, target, started + delay)
 
     # --- probing -----------------------------------------------------------------------
 
@@ -207,7 +350,10 @@ class NodeProber:
         if target is None:
             return None
         async with self._semaphore:
-            outcome = await self._fetch(target.node)
+            return await self._probe_target(node_id, target)
+
+    async def _probe_target(self, node_id: str, target: _Target) -> ProbeResult:
+        outcome = await self._fetch(target.node)
         if self._targets.get(node_id) is not target:
             return outcome.result  # forgotten while it was probed
         if outcome.rtt_s is not None:
@@ -222,17 +368,6 @@ class NodeProber:
                         node_id, outcome.detail)
         return outcome.result
 
-    async def _run(self, node_id: str) -> None:
-        interval = self._settings.probe_interval_s
-        await self._clock.sleep(random.uniform(0, interval))
-        while True:
-            started = self._clock.monotonic()
-            try:
-                await self.probe(node_id)
-            except Exception:  # noqa: BLE001 - a probe's bug must not end the node's probing
-                log.exception("probing node %s failed unexpectedly", node_id)
-            delay = interval * random.uniform(1 - _JITTER, 1 + _JITTER)
-            await self._clock.sleep(started + delay - self._clock.monotonic())
 
     async def _fetch(self, node: RoutingNode) -> _Outcome:
         started = time.perf_counter()
@@ -285,15 +420,8 @@ class NodeProber:
         r = self._rtt.get(region)
         self._rtt[region] = _RegionRtt(ms if r is None else r.ms + _RTT_ALPHA * (ms - r.ms), self._clock.monotonic())
 
-    def _spawn(self, node_id: str, target: _Target) -> None:
-        if self._settings.probe_enabled:
-            target.task = asyncio.create_task(self._run(node_id), name=f"probe:{node_id}")
 
-    def _forget(self, node_id: str) -> None:
-        target = self._targets.pop(node_id)
-        if target.task is not None:
-            target.task.cancel()
-            # stop() still awaits it, so that no task outlives the prober.
-            self._leaving.add(target.task)
-            target.task.add_done_callback(self._leaving.discard)
-
+def _zones(loaded: LoadedTable, node: RoutingNode) -> tuple[str, ...]:
+    """The residency zones a node serves: its region's."""
+    region = loaded.regions.get(node.region)
+    return tuple(region.zones) if region is not None else ()

@@ -132,7 +132,7 @@ def pinned(loaded: LoadedTable, candidates: list[Candidate], stored: StoredRespo
     pinned = [c for c in candidates if c.node.node_id == stored.node_id]
     if pinned:
         return pinned
-    if stored.node_id in loaded.node_regions:
+    if stored.node_id in loaded.nodes_by_id:
         # Still in the fleet, not usable now (ejected, draining): worth a retry later.
         raise NoHealthyReplica(model, 5)
     raise ResponseNotFound(stored.inner_id, param="previous_response_id")

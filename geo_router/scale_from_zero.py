@@ -92,9 +92,9 @@ def outlook(table: LoadedTable, tenant: TenantEntry, model: str) -> Outlook:
     if deployment is None or not placeable_regions(table, tenant, deployment):
         return Outlook.AS_IS
     statuses: set[NodeStatus] = set()
-    for node in table.table.nodes:
+    for node in table.nodes_by_model.get(model, ()):
         region = table.regions.get(node.region)
-        if model in node.models and region is not None and tenant_may_use(tenant, region):
+        if region is not None and tenant_may_use(tenant, region):
             statuses.add(node.status)
     if NodeStatus.READY in statuses:
         return Outlook.AS_IS

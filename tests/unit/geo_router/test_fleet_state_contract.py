@@ -130,6 +130,19 @@ async def test_the_max_ejected_percent_holds_and_listeners_hear_of_every_ejectio
     assert heard[0] == Ejection("n1", UNREACHABLE, 5.0, enforced=True)
 
 
+async def test_known_nodes_updated_by_a_change_cap_as_if_set_whole(make_rig: Callable[..., Rig]):
+    rig = make_rig(max_percent=50.0)
+    rig.fleet.set_known_nodes({"n1": ["eu"], "n2": ["eu"], "n3": ["us"], "n4": ["us"]})
+    # n2 leaves, n4 moves to the eu zone, n5 joins it: eu is n1, n4, n5; the fleet four nodes.
+    rig.fleet.update_known_nodes({"n4": ["eu"], "n5": ["eu"]}, ["n2"])
+    assert rig.fleet.record_failure("n1") == 5
+    await rig.settle()
+    assert rig.fleet.record_failure("n4") == 0  # two of eu's three would exceed half
+    assert rig.fleet.record_failure("n3") == 5  # two of the fleet's four do not
+    await rig.settle()
+    assert rig.fleet.record_failure("n2") == 5  # no longer known: no cap counts it
+
+
 async def test_in_flight_counts_outlive_a_node_leaving_the_table(make_rig: Callable[..., Rig]):
     rig = make_rig()
     rig.fleet.set_known_nodes({"n1": ["eu"], "n2": []})

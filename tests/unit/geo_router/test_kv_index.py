@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
+from collections import OrderedDict
 
 import pytest
 
 from geo_router.kv_index import KVIndex
 from meridian.block_hash import hash_blocks
-from meridian.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored
+from meridian.kv_events import MEDIUM_CPU, MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, medium_bit
 
 BLOCK = 4
 
@@ -147,3 +149,131 @@ def test_match_agrees_with_a_naive_walk_over_many_nodes() -> None:
                 k += 1
             expected[node] = k
         assert index.match(p, nodes) == expected
+
+
+class _Reference:
+    """The index's semantics written plainly: per node, hash -> media bits, oldest first."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.nodes: dict[str, OrderedDict[int, int]] = {}
+        self.evicted = 0
+
+    def store(self, node: str, hashes: list[int], medium: str) -> None:
+        blocks = self.nodes.setdefault(node, OrderedDict())
+        for h in hashes:
+            blocks[h] = blocks.get(h, 0) | medium_bit(medium)
+            blocks.move_to_end(h)
+        while len(blocks) > self.cap:
+            blocks.popitem(last=False)
+            self.evicted += 1
+
+    def remove(self, node: str, hashes: list[int], medium: str) -> None:
+        blocks = self.nodes.get(node, OrderedDict())
+        for h in hashes:
+            if h in blocks:
+                blocks[h] &= ~medium_bit(medium)
+                if not blocks[h]:
+                    del blocks[h]
+
+    def match(self, chain: list[int], nodes: list[str]) -> dict[str, int]:
+        out = {}
+        for node in nodes:
+            held, k = self.nodes.get(node, {}), 0
+            while k < len(chain) and chain[k] in held:
+                k += 1
+            out[node] = k
+        return out
+
+
+@pytest.mark.parametrize(("nodes", "cap", "resets", "step"),
+                         [(90, 40, 0.1, 1024), (6, 1000, 0.01, 1024), (6, 1000, 0.01, 3), (6, 200, 0.01, 2)])
+def test_random_events_agree_with_the_plain_semantics_as_holders_grow_and_shrink(nodes: int, cap: int,
+                                                                                resets: float, step: int) -> None:
+    # 90 nodes sharing few prompts: a hash's holders go from one node to a tuple, to a
+    # bitmask and back; 6 nodes: many events each and few resets, so stale copies pile up in
+    # a node's store order and it is compacted; with a small compaction step a pass spans
+    # many batches, so stores, removals, evictions at the cap and clears land mid-pass. With
+    # media, re-stores, the cap, clears and nodes leaving mixed in.
+    rng = random.Random(3)
+    prompts = [[rng.getrandbits(63) for _ in range(12)] for _ in range(30)]
+    index, ref = KVIndex(max_blocks_per_node=cap, compaction_step=step), _Reference(cap=cap)
+    names = [f"n{i}" for i in range(nodes)]
+    for step in range(3000):
+        node, p = rng.choice(names), rng.choice(prompts)
+        cut, medium = rng.randrange(1, len(p) + 1), rng.choice([MEDIUM_GPU, MEDIUM_GPU, MEDIUM_CPU])
+        roll = rng.random()
+        if roll < 0.55 - resets / 2:
+            index.apply(node, [stored(p[:cut], medium=medium)])
+            ref.store(node, p[:cut], medium)
+        elif roll < 1 - resets:
+            part = rng.sample(p, rng.randrange(1, len(p)))
+            index.apply(node, [BlockRemoved(block_hashes=part, medium=medium)])
+            ref.remove(node, part, medium)
+        elif roll < 1 - resets / 2:
+            index.apply(node, [AllBlocksCleared()])
+            ref.nodes.get(node, OrderedDict()).clear()
+        else:
+            index.remove_node(node)
+            ref.nodes.pop(node, None)
+        if step % 50 == 0:
+            asked = rng.sample(names, rng.choice([1, 5, nodes]))
+            for chain in rng.sample(prompts, 5):
+                assert index.match(chain, asked) == ref.match(chain, asked)
+    stats = index.stats()
+    assert stats.blocks == sum(len(b) for b in ref.nodes.values())
+    assert stats.hashes == len(set().union(*ref.nodes.values()))
+    assert stats.evicted == ref.evicted
+    assert all(index.node_blocks(n) == len(b) for n, b in ref.nodes.items())
+
+
+def test_memory_per_entry_stays_small_with_thousands_of_nodes() -> None:
+    # A bitmask of holders per hash costs nodes/8 bytes: at 3,000 nodes each holding its own
+    # blocks that was ~470 bytes an entry, growing with the fleet. Held by one node, a hash
+    # costs its entry only (about 100-150 bytes here, the int included).
+    rng = random.Random(1)
+    tracemalloc.start()
+    try:
+        index = KVIndex()
+        for n in range(3000):
+            index.store(f"node-{n}", [rng.getrandbits(63) for _ in range(16)])
+        per_entry = tracemalloc.get_traced_memory()[0] / index.stats().blocks
+    finally:
+        tracemalloc.stop()
+    assert per_entry < 200
+
+
+class _CountedHash(int):
+    """A block hash that counts how often the index hashes it: each dict or set operation on a
+    hash is one, so the count per call is the number of entries that call touched."""
+
+    calls = 0
+
+    def __hash__(self) -> int:
+        _CountedHash.calls += 1
+        return int.__hash__(self)
+
+
+def test_a_batch_touches_a_bounded_number_of_entries_however_many_blocks_the_node_holds() -> None:
+    # A cache evicts by last use, not store order, so removals land anywhere in a node's store
+    # order. Compacting it in one go touched every entry under the lock that `match` needs
+    # (tens of ms at the 150,000 blocks of a GPU node); a batch must touch a bounded number.
+    rng = random.Random(5)
+    blocks, batch = 30_000, 300
+    index = KVIndex()
+    live = [_CountedHash(rng.getrandbits(63)) for _ in range(blocks)]
+    for i in range(0, blocks, 1000):
+        index.apply("a", [stored(live[i:i + 1000])])
+    worst = 0
+    for _ in range(3 * blocks // batch):  # three times the node's blocks replaced: passes run
+        gone = [live.pop(rng.randrange(len(live))) for _ in range(batch)]
+        new = [_CountedHash(rng.getrandbits(63)) for _ in range(batch)]
+        again = rng.sample(live, batch // 3)  # used again: stored again, so they become newest
+        live.extend(new)
+        _CountedHash.calls = 0
+        index.apply("a", [BlockRemoved(block_hashes=gone, medium=MEDIUM_GPU), stored(new), stored(again)])
+        worst = max(worst, _CountedHash.calls)
+    assert index.node_blocks("a") == blocks
+    assert index.match(live[-50:], ["a"]) == {"a": 50}
+    # The batch's own hashes cost a few dict operations each; upkeep adds ~2 per stepped copy.
+    assert worst < 10 * batch + 3 * 1024 + 4 * (batch + batch // 3) < blocks

@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 import pytest
 import zmq
@@ -18,7 +19,7 @@ from geo_router.kv_index import KVIndex
 from geo_router.kv_subscriber import KVEventSubscriber
 from geo_router.table import StaticTableSource
 from meridian.block_hash import hash_blocks
-from meridian.contracts import NodeStatus, RoutingNode
+from meridian.contracts import NodeStatus, RoutingNode, RoutingTableDelta
 from meridian.kv_events import (
     MEDIUM_GPU,
     BlockRemoved,
@@ -318,6 +319,42 @@ async def test_table_changes_connect_disconnect_and_forget_nodes(router: Router,
                                  models=[MODEL], status=NodeStatus.READY))
     await eventually(lambda: router.index.nodes() == [])
     assert router.subscriber.subscribed_nodes() == frozenset()
+
+
+async def test_a_delta_connects_changed_nodes_and_forgets_removed_ones(router: Router, nodes: Nodes) -> None:
+    a, b, c = nodes.start("us-1"), nodes.start("eu-1"), nodes.start("eu-2")
+    router.set_nodes(a.routing_node(), b.routing_node())
+    await until_live(router, "us-1", a.publish)
+    await until_live(router, "eu-1", b.publish)
+    a.publish(stored(ALICE))
+    b.publish(stored(BOB))
+    await eventually(lambda: router.held("us-1", ALICE) == 7 and router.held("eu-1", BOB) == 7)
+
+    # One delta: us-1 moves to another publisher, eu-1 leaves, eu-2 joins.
+    await a.close()
+    moved = nodes.start("us-1")
+    moved.publish(stored(BOB[:2]))
+    await moved.sent(1)
+    router.source.apply_delta(RoutingTableDelta(
+        base_version=1, base_build="b1", version=2, build="b2", generated_at=datetime.now(UTC),
+        nodes_upserted=[moved.routing_node(), c.routing_node()], nodes_removed=["eu-1"],
+    ))
+    assert router.source.current().changed_nodes == {"us-1", "eu-1", "eu-2"}
+    await eventually(lambda: router.subscriber.subscribed_nodes() == frozenset({"us-1", "eu-2"}))
+    await eventually(lambda: "eu-1" not in router.index.nodes())
+    await eventually(lambda: router.held("us-1", BOB) == 2)  # the new endpoint's replay
+    assert router.held("us-1", ALICE) == 2  # the old endpoint's 7 blocks were not carried over
+    await until_live(router, "eu-2", c.publish)
+    c.publish(stored(ALICE))
+    await eventually(lambda: router.held("eu-2", ALICE) == 7)
+
+    # A delta that changes nothing KV events care about leaves the subscriptions alone.
+    router.source.apply_delta(RoutingTableDelta(
+        base_version=2, base_build="b2", version=3, build="b3", generated_at=datetime.now(UTC),
+        nodes_upserted=[c.routing_node().model_copy(update={"url": "http://127.0.0.1:9"})],
+    ))
+    assert router.subscriber.subscribed_nodes() == frozenset({"us-1", "eu-2"})
+    assert router.held("eu-2", ALICE) == 7
 
 
 async def test_a_restarted_publisher_resets_the_node(router: Router, nodes: Nodes) -> None:

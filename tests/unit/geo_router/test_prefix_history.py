@@ -97,3 +97,21 @@ def test_settings_size_the_history() -> None:
     h = InProcessPrefixHistory.from_settings(router_settings(prefix_history_ttl_s=7.0, prefix_history_max_keys=2))
     h.record("a", [1, 2, 3])
     assert h.ttl_s == 7.0 and len(h) == 2
+
+
+def test_holders_name_the_nodes_with_the_longest_run_most_recent_first_whatever_the_candidates() -> None:
+    h, clock = history(ttl_s=10.0)
+    h.record("a", [1, 2])
+    clock.advance(1)
+    h.record("b", [1, 2, 3])
+    clock.advance(1)
+    h.record("c", [1, 2, 3])
+    h.record("d", [9])
+    assert h.holders([1, 2, 3, 4], limit=4) == ["c", "b"]
+    assert h.holders([1, 2, 3, 4], limit=1) == ["c"]
+    assert h.holders([1, 2], limit=4) == ["c", "b", "a"]
+    assert h.holders([7, 8], limit=4) == [] and h.holders([], limit=4) == []
+    h.forget_node("c")  # its cache is gone
+    assert h.holders([1, 2, 3], limit=4) == ["b"]
+    clock.advance(9.5)  # b's record expired, c's epoch is stale: nobody holds key 3
+    assert h.holders([1, 2, 3], limit=4) == []

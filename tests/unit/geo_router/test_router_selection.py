@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -200,3 +201,47 @@ def test_ready_replicas_per_zone_of_each_deployment_that_keeps_replicas():
     us_only = DeploymentEntry(model=MODEL, zone="us", min_replicas=1, max_replicas=3)
     table = LoadedTable.build(make_table(ready_eu, deployments=[us_only]))
     assert zone_ready_replicas(table) == {("global", MODEL): 3}
+
+
+# --- the indexes give what a scan of the whole fleet gives ------------------------------------
+
+
+def _scan_candidates(table: LoadedTable, t: TenantEntry, model: str) -> list[str]:
+    """select_candidates as it was before the indexes: a scan of every node, per request."""
+    base = model.partition(":")[0]
+    serving = [n for n in table.table.nodes if model in n.models]
+    if not serving and base != model:
+        serving = [n for n in table.table.nodes if base in n.models]
+    return [n.node_id for n in serving
+            if (r := table.regions.get(n.region)) is not None and r.admits(t.zone) and n.status == NodeStatus.READY]
+
+
+def _scan_models(table: LoadedTable, t: TenantEntry) -> list[str]:
+    served = {m for n in table.table.nodes if n.status == NodeStatus.READY
+              and (r := table.regions.get(n.region)) is not None and r.admits(t.zone) for m in n.models}
+    return sorted(m for m in served if t.may_use(m))
+
+
+def test_indexed_selection_matches_a_scan_of_a_large_fleet():
+    rng = random.Random(7)
+    models = [MODEL, "other-model", "us-only", "llama", "llama:sql", "qwen"]
+    statuses = [NodeStatus.READY, NodeStatus.READY, NodeStatus.READY, NodeStatus.STARTING, NodeStatus.DRAINING]
+    nodes = [
+        node(rng.choice(["us", "eu", "apac"]), f"http://n{i}:1", status=rng.choice(statuses),
+             models=rng.sample(models, rng.choice([1, 1, 2]))).model_copy(update={"node_id": f"n-{i:05d}"})
+        for i in range(3000)
+    ]
+    # A node in a region the table does not describe is never a candidate.
+    nodes.append(node("us", "http://x:1").model_copy(update={"node_id": "n-unknown", "region": "aws:nowhere-1"}))
+    table = LoadedTable.build(make_table(nodes))
+    for key in (GLOBAL_KEY, EU_KEY, LIMITED_KEY):
+        t = tenant(key, table)
+        assert models_for(table, t) == _scan_models(table, t)
+        for model in [*models, "llama:other-adapter", "absent"]:
+            try:
+                got = [c.node.node_id for c in select_candidates(table, t, model, fleet(), WASHINGTON)]
+            except (ModelNotFound, NoHealthyReplica, NoReplicaInZone):
+                got = []
+            expected = _scan_candidates(table, t, model) if t.may_use(model) else []
+            # Candidates are unordered (they come grouped by region, nearest first).
+            assert sorted(got) == expected, (key, model)

@@ -6,11 +6,15 @@ test moves it past the longest backoff (retry_max_s) once the client sleeps.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
 import pytest
+from fastapi import FastAPI, Request, Response
 from router_harness import (
     GLOBAL_KEY,
     MODEL,
@@ -30,15 +34,16 @@ from geo_router import create_app
 from geo_router.snapshot import read_snapshot
 from geo_router.table import RoutingTableClient
 from meridian.clock import SYSTEM_CLOCK, Clock, ManualClock
-from meridian.contracts import HEADER_REGION
+from meridian.contracts import HEADER_REGION, HEADER_TABLE_BUILD, TABLE_DELTA_IM, RoutingTableDelta
 from meridian.settings import RouterSettings
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
 
 def settings_for(cp_url: str, snapshot: Path | None, **overrides: object) -> RouterSettings:
-    return router_settings(control_plane_url=cp_url, snapshot_path=snapshot,
-                           table_poll_timeout_s=5.0, **overrides)
+    # Snapshots written at once: these tests read each version back from disk.
+    values: dict[str, object] = {"table_poll_timeout_s": 5.0, "snapshot_interval_s": 0.0, **overrides}
+    return router_settings(control_plane_url=cp_url, snapshot_path=snapshot, **values)
 
 
 RETRY_MAX_S = 0.2
@@ -88,6 +93,8 @@ async def test_follows_new_versions_by_long_poll_and_persists_them(tmp_path: Pat
             await client.stop()
     # Unchanged tables are answered 304, never re-sent.
     assert cp.answers.count(200) == 2
+    # A control plane that names no build (one that knows no deltas) sends full tables.
+    assert (client.full_tables, client.deltas_applied) == (2, 0)
 
 
 async def test_router_serves_from_snapshot_while_the_control_plane_is_down(tmp_path: Path):
@@ -166,3 +173,91 @@ async def test_a_wrong_cluster_token_is_logged_not_fatal(tmp_path: Path):
             assert len(cp.answers) >= 2 and set(cp.answers) == {401}
         finally:
             await client.stop()
+
+
+# --- deltas ---------------------------------------------------------------------------------
+
+
+class DeltaControlPlane:
+    """Serves version 1 (build "b1") in full, then version 2 as a delta from `delta_base`;
+    records (if-none-match, a-im, build) of each request."""
+
+    def __init__(self, delta_base: tuple[int, str]) -> None:
+        self.delta_base = delta_base
+        self.version = 1
+        self.requests: list[tuple[str | None, str | None, str | None]] = []
+        self.changed = asyncio.Event()
+        self.app = FastAPI()
+        self.app.get("/v1/routing-table")(self._routing_table)
+
+    def table(self) -> bytes:
+        nodes = [node("us", "http://us:1")] + ([node("eu", "http://eu:1")] if self.version == 2 else [])
+        return make_table(nodes, version=self.version).model_dump_json().encode()
+
+    async def _routing_table(self, request: Request) -> Response:
+        h = request.headers
+        self.requests.append((h.get("if-none-match"), h.get("a-im"), h.get(HEADER_TABLE_BUILD)))
+        if h.get("if-none-match") == f'"{self.version}"':
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), float(request.query_params.get("wait", "0")))
+            if h.get("if-none-match") == f'"{self.version}"':
+                return Response(status_code=304)
+        build = f"b{self.version}"
+        if self.version == 2 and h.get("a-im") == TABLE_DELTA_IM:
+            delta = RoutingTableDelta(
+                base_version=self.delta_base[0], base_build=self.delta_base[1], version=2, build=build,
+                generated_at=datetime.now(UTC), nodes_upserted=[node("eu", "http://eu:1")],
+            )
+            return Response(delta.model_dump_json(), status_code=226, media_type="application/json",
+                            headers={"etag": '"2"', "im": TABLE_DELTA_IM, HEADER_TABLE_BUILD: build})
+        return Response(self.table(), media_type="application/json",
+                        headers={"etag": f'"{self.version}"', HEADER_TABLE_BUILD: build})
+
+    def publish_v2(self) -> None:
+        self.version = 2
+        self.changed.set()
+
+
+@pytest.mark.parametrize(("base", "deltas", "fulls"), [((1, "b1"), 1, 1), ((1, "b0"), 0, 2), ((0, "b1"), 0, 2)],
+                         ids=["its-base", "another-build", "another-version"])
+async def test_a_delta_is_applied_only_to_its_base_else_the_full_table_is_fetched(
+    base: tuple[int, str], deltas: int, fulls: int
+):
+    cp = DeltaControlPlane(delta_base=base)
+    async with running(cp.app) as cp_url:
+        client = fast_client(settings_for(cp_url, None))
+        await client.start()
+        try:
+            await eventually(lambda: len(cp.requests) >= 2)
+            # Holding build b1 of version 1, the client asks for the changes since it.
+            assert cp.requests[:2] == [(None, None, None), ('"1"', TABLE_DELTA_IM, "b1")]
+            cp.publish_v2()
+            loaded = await client.wait_for_version(2, timeout_s=5)
+            assert sorted(n.node_id for n in loaded.table.nodes) == ["eu-1", "us-1"]
+            assert (client.deltas_applied, client.full_tables) == (deltas, fulls)
+            if fulls == 2:  # the delta was refused: the next ask was a plain one
+                assert cp.requests[2] == ('"1"', None, None)
+        finally:
+            await client.stop()
+
+
+async def test_the_snapshot_is_written_at_most_every_interval_and_at_stop(tmp_path: Path):
+    snapshot = tmp_path / "routing-table.json"
+    cp = StandInControlPlane(make_table([node("us", "http://us:1")], version=1))
+    async with cp.serving() as cp_url:
+        clock = ManualClock()
+        client = fast_client(settings_for(cp_url, snapshot, snapshot_interval_s=30.0), clock)
+        await client.start()
+        try:
+            assert read_snapshot(snapshot).version == 1  # on disk once start returns
+            cp.publish(make_table([node("us", "http://us:2")], version=2))
+            await client.wait_for_version(2, timeout_s=5)
+            await eventually(lambda: clock.sleepers >= 1)  # the writer waits out its interval
+            assert read_snapshot(snapshot).version == 1
+            clock.advance(30.0)
+            await eventually(lambda: read_snapshot(snapshot).version == 2)
+            cp.publish(make_table([node("us", "http://us:3")], version=3))
+            await client.wait_for_version(3, timeout_s=5)
+        finally:
+            await client.stop()
+    assert read_snapshot(snapshot).version == 3  # the newest, written at stop
