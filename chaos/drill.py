@@ -35,6 +35,7 @@ FaultKind = Literal[
     "region_outage",
     "provider_outage",
     "control_plane_outage",
+    "control_plane_stall",
     "redis_outage",
     "postgres_restart",
     "corrupt_weight_chunk",
@@ -61,6 +62,8 @@ FAULT_PARAMS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     "region_outage": (frozenset(), frozenset()),
     "provider_outage": (frozenset(), frozenset()),
     "control_plane_outage": (frozenset(), frozenset()),
+    # Routing-version bumps allowed from the stall to the end of the load (default 0).
+    "control_plane_stall": (frozenset(), frozenset({"max_version_bumps"})),
     "redis_outage": (frozenset(), frozenset()),
     "postgres_restart": (frozenset(), frozenset({"down_s"})),
     "corrupt_weight_chunk": (frozenset(), frozenset({"chunk_index"})),
@@ -95,6 +98,8 @@ Invariant = Literal[
     "node_recovers_after_space_freed",
     "single_leader",
     "no_healthy_node_flapped",
+    "no_live_node_left_the_table",
+    "caught_up_without_storm",
     "pd_served_disaggregated",
 ]
 
@@ -192,6 +197,10 @@ class Topology(_Spec):
     netns_regions: list[str] = Field(default_factory=list)
     # Settings the fabric's processes need for this drill (e.g. a short router read timeout).
     env: dict[str, str] = Field(default_factory=dict)
+    # Simulated nodes (chaos.sim_fleet: the real node agent, in one extra process) registered
+    # with the drill's control plane beside the real ones, over the catalog's regions, serving
+    # models the load never asks for: a fleet for faults whose effect grows with it.
+    simulated_nodes: int = Field(0, ge=0, le=2000)
 
     @model_validator(mode="after")
     def _check(self) -> Topology:

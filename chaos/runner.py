@@ -38,6 +38,7 @@ from chaos.faults.tcp_proxy import FaultProxy
 from chaos.history import History, HistoryWriter
 from chaos.load import LoadGenerator, LoadTarget, warm_up
 from chaos.schedule import EventCallback, FaultState, RunOutcome, TickCallback, drive, finish
+from chaos.sim_fleet import SimulatedFleet
 from chaos.streams import reference_run
 from localfabric import DEMO_MODEL, DEMO_REGIONS, FabricError, FabricInfo, FabricSpec, LocalFabric
 
@@ -125,6 +126,7 @@ class _Run:
         started_at = datetime.now(UTC)
         fabric = LocalFabric(self._spec(fabric_dir, journals), on_step=self._step)
         env: DrillEnvironment | None = None
+        fleet: SimulatedFleet | None = None
         # Undone last first after the fabric stopped (the run's database).
         cleanups: list[Callable[[], None]] = []
         try:
@@ -133,6 +135,9 @@ class _Run:
             self._step(f"starting the fabric for {self.drill.name}")
             info = await asyncio.to_thread(fabric.start)
             self._fill_model_cache(fabric)
+            if self.drill.topology.simulated_nodes:
+                fleet = await SimulatedFleet.start(info.control_plane_url, info.cluster_token,
+                                                   self.drill.topology.simulated_nodes, self._step)
             target, region_zones = await self._ready(fabric, info, journals)
             state = FaultState()
             with HistoryWriter(client_log) as writer:
@@ -158,6 +163,10 @@ class _Run:
             if state.injector is not None:
                 invariants.update(await state.injector.observe(history))
         finally:
+            if fleet is not None:
+                await fleet.stop()
+                if env is not None:
+                    env.event("fleet", fleet.summary())
             await self._stop(fabric, cleanups, fabric_dir)
         assert env is not None
         self._step("checking the request history against the pass criteria")

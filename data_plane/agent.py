@@ -19,6 +19,7 @@ from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 from meridian.contracts import (
     HEARTBEAT_RETRY_MAX_S,
     ColdStart,
+    HeartbeatAck,
     KVConnector,
     KVTransferInfo,
     NodeHeartbeat,
@@ -37,11 +38,26 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
 
 
 class ControlPlaneError(Exception):
-    """The control plane answered, but not with success."""
+    """The control plane answered, but not with success; `retry_after_s` when it said when to
+    come back (a 429 of its registration admission, a 503)."""
 
-    def __init__(self, status_code: int, body: str) -> None:
+    def __init__(self, status_code: int, body: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"control plane answered {status_code}: {body[:200]}")
         self.status_code = status_code
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def of(cls, resp: httpx.Response) -> ControlPlaneError:
+        return cls(resp.status_code, resp.text, _retry_after_s(resp))
+
+
+def _retry_after_s(resp: httpx.Response) -> float | None:
+    """Retry-After in seconds (the control plane sends only seconds), within an hour."""
+    try:
+        value = float(resp.headers.get("retry-after", ""))
+    except ValueError:
+        return None
+    return value if 0 <= value <= 3600 else None
 
 
 def _package_version() -> str:
@@ -209,6 +225,7 @@ class NodeAgent:
         self.registered = False
         self.heartbeats_sent = 0
         self._failures = 0
+        self._retry_after_s: float | None = None  # what the last refusal said, if it did
         self._client: httpx.AsyncClient | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
@@ -267,10 +284,26 @@ class NodeAgent:
                 await task
 
     async def _run(self) -> None:
+        at_once = False
         while True:
+            was_registered = self.registered
             ok = await self._report()
-            if ok:
+            # A registration is followed by a heartbeat at once, not after the registration's
+            # interval: its ack tells the interval a large fleet is paced at (and the first
+            # heartbeat takes the full path anyway, to sync the weights). Without it 10,000
+            # nodes registering heartbeat every 2 s until their first ack (issue 34). Once
+            # only: a node the control plane keeps forgetting does not spin.
+            at_once = ok and not was_registered and not at_once
+            if at_once:
+                delay = 0.0
+            elif ok:
                 delay = self.heartbeat_interval_s
+            elif self._retry_after_s is not None:
+                # The control plane said when: a turn it gave this node (admission control,
+                # control_plane.registration_gate). Not before it, which would be refused again
+                # and queue behind the rest; a little after, so that the nodes given the same
+                # second do not arrive in the same millisecond.
+                delay = self._retry_after_s * self._rng.uniform(1.0, 1.2)
             else:
                 backoff = min(self._retry_max_s, self._retry_base_s * 2 ** (self._failures - 1))
                 # Jitter keeps a fleet of nodes from retrying in lockstep after an outage.
@@ -289,7 +322,10 @@ class NodeAgent:
                     await self._register()
             except (httpx.HTTPError, ControlPlaneError, ValueError) as exc:
                 self._failures += 1
-                if self._failures == 1:
+                self._retry_after_s = exc.retry_after_s if isinstance(exc, ControlPlaneError) else None
+                if self._retry_after_s is not None:
+                    log.info("control plane busy, reporting again in about %.0f s: %s", self._retry_after_s, exc)
+                elif self._failures == 1:
                     log.warning("control plane unreachable, still serving: %s", exc)
                 else:
                     log.debug("control plane still unreachable (%d): %s", self._failures, exc)
@@ -304,7 +340,7 @@ class NodeAgent:
         body = self._registration.model_copy(update={"status": self._status()})
         resp = await self._client.post("/v1/nodes/register", json=body.model_dump(mode="json"))
         if resp.status_code != 200:
-            raise ControlPlaneError(resp.status_code, resp.text)
+            raise ControlPlaneError.of(resp)
         ack = NodeRegistered.model_validate_json(resp.content)
         self.heartbeat_interval_s = ack.heartbeat_interval_s
         self.registered = True
@@ -325,6 +361,11 @@ class NodeAgent:
         if resp.status_code == 404:
             return False
         if resp.status_code != 200:
-            raise ControlPlaneError(resp.status_code, resp.text)
+            raise ControlPlaneError.of(resp)
+        ack = HeartbeatAck.model_validate_json(resp.content)
+        if ack.heartbeat_interval_s is not None:
+            # The control plane paces a large fleet by lengthening the interval; its reaper
+            # holds this node to the TTL of the interval it last told it.
+            self.heartbeat_interval_s = ack.heartbeat_interval_s
         self.heartbeats_sent += 1
         return True

@@ -67,6 +67,7 @@ _NODE_CRASH = "chaos.faults.process:NodeCrash"
 INJECTORS: Registry[InjectorFactory] = Registry("fault injector", builtins={
     "clock_skew": "chaos.faults.process:ClockSkew",
     "control_plane_outage": "chaos.faults.process:ControlPlaneOutage",
+    "control_plane_stall": "chaos.faults.control_plane_stall:ControlPlaneStall",
     "corrupt_weight_chunk": "chaos.faults.weights:CorruptWeightChunk",
     "disk_full_during_fetch": "chaos.faults.weights:DiskFullDuringFetch",
     "mid_stream_crash": "chaos.faults.mid_stream:MidStreamCrash",

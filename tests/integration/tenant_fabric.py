@@ -57,7 +57,8 @@ class TenantFabric:
         return self.router.state.router  # type: ignore[no-any-return]
 
     def client(self, tenant: Tenant, **kwargs: Any) -> httpx.AsyncClient:
-        return httpx.AsyncClient(base_url=self.router_url, timeout=30,
+        kwargs.setdefault("timeout", 30)
+        return httpx.AsyncClient(base_url=self.router_url,
                                  headers={"authorization": f"Bearer {tenant.key}"}, **kwargs)
 
     def node_ejected(self) -> bool:

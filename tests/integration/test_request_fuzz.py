@@ -127,8 +127,12 @@ class Neighbour:
 
 @pytest.fixture
 async def fabric(checkpoint: Path) -> AsyncIterator[tuple[TenantFabric, httpx.AsyncClient, Neighbour]]:
+    # A hostile max_tokens or max_completion_tokens in range asks the tiny model for up to its
+    # whole context, which on a loaded CI machine takes longer than the harness's 10 s: an
+    # honest 504 that says nothing about bad input, so the router waits as long as a client.
     async with tenant_fabric(checkpoint, [FUZZER, NEIGHBOUR],
-                             router={"max_request_bytes": 100_000}) as fabric, fabric.client(FUZZER) as client:
+                             router={"max_request_bytes": 100_000, "read_timeout_s": 60.0, "request_timeout_s": 90.0},
+                             ) as fabric, fabric.client(FUZZER, timeout=120) as client:
         neighbour = Neighbour(fabric)
         yield fabric, client, neighbour
         await neighbour.stop()

@@ -30,6 +30,8 @@ ISSUE_DRILLS = {
     "mid-stream-gray": "mid_stream_hang",
     # Issue 24: a disaggregated region loses a prefill worker, then a decode worker.
     "pd-worker-crash": "pd_worker_crash",
+    # Issue 34: the control plane frozen past the node TTL must not reap a healthy fleet.
+    "control-plane-stall": "control_plane_stall",
 }
 
 
@@ -56,6 +58,12 @@ def test_every_issue_drill_ships_with_its_fault_and_a_short_version_within_a_min
         # Every drill asserts the history properties the issue requires of all of them.
         assert (d.pass_criteria.max_lost, d.pass_criteria.max_duplicated) == (0, 0), d.name
         assert d.pass_criteria.max_residency_violations == 0, d.name
+
+
+def test_only_the_stall_drill_runs_a_simulated_fleet() -> None:
+    # Issue 34's drill: a fleet beside the real nodes; every other drill runs the fabric alone.
+    fleets = {d.name: d.topology.simulated_nodes for d in load_drills() if d.topology.simulated_nodes}
+    assert fleets == {"control-plane-stall": 200}
 
 
 def test_short_version_applies_the_override() -> None:
@@ -87,6 +95,7 @@ def test_a_drill_without_short_block_is_its_own_short_version(tmp_path: Path) ->
         (lambda d: d["short"].update(fault_end_s=45), "short version is invalid"),
         (lambda d: d.pop("steady_state"), "steady_state: Field required"),
         (lambda d: d["topology"].update(env={"PATH": "/tmp"}), "not MERIDIAN_* settings"),
+        (lambda d: d["topology"].update(simulated_nodes=-1), "topology.simulated_nodes: Input should be greater"),
         (lambda d: d["load"]["tenants"].append(dict(d["load"]["tenants"][0])), "tenant names must be unique"),
     ],
 )

@@ -167,8 +167,13 @@ class StandInControlPlane:
     """Just enough of the control plane's node API to watch what a node says."""
 
     heartbeat_interval_s: float = 0.05
+    # The interval each heartbeat's ack tells the node (None: the ack says none, as before).
+    ack_interval_s: float | None = None
     nodes: dict[str, NodeRegistration] = field(default_factory=dict)
     events: list[tuple[str, Any]] = field(default_factory=list)
+    # Registrations to turn away (429) before taking one, and the Retry-After they carry.
+    refuse_registrations: int = 0
+    retry_after_s: int = 4
 
     def app(self) -> FastAPI:
         app = FastAPI()
@@ -181,6 +186,10 @@ class StandInControlPlane:
             if not authorized(request):
                 return Response(status_code=401)
             reg = NodeRegistration.model_validate_json(await request.body())
+            if self.refuse_registrations > 0:
+                self.refuse_registrations -= 1
+                self.events.append(("refused", reg))
+                return Response(status_code=429, headers={"retry-after": str(self.retry_after_s)})
             self.nodes[reg.node_id] = reg
             self.events.append(("register", reg))
             ack = NodeRegistered(node_id=reg.node_id, ttl_s=1.0,
@@ -194,7 +203,8 @@ class StandInControlPlane:
             if node_id not in self.nodes:
                 return Response(status_code=404)
             self.events.append(("heartbeat", NodeHeartbeat.model_validate_json(await request.body())))
-            return Response(HeartbeatAck(routing_version=1).model_dump_json(),
+            ack = HeartbeatAck(routing_version=1, heartbeat_interval_s=self.ack_interval_s)
+            return Response(ack.model_dump_json(),
                             media_type="application/json")
 
         @app.delete("/v1/nodes/{node_id}")

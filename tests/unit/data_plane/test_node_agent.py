@@ -167,6 +167,79 @@ async def test_agent_retries_until_the_control_plane_comes_back(tiny_checkpoint:
         await agent.close()
 
 
+async def test_the_agent_waits_the_interval_the_last_ack_told_it(tiny_checkpoint: Path) -> None:
+    """A large fleet is paced by a longer interval in the heartbeat ack: the node must wait it,
+    as the control plane's reaper holds it to that interval's TTL and no shorter."""
+    clock = ManualClock()
+    cp = StandInControlPlane(ack_interval_s=3.0)
+    async with running_server(cp.app()) as url:
+        agent = NodeAgent(agent_settings(tiny_checkpoint, url), models=["tiny-llama"],
+                          status=lambda: NodeStatus.READY, load=lambda: NodeLoad(), clock=clock)
+        await agent.start()
+        try:
+            # Registered with the registration's interval; its first heartbeat learns 3 s.
+            await eventually(lambda: len(cp.heartbeats()) == 1, clock=clock, step=cp.heartbeat_interval_s)
+            await eventually(lambda: clock.sleepers > 0)
+            assert agent.heartbeat_interval_s == 3.0
+            await clock.advance_async(2.9)
+            await eventually(lambda: clock.sleepers > 0)  # asleep again (after a heartbeat, were one due)
+            assert len(cp.heartbeats()) == 1
+            cp.ack_interval_s = 0.5  # the fleet shrank: the next ack says so, and it is followed
+            await clock.advance_async(0.1)
+            await eventually(lambda: len(cp.heartbeats()) == 2 and clock.sleepers > 0)
+            await clock.advance_async(0.5)
+            await eventually(lambda: len(cp.heartbeats()) == 3)
+        finally:
+            await agent.close()
+
+
+async def test_a_registration_is_followed_by_a_heartbeat_at_once_then_by_the_acks_interval(
+    tiny_checkpoint: Path,
+) -> None:
+    """The first heartbeat learns the fleet's paced interval: it is sent right after the
+    registration, not after the registration's (shorter) interval, and only once."""
+    clock = ManualClock()
+    cp = StandInControlPlane(ack_interval_s=30.0)
+    cp.heartbeat_interval_s = 2.0
+    async with running_server(cp.app()) as url:
+        agent = NodeAgent(agent_settings(tiny_checkpoint, url), models=["tiny-llama"],
+                          status=lambda: NodeStatus.READY, load=lambda: NodeLoad(), clock=clock)
+        await agent.start()
+        try:
+            await eventually(lambda: cp.kinds() == ["register", "heartbeat"] and clock.sleepers > 0)
+            assert agent.heartbeat_interval_s == 30.0
+            await clock.advance_async(29.0)  # not at the registration's 2 s
+            await eventually(lambda: clock.sleepers > 0)
+            assert cp.kinds() == ["register", "heartbeat"]
+            await clock.advance_async(1.5)
+            await eventually(lambda: cp.kinds() == ["register", "heartbeat", "heartbeat"])
+        finally:
+            await agent.close()
+
+
+async def test_a_refused_registration_comes_back_around_the_retry_after(tiny_checkpoint: Path) -> None:
+    """Registration admission (429 with Retry-After, as a control plane answers a fleet
+    registering at once): the node waits that long (a little more, never less), not its short
+    backoff, then registers."""
+    clock = ManualClock()
+    cp = StandInControlPlane(refuse_registrations=1, retry_after_s=4)
+    async with running_server(cp.app()) as url:
+        agent = NodeAgent(agent_settings(tiny_checkpoint, url), models=["tiny-llama"],
+                          status=lambda: NodeStatus.READY, load=lambda: NodeLoad(), retry_base_s=0.02,
+                          clock=clock)
+        await agent.start()
+        try:
+            await eventually(lambda: cp.kinds() == ["refused"] and clock.sleepers > 0)
+            await clock.advance_async(3.9)  # its own backoff would have retried many times by now
+            await eventually(lambda: clock.sleepers > 0)
+            assert cp.kinds() == ["refused"] and not agent.registered
+            await clock.advance_async(1.0)  # past 1.2 x Retry-After, the most the jitter gives
+            await eventually(lambda: agent.registered)
+            assert cp.kinds()[:2] == ["refused", "register"]
+        finally:
+            await agent.close()
+
+
 async def test_wrong_token_is_retried_not_fatal(
     control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path
 ) -> None:
