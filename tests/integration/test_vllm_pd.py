@@ -168,6 +168,11 @@ async def test_through_the_router_a_chat_is_disaggregated_and_answers_as_co_loca
     settings = router_settings(probe_enabled=False, read_timeout_s=120.0, request_timeout_s=180.0,
                                max_request_bytes=1_000_000, default_client_location=REGIONS["eu"].name,
                                pd_min_prompt_tokens=0,
+                               # A loopback connect waits on this process's loop, which a CI box
+                               # running two vLLMs has starved past the harness's 1 s (a stop's CI
+                               # ended 503 no_replica_in_zone that way): the hand-off is tested, not
+                               # connect timeouts.
+                               connect_timeout_s=10.0,
                                # A vLLM pinned to one core of a busy CI box has taken over the
                                # default 30 s to prefill; this test is about the hand-off, not timeouts.
                                pd_prefill_timeout_s=150.0)

@@ -160,8 +160,10 @@ async def kv_fabric(root: Path) -> AsyncIterator[KVFabric]:
         await asyncio.gather(*(app.state.runtime.wait_ready() for app in nodes.values()))
         table = RoutingTable(version=1, generated_at=datetime.now(UTC), regions=list(REGIONS.values()),
                              nodes=entries, tenants=[ALICE.entry()], deployments=[])
+        # connect_timeout_s: a loopback connect waits on this process's loop, which CI's vLLMs
+        # starve past the harness's 1 s; routing is tested here, not connect timeouts.
         settings = router_settings(read_timeout_s=120.0, request_timeout_s=180.0, max_request_bytes=1_000_000,
-                                   tokenizer_dirs={MODEL: checkpoint})
+                                   tokenizer_dirs={MODEL: checkpoint}, connect_timeout_s=10.0)
         router = create_router_app(settings, table_source=StaticTableSource(table))
         router_url = await servers.start(router)
         yield KVFabric(router_url, router, nodes)
