@@ -5,14 +5,19 @@ from bench import (
     engine,
     engine_vllm,
     failover,
+    kv_index,
+    lease_writes,
     migration,
     pd,
     placement,
+    probes,
     protocols,
     router,
     router_overhead,
     routing,
+    routing_table,
     routing_vllm,
+    scale,
     stream_relay,
     weights,
 )
@@ -28,6 +33,20 @@ def main() -> None:
     for fig in protocols.run(protocols.Settings(seconds=2.0, rounds=2, requests=20)):
         print(fig.json_line(), flush=True)
     for fig in routing.run():
+        print(fig.json_line(), flush=True)
+    # The routing-table stream at 1,000 nodes (`python -m bench.routing_table` adds 10,000).
+    for fig in routing_table.run(sizes=(1000,)):
+        print(fig.json_line(), flush=True)
+    # Probes and install listeners at 1,000 nodes (`python -m bench.probes` adds 10,000).
+    for fig in probes.run(sizes=(1000,), probe_seconds=2.0):
+        print(fig.json_line(), flush=True)
+    # The router's KV-prefix index against its bitmask predecessor at 1,000 nodes x 512 blocks
+    # (`python -m bench.kv_index --nodes 1000 3000` for more).
+    for fig in kv_index.run(sizes=(1000,), rounds=2):
+        print(fig.json_line(), flush=True)
+    # Postgres's CPU per heartbeat renewal, HOT against the indexed schema before it, 2,000
+    # nodes (`python -m bench.lease_writes` for 10,000).
+    for fig in lease_writes.run(nodes=2000, seconds=8.0, rounds=1):
         print(fig.json_line(), flush=True)
     for fig in failover.run():
         print(fig.json_line(), flush=True)
@@ -45,6 +64,10 @@ def main() -> None:
     for fig in weights.run():
         print(fig.json_line(), flush=True)
     for fig in placement.run():
+        print(fig.json_line(), flush=True)
+    # Fleet scale (issue 34), quick form: 300 simulated nodes against the real control plane on
+    # Postgres, about a minute (`python -m bench.scale --full` for the 100 -> 10,000 curve).
+    for fig in scale.run():
         print(fig.json_line(), flush=True)
     # The listener attack suite (issue 33), short form: ~80 s.
     for result in attacks.run():
