@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.contracts import RoutingNode
 
 from .node_load import NodeLoad
 from .prefix import RequestPrefix
@@ -135,6 +136,7 @@ class Affinity:
         balance_half_life_s: float = 60.0,
         clock: Clock = SYSTEM_CLOCK,
         use_kv_events: bool = True,
+        indexed: Callable[[RoutingNode], bool] | None = None,
     ) -> None:
         self._loads = loads
         self._kv_index = kv_index
@@ -143,6 +145,8 @@ class Affinity:
         self._clock = clock
         # A router that does not subscribe to KV events matches every node by history.
         self._use_kv_events = use_kv_events
+        # The nodes the KV index follows (geo_router.kv_scope); the others are matched by history.
+        self._indexed = indexed
         self.service_times = ServiceTimes(default_service_ms)
         self.recent = RecentCounts(balance_half_life_s, clock)
         self._recent_adapters: dict[str, dict[str, float]] = {}
@@ -232,7 +236,9 @@ class Affinity:
         self.recent.forget(node_id)
 
     def _exact(self, candidate: Candidate) -> bool:
-        return self._use_kv_events and bool(candidate.node.kv_events)
+        if not (self._use_kv_events and candidate.node.kv_events):
+            return False
+        return self._indexed is None or self._indexed(candidate.node)
 
     def _block_size(self, node_id: str, load: NodeLoad | None) -> int:
         """A node's KV block size: from its events, else its metrics, else the default."""

@@ -60,6 +60,7 @@ from .isolation import salted
 from .kserve.server import GrpcListener
 from .kserve.service import COMPLETIONS, InferenceService
 from .kv_index import KVIndex
+from .kv_scope import KVScope
 from .kv_subscriber import KVEventSubscriber
 from .locate import ClientLocator, RttEstimator
 from .metrics import RouterMetrics
@@ -215,12 +216,14 @@ def _build_state(
     metrics.count_zone_replicas_of(lambda: zone_ready_replicas(t) if (t := source.current()) is not None else {})
     prober = NodeProber(settings, fleet_state, clock=clock)
     kv_index = KVIndex(settings.kv_index_max_blocks_per_node)
+    kv_scope = KVScope(settings)
     prefixes = PrefixKeyBuilder(settings)
     affinity = Affinity(
         loads=prober, kv_index=kv_index, history=history, prefixes=prefixes,
         default_service_ms=settings.default_service_ms,
         balance_half_life_s=settings.affinity_balance_half_life_s,
         use_kv_events=settings.kv_events_enabled,
+        indexed=kv_scope.covers,
         clock=clock,
     )
     state = RouterState(
@@ -240,7 +243,7 @@ def _build_state(
         scale_from_zero=ScaleFromZero(settings, source, metrics, ScaleUpClient(settings, metrics), clock=clock),
         prober=prober,
         kv_index=kv_index,
-        kv_events=KVEventSubscriber(settings, kv_index, clock=clock),
+        kv_events=KVEventSubscriber(settings, kv_index, clock=clock, scope=kv_scope),
         history=history,
         prefixes=prefixes,
         affinity=affinity,

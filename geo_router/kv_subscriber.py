@@ -54,6 +54,7 @@ from meridian.kv_events import END_SEQ, decode_batch, seq_from_bytes, seq_to_byt
 from meridian.settings import RouterSettings
 
 from .kv_index import KVIndex
+from .kv_scope import KVScope
 from .table import LoadedTable
 
 log = logging.getLogger(__name__)
@@ -143,14 +144,19 @@ class _Conn:
 
 
 class KVEventSubscriber:
-    """Subscribes to the KV events of every node in the routing table and feeds `index`.
+    """Subscribes to the KV events of every node of the routing table in `scope` (every node
+    unless kv_events_max_rtt_ms bounds it) and feeds `index`.
 
     Register `on_table` with the table source (`TableSource.add_listener`); `start()` and
     `stop()` from the event loop. Tables seen before `start()` are applied when it runs.
     """
 
-    def __init__(self, settings: RouterSettings, index: KVIndex, *, clock: Clock = SYSTEM_CLOCK) -> None:
+    def __init__(
+        self, settings: RouterSettings, index: KVIndex, *, clock: Clock = SYSTEM_CLOCK, scope: KVScope | None = None,
+    ) -> None:
         self.index = index
+        # Whose events are followed: the nodes of the regions in scope (geo_router.kv_scope).
+        self.scope = scope if scope is not None else KVScope(settings)
         self._clock = clock
         self.stats = KVSubscriberStats()
         self._settings = settings
@@ -176,8 +182,11 @@ class KVEventSubscriber:
         """
         changed = loaded.changes_since(self._version)
         self._version = loaded.version
-        if changed is None or self._wanted is None:
-            wanted = {n.node_id: (n.kv_events, n.kv_events_replay) for n in loaded.table.nodes if n.kv_events}
+        rescoped = self.scope.update(loaded)
+        if changed is None or self._wanted is None or rescoped:
+            covers = self.scope.covers
+            wanted = {n.node_id: (n.kv_events, n.kv_events_replay)
+                      for n in loaded.table.nodes if n.kv_events and covers(n)}
         else:
             wanted = self._wanted_after(loaded, changed)
         if wanted == self._wanted:
@@ -192,7 +201,8 @@ class KVEventSubscriber:
         updates: dict[str, tuple[str, str | None] | None] = {}
         for node_id in changed:
             node = loaded.nodes_by_id.get(node_id)
-            endpoints = (node.kv_events, node.kv_events_replay) if node is not None and node.kv_events else None
+            follow = node is not None and bool(node.kv_events) and self.scope.covers(node)
+            endpoints = (node.kv_events, node.kv_events_replay) if follow else None
             if self._wanted.get(node_id) != endpoints:
                 updates[node_id] = endpoints
         if not updates:

@@ -20,7 +20,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -487,6 +487,13 @@ class RouterSettings(ListenerSettings):
     # On (re)connecting to a node, replay what its publisher still buffers, so a router
     # that starts late knows the blocks cached before it subscribed.
     kv_events_replay_on_connect: bool = True
+    # Index only the KV caches of nodes in regions within this estimated round trip of
+    # `router_location` (geo_router.kv_scope); unset, every node's. A router's clients are near
+    # it and its candidates are drawn nearest region first, so a far region's cache seldom
+    # decides a placement, while each indexed node costs a ZMQ stream and ~75 bytes a cached
+    # block (10,000 nodes x 512 blocks: 374 MiB). Nodes outside are matched by the routing
+    # history instead, as nodes without KV events are. Needs `router_location`.
+    kv_events_max_rtt_ms: float | None = Field(None, gt=0)
     # Scale-from-zero: a request for a deployed model with no ready replica waits here
     # (at most this many per model) while the control plane is asked to scale it up.
     scale_from_zero_queue_size: int = Field(64, ge=1)
@@ -518,6 +525,12 @@ class RouterSettings(ListenerSettings):
     pd_min_prompt_tokens: int = Field(256, ge=0)
     pd_prefill_timeout_s: float = Field(30.0, gt=0)
     pd_prefill_attempts: int = Field(2, ge=1, le=10)
+
+    @model_validator(mode="after")
+    def _kv_scope_has_a_centre(self) -> RouterSettings:
+        if self.kv_events_max_rtt_ms is not None and not self.router_location:
+            raise ValueError("kv_events_max_rtt_ms needs router_location (the point the round trips are measured from)")
+        return self
 
 
 class WeightSettings(FileSettings):

@@ -30,6 +30,11 @@ CURVE: dict[str, str] = {
     "death_notice_p50_s": "s",
     "death_to_all_routers_p50_s": "s",
     "death_to_all_routers_p99_s": "s",
+    "death_lost_to_build_p50_s": "s",
+    "death_lost_to_build_p99_s": "s",
+    "death_build_to_first_router_p50_s": "s",
+    "death_build_to_first_router_p99_s": "s",
+    "death_first_to_last_router_p99_s": "s",
     "drain_to_all_routers_p50_s": "s",
     "drain_to_all_routers_p99_s": "s",
     "cp_cpu_s_per_table_change": "s",
@@ -39,8 +44,11 @@ CURVE: dict[str, str] = {
     "router_table_install_inflight_p50_ms": "ms",
     "router_rss_table_mib": "MiB",
     "router_rss_mib": "MiB",
+    "router_rss_unscoped_mib": "MiB",
     "select_candidates_us": "µs",
     "kv_index_mib": "MiB",
+    "kv_scope_nodes": "nodes",
+    "kv_index_scoped_mib": "MiB",
     "kv_ingest_events_per_s": "1/s",
 }
 

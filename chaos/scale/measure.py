@@ -16,7 +16,9 @@ plane actually served:
   subscriber does), `blocks_per_node` blocks each: its memory (tracemalloc) and its ingest
   rate (events per second, measured without tracemalloc). A stated share of every node's
   blocks comes from prefixes common to the nodes of its model (system prompts), the rest
-  is its own, since what the index costs depends on how much the nodes share.
+  is its own, since what the index costs depends on how much the nodes share;
+- `kv_scope_nodes`: how many nodes the KV index of a router scoped by kv_events_max_rtt_ms
+  holds (geo_router.kv_scope), for the router placed where that is the most.
 """
 
 from __future__ import annotations
@@ -25,10 +27,13 @@ import random
 import statistics
 import time
 import tracemalloc
+from collections import Counter
 from dataclasses import dataclass
 
 from geo_router.health import InProcessFleetState
 from geo_router.kv_index import KVIndex
+from geo_router.kv_scope import regions_within
+from geo_router.locate import region_point
 from geo_router.selection import select_candidates
 from geo_router.table import LoadedTable
 from meridian.contracts import (
@@ -123,6 +128,17 @@ class KVFigures:
     index_mib: float
     events_per_s: float
     blocks: int
+
+
+def kv_scope_nodes(loaded: LoadedTable, max_rtt_ms: float) -> tuple[int, str]:
+    """The most nodes a router scoped to `max_rtt_ms` indexes (geo_router.kv_scope), over a
+    router in each region of the table, and that router's region."""
+    per_region = Counter(n.region for n in loaded.table.nodes)
+    best = (0, "")
+    for name, region in sorted(loaded.regions.items()):
+        within = regions_within(region_point(region), loaded.regions, max_rtt_ms)
+        best = max(best, (sum(per_region[r] for r in within), name), key=lambda b: b[0])
+    return best
 
 
 def kv_payloads(w: KVWorkload) -> list[tuple[str, bytes]]:

@@ -59,6 +59,8 @@ class Excluded:
     node_id: str
     version: int
     at: float
+    # When the control plane began the build of that version (its wall clock, the same host's).
+    built_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +119,8 @@ class WatchedRouter:
         self._seen_ready |= ready
         for node_id in self._seen_ready - ready - self._excluded:
             self._excluded.add(node_id)
-            self._events.put(Excluded(self.number, node_id, loaded.version, now))
+            built_at = loaded.table.generated_at.timestamp()
+            self._events.put(Excluded(self.number, node_id, loaded.version, now, built_at))
 
 
 def router_main(job: RouterJob, events: Any, stop: Any) -> None:

@@ -50,7 +50,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +112,9 @@ class PointSpec:
     register_timeout_s: float = 60.0
     exclusion_timeout_s: float = 60.0
     kv_blocks_per_node: int = 512
+    # The routers' kv_events_max_rtt_ms (geo_router.kv_scope): their KV index holds the nodes of
+    # the regions this near; the figure is the router that holds the most. None: every node.
+    kv_scope_rtt_ms: float | None = 50.0
     cp_env: dict[str, str] = field(default_factory=dict)
     real_router_probes: bool = False
     # The routers start once the fleet has registered (a router fleet restarted under a
@@ -488,6 +491,7 @@ def _deaths(f: Fleet, r: PointResult, real: RealRouterWatch, lost: LostWatch) ->
             notice.append(lost_at - killed.acked_at)
         if lost_at is not None and everywhere is not None:
             to_routers.append(max(0.0, everywhere - lost_at))
+    _death_stages(f, r, dead, lost)
     if not done:
         r.notes.append(f"only {len(to_routers)}/{len(dead)} deaths reached every router in "
                        f"{_paced_ttl_s(f.spec) + f.spec.exclusion_timeout_s:.0f} s: {_missing(f, dead, real, lost)}")
@@ -495,6 +499,28 @@ def _deaths(f: Fleet, r: PointResult, real: RealRouterWatch, lost: LostWatch) ->
     _put_percentiles(r, "death_to_all_routers", to_routers)
     if collapsed is not None:
         raise collapsed
+
+
+def _death_stages(f: Fleet, r: PointResult, dead: list[str], lost: LostWatch) -> None:
+    """Where a death's time to the in-process routers goes: from `lost` to the start of the
+    build that excluded it (the wake and the build spacing), from there to the first router's
+    install (the build, the delta, its parse), and from the first router to the last."""
+    wall_minus_mono = time.time() - time.monotonic()
+    to_build, to_first, first_to_last = [], [], []
+    for node_id in dead:
+        seen = list(f.events.excluded.get(node_id, {}).values())
+        lost_at = lost.lost_at.get(node_id)
+        if lost_at is None or not seen:
+            continue
+        first = min(seen, key=lambda e: e.at)
+        built = first.built_at - wall_minus_mono
+        to_build.append(built - lost_at)
+        to_first.append(first.at - built)
+        if len(seen) == f.spec.routers:
+            first_to_last.append(max(e.at for e in seen) - first.at)
+    _put_percentiles(r, "death_lost_to_build", to_build)
+    _put_percentiles(r, "death_build_to_first_router", to_first)
+    _put_percentiles(r, "death_first_to_last_router", first_to_last)
 
 
 def _paced_ttl_s(spec: PointSpec) -> float:
@@ -640,9 +666,18 @@ def _micro(f: Fleet, r: PointResult, body: bytes) -> None:
     r.figures["kv_index_mib"] = kv.index_mib
     r.figures["kv_ingest_events_per_s"] = kv.events_per_s
     r.notes.append(f"KV index: {workload.describe()}; an event is one BlockStored of {measure.CHAIN_BLOCKS} blocks")
+    held_mib = kv.index_mib
+    if (scope := f.spec.kv_scope_rtt_ms) is not None:
+        nodes, centre = measure.kv_scope_nodes(loaded, scope)
+        held_mib = measure.kv_index(replace(workload, nodes=nodes)).index_mib
+        r.figures["kv_scope_nodes"] = nodes
+        r.figures["kv_index_scoped_mib"] = held_mib
+        r.notes.append(f"KV scope: kv_events_max_rtt_ms={scope:g}; a router at {centre} indexes the most"
+                       f" nodes, {nodes} of {f.spec.nodes}")
     rss = r.figures.get("router_rss_table_mib")
     if rss is not None:
-        r.figures["router_rss_mib"] = rss + kv.index_mib
+        r.figures["router_rss_mib"] = rss + held_mib
+        r.figures["router_rss_unscoped_mib"] = rss + kv.index_mib
 
 
 def run_point(spec: PointSpec, progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)

@@ -47,3 +47,6 @@ def test_a_killed_and_a_drained_node_leave_every_routers_table(postgres_server_u
     assert fig["heartbeats_reached_per_s"] is not None and fig["heartbeats_asked_per_s"] is not None
     assert fig["heartbeats_reached_per_s"] >= 0.7 * fig["heartbeats_asked_per_s"]
     assert fig["table_bytes"] is not None and fig["table_bytes"] > 0
+    # The routers' KV scope (50 ms by default) holds at most the fleet, and costs at most its index.
+    assert fig["kv_scope_nodes"] is not None and 1 <= fig["kv_scope_nodes"] <= 50
+    assert fig["kv_index_scoped_mib"] is not None and fig["kv_index_scoped_mib"] <= fig["kv_index_mib"] * 1.05

@@ -80,3 +80,12 @@ def test_a_router_without_kv_events_matches_event_publishing_nodes_by_history() 
     affinity = Affinity(loads=Loads(), kv_index=index, history=History({"b": 2}), prefixes=Prefixes(),
                         use_kv_events=False)
     assert hits(affinity, cand("a", events=True), cand("b", events=True)) == {"a": 0.0, "b": 0.5}
+
+
+def test_a_scoped_router_matches_nodes_outside_its_kv_scope_by_history() -> None:
+    """geo_router.kv_scope: a node whose events this router does not follow is not in its
+    index; counting it as holding nothing there would steer every conversation away from it."""
+    index = Index({"near": (16, 16)})
+    affinity = Affinity(loads=Loads(), kv_index=index, history=History({"far": 4}), prefixes=Prefixes(),
+                        indexed=lambda n: n.node_id == "near")
+    assert hits(affinity, cand("near", events=True), cand("far", events=True)) == {"near": 1.0, "far": 1.0}

@@ -429,3 +429,41 @@ async def test_malformed_messages_are_ignored_and_counted(router: Router) -> Non
     finally:
         pub.close()
         ctx.term()
+
+
+async def test_a_scoped_router_follows_only_the_nodes_of_regions_near_it(nodes: Nodes) -> None:
+    """kv_events_max_rtt_ms: a router in us-east-1 indexes its own region's caches, not
+    Europe's (~90 ms away), whether the far node comes in a full table or in a delta."""
+    index = KVIndex()
+    source = StaticTableSource()
+    settings = router_settings(router_location=REGIONS["us"].name, kv_events_max_rtt_ms=40.0)
+    subscriber = KVEventSubscriber(settings, index)
+    source.add_listener(subscriber.on_table)
+    await subscriber.start()
+    router = Router(source, index, subscriber)
+    try:
+        near, far, later = nodes.start("us-1"), nodes.start("eu-1"), nodes.start("eu-2")
+        in_eu = {"region": REGIONS["eu"].name}
+        router.set_nodes(near.routing_node(), far.routing_node().model_copy(update=in_eu))
+        await until_live(router, "us-1", near.publish)
+        assert subscriber.scope.regions() == frozenset({REGIONS["us"].name})
+        assert subscriber.subscribed_nodes() == frozenset({"us-1"})
+        far.publish(stored(ALICE))
+        near.publish(stored(BOB))
+        await eventually(lambda: router.held("us-1", BOB) == 7)
+        assert "eu-1" not in index.nodes()
+
+        # A delta brings a European node: not followed either; a node moving into scope is.
+        source.apply_delta(RoutingTableDelta(
+            base_version=1, base_build="b1", version=2, build="b2", generated_at=datetime.now(UTC),
+            nodes_upserted=[later.routing_node().model_copy(update=in_eu), far.routing_node()],
+        ))
+        await eventually(lambda: subscriber.subscribed_nodes() == frozenset({"us-1", "eu-1"}))
+        assert "eu-2" not in index.nodes()
+    finally:
+        await subscriber.stop()
+
+
+def test_a_scope_needs_a_router_location() -> None:
+    with pytest.raises(ValueError, match="kv_events_max_rtt_ms needs router_location"):
+        router_settings(kv_events_max_rtt_ms=40.0)
