@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Row, select, update
+from sqlalchemy import Row, Text, cast, select, update
 from sqlalchemy.orm import Session
 
 from control_plane.db.models import ApiKey, Deployment, Node, RoutingState, Tenant
@@ -48,10 +49,13 @@ def bump_version(session: Session) -> int:
     return int(version)
 
 
-# The columns of a node that its RoutingNode carries.
+# The columns of a node that its RoutingNode carries. The JSON ones come back as their text:
+# decoding them was ~60 % of reading the rows at 10,000 nodes (17 of 28 ms on Postgres), and a
+# node whose row did not change is not decoded at all (build_routing_table's `known`).
 _ROUTED_COLUMNS = (
-    Node.node_id, Node.region, Node.url, Node.models, Node.status, Node.engine, Node.kv_events,
-    Node.kv_events_replay, Node.tool_call_parser, Node.role, Node.kv_transfer,
+    Node.node_id, Node.region, Node.url, cast(Node.models, Text).label("models"), Node.status, Node.engine,
+    Node.kv_events, Node.kv_events_replay, Node.tool_call_parser, Node.role,
+    cast(Node.kv_transfer, Text).label("kv_transfer"),
 )
 
 
@@ -113,16 +117,22 @@ def _routing_nodes(rows: list[Row[Any]], known: NodeRows | None) -> list[Routing
             node_id=n.node_id,
             region=n.region,
             url=n.url,
-            models=list(n.models),
+            models=json.loads(n.models),
             status=NodeStatus(n.status),
             engine=n.engine,
             kv_events=n.kv_events,
             kv_events_replay=n.kv_events_replay,
             tool_call_parser=n.tool_call_parser,
             role=NodeRole(n.role),
-            kv_transfer=KVTransferInfo.model_validate(n.kv_transfer) if n.kv_transfer is not None else None,
+            kv_transfer=_kv_transfer(n.kv_transfer),
         ))
     return out
+
+
+def _kv_transfer(text: str | None) -> KVTransferInfo | None:
+    # JSON's null (SQLAlchemy stores None so unless told otherwise) or SQL's NULL: co-located.
+    value = json.loads(text) if text is not None else None
+    return KVTransferInfo.model_validate(value) if value is not None else None
 
 
 def node_kv_transfer(n: Node) -> KVTransferInfo | None:
