@@ -12,12 +12,12 @@ A request with one candidate is not annotated at all: there is nothing to choose
 that keeps the common single-replica path cheap.
 
 When the candidates are a bounded sample of a large model's replicas (geo_router.selection),
-the replica a conversation went to may not be in it: `annotate` asks the routing history for
-the nodes holding the longest run of the prompt (O(log keys), not O(replicas)) and adds the
-usable ones. The history records where every request went, exact-index nodes included, so
-this finds a conversation's replica; a node whose cache holds the prefix for another reason
-(another router's request without shared history) is found only by a KV index that can name
-a hash's holders, which geo_router.kv_index does not offer yet.
+the replica a conversation went to may not be in it: `annotate` asks the routing history and
+the KV index for the nodes holding the longest run of the prompt (O(log keys), not
+O(replicas)) and adds the usable ones. The history records where every request went, so it
+finds a conversation's replica; the KV index finds a cache that holds the prompt for another
+reason (another router's request, without shared history), among the nodes it indexes and at
+the candidates' block size.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ class LoadSource(Protocol):
 
 class BlockIndex(Protocol):
     def match(self, hashes: Sequence[int], node_ids: Iterable[str]) -> dict[str, int]: ...
+
+    def holders(self, hashes: Sequence[int], limit: int) -> list[str]: ...
 
     def block_size(self, node_id: str) -> int | None: ...
 
@@ -173,7 +175,7 @@ class Affinity:
         # Token hashes serve only the exact index: without KV events, skip tokenizing.
         block_size = min(sizes.values(), default=None)
         prefix = self._prefixes.build(model, payload, block_size)
-        if more is not None and prefix.text_keys:
+        if more is not None and (prefix.text_keys or prefix.token_hashes):
             candidates = self._with_holders(candidates, prefix, more, loads, sizes)
         hits = self._prefix_hits(candidates, prefix, sizes)
         _, adapter = split_adapter(model)
@@ -203,9 +205,16 @@ class Affinity:
         sizes: dict[str, int],
     ) -> Sequence[Candidate]:
         """`candidates` plus the usable holders of the prompt's longest known run left out
-        (their loads and block sizes recorded alongside); `candidates` when none is."""
+        (their loads and block sizes recorded alongside); `candidates` when none is.
+
+        Holders come from the routing history (where this router, or with Redis any router,
+        sent the prompt) and from the KV index (whose caches hold it, whoever sent it there).
+        """
         have = loads.keys()
-        missing = [n for n in self._history.holders(prefix.text_keys, _MAX_HOLDERS) if n not in have]
+        named = self._history.holders(prefix.text_keys, _MAX_HOLDERS) if prefix.text_keys else []
+        if self._use_kv_events and prefix.token_hashes:
+            named += self._kv_index.holders(prefix.token_hashes, _MAX_HOLDERS)
+        missing = [n for n in dict.fromkeys(named) if n not in have]
         extra = more(missing) if missing else []
         for c in extra:
             loads[c.node.node_id] = load = self._loads.load(c.node.node_id)

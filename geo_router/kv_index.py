@@ -226,6 +226,38 @@ class KVIndex:
             self._walk_nodes(hashes, start, nodes, out)
         return out
 
+    def holders(self, hashes: Sequence[ExternalBlockHash], limit: int) -> list[str]:
+        """Up to `limit` nodes holding the longest run of the chain `hashes` that any node holds.
+
+        The deepest held block is found by bisection, O(log blocks) lookups whatever the fleet:
+        a prefix cache holds a block's ancestors while it holds the block (vLLM evicts a
+        sequence's blocks last one first), so "some node holds block i" holds for a prefix of
+        the chain. Where it does not, the run found is shorter, never wrong: its holders hold it.
+        """
+        with self._lock:
+            holders = self._holders
+            if not hashes or limit < 1 or hashes[0] not in holders:
+                return []
+            lo, hi = 0, len(hashes) - 1  # block lo is held; past hi none is
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if hashes[mid] in holders:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return self._ids(holders[hashes[lo]], limit)
+
+    def _ids(self, held: _Holders, limit: int) -> list[str]:
+        if type(held) is not int:
+            return [n.node_id for n in _members(held)[:limit]]  # type: ignore[arg-type]
+        out: list[str] = []
+        mask = held
+        while mask and len(out) < limit:
+            low = mask & -mask
+            out.append(self._slot_id[low.bit_length() - 1])  # type: ignore[arg-type]
+            mask ^= low
+        return out
+
     def nodes(self) -> list[str]:
         """Nodes the index has events from (cleared ones included)."""
         with self._lock:

@@ -9,6 +9,7 @@ from typing import Any
 from router_harness import REGIONS, node
 
 from geo_router.affinity import Affinity
+from geo_router.kv_index import KVIndex
 from geo_router.node_load import NodeLoad
 from geo_router.prefix import RequestPrefix
 from geo_router.selection import Candidate
@@ -34,6 +35,9 @@ class Index:
     def block_size(self, node_id: str) -> int | None:
         return self.held.get(node_id, (None, 0))[0]
 
+    def holders(self, hashes: Sequence[int], limit: int) -> list[str]:
+        return []
+
 
 class History:
     def __init__(self, held: Mapping[str, int]) -> None:
@@ -44,6 +48,9 @@ class History:
 
     def record(self, node_id: str, keys: Sequence[int]) -> None:
         pass
+
+    def holders(self, keys: Sequence[int], limit: int) -> list[str]:
+        return []
 
 
 class Loads:
@@ -89,3 +96,27 @@ def test_a_scoped_router_matches_nodes_outside_its_kv_scope_by_history() -> None
     affinity = Affinity(loads=Loads(), kv_index=index, history=History({"far": 4}), prefixes=Prefixes(),
                         indexed=lambda n: n.node_id == "near")
     assert hits(affinity, cand("near", events=True), cand("far", events=True)) == {"near": 1.0, "far": 1.0}
+
+
+def test_a_cache_holding_the_prompt_joins_a_bounded_candidate_set_without_any_routing_history() -> None:
+    """Another router sent the conversation to `holder` (no history shared here): the KV index
+    names it, and it is added to the sample that left it out, through selection's checks."""
+    index = KVIndex()
+    index.store("holder", hash_blocks(TOKENS, 16), block_size=16)
+    index.store("other", hash_blocks(TOKENS, 16)[:2], block_size=16)
+    asked: list[list[str]] = []
+
+    def more(node_ids: Sequence[str]) -> list[Candidate]:
+        asked.append(list(node_ids))
+        return [cand(n, events=True) for n in node_ids]
+
+    affinity = Affinity(loads=Loads(), kv_index=index, history=History({}), prefixes=Prefixes())
+    sample = [cand("a", events=True), cand("b", events=True)]
+    annotated, _ = affinity.annotate(sample, "m", {}, more)
+    assert asked == [["holder"]]  # the longest run's holder only
+    assert {c.node.node_id: c.prefix_hit for c in annotated} == {"a": 0.0, "b": 0.0, "holder": 1.0}
+    # A router that does not use KV events asks nobody.
+    asked.clear()
+    blind = Affinity(loads=Loads(), kv_index=index, history=History({}), prefixes=Prefixes(), use_kv_events=False)
+    annotated, _ = blind.annotate(sample, "m", {}, more)
+    assert asked == [] and [c.node.node_id for c in annotated] == ["a", "b"]

@@ -277,3 +277,25 @@ def test_a_batch_touches_a_bounded_number_of_entries_however_many_blocks_the_nod
     assert index.match(live[-50:], ["a"]) == {"a": 50}
     # The batch's own hashes cost a few dict operations each; upkeep adds ~2 per stepped copy.
     assert worst < 10 * batch + 3 * 1024 + 4 * (batch + batch // 3) < blocks
+
+
+def test_holders_name_the_nodes_of_the_longest_run_held_whoever_holds_it() -> None:
+    index = KVIndex()
+    index.store("alice-node", ALICE)
+    index.store("bob-node", BOB)
+    index.store("system-only", ALICE[:4])
+    # ALICE's whole chain is held by one node; its first four blocks by three.
+    assert index.holders(ALICE, limit=4) == ["alice-node"]
+    assert sorted(index.holders(ALICE[:4], limit=4)) == ["alice-node", "bob-node", "system-only"]
+    assert len(index.holders(ALICE[:4], limit=2)) == 2
+    # A prompt that shares only the system prompt with what is cached: its holders.
+    carol = chain([*SYSTEM, *range(400, 412)])
+    assert sorted(index.holders(carol, limit=4)) == ["alice-node", "bob-node", "system-only"]
+    assert index.holders(chain(list(range(900, 916))), limit=4) == [] and index.holders([], limit=4) == []
+    # Past the tuple size the holders are a bitmask over node slots: still named, up to the limit.
+    for i in range(40):
+        index.store(f"n{i:02d}", ALICE[:4])
+    assert len(index.holders(carol, limit=4)) == 4
+    assert set(index.holders(carol, limit=100)) == {"alice-node", "bob-node", "system-only", *(f"n{i:02d}" for i in range(40))}
+    index.remove("alice-node", ALICE[4:])
+    assert index.holders(ALICE, limit=4)[0] in {"alice-node", "bob-node", "system-only"}
