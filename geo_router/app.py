@@ -223,7 +223,8 @@ def _build_state(
         default_service_ms=settings.default_service_ms,
         balance_half_life_s=settings.affinity_balance_half_life_s,
         use_kv_events=settings.kv_events_enabled,
-        indexed=kv_scope.covers,
+        # Unscoped, every node with KV events is indexed: no per-candidate call on the request path.
+        indexed=kv_scope.covers if settings.kv_events_max_rtt_ms is not None else None,
         clock=clock,
     )
     state = RouterState(
