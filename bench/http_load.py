@@ -5,7 +5,8 @@ Open loop (`open_loop`): requests go out on schedule at a fixed rate whether or 
 ones were answered, each timed from when it was due, on up to MAX_IN_FLIGHT connections;
 answers still missing DRAIN_S after the last request count with the time waited so far.
 Closed loop (`closed_loop`): N connections each sending the next request as soon as the
-previous one is answered, for the maximum throughput. `wait_idle` waits between phases
+previous one is answered, for the maximum throughput; `saturate` adds the CPU the target's
+processes spent per request meanwhile (its process group's, from /proc). `wait_idle` waits between phases
 until the proxy's processes have worked off their backlog. A module of its own, apart from
 the bench's set-up (node, proxies, figures): it knows nothing of Meridian, only a port and
 the bytes of one request.
@@ -243,6 +244,37 @@ async def open_loop(target: Target, rate: float, seconds: float, warmup_s: float
         t.cancel()
     pool.close()
     return LatencyRun(latencies, errors, unanswered, n - n_warm)
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """A closed-loop phase: requests/s answered, errors, and the CPU the target's processes
+    spent per answered request over the counted window (None without a process group)."""
+
+    rps: float
+    errors: int
+    cpu_per_request_ms: float | None
+
+
+async def saturate(target: Target, concurrency: int, seconds: float, warmup_s: float) -> Saturation:
+    """`closed_loop`, with the target's CPU per request while it was saturated."""
+    begin = time.perf_counter() + warmup_s
+    cpu: list[float] = []
+
+    async def sample() -> None:
+        # The counted window only: the warm-up and the drain are left out.
+        await asyncio.sleep(max(0.0, begin - time.perf_counter()))
+        cpu.append(_group_cpu_s(target.pgid) if target.pgid is not None else 0.0)
+        await asyncio.sleep(seconds)
+        cpu.append(_group_cpu_s(target.pgid) if target.pgid is not None else 0.0)
+
+    sampler = asyncio.ensure_future(sample())
+    rps, errors = await closed_loop(target, concurrency, seconds, warmup_s)
+    await sampler
+    per_request = None
+    if target.pgid is not None and rps > 0:
+        per_request = (cpu[1] - cpu[0]) / (rps * seconds) * 1000
+    return Saturation(rps, errors, per_request)
 
 
 async def closed_loop(target: Target, concurrency: int, seconds: float, warmup_s: float) -> tuple[float, int]:

@@ -140,6 +140,11 @@ class NginxServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The master's pid, which is also its process group's (workers included)."""
+        return self._process.pid if self._process is not None else None
+
     def _conf(self) -> str:
         tmp = self.work_dir / "tmp"
         temp_paths = "\n".join(
@@ -207,6 +212,8 @@ http {{
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=stderr,
+                    # Its own process group: benches read its CPU (master and workers) by group.
+                    start_new_session=True,
                 )
             if self._wait_ready():
                 return self

@@ -19,7 +19,6 @@ these fields); `MERIDIAN_ROUTER_ACCESS_LOG=false` turns it off, and a level abov
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,13 +27,13 @@ from typing import Any
 from fastapi.responses import Response
 
 from meridian.contracts import HEADER_NODE, HEADER_REGION
+from meridian.logs import FieldsRecord
 
 from .sse import StreamTally
 from .streaming import when_stream_ends
 
 log = logging.getLogger("meridian.access")
 
-_DECODER = json.JSONDecoder()
 # Usage fields by API: OpenAI's, then the responses and Anthropic messages APIs'.
 _USAGE_KEYS = (("prompt_tokens", "completion_tokens"), ("input_tokens", "output_tokens"))
 
@@ -50,15 +49,15 @@ class AccessRecord:
     model: str = ""
     started: float = field(default_factory=time.perf_counter)
 
-    def routed(self, response: Response) -> None:
-        """A replica answered: log now, or when the stream ends."""
+    def routed(self, response: Response, usage: dict[str, Any] | None) -> None:
+        """A replica answered (`usage`: a whole answer's, accounting.answer_usage): log now,
+        or when the stream ends."""
         if not (self.enabled and log.isEnabledFor(logging.INFO)):
             return
         if when_stream_ends(response, lambda tally: self._streamed(response, tally)):
             return
-        body = response.body if isinstance(response.body, bytes | bytearray) else b""
         self._emit(response.status_code, response.headers.get(HEADER_REGION, ""),
-                   response.headers.get(HEADER_NODE, ""), _body_usage(bytes(body)), stream=False)
+                   response.headers.get(HEADER_NODE, ""), usage, stream=False)
 
     def failed(self, status: int) -> None:
         """The router answered an error itself (no replica, rate limited, bad key…)."""
@@ -73,13 +72,15 @@ class AccessRecord:
               moved: dict[str, Any] | None = None) -> None:
         latency_ms = round((time.perf_counter() - self.started) * 1000, 1)
         prompt, completion = _tokens(usage)
-        log.info(
-            "%s %s %d %.1fms", self.route, self.model or "-", status, latency_ms,
-            extra={"request_id": self.request_id, "route": self.route, "tenant": self.tenant,
-                   "model": self.model, "region": region, "node": node, "status": status,
-                   "latency_ms": latency_ms, "stream": stream,
-                   "prompt_tokens": prompt, "completion_tokens": completion, **(moved or {})},
-        )
+        fields = {"request_id": self.request_id, "route": self.route, "tenant": self.tenant,
+                  "model": self.model, "region": region, "node": node, "status": status,
+                  "latency_ms": latency_ms, "stream": stream,
+                  "prompt_tokens": prompt, "completion_tokens": completion}
+        if moved:
+            fields.update(moved)
+        # Built directly (meridian.logs.FieldsRecord): one line per request, at any rate.
+        log.handle(FieldsRecord(log.name, logging.INFO, "%s %s %d %.1fms",
+                                (self.route, self.model or "-", status, latency_ms), fields))
 
 
 def _moves(tally: StreamTally) -> dict[str, Any] | None:
@@ -101,20 +102,3 @@ def _tokens(usage: dict[str, Any] | None) -> tuple[int | None, int | None]:
             return (prompt if isinstance(prompt, int) else None,
                     completion if isinstance(completion, int) else None)
     return None, None
-
-
-def _body_usage(body: bytes) -> dict[str, Any] | None:
-    """The `usage` object of a whole JSON answer, decoded alone (not the whole body, which
-    may be long): it is near the end of every API's answer."""
-    at = body.rfind(b'"usage"')
-    if at < 0:
-        return None
-    colon = body.find(b":", at + 7)
-    if colon < 0:
-        return None
-    text = body[colon + 1:].decode("utf-8", errors="replace").lstrip()
-    try:
-        usage, _ = _DECODER.raw_decode(text)
-    except ValueError:
-        return None
-    return usage if isinstance(usage, dict) else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
@@ -39,7 +40,7 @@ from meridian.settings import RouterSettings
 from meridian.tracing import Tracing
 
 from .access_log import AccessRecord
-from .accounting import account, count_request, model_label
+from .accounting import account, answer_usage, count_request, model_label
 from .admin_listener import metrics_page, scraper_tokens
 from .affinity import Affinity
 from .auth import authenticate, key_digest
@@ -56,6 +57,7 @@ from .errors import (
     install_error_handlers,
 )
 from .health import Ejection, FleetState, InProcessFleetState
+from .ingress.http import RouterApp
 from .isolation import salted
 from .kserve.server import GrpcListener
 from .kserve.service import COMPLETIONS, InferenceService
@@ -174,12 +176,15 @@ def create_app(
     """
     source: TableSource = table_source if table_source is not None else RoutingTableClient(settings, clock=clock)
     state, shared_fleet = _build_state(settings, source, fleet, clock)
-    app = FastAPI(title="Meridian geo router", lifespan=_lifespan(state, shared_fleet),
-                  docs_url=None, redoc_url=None)
+    app = RouterApp(title="Meridian geo router", lifespan=_lifespan(state, shared_fleet),
+                    docs_url=None, redoc_url=None)
     app.state.router = state
     install_error_handlers(app)
     for route in MODEL_ROUTES:
         _add_model_route(app, state, route)
+    # The same handlers again, served ahead of FastAPI's stack (geo_router.ingress.http);
+    # the FastAPI routes stay for what reads the app's route list (405s, the schema).
+    app.serve_inference({route: functools.partial(_route, state, route=route) for route in MODEL_ROUTES})
     _add_other_routes(app, state)
     return app
 
@@ -420,7 +425,7 @@ def _first_byte(state: RouterState, node_id: str, seconds: float) -> None:
     """A node answered (status line): learn its service time and record the TTFB."""
     state.affinity.service_times.observe(node_id, seconds)
     region = state.region_of(node_id)
-    state.metrics.ttft.labels(region, node_id).observe(seconds)
+    state.metrics.child("ttft", region, node_id).observe(seconds)
 
 
 def _count_ejection(state: RouterState, ejection: Ejection) -> None:
@@ -486,11 +491,12 @@ async def _route(state: RouterState, request: Request, route: str,
             response = await _forwarded(state, request, route, loaded, tenant, inference, stored,
                                         request_id, received_at, trace)
         response.headers.update(admission.headers)
+        usage = answer_usage(response)
         account(state.metrics, state.rate_limiter.settle, admission, model_label(loaded, inference.model),
-                inference.payload, response)
+                inference.payload, response, usage)
         if trace is not None:
             trace.finish(response)
-        access.routed(response)
+        access.routed(response, usage)
         return response
     except RouterError as exc:
         state.metrics.requests.labels("", "", str(exc.status), exc.code or exc.type_).inc()
@@ -619,8 +625,8 @@ def _ordered(
     choice = state.affinity.chosen(ordered[0], inference.model, prefix) if ordered else None
     if choice is not None:
         labels = (ordered[0].region.name, choice.node_id)
-        state.metrics.prompt_tokens.labels(*labels).inc(choice.prompt_tokens)
-        state.metrics.predicted_cache_hits.labels(*labels).inc(choice.predicted_hit_tokens)
+        state.metrics.child("prompt_tokens", *labels).inc(choice.prompt_tokens)
+        state.metrics.child("predicted_cache_hits", *labels).inc(choice.predicted_hit_tokens)
     return ordered
 
 

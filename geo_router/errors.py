@@ -259,6 +259,18 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return _respond(request, err)
 
 
+async def answer_error(request: Request, exc: Exception) -> JSONResponse:
+    """The answer to `exc` raised while serving `request`: what the installed handlers answer,
+    for the routes served ahead of FastAPI's stack (geo_router.ingress.http)."""
+    if isinstance(exc, RouterError):
+        return _respond(request, exc)
+    if isinstance(exc, ClientDisconnect):
+        return await _client_gone(request, exc)
+    if isinstance(exc, StarletteHTTPException):
+        return await _http_error(request, exc)
+    return await _unexpected_error(request, exc)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register every exception-to-body mapping of the router on `app`."""
     app.add_exception_handler(RouterError, _router_error)

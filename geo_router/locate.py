@@ -193,6 +193,10 @@ def _record_point(record: object) -> Point | None:
 # --- round-trip time ---------------------------------------------------------------------------
 
 
+# (client, region) estimates kept at most (then the cache starts again).
+_MAX_ESTIMATES = 65_536
+
+
 class RttEstimator:
     """Client-to-region round trips: the great-circle estimate, corrected per region by what
     this router measured.
@@ -213,6 +217,7 @@ class RttEstimator:
     def __init__(self, router_location: str | None = None) -> None:
         self._router_location = router_location
         self._corrections: dict[str, float] = {}
+        self._estimates: dict[tuple[Point, float, float], float] = {}
 
     @classmethod
     def from_settings(cls, settings: RouterSettings) -> RttEstimator:
@@ -238,4 +243,12 @@ class RttEstimator:
         """Estimated client-to-region round trip; 0 for every region when the client is unknown."""
         if client is None:
             return 0.0
-        return estimate_rtt_ms(client, region_point(region)) * self._corrections.get(region.name, 1.0)
+        # Asked for each candidate region of every request, from a few client places (the
+        # default, GeoIP's cities): the great-circle trigonometry once per pair.
+        key = (client, region.latitude, region.longitude)
+        estimate = self._estimates.get(key)
+        if estimate is None:
+            if len(self._estimates) >= _MAX_ESTIMATES:
+                self._estimates.clear()
+            estimate = self._estimates[key] = estimate_rtt_ms(client, region_point(region))
+        return estimate * self._corrections.get(region.name, 1.0)

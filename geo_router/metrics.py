@@ -12,6 +12,7 @@ source's last refresh on the app's clock), so the request path pays nothing for 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -20,6 +21,8 @@ from prometheus_client.registry import Collector
 from .node_load import NodeLoad
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+# Label-set children cached by `child` at most (then the cache starts again).
+_MAX_CHILDREN = 10_000
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 
@@ -67,6 +70,7 @@ class RouterMetrics:
 
     def __init__(self, table_version: Callable[[], float], table_age: Callable[[], float] = lambda: -1.0) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[str, ...], Any] = {}
         self.requests = self._counter(
             "meridian_router_requests", ("region", "node", "status", "reason"),
             "Inference requests answered, by serving region/node ('' when the router answered) and, "
@@ -171,6 +175,17 @@ class RouterMetrics:
             "Seconds since the routing table was last confirmed current by the control plane (or "
             "loaded from the snapshot); -1 before one is loaded, 0 for a static table.")
         age.set_function(table_age)
+
+    def child(self, metric: str, *labels: str) -> Any:
+        """`metric`'s child of `labels`, looked up once per label set: prometheus_client's
+        labels() validates, joins and locks on every call, and a request updates several."""
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) > _MAX_CHILDREN:  # nodes and tenants come and go: not for ever
+                self._children.clear()
+            child = self._children[key] = getattr(self, metric).labels(*labels)
+        return child
 
     def count_fallbacks_of(self, read: Callable[[], float]) -> None:
         """Export `read()` (a running total, e.g. the affinity policy's) as the fallbacks counter."""

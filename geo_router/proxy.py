@@ -161,9 +161,6 @@ class UpstreamForwarder:
         self._clock = clock
         self.prefiller = Prefiller(settings, self._calls, self, metrics, clock)
         self.read_timeout_s = settings.read_timeout_s
-        # Labelled children of the per-request metrics, looked up once per label set:
-        # prometheus_client's labels() validates and locks on every call.
-        self._children: dict[tuple[str, ...], Any] = {}
         # Attempts still waiting for their node's answer, by node.
         self._waiting: dict[str, set[_Waiter]] = {}
         # Stream migration (geo_router.migration): what MigratingStream asks of its host.
@@ -207,16 +204,7 @@ class UpstreamForwarder:
 
     def finish(self, candidate: Candidate, elapsed_s: float) -> None:
         self._fleet.end(candidate.node.node_id)
-        self._child("latency", candidate.region.name).observe(elapsed_s)
-
-    def _child(self, metric: str, *labels: str) -> Any:
-        key = (metric, *labels)
-        child = self._children.get(key)
-        if child is None:
-            if len(self._children) > 10_000:  # nodes come and go: do not grow for ever
-                self._children.clear()
-            child = self._children[key] = getattr(self._metrics, metric).labels(*labels)
-        return child
+        self._metrics.child("latency", candidate.region.name).observe(elapsed_s)
 
     def end_request(self) -> None:
         """A client request's answer is complete (or failed): it leaves the retry budget."""
@@ -399,7 +387,7 @@ class UpstreamForwarder:
             if not isinstance(response, UpstreamStreamingResponse):
                 self.finish(candidate, time.perf_counter() - received_at)
             self._metrics.overhead.observe(overhead_s)
-            self._child("requests", candidate.region.name, node, str(response.status_code), "").inc()
+            self._metrics.child("requests", candidate.region.name, node, str(response.status_code), "").inc()
             return response
         raise exhausted
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import random
 import re
-import secrets
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,11 @@ from meridian.json_limits import MAX_JSON_DEPTH, too_deep
 from .errors import BadRequest, ClientClosedRequest, RequestTooLarge
 
 _SANE_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
+# Request ids name a request in logs and journals; they guard nothing (a client may send its
+# own), so they need to be unique, not secret: a seeded generator instead of a getrandom()
+# system call per request. Seeded from os.urandom, and again in a forked child.
+_IDS = random.Random()
+os.register_at_fork(after_in_child=_IDS.seed)
 # msgspec, not json: it parses a chat request several times faster, and it refuses what is
 # not JSON (NaN, lone surrogates) rather than forwarding it to a node that would choke.
 _JSON = msgspec.json.Decoder()
@@ -52,7 +58,7 @@ def request_id_for(client_value: str | None) -> str:
     """The client's x-request-id when it is a sane token, else 32 fresh random hex digits."""
     if client_value and _SANE_REQUEST_ID.match(client_value):
         return client_value
-    return secrets.token_hex(16)
+    return f"{_IDS.getrandbits(128):032x}"
 
 
 async def read_body(request: Request, limit: int) -> bytes:

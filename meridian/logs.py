@@ -26,7 +26,7 @@ import logging
 import re
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from meridian.settings import LogFormat, LogSettings
 
@@ -41,14 +41,54 @@ _STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"me
 _STANDARD.add("color_message")
 
 
+# The formatted second of the last timestamp: a busy router logs thousands of lines a second.
+_last_second: tuple[int, str] = (-1, "")
+
+
 def _timestamp(record: logging.LogRecord) -> str:
+    global _last_second
     seconds = int(record.created)
-    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(seconds))}.{int(record.msecs):03d}Z"
+    if _last_second[0] != seconds:
+        _last_second = (seconds, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)))
+    return f"{_last_second[1]}.{int(record.msecs):03d}Z"
 
 
 def extra_fields(record: logging.LogRecord) -> dict[str, Any]:
     """The fields a record was given with `extra=`, in the order given."""
+    fields = record.__dict__.get(_FIELDS)
+    if fields is not None:  # a FieldsRecord's, kept as they were given
+        return cast(dict[str, Any], fields)
     return {k: v for k, v in record.__dict__.items() if k not in _STANDARD and not k.startswith("_")}
+
+
+# Where a FieldsRecord keeps its fields as given (private: never a field itself).
+_FIELDS = "_meridian_fields"
+_START_NS = time.time_ns()
+
+
+class FieldsRecord(logging.LogRecord):
+    """A record of `logger` with fields, built directly: for lines written on every request
+    (geo_router.access_log), where `Logger.info(..., extra=...)` costs more than the work
+    it logs (a caller lookup walking the stack, the process, thread and module looked up,
+    each extra field checked against the standard ones when formatted). It has every
+    attribute a LogRecord has, and each field as an attribute, as `extra=` gives them;
+    the location fields are empty. Handle it with `logger.handle(record)` after checking
+    `logger.isEnabledFor(level)`."""
+
+    def __init__(self, logger: str, level: int, msg: str, args: tuple[Any, ...], fields: dict[str, Any]) -> None:
+        # No super().__init__: this is what it sets, without the lookups.
+        now_ns = time.time_ns()
+        self.name, self.msg, self.args = logger, msg, args
+        self.levelno, self.levelname = level, logging.getLevelName(level)
+        self.pathname = self.filename = self.module = self.funcName = ""
+        self.lineno = 0
+        self.exc_info = self.exc_text = self.stack_info = None
+        self.created = now_ns / 1e9
+        self.msecs = (now_ns % 1_000_000_000) // 1_000_000 + 0.0
+        self.relativeCreated = (now_ns - _START_NS) / 1e6
+        self.thread = self.threadName = self.processName = self.process = None
+        self.__dict__.update(fields)
+        self.__dict__[_FIELDS] = fields
 
 
 class TextFormatter(logging.Formatter):
@@ -58,7 +98,7 @@ class TextFormatter(logging.Formatter):
         line = f"{_timestamp(record)} {record.levelname} {record.name}: {record.getMessage()}"
         extras = extra_fields(record)
         if extras:
-            line += " " + " ".join(f"{k}={_text(v)}" for k, v in extras.items())
+            line += " " + " ".join([f"{k}={_text(v)}" for k, v in extras.items()])
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         if record.stack_info:
@@ -66,10 +106,26 @@ class TextFormatter(logging.Formatter):
         return line
 
 
+# Strings as written (quoted or not), for the values lines repeat: tenant, model, region, node.
+_TEXTS: dict[str, str] = {}
+_TEXTS_MAX = 4096
+
+
 def _text(value: Any) -> str:
+    if isinstance(value, str):
+        text = _TEXTS.get(value)
+        if text is None:
+            text = _quoted(value)
+            if len(_TEXTS) >= _TEXTS_MAX:  # unique values (request ids) must not grow it for ever
+                _TEXTS.clear()
+            _TEXTS[value] = text
+        return text
     if isinstance(value, int | float):  # bool too: the common fields, cheaply
         return str(value)
-    text = "" if value is None else str(value)
+    return _quoted("" if value is None else str(value))
+
+
+def _quoted(text: str) -> str:
     # Quoted when it would not read back as one token.
     return json.dumps(text) if (not text or _NEEDS_QUOTES.search(text)) else text
 

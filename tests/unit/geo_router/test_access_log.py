@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from geo_router.access_log import _body_usage, _tokens
+from geo_router.access_log import _tokens
+from geo_router.accounting import body_usage as _body_usage
 
 
 @pytest.mark.parametrize(("answer", "tokens"), [

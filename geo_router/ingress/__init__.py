@@ -1,0 +1,1 @@
+"""Ingress: how a request enters the router (its front ends, before admission and selection)."""
