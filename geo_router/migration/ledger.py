@@ -62,6 +62,12 @@ class StreamLedger:
                 continue
             self._read_choice(choice)
 
+    def read_plain(self, ids: list[int], texts: list[str]) -> None:
+        """Take in a stretch of plain events read in bulk (plain_events): their ids and texts,
+        all the ledger would have learned from reading each whole."""
+        self.generated.extend(ids)
+        self.delivered.extend(texts)
+
     def _read_choice(self, choice: dict[str, Any]) -> None:
         if isinstance(prompt := choice.get("prompt_token_ids"), list):  # completions: on the choice
             self.prompt_ids = _ids(prompt)

@@ -38,6 +38,7 @@ from .decide import (
 )
 from .events import DONE, Continuation, encode, for_client, is_error, split_events, tool_seam
 from .ledger import StreamLedger, unsent_tail
+from .plain_events import Plain, PlainReader, plain
 from .plan import COMPLETIONS_ROUTE, MigrationPlan
 from .silence import SilenceWatch
 from .tool_calls import ToolCallMismatch
@@ -124,6 +125,12 @@ class _Broken(Exception):
         self.reason = reason  # None: the request's deadline passed (not the node's fault)
 
 
+# Runs of a stream searched for a template event before it is read event by event for good.
+_LEARN_TRIES = 4
+# Events at the start of a run looked at for the template.
+_LEARN_EVENTS = 4
+
+
 class MigratingStream:
     """A CommittedStream (geo_router.streaming) that survives the nodes serving it."""
 
@@ -132,6 +139,8 @@ class MigratingStream:
         self._host, self._ctx, self._piece = host, ctx, piece
         self._deadline, self._received_at = deadline, received_at
         self._ledger = StreamLedger(ctx.plan.api)
+        self._plain = PlainReader(ctx.plan.api, ctx.plan.client_wants_token_ids)
+        self._learn_tries = 0
         self._failed: set[str] = set()
         # Where it may continue: with tool calls, only on replicas whose parser is replayed.
         self._replicas = tool_replicas(ctx.candidates) if ctx.plan.tools else ctx.candidates
@@ -177,6 +186,48 @@ class MigratingStream:
     def _events(self, piece: Piece, run: bytes) -> tuple[bytes, _Broken | None]:
         """The client's bytes for a run of whole events from `piece`'s node, and the break
         that ended the run early, if one did."""
+        if piece.continuation is not None:
+            return self._each_event(piece, run)
+        # The first piece: events that match the stream's template in bulk (plain_events).
+        run = run.replace(b"\r\n", b"\n")
+        reader = self._plain
+        if not reader.ready:
+            if self._learn_tries < _LEARN_TRIES:
+                self._learn_tries += 1
+                self._learn(run)
+            if not reader.ready:
+                return self._each_event(piece, run)
+        out = bytearray()
+        for part in reader.split(run):
+            if isinstance(part, Plain):
+                if self._ledger.id is None:
+                    self._ledger.read(reader.identity)
+                self._ledger.read_plain(part.ids, part.texts)
+                out += part.client
+                continue
+            events, broken = self._each_event(piece, part)
+            out += events
+            if broken is not None or self._complete:
+                return bytes(out), broken
+        return bytes(out), None
+
+    def _learn(self, run: bytes) -> None:
+        """Give the plain reader its template: the run's first plain event, if it has one
+        among its first few (a stream's first event is the prompt's, then the plain ones)."""
+        head = run
+        at = -1
+        for _ in range(_LEARN_EVENTS):  # only the run's first events, not all of it
+            at = run.find(b"\n\n", at + 2)
+            if at < 0:
+                break
+            head = run[: at + 2]
+        for raw, data in split_events(head):
+            if data is not None and plain(data, self._ctx.plan.api):
+                self._plain.learn(raw, data)
+                return
+
+    def _each_event(self, piece: Piece, run: bytes) -> tuple[bytes, _Broken | None]:
+        """`_events`, reading each event whole."""
         plan, ledger, out = self._ctx.plan, self._ledger, bytearray()
         for raw, data in split_events(run):
             if data is None:
