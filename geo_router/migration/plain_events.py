@@ -22,8 +22,8 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Iterator
-from itertools import chain, repeat
 from dataclasses import dataclass
+from itertools import chain, repeat
 from typing import Any
 
 import msgspec
