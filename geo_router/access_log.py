@@ -15,6 +15,8 @@ With `MERIDIAN_LOG_FORMAT=json` they are the JSON object's fields (meridian.logs
 It replaces uvicorn's access line for these routes (off at the router: it has none of
 these fields); `MERIDIAN_ROUTER_ACCESS_LOG=false` turns it off, and a level above INFO on
 `meridian.access` costs nothing but one check. Probes and scrapes are never logged.
+Lines are written to stderr in batches, each at most 0.1 s after its request ended (and all
+of them when the router stops): see meridian.logs.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class AccessRecord:
             fields.update(moved)
         # Built directly (meridian.logs.FieldsRecord): one line per request, at any rate.
         log.handle(FieldsRecord(log.name, logging.INFO, "%s %s %d %.1fms",
-                                (self.route, self.model or "-", status, latency_ms), fields))
+                                (self.route, self.model or "-", status, latency_ms), fields, batched=True))
 
 
 def _moves(tally: StreamTally) -> dict[str, Any] | None:

@@ -35,6 +35,7 @@ from meridian.contracts import (
     TenantEntry,
 )
 from meridian.geo import Point
+from meridian.logs import flush_logs
 from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
 from meridian.settings import RouterSettings
 from meridian.tracing import Tracing
@@ -295,6 +296,8 @@ def _lifespan(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         source = state.table_source
         async with AsyncExitStack() as stack:
+            # Last out: the access lines still batched (meridian.logs) reach the log.
+            stack.callback(flush_logs)
             if shared_fleet is not None:
                 await shared_fleet.start()
                 stack.push_async_callback(shared_fleet.stop)
