@@ -5,7 +5,8 @@
 bench.router's set-up (nginx as the node, `meridian router serve` from a snapshot) under
 `--seconds` of closed-loop load, sampled from outside by py-spy (`--rate` samples a second,
 the process paused only to read its stack: an in-process profiler's hooks cost more than
-the small functions they time, and would inflate them). The top costs are the functions
+the small functions they time, and would inflate them), counting only samples of the thread
+holding the GIL (the router's loop at work, not its idle helper threads). The top costs are the functions
 with the most self time (a sample's innermost Python frame), each as µs of CPU per request
 and as a share of the samples in which the router was running; the same run's CPU per
 request (from /proc) is printed first. The table is what BENCHMARKS.md quotes before and
@@ -76,7 +77,7 @@ def run(seconds: float, concurrency: int, top: int, rate: int, keep: Path | None
         # py-spy starts sampling while the warm-up runs, and stops after the counted window.
         spy = subprocess.Popen(
             [py_spy, "record", "--pid", str(router.pid), "--rate", str(rate), "--duration", str(round(seconds)),
-             "--format", "raw", "--output", str(out), "--function"],
+             "--format", "raw", "--output", str(out), "--function", "--gil"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             sat = runner.run(saturate(target, concurrency, seconds, warmup_s=warmup_s))
