@@ -1,0 +1,118 @@
+"""Two builds of the router side by side: CPU per request at saturation, rounds alternated.
+
+    git worktree add /tmp/before <ref>
+    python -m bench.router_ab /tmp/before . [--rounds 10] [--seconds 2]
+
+A change to the router's hot path is judged by its CPU per request, and one box's noise
+between two runs is larger than most changes: here both builds run at once, each a
+`meridian router serve` process started from its own source tree (PYTHONPATH), in front of
+one node (bench.router's nginx answering from memory), and take turns at closed-loop
+saturation (32 connections), the order swapped every round; each round's CPU per request
+is read from /proc. Figures (bench `router_ab`): `cpu_per_request_ms`, the second tree's
+median against the first's (so a ratio under 1 is the second cheaper).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import uvloop
+
+from bench.common import Figure, median
+from bench.http_load import Target, saturate, wait_idle
+from bench.router import REGION, START_TIMEOUT_S, TENANT_KEY, bench_table, chat_node, make_target
+from geo_router.snapshot import write_snapshot
+from meridian.ports import free_port
+
+BENCH = "router_ab"
+
+
+@contextlib.contextmanager
+def _router(tree: Path, snapshot: Path, log: Path) -> Iterator[tuple[str, int]]:
+    """`meridian router serve` from the source tree `tree`: its url and pid."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    env |= {"MERIDIAN_CLUSTER_TOKEN": "router-bench-cluster-token", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": str(tree), "MERIDIAN_ROUTER_DEFAULT_CLIENT_LOCATION": REGION.name}
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "cli", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--control-plane-url", f"http://127.0.0.1:{free_port()}", "--snapshot-path", str(snapshot)],
+            cwd=tree, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the router from {tree} did not start:\n{log.read_text(errors='replace')[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield url, process.pid
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+async def _rounds(targets: list[Target], rounds: int, seconds: float) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {t.name: [] for t in targets}
+    for r in range(rounds):
+        for t in targets if r % 2 == 0 else targets[::-1]:
+            sat = await saturate(t, 32, seconds, warmup_s=0.5)
+            if sat.errors or sat.cpu_per_request_ms is None:
+                raise AssertionError(f"{t.name}: {sat.errors} failed requests")
+            out[t.name].append(sat.cpu_per_request_ms)
+            print(f"# round {r + 1} {t.name}: {sat.cpu_per_request_ms:.4f} ms CPU per request, {sat.rps:.0f} req/s",
+                  file=sys.stderr, flush=True)
+            await wait_idle(t)
+    return out
+
+
+def run(first: Path, second: Path, rounds: int, seconds: float) -> list[Figure]:
+    with tempfile.TemporaryDirectory(prefix="bench-router-ab-") as tmp, contextlib.ExitStack() as stack:
+        work = Path(tmp)
+        node = stack.enter_context(chat_node(work / "node"))
+        snapshot = work / "routing-table.json"
+        write_snapshot(snapshot, bench_table(node.url))
+        targets = []
+        for name, tree in (("first", first), ("second", second)):
+            url, pid = stack.enter_context(_router(tree, snapshot, work / f"{name}.log"))
+            targets.append(make_target(name, url, TENANT_KEY, pid))
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            cpu = runner.run(_rounds(targets, rounds, seconds))
+    for name, tree in (("first", first), ("second", second)):
+        print(f"# {name} ({tree}): median {median(cpu[name]):.4f} ms CPU per request over {rounds} rounds",
+              file=sys.stderr, flush=True)
+    return [Figure(BENCH, "cpu_per_request_ms", median(cpu["second"]), median(cpu["first"]),
+                   f"the router from {first}, in the same rounds", "reported", "ms")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("first", type=Path, help="source tree of the baseline build (e.g. a git worktree)")
+    ap.add_argument("second", type=Path, help="source tree of the build under test")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--seconds", type=float, default=2.0, help="seconds of saturation per build and round")
+    args = ap.parse_args()
+    for fig in run(args.first.resolve(), args.second.resolve(), args.rounds, args.seconds):
+        print(fig.json_line(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
