@@ -177,9 +177,11 @@ class RunningRouter:
 
 
 @contextlib.contextmanager
-def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | None = None) -> Iterator[RunningRouter]:
+def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | None = None,
+                   source: Path | None = None) -> Iterator[RunningRouter]:
     """`meridian router serve` in front of the node, serving from a snapshot (`env_extra`:
-    more MERIDIAN_* settings)."""
+    more MERIDIAN_* settings; `source`: the source tree to run it from, e.g. a git worktree of
+    an earlier build, instead of this one)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     snapshot = work_dir / "routing-table.json"
     write_snapshot(snapshot, bench_table(node_url))
@@ -187,6 +189,9 @@ def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | No
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
     env |= {"MERIDIAN_CLUSTER_TOKEN": "router-bench-cluster-token", "PYTHONUNBUFFERED": "1",
             "MERIDIAN_ROUTER_DEFAULT_CLIENT_LOCATION": REGION.name} | (env_extra or {})
+    if source is not None:
+        # `-m cli` looks in the working directory first: run there, and import from there.
+        env["PYTHONPATH"] = str(source)
     log = work_dir / "router.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
@@ -194,6 +199,7 @@ def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | No
              # Nothing listens there: the router serves from its snapshot (static stability).
              "--control-plane-url", f"http://127.0.0.1:{free_port()}", "--snapshot-path", str(snapshot)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            cwd=source,
         )
     url = f"http://127.0.0.1:{port}"
     try:

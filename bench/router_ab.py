@@ -5,7 +5,8 @@
 
 A change to the router's hot path is judged by its CPU per request, and one box's noise
 between two runs is larger than most changes: here both builds run at once, each a
-`meridian router serve` process started from its own source tree (PYTHONPATH), in front of
+`meridian router serve` process started from its own source tree (bench.router's
+`router_process`, `source=`), in front of
 one node (bench.router's nginx answering from memory), and take turns at closed-loop
 saturation (32 connections), the order swapped every round; each round's CPU per request
 is read from /proc. Figures (bench `router_ab`): `cpu_per_request_ms`, the second tree's
@@ -17,57 +18,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import uvloop
 
 from bench.common import Figure, median
 from bench.http_load import Target, saturate, wait_idle
-from bench.router import REGION, START_TIMEOUT_S, TENANT_KEY, bench_table, chat_node, make_target
-from geo_router.snapshot import write_snapshot
-from meridian.ports import free_port
+from bench.router import TENANT_KEY, chat_node, make_target, router_process
 
 BENCH = "router_ab"
-
-
-@contextlib.contextmanager
-def _router(tree: Path, snapshot: Path, log: Path) -> Iterator[tuple[str, int]]:
-    """`meridian router serve` from the source tree `tree`: its url and pid."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
-    env |= {"MERIDIAN_CLUSTER_TOKEN": "router-bench-cluster-token", "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": str(tree), "MERIDIAN_ROUTER_DEFAULT_CLIENT_LOCATION": REGION.name}
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "cli", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
-             "--control-plane-url", f"http://127.0.0.1:{free_port()}", "--snapshot-path", str(snapshot)],
-            cwd=tree, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the router from {tree} did not start:\n{log.read_text(errors='replace')[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                    break
-            time.sleep(0.1)
-        yield url, process.pid
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
 
 
 async def _rounds(targets: list[Target], rounds: int, seconds: float) -> dict[str, list[float]]:
@@ -88,12 +49,10 @@ def run(first: Path, second: Path, rounds: int, seconds: float) -> list[Figure]:
     with tempfile.TemporaryDirectory(prefix="bench-router-ab-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
         node = stack.enter_context(chat_node(work / "node"))
-        snapshot = work / "routing-table.json"
-        write_snapshot(snapshot, bench_table(node.url))
         targets = []
         for name, tree in (("first", first), ("second", second)):
-            url, pid = stack.enter_context(_router(tree, snapshot, work / f"{name}.log"))
-            targets.append(make_target(name, url, TENANT_KEY, pid))
+            router = stack.enter_context(router_process(work / name, node.url, source=tree))
+            targets.append(make_target(name, router.url, TENANT_KEY, router.pid))
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             cpu = runner.run(_rounds(targets, rounds, seconds))
     for name, tree in (("first", first), ("second", second)):
