@@ -8,6 +8,7 @@ the answer in the API's own shape.
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -259,22 +260,25 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     return _respond(request, err)
 
 
+# Every exception-to-answer mapping of the router, most specific first (the installed handlers,
+# and answer_error for the routes served ahead of FastAPI's stack, read this one table).
+_HANDLERS: tuple[tuple[type[Exception], Callable[[Request, Exception], Awaitable[JSONResponse]]], ...] = (
+    (RouterError, _router_error),
+    (StarletteHTTPException, _http_error),
+    (RequestValidationError, _validation_error),
+    (ClientDisconnect, _client_gone),
+    (Exception, _unexpected_error),
+)
+
+
 async def answer_error(request: Request, exc: Exception) -> JSONResponse:
     """The answer to `exc` raised while serving `request`: what the installed handlers answer,
     for the routes served ahead of FastAPI's stack (geo_router.ingress.http)."""
-    if isinstance(exc, RouterError):
-        return _respond(request, exc)
-    if isinstance(exc, ClientDisconnect):
-        return await _client_gone(request, exc)
-    if isinstance(exc, StarletteHTTPException):
-        return await _http_error(request, exc)
-    return await _unexpected_error(request, exc)
+    handler = next(h for kind, h in _HANDLERS if isinstance(exc, kind))
+    return await handler(request, exc)
 
 
 def install_error_handlers(app: FastAPI) -> None:
     """Register every exception-to-body mapping of the router on `app`."""
-    app.add_exception_handler(RouterError, _router_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(ClientDisconnect, _client_gone)
-    app.add_exception_handler(Exception, _unexpected_error)
+    for kind, handler in _HANDLERS:
+        app.add_exception_handler(kind, handler)

@@ -35,8 +35,7 @@ _STRS = msgspec.json.Decoder(list[str])
 _TEXT_KEY = {Api.CHAT: b'"content":"', Api.COMPLETIONS: b'"text":"'}
 _IDS_KEY = b'"token_ids":['
 # A JSON string's inside, and a list of ids' (what the template leaves open).
-_STRING_INSIDE_NC = rb'[^"\\\x00-\x1f]*+(?:\\.[^"\\\x00-\x1f]*+)*+'
-_STRING_INSIDE = b"(" + _STRING_INSIDE_NC + b")"
+_STRING_INSIDE = rb'([^"\\\x00-\x1f]*+(?:\\.[^"\\\x00-\x1f]*+)*+)'
 _IDS_INSIDE = rb"([0-9]{1,18}+(?:,[0-9]{1,18}+)*+)"  # int64 at most, as msgspec decodes
 
 
