@@ -89,6 +89,29 @@ class Verdict:
 
 
 @dataclass(frozen=True, slots=True)
+class UnmetWindow:
+    """A recovery window that missed the steady state, and the request that did most to miss
+    it (a failure, else the slowest): what an operator reads first when recovery is late."""
+
+    start_s: float
+    end_s: float
+    requests: int
+    good_rate: float
+    p99_ms: float | None
+    worst: ClientOp
+
+    def describe(self) -> str:
+        w = self.worst
+        lat = latency_ms(w)
+        how = (f"{w.outcome.value if w.outcome else 'no outcome'} {w.status or ''} {w.error_code or ''}".strip()
+               if w.outcome is not Outcome.OK else f"{lat:.0f} ms")
+        p99 = "n/a" if self.p99_ms is None else f"{self.p99_ms:.0f} ms"
+        return (f"last unmet window [{self.start_s:.1f}, {self.end_s:.1f}) s: {self.requests} requests, "
+                f"good {self.good_rate:.0%}, p99 {p99}; worst {w.key} ({w.protocol}"
+                f"{', stream' if w.stream else ''}, node {w.node or '-'}, invoked {w.invoke_s:.1f} s): {how}")
+
+
+@dataclass(frozen=True, slots=True)
 class CheckResult:
     """Counts, offending keys and timings of one run (definitions in the module docstring)."""
 
@@ -116,6 +139,9 @@ class CheckResult:
     recovery_s: float | None
     # Long streams under a mid-stream fault (chaos.stream_check), when the drill checks them.
     streams: StreamResult | None = None
+    # The last window after the recovery reference that missed the steady state: why the
+    # recovery came when it did (None: none missed it).
+    last_unmet: UnmetWindow | None = None
 
     def verdict(self, drill: Drill, invariants: Mapping[str, bool] | None = None) -> Verdict:
         """Judge the drill's pass criteria; `invariants` are the runner's observations."""
@@ -198,8 +224,8 @@ def check(
     during = windows.between(fs, fe)
     ends = [math.inf if o.end_s is None else (o.end_s - o.invoke_s) * 1000 for o in during]
     ref = fe if crit.recovery_from == "fault_end" else fs
-    recovery = _recovery(ref, drill.load.duration_s, crit.recovery_window_s, windows.starts, windows.between,
-                         lambda window: windows.meets(window, ss))
+    recovery, unmet_at = _recovery(ref, drill.load.duration_s, crit.recovery_window_s, windows.starts,
+                                   windows.between, lambda window: windows.meets(window, ss))
 
     return CheckResult(
         attempts=len(ops),
@@ -225,6 +251,7 @@ def check(
         max_latency_during_fault_ms=max(ends) if ends else None,
         recovery_s=recovery,
         streams=None if crit.streams is None else check_streams(history, ops, crit.streams, region_zones),
+        last_unmet=None if unmet_at is None else windows.unmet(unmet_at, unmet_at + crit.recovery_window_s),
     )
 
 
@@ -252,6 +279,13 @@ class _Windows:
         rate = sum(map(self.good, window)) / len(window)
         p99 = _ok_p99(window)
         return rate >= ss.min_success_rate and (ss.max_p99_ms is None or p99 is None or p99 <= ss.max_p99_ms)
+
+
+    def unmet(self, a: float, b: float) -> UnmetWindow:
+        """The window [a, b) described: its failure, else its slowest request, stands for it."""
+        window = self.between(a, b)
+        worst = max(window, key=lambda o: (not self.good(o), latency_ms(o) or 0.0))
+        return UnmetWindow(a, b, len(window), sum(map(self.good, window)) / len(window), _ok_p99(window), worst)
 
 
 def _ok_p99(window: Sequence[ClientOp]) -> float | None:
@@ -296,14 +330,16 @@ def _recovery(
     starts: Sequence[float],
     between: Callable[[float, float], list[ClientOp]],
     meets: Callable[[Sequence[ClientOp]], bool],
-) -> float | None:
-    """Seconds from ref until every later full window meets the steady state (see module doc)."""
+) -> tuple[float | None, float | None]:
+    """Seconds from ref until every later full window meets the steady state (see module doc),
+    and where the last window that missed it starts (None: none did)."""
     last = load_end - window_s
     if last < ref:
-        return None
+        return None, None
     lo, hi = bisect.bisect_right(starts, ref), bisect.bisect_right(starts, last)
     candidates = sorted({ref, last, *starts[lo:hi]})
     recovered_at: float | None = None
+    unmet_at: float | None = None
     for s in candidates:
         window = between(s, s + window_s)
         if not window:
@@ -312,8 +348,8 @@ def _recovery(
             if recovered_at is None:
                 recovered_at = s
         else:
-            recovered_at = None
-    return None if recovered_at is None else max(0.0, recovered_at - ref)
+            recovered_at, unmet_at = None, s
+    return (None if recovered_at is None else max(0.0, recovered_at - ref)), unmet_at
 
 
 def _at_most(name: str, measured: float | None, bound: float | None, what: str = "") -> CriterionResult:
@@ -376,6 +412,8 @@ def _judge(r: CheckResult, drill: Drill, invariants: Mapping[str, bool]) -> Verd
         out.append(_at_most("max_latency_during_fault_ms", r.max_latency_during_fault_ms, c.max_latency_during_fault_ms, window))
     if c.max_recovery_s is not None:
         detail = f"from {c.recovery_from.replace('_', ' ')}" if r.recovery_s is not None else "did not recover"
+        if r.last_unmet is not None:
+            detail += f"; {r.last_unmet.describe()}"
         out.append(_at_most("recovery_s", r.recovery_s, c.max_recovery_s, detail))
     if c.streams is not None and r.streams is not None:
         out += _stream_criteria(r.streams, c.streams)

@@ -216,6 +216,13 @@ def test_recovery_counts_latency_and_from_the_fault_start_when_asked() -> None:
     r = run(h, d)
     assert r.recovery_s == pytest.approx(4.0)
     assert r.error_rate_during_fault == 0.0
+    # The report says why recovery came when it did: the last window that missed the steady
+    # state, and its slowest request.
+    assert r.last_unmet is not None and r.last_unmet.worst.key == "slow39"
+    assert r.last_unmet.start_s < 14 <= r.last_unmet.end_s and r.last_unmet.p99_ms == pytest.approx(2000)
+    tight = drill(max_recovery_s=3, recovery_from="fault_start", recovery_window_s=2)
+    rec = next(c for c in run(h, tight).verdict(tight).failures() if c.name == "recovery_s")
+    assert "p99 2000 ms; worst slow39 (http, node " in rec.detail and "invoked 13.9 s): 2000 ms" in rec.detail
 
 
 def test_a_fabric_that_never_recovers_fails_the_recovery_criterion() -> None:
@@ -228,7 +235,9 @@ def test_a_fabric_that_never_recovers_fails_the_recovery_criterion() -> None:
     r = run(h, d)
     assert r.recovery_s is None
     rec = next(c for c in r.verdict(d).criteria if c.name == "recovery_s")
-    assert not rec.passed and rec.detail == "did not recover"
+    assert not rec.passed and rec.detail.startswith("did not recover; last unmet window [")
+    assert r.last_unmet is not None and r.last_unmet.good_rate == 0.0
+    assert "indeterminate" in rec.detail
 
 
 def test_invariants_not_observed_by_the_runner_fail() -> None:
