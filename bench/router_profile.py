@@ -1,6 +1,7 @@
 """Where the router's CPU goes per request: a sampling profile of a saturated router.
 
     python -m bench.router_profile [--seconds 10] [--concurrency 32] [--top 10] [--rate 250]
+                                   [--stream EVENTS]
 
 bench.router's set-up (nginx as the node, `meridian router serve` from a snapshot) under
 `--seconds` of closed-loop load, sampled from outside by py-spy (`--rate` samples a second,
@@ -12,6 +13,8 @@ and as a share of the samples in which the router was running; the same run's CP
 request (from /proc) is printed first. The table is what BENCHMARKS.md quotes before and
 after a change to the hot path; `--raw FILE` keeps the collapsed stacks (flamegraph.pl,
 speedscope). py-spy is a dev dependency; it reads the router's memory, as root does here.
+`--stream EVENTS` profiles bench.stream_relay's case instead: a streamed chat completion of
+EVENTS events relayed with migration on (each request is then a whole stream).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import uvloop
 
 from bench.http_load import saturate
 from bench.router import REQUEST_BODY, ROUTE, TENANT_KEY, chat_node, make_target, router_process
+from bench.stream_relay import stream_node, stream_target
 
 
 @dataclass(frozen=True)
@@ -65,14 +69,15 @@ def _short(frame: str) -> str:
     return f"{name} ({'/'.join(parts[-2:]) if len(parts) > 1 else path})"
 
 
-def run(seconds: float, concurrency: int, top: int, rate: int, keep: Path | None) -> None:
+def run(seconds: float, concurrency: int, top: int, rate: int, keep: Path | None, stream: int = 0) -> None:
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     with tempfile.TemporaryDirectory(prefix="bench-router-profile-") as tmp, contextlib.ExitStack() as stack:
         work = Path(tmp)
         out = work / "router.collapsed"
-        node = stack.enter_context(chat_node(work / "node"))
+        node = stack.enter_context(stream_node(work / "node", stream) if stream else chat_node(work / "node"))
         router = stack.enter_context(router_process(work / "router", node.url))
-        target = make_target("router", router.url, TENANT_KEY, router.pid)
+        target = (stream_target("router", router.url, router.pid) if stream
+                  else make_target("router", router.url, TENANT_KEY, router.pid))
         warmup_s = 1.0
         # py-spy starts sampling while the warm-up runs, and stops after the counted window.
         spy = subprocess.Popen(
@@ -86,7 +91,7 @@ def run(seconds: float, concurrency: int, top: int, rate: int, keep: Path | None
             sys.exit(f"py-spy failed: {err.decode(errors='replace')[-800:]}")
         cpu = sat.cpu_per_request_ms or 0.0
         print(f"# {sat.rps:.0f} req/s at concurrency {concurrency}, {cpu:.3f} ms CPU per request, {sat.errors}"
-              f" errors; POST {ROUTE} with a {len(REQUEST_BODY)}-byte body")
+              f" errors; POST {ROUTE} " + (f"streamed, {stream} events" if stream else f"with a {len(REQUEST_BODY)}-byte body"))
         print(f"{'µs/req':>7}  {'share':>6}  function (self time)")
         for cost in top_costs(out.read_text(), cpu, top):
             print(f"{cost.us_per_request:7.1f}  {cost.share:6.1%}  {cost.where}")
@@ -101,10 +106,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=10, help="how many functions to list")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--raw", type=Path, default=None, help="keep the collapsed stacks in this file")
+    ap.add_argument("--stream", type=int, default=0, metavar="EVENTS",
+                    help="profile a streamed answer of EVENTS events (migration on) instead")
     args = ap.parse_args()
     if shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists():
         sys.exit("nginx is needed for the node (apt-get install nginx)")
-    run(args.seconds, args.concurrency, args.top, args.rate, args.raw)
+    run(args.seconds, args.concurrency, args.top, args.rate, args.raw, args.stream)
 
 
 if __name__ == "__main__":

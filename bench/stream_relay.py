@@ -71,7 +71,8 @@ def stream_node(work_dir: Path, events: int) -> NginxServer:
     }}""")
 
 
-def _target(name: str, url: str, pgid: int) -> Target:
+def stream_target(name: str, url: str, pgid: int) -> Target:
+    """A streamed chat completion's POST to a router at `url` (the node answers stream_node's stream)."""
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Go on."}], "stream": True,
                        "max_tokens": 1024}).encode()
     return post_target(name, int(url.rsplit(":", 1)[1]), ROUTE, body, TENANT_KEY, pgid)
@@ -98,7 +99,7 @@ def run(events: int = 128, seconds: float = 3.0, rounds: int = 3, concurrency: i
         on = stack.enter_context(router_process(work / "on", node.url))
         off = stack.enter_context(router_process(work / "off", node.url,
                                                  {"MERIDIAN_ROUTER_MIGRATION_ENABLED": "false"}))
-        targets = [_target("migration on", on.url, on.pid), _target("migration off", off.url, off.pid)]
+        targets = [stream_target("migration on", on.url, on.pid), stream_target("migration off", off.url, off.pid)]
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             rates = runner.run(_measure(targets, seconds, rounds, concurrency))
     ours, base = median(rates["migration on"]), median(rates["migration off"])

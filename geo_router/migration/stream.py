@@ -38,7 +38,7 @@ from .decide import (
 )
 from .events import DONE, Continuation, encode, for_client, is_error, split_events, tool_seam
 from .ledger import StreamLedger, unsent_tail
-from .plain_events import Plain, PlainReader, plain
+from .plain_events import IDS_KEY, Plain, PlainReader, plain
 from .plan import COMPLETIONS_ROUTE, MigrationPlan
 from .silence import SilenceWatch
 from .tool_calls import ToolCallMismatch
@@ -155,8 +155,7 @@ class MigratingStream:
     async def body(self) -> AsyncIterator[bytes]:
         while True:
             try:
-                async for out in self._relay(self._piece):
-                    self.tally.feed(out)
+                async for out in self._relay(self._piece):  # counted by _events
                     yield out
                 return
             except _Broken as broken:
@@ -185,46 +184,56 @@ class MigratingStream:
 
     def _events(self, piece: Piece, run: bytes) -> tuple[bytes, _Broken | None]:
         """The client's bytes for a run of whole events from `piece`'s node, and the break
-        that ended the run early, if one did."""
+        that ended the run early, if one did. The tally counts them here: plain events by
+        number, without looking for usage in them again."""
         if piece.continuation is not None:
-            return self._each_event(piece, run)
+            return self._counted(piece, run)
         # The first piece: events that match the stream's template in bulk (plain_events).
-        run = run.replace(b"\r\n", b"\n")
+        if b"\r" in run:  # one memchr, where replace would count through the run
+            run = run.replace(b"\r\n", b"\n")
         reader = self._plain
         if not reader.ready:
             if self._learn_tries < _LEARN_TRIES:
                 self._learn_tries += 1
                 self._learn(run)
             if not reader.ready:
-                return self._each_event(piece, run)
-        out = bytearray()
+                return self._counted(piece, run)
+        out: list[bytes] = []
         for part in reader.split(run):
             if isinstance(part, Plain):
                 if self._ledger.id is None:
                     self._ledger.read(reader.identity)
                 self._ledger.read_plain(part.ids, part.texts)
-                out += part.client
+                self.tally.events += part.events
+                out.append(part.client)
                 continue
-            events, broken = self._each_event(piece, part)
-            out += events
+            events, broken = self._counted(piece, part)
+            out.append(events)
             if broken is not None or self._complete:
-                return bytes(out), broken
-        return bytes(out), None
+                return b"".join(out), broken
+        return b"".join(out), None
+
+    def _counted(self, piece: Piece, run: bytes) -> tuple[bytes, _Broken | None]:
+        out, broken = self._each_event(piece, run)
+        self.tally.feed(out)
+        return out, broken
 
     def _learn(self, run: bytes) -> None:
         """Give the plain reader its template: the run's first plain event, if it has one
-        among its first few (a stream's first event is the prompt's, then the plain ones)."""
-        head = run
-        at = -1
+        among its first few (a stream's first event is the prompt's, then the plain ones).
+        Only an event naming token ids once is parsed (not the prompt's, with its ids)."""
+        at = 0
         for _ in range(_LEARN_EVENTS):  # only the run's first events, not all of it
-            at = run.find(b"\n\n", at + 2)
-            if at < 0:
-                break
-            head = run[: at + 2]
-        for raw, data in split_events(head):
-            if data is not None and plain(data, self._ctx.plan.api):
-                self._plain.learn(raw, data)
+            end = run.find(b"\n\n", at)
+            if end < 0:
                 return
+            head, at = run[at:end + 2], end + 2
+            if head.count(IDS_KEY) != 1:
+                continue
+            for raw, data in split_events(head):
+                if data is not None and plain(data, self._ctx.plan.api):
+                    self._plain.learn(raw, data)
+                    return
 
     def _each_event(self, piece: Piece, run: bytes) -> tuple[bytes, _Broken | None]:
         """`_events`, reading each event whole."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +17,7 @@ from geo_router.migration.plain_events import PlainReader, plain
 from geo_router.migration.plan import CHAT_ROUTE, COMPLETIONS_ROUTE, plan_for
 from geo_router.migration.stream import _LEARN_TRIES, MigratingStream, MigrationContext, Piece
 from geo_router.selection import Candidate
-from geo_router.sse import SSEFramer
+from geo_router.sse import SSEFramer, StreamTally
 from meridian.clock import ManualClock
 from meridian.contracts import NodeStatus, RegionInfo, RoutingNode
 
@@ -73,13 +74,20 @@ def _event(draw: st.DrawFn, chat: bool) -> str:
     """One `data:` event (or comment) of the many shapes a node sends, mostly plain."""
     text, ids = draw(_TEXT), draw(_IDS)
     kind = draw(st.sampled_from(["plain"] * 6 + ["finish", "usage", "reasoning", "tools", "second", "null_ids",
-                                                 "comment", "other_id", "spaced", "stop_reason"]))
+                                                 "comment", "other_id", "spaced", "stop_reason", "negative_id",
+                                                 "bad_quote", "bad_backslash"]))
     head = dict(_HEAD, object="chat.completion.chunk" if chat else "text_completion")
     event: dict[str, Any]
     if kind == "comment":
         return ": keep-alive\n\n"
+    if kind in ("bad_quote", "bad_backslash"):  # not JSON: a text with a bare quote, or a
+        # backslash that escapes the quote closing it (a node's bug; passed on, not read)
+        good = json.dumps(head | {"choices": [_choice(chat, "@@", ids)]}, separators=(",", ":"))
+        return "data: " + good.replace("@@", 'a"b' if kind == "bad_quote" else "a\\", 1) + "\n\n"
     if kind == "plain":
         event = head | {"choices": [_choice(chat, text, ids)]}
+    elif kind == "negative_id":
+        event = head | {"choices": [_choice(chat, text, [-1, *ids])]}
     elif kind == "finish":
         event = head | {"choices": [_choice(chat, text, ids, finish_reason="length")]}
     elif kind == "usage":
@@ -128,18 +136,29 @@ def _streams(draw: st.DrawFn) -> tuple[bool, bytes, list[int]]:
     return chat, body, cuts
 
 
-def _relay(stream: MigratingStream, piece: Piece, body: bytes, cuts: list[int]) -> tuple[list[Any], bool]:
-    """The client's events for `body` arriving in reads cut at `cuts`, and whether it completed."""
+def _relay(stream: MigratingStream, piece: Piece, body: bytes, cuts: list[int],
+           sent: bytearray | None = None) -> tuple[list[Any], bool]:
+    """The client's events for `body` arriving in reads cut at `cuts`, and whether it completed
+    (the client's bytes added to `sent`)."""
     out = bytearray()
     for chunk in (body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)):
         run = piece.framer.feed(chunk)
         if run:
-            sent, broken = stream._events(piece, run)
-            out += sent
+            events, broken = stream._events(piece, run)
+            out += events
             if broken is not None or stream._complete:
                 break
-    events = [e for e in bytes(out).split(b"\n\n") if e]
-    return [json.loads(e[6:]) if e.startswith(b"data: {") else e for e in events], stream._complete
+    if sent is not None:
+        sent += out
+    return [_parsed(e) for e in bytes(out).split(b"\n\n") if e], stream._complete
+
+
+def _parsed(event: bytes) -> Any:
+    """An event's JSON (so that key order and spacing do not count), else its bytes."""
+    try:
+        return json.loads(event[6:]) if event.startswith(b"data: {") else event
+    except ValueError:
+        return event
 
 
 def _ledger_view(ledger: StreamLedger) -> tuple[Any, ...]:
@@ -156,8 +175,44 @@ def test_bulk_reading_gives_what_reading_each_event_whole_gives(stream_case: tup
     bulk, bulk_piece = _stream(route, wants_ids)
     whole, whole_piece = _stream(route, wants_ids)
     whole._learn_tries = _LEARN_TRIES  # never looks for a template: every event read whole
-    assert _relay(bulk, bulk_piece, body, cuts) == _relay(whole, whole_piece, body, cuts)
+    client = bytearray()
+    assert _relay(bulk, bulk_piece, body, cuts, client) == _relay(whole, whole_piece, body, cuts)
     assert _ledger_view(bulk._ledger) == _ledger_view(whole._ledger)
+    # The stream counts what it sends as it goes: what counting the client's bytes would give.
+    sent = StreamTally()
+    sent.feed(bytes(client))
+    assert (bulk.tally.events, bulk.tally.usage) == (whole.tally.events, whole.tally.usage) == (sent.events, sent.usage)
+
+
+def _plain_bytes(text: str, ids: str) -> str:
+    """A plain chat event with `text` and `ids` put into its bytes as they are."""
+    good = json.dumps(_HEAD | {"choices": [_choice(True, "@@", [987654])]}, separators=(",", ":"))
+    return "data: " + good.replace("@@", text, 1).replace("987654", ids, 1) + "\n\n"
+
+
+_PRE, _MIDDLE, _POST = _plain_bytes("@", "1").split("@")[0], '"},"logprobs":null,"finish_reason":null,"token_ids":[', "]}]}\n\n"
+_BROKEN = {
+    # A text ending in a bare backslash swallows the quote after it, and one with a bare quote
+    # splits in two: together they decode as as many texts as there are events.
+    "two_broken_texts": [_plain_bytes(t, i) for t, i in [(" a", "1"), ("b\\", "2"), (',"c', "3"), (" e", "4")]],
+    # An event holding the template's fixed bytes twice, and one holding them but once: cut at
+    # those bytes, they give two texts and two id lists that decode.
+    "fixed_bytes_out_of_place": [_plain_bytes(" a", "1"), _plain_bytes("x", "5" + _MIDDLE + "y"), _PRE + "7" + _POST,
+                                 _plain_bytes(" e", "9")],
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BROKEN))
+def test_events_that_only_look_plain_in_bulk_are_read_whole(case: str) -> None:
+    # Read whole, no broken event is JSON: each reaches the client as sent and the ledger
+    # counts none of them.
+    body = "".join(_BROKEN[case]).encode()
+    bulk, bulk_piece = _stream(CHAT_ROUTE, False)
+    whole, whole_piece = _stream(CHAT_ROUTE, False)
+    whole._learn_tries = _LEARN_TRIES
+    assert _relay(bulk, bulk_piece, body, []) == _relay(whole, whole_piece, body, [])
+    assert _ledger_view(bulk._ledger) == _ledger_view(whole._ledger)
+    assert bulk._ledger.generated[0] == 1 and bulk._ledger.delivered_text.startswith(" a")
 
 
 def test_a_plain_stream_is_read_in_bulk() -> None:
@@ -168,6 +223,8 @@ def test_a_plain_stream_is_read_in_bulk() -> None:
     raws = [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events]
     assert plain(events[0], reader._api)
     reader.learn(raws[0], events[0])
+    # by its fixed bytes alone (no expression), and by the expression when the heads vary
+    assert reader._split_fixed(b"".join(raws)) is not None
     [part] = list(reader.split(b"".join(raws)))
     assert not isinstance(part, bytes)
     assert part.ids == list(range(100, 150)) and "".join(part.texts) == "".join(f" w{i}" for i in range(50))
