@@ -30,7 +30,7 @@ import httpx
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from bench.http_load import DRAIN_S, MAX_IN_FLIGHT, LatencyRun
+from bench.http_load import DRAIN_S, MAX_IN_FLIGHT, LatencyRun, Saturation, _group_cpu_s
 from geo_router.kserve import kserve_v2_pb2 as pb
 from geo_router.kserve import kserve_v2_pb2_grpc as pb_grpc
 
@@ -45,6 +45,37 @@ _TYPE_AT = len('{"type":"')
 class CallErrors:
     count: int = 0
     first: str = ""  # the first failure, for stderr
+
+
+async def saturate_calls(call: Callable[[], Awaitable[None]], pgid: int, concurrency: int, seconds: float,
+                         warmup_s: float) -> Saturation:
+    """`call` back to back from `concurrency` callers for warmup_s + seconds: the calls a
+    second answered after the warm-up, and the CPU the process group `pgid` spent per call
+    over that window (bench.http_load.saturate, for calls of any protocol)."""
+    begin = time.perf_counter() + warmup_s
+    end = begin + seconds
+    done = errors = 0
+    cpu: list[float] = []
+
+    async def caller() -> None:
+        nonlocal done, errors
+        while (now := time.perf_counter()) < end:
+            try:
+                await call()
+            except Exception:  # noqa: BLE001 - any failure of the protocol is an error answer
+                errors += 1
+                continue
+            done += now >= begin
+
+    async def sample() -> None:
+        await asyncio.sleep(warmup_s)
+        cpu.append(_group_cpu_s(pgid))
+        await asyncio.sleep(seconds)
+        cpu.append(_group_cpu_s(pgid))
+
+    await asyncio.gather(sample(), *(caller() for _ in range(concurrency)))
+    rps = done / seconds
+    return Saturation(rps, errors, (cpu[1] - cpu[0]) / done * 1000 if done else None)
 
 
 async def open_loop_calls(call: Callable[[], Awaitable[None]], rate: float, seconds: float, warmup_s: float,

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Message
 
 from meridian.http_server import DISCONNECT_EXTENSION
@@ -30,6 +30,9 @@ from .sse import SSEFramer
 
 Route = Callable[[Request], Awaitable[Response]]
 # Headers of the outer protocol that mean nothing to the HTTP request made from it.
+_DECODE = msgspec.json.Decoder()
+# Responses whose __call__ sends their status, headers and body, and does nothing else.
+_WHOLE = (Response, JSONResponse)
 _HOP = frozenset({b"content-length", b"content-type", b"upgrade", b"connection", b"te", b"sec-websocket-key",
                   b"sec-websocket-version", b"sec-websocket-extensions", b"sec-websocket-protocol"})
 
@@ -93,6 +96,12 @@ def http_request(path: str, headers: list[tuple[bytes, bytes]], body: bytes, dep
 async def answer(response: Response, request: Request) -> AsyncIterator[Head | bytes]:
     """The parts of `response` as it is sent: its Head, then each body chunk. Closing the
     iterator early (the outer client left) ends the response as a client hang-up would."""
+    if type(response) in _WHOLE and response.background is None:
+        # A whole answer (every non-streamed one) is its fields: sending it is only that.
+        yield Head(response.status_code, {k.decode("latin-1"): v.decode("latin-1") for k, v in response.raw_headers})
+        if response.body:
+            yield bytes(response.body)
+        return
     parts: asyncio.Queue[Head | bytes | None] = asyncio.Queue(maxsize=1)  # back-pressure
 
     async def send(message: Message) -> None:
@@ -151,8 +160,8 @@ async def answer_events(response: Response, request: Request) -> AsyncIterator[H
 def json_of(body: bytes) -> Any:
     """A non-streamed answer's JSON (None when it is not JSON)."""
     try:
-        return json.loads(body)
-    except ValueError:
+        return _DECODE.decode(body)
+    except msgspec.DecodeError:
         return None
 
 

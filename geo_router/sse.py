@@ -16,7 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from meridian.contracts import openai_error
+
+_DECODE = msgspec.json.Decoder()
 
 
 class SSEFramer:
@@ -84,8 +88,8 @@ class StreamTally:
         for line in events.split(b"\n"):
             if not line.startswith(b"data: {") or b"_tokens" not in line:
                 continue
-            with contextlib.suppress(ValueError):
-                usage = _usage_of(json.loads(line[6:]))
+            with contextlib.suppress(msgspec.DecodeError):
+                usage = _usage_of(_DECODE.decode(line[6:]))
                 if usage is not None:
                     self.usage = {**(self.usage or {}), **usage}
 

@@ -28,6 +28,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from . import kserve_v2_pb2 as pb
 
 INPUTS = (("text_input", "BYTES"), ("stream", "BOOL"), ("sampling_parameters", "BYTES"),
@@ -37,6 +39,7 @@ OUTPUTS = (("text_output", "BYTES"), ("finish_reason", "BYTES"), ("num_input_tok
            ("num_output_tokens", "UINT32"))
 _OPTIONAL = frozenset(n for n, _ in INPUTS) - {"text_input"}
 # SamplingParams fields a /v1/completions request takes under the same name, by type.
+_ENCODE = msgspec.json.Encoder()
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed", "max_tokens", "min_tokens", "n", "logprobs")
 _BOOLS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens")
@@ -122,7 +125,7 @@ def completion_body(g: Generation) -> bytes:
     body: dict[str, Any] = {**g.sampling, "model": g.model, "prompt": g.prompt, "stream": g.stream}
     if g.stream:
         body["stream_options"] = {"include_usage": True}
-    return json.dumps(body, separators=(",", ":")).encode()
+    return _ENCODE.encode(body)
 
 
 def response(g: Generation, text: str, *, finish_reason: str | None = None, usage: dict[str, Any] | None = None,

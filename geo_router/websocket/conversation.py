@@ -34,16 +34,18 @@ Pure: no I/O, no clock; geo_router.websocket.endpoint does the talking.
 
 from __future__ import annotations
 
-import json
 import secrets
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from ..errors import BadRequest
 
 CREATE = "response.create"
 # Transport fields of POST /v1/responses that mean nothing on a socket (every turn streams).
 _TRANSPORT = ("stream", "stream_options")
+_ENCODE = msgspec.json.Encoder()
 
 
 class PreviousResponseNotFound(BadRequest):
@@ -203,7 +205,7 @@ class Conversation:
 
 
 def _json(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":")).encode()
+    return _ENCODE.encode(value)
 
 
 def _items(value: Any) -> list[Any]:

@@ -54,6 +54,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -79,6 +80,8 @@ class TurnRoute(Protocol):
 
 
 log = logging.getLogger(__name__)
+# A turn's answer is a dozen events, each written as JSON: msgspec's writer, not the stdlib's.
+_ENCODE = msgspec.json.Encoder()
 
 RESPONSES_PATH = "/v1/responses"
 # WebSocket close codes (RFC 6455 7.4.1).
@@ -257,7 +260,7 @@ class ResponsesSocket:
         if self._departure.gone.is_set() or self._ws.application_state != WebSocketState.CONNECTED:
             return False
         try:
-            await self._ws.send_text(json.dumps(message, separators=(",", ":")))
+            await self._ws.send_text(_ENCODE.encode(message).decode())
         except (WebSocketDisconnect, RuntimeError, OSError):
             self._left()
             return False
