@@ -30,6 +30,8 @@ node's cost): a non-streamed POST /v1/completions for http and grpc, the streame
 so added = ours - baseline; figures are medians over `--rounds` rounds, the paths taking
 turns in an order that rotates each round, the router idle again between phases. Raw
 figures, the router's CPU per request and the load generator's go to stderr as `#` lines.
+`grpc_cpu_vs_http` and `ws_cpu_vs_http`: the router's CPU per call or turn against its CPU
+per HTTP request in the same run (goal: at most 1.5x).
 The router is one process on one event loop: a protocol whose CPU per request times the rate
 exceeds what it gets of a core saturates it, and its latency is then its queue's. So each
 figure's goal says how busy the router was (and "saturated" from 90% of a core), and
@@ -348,6 +350,13 @@ def _added_figures(figs: dict[str, PathFigures], s: Settings) -> list[Figure]:
                               f"added (ours - baseline) reported; {load}", "ms"))
     if failed:
         raise AssertionError("; ".join(failed))
+    # What each protocol costs the router against an HTTP request of the same work, same run
+    # (issue 35's goal: at most 1.5x). grpc.aio's own share is most of the gap (BENCHMARKS.md).
+    http_cpu = median(figs["http"].router_cpu_us)
+    for name, what in (("grpc", "a ModelInfer call"), ("ws", "a Responses turn (a streamed chat)")):
+        out.append(Figure(BENCH, f"{name}_cpu_vs_http", median(figs[name].router_cpu_us), http_cpu,
+                          f"the router's CPU per HTTP POST /v1/completions, same run; ours: per {what}",
+                          "ratio <= 1.5", "us"))
     return out
 
 

@@ -92,6 +92,7 @@ class Case:
 
     stream: int = 0
     protocol: str = "http"
+    env: tuple[tuple[str, str], ...] = ()  # the router's settings, as environment variables
 
     def describe(self) -> str:
         if self.protocol == "grpc":
@@ -136,13 +137,14 @@ def _set_up(stack: contextlib.ExitStack, work: Path, case: Case, concurrency: in
     """The node and router for `case`, and the saturating load to run on them."""
     if case.protocol == "http":
         node = stack.enter_context(stream_node(work / "node", case.stream) if case.stream else chat_node(work / "node"))
-        router = stack.enter_context(router_process(work / "router", node.url))
+        router = stack.enter_context(router_process(work / "router", node.url, dict(case.env)))
         target = (stream_target("router", router.url, router.pid) if case.stream
                   else make_target("router", router.url, TENANT_KEY, router.pid))
         return router, lambda: saturate(target, concurrency, seconds, warmup_s=WARMUP_S)
     grpc_port = free_port()
     node = stack.enter_context(protocol_node(work / "node"))
-    router = stack.enter_context(router_process(work / "router", node.url, {"MERIDIAN_ROUTER_GRPC_PORT": str(grpc_port)}))
+    router = stack.enter_context(router_process(work / "router", node.url,
+                                                {**dict(case.env), "MERIDIAN_ROUTER_GRPC_PORT": str(grpc_port)}))
 
     async def load() -> Saturation:
         if case.protocol == "grpc":
@@ -174,6 +176,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=10, help="how many functions to list")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--raw", type=Path, default=None, help="keep the collapsed stacks in this file")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                    help="a setting of the router (e.g. MERIDIAN_ROUTER_MIGRATION_ENABLED=false); repeatable")
     what = ap.add_mutually_exclusive_group()
     what.add_argument("--stream", type=int, default=0, metavar="EVENTS",
                       help="profile a streamed answer of EVENTS events (migration on) instead")
@@ -184,7 +188,8 @@ def main() -> None:
     args = ap.parse_args()
     if shutil.which("nginx") is None and not Path("/usr/sbin/nginx").exists():
         sys.exit("nginx is needed for the node (apt-get install nginx)")
-    run(args.seconds, args.concurrency, args.top, args.rate, args.raw, Case(args.stream, args.protocol))
+    env = tuple((name, value) for name, _, value in (e.partition("=") for e in args.env))
+    run(args.seconds, args.concurrency, args.top, args.rate, args.raw, Case(args.stream, args.protocol, env))
 
 
 if __name__ == "__main__":
