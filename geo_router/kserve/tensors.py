@@ -38,8 +38,10 @@ INPUTS = (("text_input", "BYTES"), ("stream", "BOOL"), ("sampling_parameters", "
 OUTPUTS = (("text_output", "BYTES"), ("finish_reason", "BYTES"), ("num_input_tokens", "UINT32"),
            ("num_output_tokens", "UINT32"))
 _OPTIONAL = frozenset(n for n, _ in INPUTS) - {"text_input"}
+_DATATYPES = dict(INPUTS)
 # SamplingParams fields a /v1/completions request takes under the same name, by type.
 _ENCODE = msgspec.json.Encoder()
+_DECODE = msgspec.json.Decoder()
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed", "max_tokens", "min_tokens", "n", "logprobs")
 _BOOLS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens")
@@ -86,8 +88,8 @@ def read_request(request: pb.ModelInferRequest) -> Generation:
     if "sampling_parameters" in tensors:
         raw: Any = _text(tensors["sampling_parameters"], "sampling_parameters")
         try:
-            raw = json.loads(raw) if raw.strip() else {}
-        except ValueError as exc:
+            raw = _DECODE.decode(raw) if raw.strip() else {}
+        except msgspec.DecodeError as exc:
             raise InvalidInput(f"sampling_parameters is not JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise InvalidInput("sampling_parameters must be a JSON object")
@@ -161,18 +163,21 @@ def _tensors(request: pb.ModelInferRequest) -> dict[str, tuple[str, bytes | list
         raise InvalidInput("raw_input_contents must hold one entry per input")
     out: dict[str, tuple[str, bytes | list[Any]]] = {}
     for i, tensor in enumerate(request.inputs):
-        if tensor.name in out:
-            raise InvalidInput(f"input '{tensor.name[:64]}' is given twice")
-        expected = dict(INPUTS).get(tensor.name)
-        if expected is not None and tensor.datatype != expected:
-            raise InvalidInput(f"input '{tensor.name}' must be {expected}, not {tensor.datatype[:16]}")
-        if any(d != 1 for d in tensor.shape) and tensor.name in dict(INPUTS):
-            raise InvalidInput(f"input '{tensor.name}' must hold one element (shape [1])")
+        # Each field read of a protobuf message is a call into its C code: once each.
+        name, datatype = tensor.name, tensor.datatype
+        if name in out:
+            raise InvalidInput(f"input '{name[:64]}' is given twice")
+        expected = _DATATYPES.get(name)
+        if expected is not None:
+            if datatype != expected:
+                raise InvalidInput(f"input '{name}' must be {expected}, not {datatype[:16]}")
+            if any(d != 1 for d in tensor.shape):
+                raise InvalidInput(f"input '{name}' must hold one element (shape [1])")
         if raw:
-            out[tensor.name] = (tensor.datatype, raw[i])
+            out[name] = (datatype, raw[i])
         else:
-            values = tensor.contents.bytes_contents if tensor.datatype == "BYTES" else tensor.contents.bool_contents
-            out[tensor.name] = (tensor.datatype, list(values))
+            values = tensor.contents.bytes_contents if datatype == "BYTES" else tensor.contents.bool_contents
+            out[name] = (datatype, list(values))
     return out
 
 
