@@ -21,7 +21,12 @@ dropped, or affinity sends requests to a cold cache):
   seq going backwards and by the connection dropping (a ZMQ socket monitor): both reset
   the node (entries cleared, seq unknown). On (re)connecting, what the publisher still
   buffers is replayed when `kv_events_replay_on_connect`, so a router that subscribes
-  late, or after a restart, learns the blocks cached before it listened.
+  late, or after a restart, learns the blocks cached before it listened. One restart goes
+  unseen: behind a forwarder (the router's connection never drops), a new stream whose
+  first batch to come through is already past where the old one stopped reads as a gap,
+  which the replay fills from the new stream. The node's old entries then stay until its
+  events remove them, so routing may prefer it for blocks it no longer holds: a miss, not
+  a wrong answer. vLLM's batches carry no publisher identity to tell the two apart.
 
 Threading: ZMQ sockets must stay on one thread, so one background thread owns every
 socket (a zmq.Poller over the SUB, replay and monitor sockets plus a wake-up pipe) and
