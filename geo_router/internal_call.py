@@ -29,10 +29,10 @@ from .migration.events import split_events
 from .sse import SSEFramer
 
 Route = Callable[[Request], Awaitable[Response]]
-# Headers of the outer protocol that mean nothing to the HTTP request made from it.
 _DECODE = msgspec.json.Decoder()
 # Responses whose __call__ sends their status, headers and body, and does nothing else.
 _WHOLE = (Response, JSONResponse)
+# Headers of the outer protocol that mean nothing to the HTTP request made from it.
 _HOP = frozenset({b"content-length", b"content-type", b"upgrade", b"connection", b"te", b"sec-websocket-key",
                   b"sec-websocket-version", b"sec-websocket-extensions", b"sec-websocket-protocol"})
 

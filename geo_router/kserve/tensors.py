@@ -39,9 +39,9 @@ OUTPUTS = (("text_output", "BYTES"), ("finish_reason", "BYTES"), ("num_input_tok
            ("num_output_tokens", "UINT32"))
 _OPTIONAL = frozenset(n for n, _ in INPUTS) - {"text_input"}
 _DATATYPES = dict(INPUTS)
-# SamplingParams fields a /v1/completions request takes under the same name, by type.
 _ENCODE = msgspec.json.Encoder()
 _DECODE = msgspec.json.Decoder()
+# SamplingParams fields a /v1/completions request takes under the same name, by type.
 _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INTS = ("top_k", "seed", "max_tokens", "min_tokens", "n", "logprobs")
 _BOOLS = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "spaces_between_special_tokens")
