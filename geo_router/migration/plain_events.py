@@ -50,7 +50,7 @@ class Plain:
     ids: list[int]
     texts: list[str]
     client: bytes
-    events: int  # how many
+    events: int  # how many events (texts counts only the non-empty ones)
 
 
 def plain(event: dict[str, Any], api: Api) -> bool:
