@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 import uvloop
 
+from bench.common import stop_process
 from geo_router.kserve import kserve_v2_pb2 as pb
 from geo_router.kserve import kserve_v2_pb2_grpc as pb_grpc
 from meridian.ports import free_port
@@ -48,12 +49,7 @@ def bare_server() -> Iterator[tuple[int, int]]:
         channel.close()
         yield port, proc.pid
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import Figure, median
+from bench.common import Figure, median, stop_process
 from meridian.ports import free_port
 from meridian.settings import ControlPlaneSettings
 
@@ -136,12 +136,7 @@ def _control_plane(source: Path, database_url: str) -> Iterator[tuple[subprocess
             time.sleep(0.2)
         yield proc, url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s=15)
 
 
 async def _drive(url: str, pid: int, s: Settings) -> Measured:

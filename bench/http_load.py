@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -256,25 +257,42 @@ class Saturation:
     cpu_per_request_ms: float | None
 
 
+async def cpu_over_window(pgid: int, warmup_s: float, seconds: float) -> float:
+    """CPU seconds the process group `pgid` spends from `warmup_s` from now for `seconds`:
+    the counted window of a load phase, its warm-up and drain left out."""
+    await asyncio.sleep(warmup_s)
+    before = _group_cpu_s(pgid)
+    await asyncio.sleep(seconds)
+    return _group_cpu_s(pgid) - before
+
+
 async def saturate(target: Target, concurrency: int, seconds: float, warmup_s: float) -> Saturation:
     """`closed_loop`, with the target's CPU per request while it was saturated."""
-    begin = time.perf_counter() + warmup_s
-    cpu: list[float] = []
+    if target.pgid is None:
+        rps, errors = await closed_loop(target, concurrency, seconds, warmup_s)
+        return Saturation(rps, errors, None)
+    cpu_s, (rps, errors) = await asyncio.gather(cpu_over_window(target.pgid, warmup_s, seconds),
+                                                closed_loop(target, concurrency, seconds, warmup_s))
+    return Saturation(rps, errors, cpu_s / (rps * seconds) * 1000 if rps > 0 else None)
 
-    async def sample() -> None:
-        # The counted window only: the warm-up and the drain are left out.
-        await asyncio.sleep(max(0.0, begin - time.perf_counter()))
-        cpu.append(_group_cpu_s(target.pgid) if target.pgid is not None else 0.0)
-        await asyncio.sleep(seconds)
-        cpu.append(_group_cpu_s(target.pgid) if target.pgid is not None else 0.0)
 
-    sampler = asyncio.ensure_future(sample())
-    rps, errors = await closed_loop(target, concurrency, seconds, warmup_s)
-    await sampler
-    per_request = None
-    if target.pgid is not None and rps > 0:
-        per_request = (cpu[1] - cpu[0]) / (rps * seconds) * 1000
-    return Saturation(rps, errors, per_request)
+async def saturate_rounds(targets: list[Target], rounds: int, concurrency: int, seconds: float,
+                          warmup_s: float = 0.5) -> dict[str, list[Saturation]]:
+    """`saturate` each target in turn, `rounds` times, the order rotated every round (each
+    target goes first as often), the targets idle again between phases. A phase with a failed
+    request ends the run: a rate that counts errors is no figure."""
+    out: dict[str, list[Saturation]] = {t.name: [] for t in targets}
+    for r in range(rounds):
+        shift = r % len(targets)
+        for t in targets[shift:] + targets[:shift]:
+            sat = await saturate(t, concurrency, seconds, warmup_s)
+            if sat.errors or sat.cpu_per_request_ms is None:
+                raise AssertionError(f"{t.name}: {sat.errors} failed requests")
+            out[t.name].append(sat)
+            print(f"# round {r + 1} {t.name}: {sat.cpu_per_request_ms:.4f} ms CPU per request, {sat.rps:.0f} req/s",
+                  file=sys.stderr, flush=True)
+            await wait_idle(t)
+    return out
 
 
 async def closed_loop(target: Target, concurrency: int, seconds: float, warmup_s: float) -> tuple[float, int]:

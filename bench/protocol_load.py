@@ -30,7 +30,7 @@ import httpx
 import websockets
 from websockets.asyncio.client import ClientConnection
 
-from bench.http_load import DRAIN_S, MAX_IN_FLIGHT, LatencyRun, Saturation, _group_cpu_s
+from bench.http_load import DRAIN_S, MAX_IN_FLIGHT, LatencyRun, Saturation, cpu_over_window
 from geo_router.kserve import kserve_v2_pb2 as pb
 from geo_router.kserve import kserve_v2_pb2_grpc as pb_grpc
 
@@ -55,7 +55,6 @@ async def saturate_calls(call: Callable[[], Awaitable[None]], pgid: int, concurr
     begin = time.perf_counter() + warmup_s
     end = begin + seconds
     done = errors = 0
-    cpu: list[float] = []
 
     async def caller() -> None:
         nonlocal done, errors
@@ -67,15 +66,8 @@ async def saturate_calls(call: Callable[[], Awaitable[None]], pgid: int, concurr
                 continue
             done += now >= begin
 
-    async def sample() -> None:
-        await asyncio.sleep(warmup_s)
-        cpu.append(_group_cpu_s(pgid))
-        await asyncio.sleep(seconds)
-        cpu.append(_group_cpu_s(pgid))
-
-    await asyncio.gather(sample(), *(caller() for _ in range(concurrency)))
-    rps = done / seconds
-    return Saturation(rps, errors, (cpu[1] - cpu[0]) / done * 1000 if done else None)
+    cpu_s, *_ = await asyncio.gather(cpu_over_window(pgid, warmup_s, seconds), *(caller() for _ in range(concurrency)))
+    return Saturation(done / seconds, errors, cpu_s / done * 1000 if done else None)
 
 
 async def open_loop_calls(call: Callable[[], Awaitable[None]], rate: float, seconds: float, warmup_s: float,

@@ -48,7 +48,6 @@ import contextlib
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -61,7 +60,7 @@ from pathlib import Path
 import httpx
 import uvloop
 
-from bench.common import Figure, median, percentile
+from bench.common import Figure, median, percentile, stop_process
 from bench.http_load import DRAIN_S, Target, open_loop, post_target, saturate, wait_idle
 from bench.litellm_proxy import LiteLLMProxy, ensure_litellm
 from bench.nginx import NginxServer, nginx_available
@@ -214,13 +213,7 @@ def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | No
                 time.sleep(0.1)
         yield RunningRouter(url, process.pid)
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+        stop_process(process)
 
 
 # --- the paths under test -------------------------------------------------------------

@@ -26,25 +26,11 @@ from pathlib import Path
 import uvloop
 
 from bench.common import Figure, median
-from bench.http_load import Target, saturate, wait_idle
+from bench.http_load import saturate_rounds
 from bench.router import TENANT_KEY, chat_node, make_target, router_process
 from bench.stream_relay import stream_node, stream_target
 
 BENCH = "router_ab"
-
-
-async def _rounds(targets: list[Target], rounds: int, seconds: float) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {t.name: [] for t in targets}
-    for r in range(rounds):
-        for t in targets if r % 2 == 0 else targets[::-1]:
-            sat = await saturate(t, 32, seconds, warmup_s=0.5)
-            if sat.errors or sat.cpu_per_request_ms is None:
-                raise AssertionError(f"{t.name}: {sat.errors} failed requests")
-            out[t.name].append(sat.cpu_per_request_ms)
-            print(f"# round {r + 1} {t.name}: {sat.cpu_per_request_ms:.4f} ms CPU per request, {sat.rps:.0f} req/s",
-                  file=sys.stderr, flush=True)
-            await wait_idle(t)
-    return out
 
 
 def run(first: Path, second: Path, rounds: int, seconds: float, stream: int = 0) -> list[Figure]:
@@ -57,7 +43,8 @@ def run(first: Path, second: Path, rounds: int, seconds: float, stream: int = 0)
             targets.append(stream_target(name, router.url, router.pid) if stream
                            else make_target(name, router.url, TENANT_KEY, router.pid))
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            cpu = runner.run(_rounds(targets, rounds, seconds))
+            runs = runner.run(saturate_rounds(targets, rounds, 32, seconds))
+    cpu = {name: [x.cpu_per_request_ms or 0.0 for x in xs] for name, xs in runs.items()}
     for name, tree in (("first", first), ("second", second)):
         print(f"# {name} ({tree}): median {median(cpu[name]):.4f} ms CPU per request over {rounds} rounds",
               file=sys.stderr, flush=True)

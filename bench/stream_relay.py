@@ -30,7 +30,7 @@ from pathlib import Path
 import uvloop
 
 from bench.common import Figure, median
-from bench.http_load import Saturation, Target, post_target, saturate, wait_idle
+from bench.http_load import Target, post_target, saturate_rounds
 from bench.nginx import NginxServer, nginx_available
 from bench.router import IDLE_NODE_METRICS, MODEL, ROUTE, TENANT_KEY, _NginxConf, router_process
 
@@ -78,19 +78,6 @@ def stream_target(name: str, url: str, pgid: int) -> Target:
     return post_target(name, int(url.rsplit(":", 1)[1]), ROUTE, body, TENANT_KEY, pgid)
 
 
-async def _measure(targets: list[Target], seconds: float, rounds: int,
-                   concurrency: int) -> dict[str, list[Saturation]]:
-    out: dict[str, list[Saturation]] = {t.name: [] for t in targets}
-    for r in range(rounds):
-        for t in targets[r % 2:] + targets[: r % 2]:  # alternate who goes first
-            sat = await saturate(t, concurrency, seconds, 0.5)
-            if sat.errors or sat.cpu_per_request_ms is None:
-                raise AssertionError(f"{t.name}: {sat.errors} failed streams")
-            out[t.name].append(sat)
-            await wait_idle(t)
-    return out
-
-
 def run(events: int = 128, seconds: float = 3.0, rounds: int = 3, concurrency: int = 16) -> list[Figure]:
     if not nginx_available():
         raise RuntimeError("nginx is needed for the stand-in node (apt-get install nginx)")
@@ -102,7 +89,7 @@ def run(events: int = 128, seconds: float = 3.0, rounds: int = 3, concurrency: i
                                                  {"MERIDIAN_ROUTER_MIGRATION_ENABLED": "false"}))
         targets = [stream_target("migration on", on.url, on.pid), stream_target("migration off", off.url, off.pid)]
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runs = runner.run(_measure(targets, seconds, rounds, concurrency))
+            runs = runner.run(saturate_rounds(targets, rounds, concurrency, seconds))
     rates = {name: [x.rps for x in xs] for name, xs in runs.items()}
     cpu = {name: [x.cpu_per_request_ms or 0.0 for x in xs] for name, xs in runs.items()}
     ours, base = median(rates["migration on"]), median(rates["migration off"])

@@ -280,7 +280,6 @@ class _Windows:
         p99 = _ok_p99(window)
         return rate >= ss.min_success_rate and (ss.max_p99_ms is None or p99 is None or p99 <= ss.max_p99_ms)
 
-
     def unmet(self, a: float, b: float) -> UnmetWindow:
         """The window [a, b) described: its failure, else its slowest request, stands for it."""
         window = self.between(a, b)
