@@ -136,14 +136,14 @@ class PlainReader:
         (from the text's key to the ids' end: a third of an event's bytes), and the events
         rebuilt from what it found are compared with the run's own bytes: the rest of each
         event is the template's, and no other event lies among them. None: not such a run
-        (the whole expression reads it)."""
+        (the whole expression reads it); a run with no text and ids at all is read whole."""
         pre, inner_pattern = self._pre, self._inner
         assert inner_pattern is not None
         start = run.find(pre)
+        found = inner_pattern.findall(run, max(start, 0))
+        if not found:  # the whole expression holds this one: it would find nothing either
+            return [run] if run else []
         if start < 0:
-            return None
-        found = inner_pattern.findall(run, start)
-        if not found:
             return None
         inner, texts, ids = zip(*found, strict=True)
         raw = pre + (self._rest + pre).join(inner) + self._rest
