@@ -80,5 +80,5 @@ clean:
 # descriptor pool of their own: a process that also imports tritonclient (whose
 # grpc_service.proto defines the same `inference.*` names) must load both.
 protos: install
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. geo_router/kserve/kserve_v2.proto
-	sed -i 's/_descriptor_pool.Default().AddSerializedFile(/_descriptor_pool.DescriptorPool().AddSerializedFile(/' geo_router/kserve/kserve_v2_pb2.py
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. geo_router/ingress/kserve/kserve_v2.proto
+	sed -i 's/_descriptor_pool.Default().AddSerializedFile(/_descriptor_pool.DescriptorPool().AddSerializedFile(/' geo_router/ingress/kserve/kserve_v2_pb2.py

@@ -14,13 +14,16 @@ from bench import (
     protocols,
     router,
     router_overhead,
+    router_workers,
     routing,
     routing_table,
     routing_vllm,
     scale,
+    stream_reads,
     stream_relay,
     weights,
 )
+from meridian.cpus import usable_cpus
 
 
 def main() -> None:
@@ -28,7 +31,11 @@ def main() -> None:
         print(fig.json_line(), flush=True)
     for fig in router.run():
         print(fig.json_line(), flush=True)
+    for fig in router_workers.run(usable_cpus(), rounds=3, seconds=2.0):
+        print(fig.json_line(), flush=True)
     for fig in stream_relay.run(seconds=2.0, rounds=2):
+        print(fig.json_line(), flush=True)
+    for fig in stream_reads.run(chunks=20_000, rounds=3):
         print(fig.json_line(), flush=True)
     for fig in protocols.run(protocols.Settings(seconds=2.0, rounds=2, requests=20)):
         print(fig.json_line(), flush=True)

@@ -45,15 +45,15 @@ def _table(replicas: int) -> Any:
 
 def measure(replicas: int, max_candidates: int | None = None) -> dict[str, float]:
     """Median µs per request of select_candidates and of the whole pick at `replicas`."""
-    from geo_router.affinity import Affinity
-    from geo_router.health import InProcessFleetState
-    from geo_router.kv_index import KVIndex
-    from geo_router.node_load import NodeLoad
-    from geo_router.policies import AffinityPolicy
-    from geo_router.prefix import PrefixKeyBuilder
-    from geo_router.prefix_history import InProcessPrefixHistory
-    from geo_router.selection import RoutingContext, select_candidates
-    from geo_router.table import LoadedTable
+    from geo_router.selection.affinity import Affinity
+    from geo_router.selection.candidates import RoutingContext, select_candidates
+    from geo_router.selection.policies import AffinityPolicy
+    from geo_router.selection.prefix import PrefixKeyBuilder
+    from geo_router.state.health import InProcessFleetState
+    from geo_router.state.kv_index import KVIndex
+    from geo_router.state.node_load import NodeLoad
+    from geo_router.state.prefix_history import InProcessPrefixHistory
+    from geo_router.state.table import LoadedTable
     from meridian.geo import Point
     from meridian.settings import RouterSettings
 
@@ -84,7 +84,7 @@ def measure(replicas: int, max_candidates: int | None = None) -> dict[str, float
         return select_candidates(loaded, tenant, MODEL, fleet, client, **kwargs)
 
     def more(node_ids: Any) -> list[Any]:
-        from geo_router.selection import named_candidates
+        from geo_router.selection.candidates import named_candidates
         return named_candidates(loaded, tenant, MODEL, fleet, client, node_ids)
 
     def pick(i: int) -> None:

@@ -20,8 +20,8 @@ import grpc
 import uvloop
 
 from bench.common import stop_process
-from geo_router.kserve import kserve_v2_pb2 as pb
-from geo_router.kserve import kserve_v2_pb2_grpc as pb_grpc
+from geo_router.ingress.kserve import kserve_v2_pb2 as pb
+from geo_router.ingress.kserve import kserve_v2_pb2_grpc as pb_grpc
 from meridian.ports import free_port
 
 

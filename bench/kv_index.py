@@ -1,9 +1,9 @@
-"""The router's exact KV-prefix index (geo_router.kv_index) against its previous version:
+"""The router's exact KV-prefix index (geo_router.state.kv_index) against its previous version:
 memory per entry, `match` per request and event ingest, in one run.
 
     python -m bench.kv_index [--nodes 1000 3000] [--baseline-rev REV] [--rounds 5]
 
-The baseline is geo_router/kv_index.py as of git revision --baseline-rev (default: the one
+The baseline is geo_router/state/kv_index.py as of git revision --baseline-rev (default: the one
 before the index kept small holders, whose per-hash node bitmasks grew with nodes x nodes),
 loaded from `git show` under another module name, so both run on the same data in the same
 process. The index is filled as the fleet simulator measures it (chaos.scale.measure's KV
@@ -37,7 +37,7 @@ from typing import Any
 
 from bench.common import Figure
 from chaos.scale.measure import CHAIN_BLOCKS, KVWorkload, kv_payloads
-from geo_router.kv_index import KVIndex
+from geo_router.state.kv_index import KVIndex
 from meridian.kv_events import KVEvent, decode_batch
 
 BENCH = "kv_index"
@@ -49,9 +49,9 @@ Batches = list[tuple[str, list[KVEvent]]]
 
 
 def load_baseline(rev: str) -> ModuleType:
-    """geo_router/kv_index.py at `rev`, imported as `kv_index_baseline`."""
+    """geo_router/state/kv_index.py at `rev`, imported as `kv_index_baseline`."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{rev}:geo_router/kv_index.py"], cwd=root, check=True,
+    source = subprocess.run(["git", "show", f"{rev}:geo_router/state/kv_index.py"], cwd=root, check=True,
                             capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "kv_index_baseline.py"
     path.write_text(source)

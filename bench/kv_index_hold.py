@@ -1,5 +1,5 @@
 """How long one `apply` holds the KV index's lock at a big node whose cache evicts out of
-store order (vLLM evicts by last use), against a previous revision of geo_router/kv_index.py
+store order (vLLM evicts by last use), against a previous revision of geo_router/state/kv_index.py
 in the same run: the longest and the 99th-percentile hold, in ms.
 
     python -m bench.kv_index_hold [--blocks 150000] [--batches 600] [--baseline-rev REV]
@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from bench.kv_index import load_baseline
-from geo_router.kv_index import KVIndex
+from geo_router.state.kv_index import KVIndex
 from meridian.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
 

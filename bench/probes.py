@@ -43,11 +43,11 @@ from datetime import UTC, datetime
 from pydantic import SecretStr
 
 from bench.common import Figure
-from geo_router.health import InProcessFleetState
-from geo_router.kv_index import KVIndex
-from geo_router.kv_subscriber import KVEventSubscriber
-from geo_router.probe import NodeProber
-from geo_router.table import LoadedTable
+from geo_router.state.health import InProcessFleetState
+from geo_router.state.kv_index import KVIndex
+from geo_router.state.kv_subscriber import KVEventSubscriber
+from geo_router.state.probe import NodeProber
+from geo_router.state.table import LoadedTable
 from meridian.clock import ManualClock
 from meridian.contracts import NodeStatus, RegionInfo, RoutingNode, RoutingTable, RoutingTableDelta
 from meridian.settings import RouterSettings

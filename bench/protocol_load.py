@@ -31,8 +31,8 @@ import websockets
 from websockets.asyncio.client import ClientConnection
 
 from bench.http_load import DRAIN_S, MAX_IN_FLIGHT, LatencyRun, Saturation, cpu_over_window
-from geo_router.kserve import kserve_v2_pb2 as pb
-from geo_router.kserve import kserve_v2_pb2_grpc as pb_grpc
+from geo_router.ingress.kserve import kserve_v2_pb2 as pb
+from geo_router.ingress.kserve import kserve_v2_pb2_grpc as pb_grpc
 
 FINAL_WS = ("response.completed", "response.incomplete", "response.failed", "error")
 _TYPE_AT = len('{"type":"')

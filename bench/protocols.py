@@ -7,7 +7,7 @@ time to first token of a streamed request over SSE, WebSocket and gRPC, one run.
 The geo router serves the OpenAI API over HTTP/1.1 + SSE, the Responses API's WebSocket mode
 (GET /v1/responses upgraded, geo_router/websocket) and KServe's Open Inference Protocol v2
 over gRPC (geo_router/kserve). The other two make each request an HTTP request of the same
-pipeline (geo_router/internal_call.py), so what a protocol costs is its transport and its
+pipeline (geo_router/ingress/internal_call.py), so what a protocol costs is its transport and its
 translation: what this measures, so that a client can choose by numbers.
 
 Added latency (bench `protocols`, figures `<protocol>_p50_ms`, `<protocol>_p99_ms`): a real
@@ -22,7 +22,7 @@ and bench/protocol_load.py for gRPC and WebSocket). Per protocol, through the ro
   ws    one `response.create` turn (store false, on an already-open connection, one turn at
         a time per connection, up to 128 connections; permessage-deflate as OpenAI's client
         offers it unless --no-ws-deflate) until `response.completed`; the router serves it as
-        a streamed chat completion from the node (geo_router/migration/responses.py) and
+        a streamed chat completion from the node (geo_router/forwarding/migration/responses.py) and
         writes the Responses events from the chunks.
 Each against the same node request sent straight to nginx over HTTP (its baseline, the
 node's cost): a non-streamed POST /v1/completions for http and grpc, the streamed POST

@@ -52,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -64,7 +64,7 @@ from bench.common import Figure, median, percentile, stop_process
 from bench.http_load import DRAIN_S, Target, open_loop, post_target, saturate, wait_idle
 from bench.litellm_proxy import LiteLLMProxy, ensure_litellm
 from bench.nginx import NginxServer, nginx_available
-from geo_router.snapshot import write_snapshot
+from geo_router.state.snapshot import write_snapshot
 from meridian.contracts import NodeStatus, RegionInfo, RoutingNode, RoutingTable, TenantEntry
 from meridian.ports import free_port
 from meridian.security import hash_api_key, key_prefix
@@ -177,24 +177,27 @@ class RunningRouter:
 
 @contextlib.contextmanager
 def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | None = None,
-                   source: Path | None = None) -> Iterator[RunningRouter]:
+                   source: Path | None = None, table: RoutingTable | None = None,
+                   wrapper: Sequence[str] = (), start_timeout_s: float = START_TIMEOUT_S) -> Iterator[RunningRouter]:
     """`meridian router serve` in front of the node, serving from a snapshot (`env_extra`:
     more MERIDIAN_* settings; `source`: the source tree to run it from, e.g. a git worktree of
-    an earlier build, instead of this one)."""
+    an earlier build, instead of this one; `table`: what it serves instead of bench_table's;
+    `wrapper`: a command it runs under, e.g. valgrind's)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     snapshot = work_dir / "routing-table.json"
-    write_snapshot(snapshot, bench_table(node_url))
+    write_snapshot(snapshot, table if table is not None else bench_table(node_url))
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MERIDIAN_")}
+    # One worker unless `env_extra` says otherwise: the figures are one process's CPU per request.
     env |= {"MERIDIAN_CLUSTER_TOKEN": "router-bench-cluster-token", "PYTHONUNBUFFERED": "1",
-            "MERIDIAN_ROUTER_DEFAULT_CLIENT_LOCATION": REGION.name} | (env_extra or {})
+            "MERIDIAN_ROUTER_DEFAULT_CLIENT_LOCATION": REGION.name, "MERIDIAN_ROUTER_WORKERS": "1"} | (env_extra or {})
     if source is not None:
         # `-m cli` looks in the working directory first: run there, and import from there.
         env["PYTHONPATH"] = str(source)
     log = work_dir / "router.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "cli", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
+            [*wrapper, sys.executable, "-m", "cli", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
              # Nothing listens there: the router serves from its snapshot (static stability).
              "--control-plane-url", f"http://127.0.0.1:{free_port()}", "--snapshot-path", str(snapshot)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
@@ -202,7 +205,7 @@ def router_process(work_dir: Path, node_url: str, env_extra: dict[str, str] | No
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + start_timeout_s
         with httpx.Client(timeout=2.0, trust_env=False) as http:
             while True:
                 if process.poll() is not None or time.monotonic() > deadline:

@@ -43,13 +43,12 @@ from control_plane.db.engine import make_engine, make_sessionmakers
 from control_plane.db.models import Node
 from control_plane.routing_table import NodeRows, build_routing_table, bump_version
 from control_plane.table_stream import TableStream
-from geo_router.health import InProcessFleetState
-from geo_router.kv_index import KVIndex
-from geo_router.kv_subscriber import KVEventSubscriber
-from geo_router.locate import region_rtt_ms
-from geo_router.probe import NodeProber
-from geo_router.selection import Candidate, select_candidates, tenant_may_use
-from geo_router.table import LoadedTable
+from geo_router.selection.candidates import Candidate, select_candidates, tenant_may_use
+from geo_router.state.health import InProcessFleetState
+from geo_router.state.kv_index import KVIndex
+from geo_router.state.kv_subscriber import KVEventSubscriber
+from geo_router.state.probe import NodeProber
+from geo_router.state.table import LoadedTable
 from meridian.contracts import (
     NodeStatus,
     RegionInfo,
@@ -57,7 +56,7 @@ from meridian.contracts import (
     RoutingTableDelta,
     TenantEntry,
 )
-from meridian.geo import Point
+from meridian.geo import Point, region_rtt_ms
 from meridian.settings import RouterSettings
 
 BENCH = "routing_table"
@@ -225,7 +224,7 @@ def _measure(nodes: int, routers: int, build: Callable[[NodeRows | None], Routin
 
 
 def select_candidates_by_scan(table: LoadedTable, model: str, fleet: InProcessFleetState, where: Point) -> list[Candidate]:
-    """select_candidates as it was before the indexes (geo_router.selection at e472c78)."""
+    """select_candidates as it was before the indexes (geo_router.selection.candidates at e472c78)."""
     serving = [n for n in table.table.nodes if model in n.models]
     out: list[Candidate] = []
     for node in serving:

@@ -23,7 +23,7 @@ meets it):
   applied (<= 50 ms); the full table's parse + build (a router's start) is in --out;
 - router_rss_mib: a real router's RSS with the table installed, plus the KV index measured
   in-process for the stated blocks per node (<= 300 MiB), of the nodes a router indexes with
-  kv_events_max_rtt_ms (--kv-scope-ms, 50 ms: a continent; geo_router.kv_scope), placed where
+  kv_events_max_rtt_ms (--kv-scope-ms, 50 ms: a continent; geo_router.state.kv_scope), placed where
   that is the most nodes; router_rss_unscoped_mib (in --out) is with every node indexed;
 - placement_3000_s and placement_3000_gap: with --full, bench.placement's `scale_point(3000)`
   (3,000 deployments on the real catalog with the production options, the plan checked against

@@ -3,7 +3,7 @@ the same stream passed through as bytes, one run.
 
     python -m bench.stream_relay [--events 128] [--seconds 3] [--rounds 3] [--concurrency 16]
 
-Stream migration (geo_router.migration) needs the token ids of every event, so the router
+Stream migration (geo_router.forwarding.migration) needs the token ids of every event, so the router
 parses each event of a chat or completions stream, keeps a ledger, and re-writes the event
 without the ids the client did not ask for. Before it, a stream's bytes were passed through
 untouched. The node is nginx answering a streamed chat completion from memory: `--events`

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from chaos.drill import Drill, PassCriteria, SteadyState, StreamCriteria
 from chaos.history import ClientOp, History, HistoryError, Outcome
 from chaos.stream_check import StreamResult, check_streams, is_clean_no_replica
-from meridian.contracts import GLOBAL_ZONE
+from meridian import residency
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,10 +313,10 @@ def _residency(
     out = []
     for key, places in sorted(seen.items()):
         op = ops.get(key)
-        if op is None or op.zone == GLOBAL_ZONE:
+        if op is None:
             continue
         for region, by in places:
-            if op.zone not in region_zones.get(region, ()):
+            if not residency.admits(region_zones.get(region, ()), op.zone):
                 out.append(ResidencyViolation(key, op.tenant, op.zone, region, by))
                 break  # one violation per request is enough to count it
     return out

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -23,61 +25,82 @@ from providers.provider import PROVIDERS
 MAX_SHORT_DURATION_S = 60.0
 DRILLS_DIR = Path(__file__).parent / "drills"
 
-FaultKind = Literal[
-    "process_crash",
-    "process_hang",
-    "spot_preemption",
-    "proxy_latency",
-    "proxy_bandwidth",
-    "proxy_reset",
-    "proxy_blackhole",
-    "proxy_slow_close",
-    "region_outage",
-    "provider_outage",
-    "control_plane_outage",
-    "control_plane_stall",
-    "redis_outage",
-    "postgres_restart",
-    "corrupt_weight_chunk",
-    "disk_full_during_fetch",
-    "scale_from_zero_burst",
-    "clock_skew",
-    "packet_loss",
-    "mid_stream_crash",
-    "mid_stream_hang",
-    "pd_worker_crash",
-]
+class FaultKind(StrEnum):
+    """The faults a drill may inject; each has one entry in FAULTS."""
 
-# Parameters each injector understands: (required, optional). Anything else is a typo the
-# injector would silently ignore, so it is refused here.
-FAULT_PARAMS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "process_crash": (frozenset(), frozenset({"restart_after_s"})),
-    "process_hang": (frozenset(), frozenset()),
-    "spot_preemption": (frozenset({"drain_deadline_s"}), frozenset()),
-    "proxy_latency": (frozenset({"latency_ms"}), frozenset({"jitter_ms"})),
-    "proxy_bandwidth": (frozenset({"bytes_per_s"}), frozenset()),
-    "proxy_reset": (frozenset(), frozenset({"probability"})),
-    "proxy_blackhole": (frozenset(), frozenset()),
-    "proxy_slow_close": (frozenset(), frozenset({"delay_ms"})),
-    "region_outage": (frozenset(), frozenset()),
-    "provider_outage": (frozenset(), frozenset()),
-    "control_plane_outage": (frozenset(), frozenset()),
+    PROCESS_CRASH = "process_crash"
+    PROCESS_HANG = "process_hang"
+    SPOT_PREEMPTION = "spot_preemption"
+    PROXY_LATENCY = "proxy_latency"
+    PROXY_BANDWIDTH = "proxy_bandwidth"
+    PROXY_RESET = "proxy_reset"
+    PROXY_BLACKHOLE = "proxy_blackhole"
+    PROXY_SLOW_CLOSE = "proxy_slow_close"
+    REGION_OUTAGE = "region_outage"
+    PROVIDER_OUTAGE = "provider_outage"
+    CONTROL_PLANE_OUTAGE = "control_plane_outage"
+    CONTROL_PLANE_STALL = "control_plane_stall"
+    REDIS_OUTAGE = "redis_outage"
+    POSTGRES_RESTART = "postgres_restart"
+    CORRUPT_WEIGHT_CHUNK = "corrupt_weight_chunk"
+    DISK_FULL_DURING_FETCH = "disk_full_during_fetch"
+    SCALE_FROM_ZERO_BURST = "scale_from_zero_burst"
+    CLOCK_SKEW = "clock_skew"
+    PACKET_LOSS = "packet_loss"
+    MID_STREAM_CRASH = "mid_stream_crash"
+    MID_STREAM_HANG = "mid_stream_hang"
+    PD_WORKER_CRASH = "pd_worker_crash"
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    """A fault kind's parameters (required, optional) and its injector ("module:Class")."""
+
+    required: frozenset[str]
+    optional: frozenset[str]
+    injector: str
+
+
+# The injectors that make several kinds: a node's link through its proxy, a node's process.
+_NODE_LINK = "chaos.faults.network:NodeLinkFault"
+_NODE_CRASH = "chaos.faults.process:NodeCrash"
+
+# Each fault kind once: the parameters its injector understands (required, optional; anything
+# else is a typo the injector would silently ignore, so it is refused here) and the injector
+# that makes it ("module:Class", loaded when a drill uses it: chaos.faults.injector.INJECTORS).
+FAULTS: dict[FaultKind, FaultSpec] = {
+    FaultKind.PROCESS_CRASH: FaultSpec(frozenset(), frozenset({"restart_after_s"}), _NODE_CRASH),
+    FaultKind.PROCESS_HANG: FaultSpec(frozenset(), frozenset(), "chaos.faults.process:NodeHang"),
+    FaultKind.SPOT_PREEMPTION: FaultSpec(frozenset({"drain_deadline_s"}), frozenset(), "chaos.faults.process:SpotPreemption"),
+    FaultKind.PROXY_LATENCY: FaultSpec(frozenset({"latency_ms"}), frozenset({"jitter_ms"}), _NODE_LINK),
+    FaultKind.PROXY_BANDWIDTH: FaultSpec(frozenset({"bytes_per_s"}), frozenset(), _NODE_LINK),
+    FaultKind.PROXY_RESET: FaultSpec(frozenset(), frozenset({"probability"}), _NODE_LINK),
+    FaultKind.PROXY_BLACKHOLE: FaultSpec(frozenset(), frozenset(), _NODE_LINK),
+    FaultKind.PROXY_SLOW_CLOSE: FaultSpec(frozenset(), frozenset({"delay_ms"}), _NODE_LINK),
+    FaultKind.REGION_OUTAGE: FaultSpec(frozenset(), frozenset(), _NODE_CRASH),
+    FaultKind.PROVIDER_OUTAGE: FaultSpec(frozenset(), frozenset(), _NODE_CRASH),
+    FaultKind.CONTROL_PLANE_OUTAGE: FaultSpec(frozenset(), frozenset(), "chaos.faults.process:ControlPlaneOutage"),
     # Routing-version bumps allowed from the stall to the end of the load (default 0).
-    "control_plane_stall": (frozenset(), frozenset({"max_version_bumps"})),
-    "redis_outage": (frozenset(), frozenset()),
-    "postgres_restart": (frozenset(), frozenset({"down_s"})),
-    "corrupt_weight_chunk": (frozenset(), frozenset({"chunk_index"})),
-    "disk_full_during_fetch": (frozenset(), frozenset({"free_bytes"})),
-    "scale_from_zero_burst": (frozenset({"burst_requests"}), frozenset({"queue_deadline_s"})),
-    "clock_skew": (frozenset({"offset_s"}), frozenset()),
-    "packet_loss": (frozenset({"percent"}), frozenset()),
+    FaultKind.CONTROL_PLANE_STALL: FaultSpec(frozenset(), frozenset({"max_version_bumps"}), "chaos.faults.control_plane_stall:ControlPlaneStall"),
+    FaultKind.REDIS_OUTAGE: FaultSpec(frozenset(), frozenset(), "chaos.faults.network:RedisOutage"),
+    FaultKind.POSTGRES_RESTART: FaultSpec(frozenset(), frozenset({"down_s"}), "chaos.faults.network:PostgresRestart"),
+    FaultKind.CORRUPT_WEIGHT_CHUNK: FaultSpec(frozenset(), frozenset({"chunk_index"}), "chaos.faults.weights:CorruptWeightChunk"),
+    FaultKind.DISK_FULL_DURING_FETCH: FaultSpec(frozenset(), frozenset({"free_bytes"}), "chaos.faults.weights:DiskFullDuringFetch"),
+    FaultKind.SCALE_FROM_ZERO_BURST: FaultSpec(frozenset({"burst_requests"}), frozenset({"queue_deadline_s"}), "chaos.faults.burst:ScaleFromZeroBurst"),
+    FaultKind.CLOCK_SKEW: FaultSpec(frozenset({"offset_s"}), frozenset(), "chaos.faults.process:ClockSkew"),
+    FaultKind.PACKET_LOSS: FaultSpec(frozenset({"percent"}), frozenset(), "chaos.faults.packet_loss:PacketLoss"),
     # The target's nodes, plus (also_region) the node of that region serving the most long
     # streams, once every long stream has received min_events events (or wait_s passed).
-    "mid_stream_crash": (frozenset(), frozenset({"also_region", "min_events", "wait_s"})),
-    "mid_stream_hang": (frozenset(), frozenset({"also_region", "min_events", "wait_s"})),
+    FaultKind.MID_STREAM_CRASH: FaultSpec(frozenset(), frozenset({"also_region", "min_events", "wait_s"}), "chaos.faults.mid_stream:MidStreamCrash"),
+    FaultKind.MID_STREAM_HANG: FaultSpec(frozenset(), frozenset({"also_region", "min_events", "wait_s"}), "chaos.faults.mid_stream:MidStreamHang"),
     # The target's busiest prefill worker at the start, its busiest decode worker
     # decode_after_s later (default: half the window); both restart at the end.
-    "pd_worker_crash": (frozenset(), frozenset({"decode_after_s"})),
+    FaultKind.PD_WORKER_CRASH: FaultSpec(frozenset(), frozenset({"decode_after_s"}), "chaos.faults.pd:PDWorkerCrash"),
+}
+
+# The parameters alone, by kind (the proxy faults' tests read them).
+FAULT_PARAMS: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    k.value: (f.required, f.optional) for k, f in FAULTS.items()
 }
 
 # Properties that are not visible in a request history; the runner observes them (leader
@@ -279,11 +302,11 @@ class Fault(_Spec):
             raise ValueError(f"{self.kind} needs params {missing}")
         if unknown:
             raise ValueError(f"{self.kind} does not take params {unknown} (known: {sorted(required | optional)})")
-        if self.kind == "region_outage" and self.target.region is None:
+        if self.kind is FaultKind.REGION_OUTAGE and self.target.region is None:
             raise ValueError("region_outage needs target.region")
-        if self.kind == "provider_outage" and self.target.provider is None:
+        if self.kind is FaultKind.PROVIDER_OUTAGE and self.target.provider is None:
             raise ValueError("provider_outage needs target.provider")
-        if self.kind == "packet_loss":
+        if self.kind is FaultKind.PACKET_LOSS:
             percent = self.params["percent"]
             if self.target.region is None:
                 raise ValueError("packet_loss needs target.region (a region in topology.netns_regions)")

@@ -34,8 +34,8 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from chaos.history import Outcome
-from geo_router.kserve import kserve_v2_pb2 as pb
-from geo_router.kserve import kserve_v2_pb2_grpc as pb_grpc
+from geo_router.ingress.kserve import kserve_v2_pb2 as pb
+from geo_router.ingress.kserve import kserve_v2_pb2_grpc as pb_grpc
 
 PROTOCOLS = ("http", "websocket", "grpc")
 

@@ -80,7 +80,7 @@ class RunOptions:
 def runnable(drill: Drill) -> str | None:
     """Why the local runner cannot run `drill` yet; None when it can."""
     if drill.fault.kind not in supported_kinds():
-        return f"no local injector for {drill.fault.kind!r} yet"
+        return f"no local injector for '{drill.fault.kind}' yet"
     why = unavailable(drill.fault.kind)
     if why is not None:
         return f"{drill.fault.kind} cannot be injected on this machine: {why}"

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from chaos.drill import StreamCriteria
 from chaos.history import ClientOp, History, Reference, StreamDetail
-from meridian.contracts import GLOBAL_ZONE
+from meridian import residency
 
 UPSTREAM_DISCONNECTED = "upstream_disconnected"
 # How far (in tokens) a duplicated or missing run at a seam is looked for, and how many
@@ -106,7 +106,7 @@ def check_streams(history: History, ops: Mapping[str, ClientOp], criteria: Strea
         if moves:
             migrated.append(key)
         where = regions.get(key, set()) | ({d.final_region} if d.final_region else set())
-        bad = sorted(r for r in where if op.zone != GLOBAL_ZONE and op.zone not in region_zones.get(r, ()))
+        bad = sorted(r for r in where if not residency.admits(region_zones.get(r, ()), op.zone))
         if bad:
             violations.append(f"{key} ({op.zone} tenant {op.tenant} in {', '.join(bad)})")
         ending = d.done and d.error_code is None

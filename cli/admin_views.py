@@ -23,7 +23,7 @@ def keys_table(keys: list[ApiKeyView]) -> Table:
     table = folding_table("ID", "Name", "Tenant", "Zone", "Scopes", "Models", "Prefix", "Created", "Revoked",
                           title="API keys")
     for k in keys:
-        table.add_row(k.id, k.name, k.tenant, k.zone, ", ".join(k.scopes), _names(k.models), k.key_prefix,
+        table.add_row(k.id, k.name, k.tenant, k.zone or "-", ", ".join(k.scopes), _names(k.models), k.key_prefix,
                       human_time(k.created_at), human_time(k.revoked_at))
     if not keys:
         table.add_row("(no keys)", *["-"] * 8)

@@ -26,6 +26,7 @@ from cli.status_view import status_table
 from localfabric import FabricSpec, LocalFabric
 from meridian.admin_client import AdminClient
 from meridian.contracts import HEADER_REGION
+from meridian.cpus import worker_count
 from meridian.logs import configure_logging
 
 
@@ -35,6 +36,16 @@ def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
 
 def _tracing(component: str, otlp_endpoint: str | None) -> dict[str, str]:
     return {f"MERIDIAN_{component}_OTLP_ENDPOINT": otlp_endpoint} if otlp_endpoint else {}
+
+
+def _router_workers() -> str:
+    """The demo's router uses every core (geo_router.workers) unless the environment says otherwise."""
+    return os.environ.get("MERIDIAN_ROUTER_WORKERS", "0")
+
+
+def _workers_line() -> str:
+    count = worker_count(int(_router_workers()))
+    return f"{count} router worker{'s' if count != 1 else ''}"
 
 
 def _tracing_line(otlp_endpoint: str | None) -> str:
@@ -84,7 +95,8 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
                       model_name=model.name, model_dir=model.model_dir, model_uri=model.model_uri,
                       start_timeout_s=600.0 if slow else 180.0, register_served_model=True,
                       control_plane_env={"MERIDIAN_CP_DRILL_REPORTS_DIR": str(DRILL_REPORTS.resolve())},
-                      router_env=_tracing("ROUTER", otlp_endpoint), node_env=_tracing("NODE", otlp_endpoint))
+                      router_env=_tracing("ROUTER", otlp_endpoint) | {"MERIDIAN_ROUTER_WORKERS": _router_workers()},
+                      node_env=_tracing("NODE", otlp_endpoint))
     progress = console.status("starting the fabric…")
     fabric = LocalFabric(spec, on_step=progress.update)
     try:
@@ -97,7 +109,7 @@ def run_demo(work_dir: Path, router_port: int, console: Console, *, engine: str 
                 f"-H 'authorization: Bearer {key}' -H 'content-type: application/json' -d {shlex.quote(body)}")
         console.print(Panel.fit(
             f"[bold]endpoint[/bold]  {info.router_url}/v1  (OpenAI-compatible; HTTP/1.1, HTTP/2, "
-            f"Responses WebSocket)\n"
+            f"Responses WebSocket; {_workers_line()})\n"
             f"[bold]gRPC[/bold]      {info.grpc_targets[0] if info.grpc_targets else 'off'}  "
             f"(KServe v2 / Triton clients)\n"
             f"[bold]model[/bold]     {escape(model.name)}  [dim]({escape(model.source)})[/dim]\n"

@@ -15,8 +15,8 @@ from typing import Annotated
 import typer
 
 from cli.admin_session import console, fail
+from meridian import residency
 from meridian.cli_settings import settings_or_exit
-from meridian.contracts import GLOBAL_ZONE
 from meridian.settings import WeightSettings
 
 # http(s) origins and peers are read-only (data_plane.weights.origins raise OriginReadOnly).
@@ -30,8 +30,7 @@ def known_zones() -> set[str]:
     from providers.regions import region_catalog
 
     inventory = os.environ.get("MERIDIAN_CP_ONPREM_INVENTORY") or None
-    return {z for r in region_catalog(Path(inventory) if inventory else None).values() for z in r.zones} | {
-        GLOBAL_ZONE}
+    return residency.known_zones(region_catalog(Path(inventory) if inventory else None).values())
 
 
 def check_push_input(model_dir: Path, uri: str, zone: str) -> None:

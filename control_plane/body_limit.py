@@ -1,19 +1,24 @@
-"""ASGI middleware that refuses request bodies over a size limit with a 413 problem."""
+"""ASGI middleware that reads a request's body once, with the kernel's one reader
+(meridian.http_body), before the app sees it.
+
+The body is read here, before FastAPI's own parsing, because an error raised from inside it
+would be turned into a 400 of FastAPI's making. So the control plane reads bodies as the
+router and the node do: a Content-Length that is not a byte count, or that the body
+contradicts, is a 400; a body over the limit, declared or counted, is a 413 with the
+connection closed; each a problem+json body. Admin bodies are small, so holding one (at
+most `max_bytes`) in memory costs nothing, and the app reads it again from memory.
+"""
 
 from __future__ import annotations
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane.errors import problem_response
+from meridian.http_body import BadContentLength, BodyTooLarge, ClientGone, read_body
 
 
 class BodyLimitMiddleware:
-    """Rejects bodies over `max_bytes`, by Content-Length or by counting a streamed body.
-
-    The body is read here, before the app sees it, because an error raised from inside
-    FastAPI's body parsing would be turned into a 400. Admin bodies are small, so
-    holding one (at most `max_bytes`) in memory costs nothing.
-    """
+    """Refuses bodies the kernel's reader refuses; replays the others to the app."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -23,60 +28,39 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.max_bytes:
-            await self._reject(scope, receive, send)
-            return
-        buffered = await buffer_body(receive, self.max_bytes)
-        if buffered is None:
-            # The client left mid-body (or the listener cut it off): nobody reads an answer.
-            return
-        if body_size(buffered) > self.max_bytes:
-            await self._reject(scope, receive, send)
-            return
-        await self.app(scope, replaying(buffered, receive), send)
-
-    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
-        response = problem_response(413, f"request body exceeds the limit of {self.max_bytes} bytes")
-        response.headers["connection"] = "close"
-        await response(scope, receive, send)
+        body = await read_or_refuse(scope, receive, send, self.max_bytes)
+        if body is not None:
+            await self.app(scope, replaying(body, receive), send)
 
 
-async def buffer_body(receive: Receive, limit: int) -> list[Message] | None:
-    """The request's body messages, read until the body ends or passes `limit` bytes (the
-    caller tells which by `body_size`); None when the client left mid-body."""
-    buffered: list[Message] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        buffered.append(message)
-        size += len(message.get("body", b""))
-        if size > limit or not message.get("more_body", False):
-            return buffered
+async def read_or_refuse(scope: Scope, receive: Receive, send: Send, limit: int) -> bytes | None:
+    """The request's body, or None once it was refused with a problem (or the client left)."""
+    try:
+        return await read_body(receive, _content_length(scope), limit)
+    except ClientGone:
+        return None  # nobody reads an answer
+    except BodyTooLarge:
+        response = problem_response(413, f"request body exceeds the limit of {limit} bytes")
+    except BadContentLength as exc:
+        response = problem_response(400, str(exc))
+    # What is left of the body is not read: the connection cannot carry another request.
+    response.headers["connection"] = "close"
+    await response(scope, receive, send)
+    return None
 
 
-def body_size(messages: list[Message]) -> int:
-    return sum(len(m.get("body", b"")) for m in messages)
+def replaying(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands out the body already read, then reads on (a disconnect)."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replay() -> dict[str, object]:
+        return pending.pop() if pending else await receive()
+
+    return replay  # type: ignore[return-value]
 
 
-def replaying(messages: list[Message], receive: Receive) -> Receive:
-    """A receive that hands out `messages` first, then reads on (an app downstream of a
-    middleware that read the body reads it again)."""
-    pending = list(messages)
-
-    async def replay() -> Message:
-        return pending.pop(0) if pending else await receive()
-
-    return replay
-
-
-def _content_length(scope: Scope) -> int | None:
+def _content_length(scope: Scope) -> str | None:
     for name, value in scope.get("headers", []):
         if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
+            return bytes(value).decode("latin-1")
     return None

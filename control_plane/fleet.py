@@ -71,7 +71,7 @@ async def fleet_loops(ctx: AppContext, metrics: ControlPlaneMetrics | None = Non
     if settings.reconciler_enabled:
         # The process-wide registry, so that a provider registered in this process has its driver.
         drivers = await asyncio.to_thread(
-            default_drivers, settings.onprem_inventory, ctx.provider_settings, providers=PROVIDERS
+            default_drivers, settings.onprem_inventory, ctx.provider_settings, providers=PROVIDERS, clock=ctx.clock
         )
         loop = run_while_leading(
             "reconciler", settings.reconcile_interval_s, elector,

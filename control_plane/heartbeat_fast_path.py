@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from control_plane import node_lease
 from control_plane.auth import is_cluster_token
-from control_plane.body_limit import buffer_body, replaying
+from control_plane.body_limit import read_or_refuse, replaying
 from control_plane.context import AppContext
 from meridian.contracts import NODE_ID_PATTERN, HeartbeatAck, NodeHeartbeat
 
@@ -54,14 +54,14 @@ class HeartbeatFastPath:
         if match is None or ctx is None or not _authorized(scope, ctx):
             await self.app(scope, receive, send)
             return
-        # Read whole here and replayed to the app when it is not taken (BodyLimitMiddleware,
-        # downstream, refuses one past the limit).
-        messages = await buffer_body(receive, ctx.settings.max_request_bytes)
-        if messages is None:  # the client left mid-body
+        # Read whole here, as BodyLimitMiddleware downstream reads every body (refused here
+        # as it would be there), and replayed to the app when the renewal does not take it.
+        body = await read_or_refuse(scope, receive, send, ctx.settings.max_request_bytes)
+        if body is None:
             return
-        version = await _renewed(ctx, match.group(1), b"".join(m.get("body", b"") for m in messages))
+        version = await _renewed(ctx, match.group(1), body)
         if version is None:
-            await self.app(scope, replaying(messages, receive), send)
+            await self.app(scope, replaying(body, receive), send)
             return
         ack = HeartbeatAck(routing_version=version, heartbeat_interval_s=ctx.pacer.interval_s())
         payload = ack.model_dump_json().encode()

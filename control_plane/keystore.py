@@ -28,21 +28,19 @@ def create_key(
     *,
     name: str,
     tenant: str,
-    zone: str,
     scopes: Sequence[Scope],
     models: Sequence[str] | None,
     now: datetime,
     plaintext: str | None = None,
 ) -> tuple[ApiKey, str]:
     """Store a key's hash (of `plaintext`, or of a newly generated key when None); returns the
-    row and the plaintext, which is never stored."""
+    row and the plaintext, which is never stored. Its zone is its tenant's."""
     if plaintext is None:
         plaintext = generate_api_key()
     row = ApiKey(
         id=str(uuid.uuid4()),
         name=name,
         tenant=tenant,
-        zone=zone,
         scopes=sorted({s.value for s in scopes}),
         models=list(models) if models is not None else None,
         key_hash=hash_api_key(plaintext),
@@ -96,7 +94,6 @@ def ensure_bootstrap_key(session: Session, plaintext: str, now: datetime) -> boo
         plaintext=plaintext,
         name=BOOTSTRAP_KEY_NAME,
         tenant=BOOTSTRAP_TENANT,
-        zone="global",
         scopes=[Scope.ADMIN],
         models=None,
         now=now,

@@ -30,7 +30,7 @@ from meridian.contracts import (
 
 def _routing_fields(node: Node) -> tuple[object, ...]:
     """What routers see of a node; a change here is a new routing version."""
-    return (node.region, node.url, tuple(node.models), node.engine, node.status, node.kv_events,
+    return (node.region, node.url, tuple(node.models), node.engine, node.capabilities, node.status, node.kv_events,
             node.kv_events_replay, node.tool_call_parser, node.role, node.kv_transfer)
 
 
@@ -61,7 +61,8 @@ def register(session: Session, reg: NodeRegistration, regions: dict[str, RegionI
     node.provider = region.provider
     node.url = reg.url
     node.models = list(reg.models)
-    node.engine = reg.engine
+    node.engine = reg.engine.value
+    node.capabilities = [c.value for c in reg.capabilities] if reg.capabilities is not None else None
     node.version = reg.version
     node.kv_events = reg.kv_events
     node.kv_events_replay = reg.kv_events_replay

@@ -34,6 +34,7 @@ from control_plane.placement.problem import (
     Problem,
     ReplicaShape,
     SolveOptions,
+    SolveStatus,
     shapes_from_fit,
 )
 from control_plane.placement.problem import Deployment as PlacementDeployment
@@ -142,7 +143,7 @@ def read_state(
 def solve_state(state: PlanningState, options: SolveOptions | None = None) -> PlacementResult:
     """Solve (pure, slow: run it outside any transaction)."""
     if state.blockers:
-        return PlacementResult("infeasible", explanation=state.blockers)
+        return PlacementResult(SolveStatus.INFEASIBLE, explanation=state.blockers)
     result = solve(state.problem, options)
     if not result.feasible or not state.pools:
         return result

@@ -28,7 +28,7 @@ Silence the control plane causes, and what the reaper does about each:
   1 / share passes (five by default: five seconds at the default interval).
 
 Meanwhile the routers do not depend on the reaper to stop sending to a dead node: their
-active probes (geo_router.probe: every READY node's /metrics each `probe_interval_s`,
+active probes (geo_router.state.probe: every READY node's /metrics each `probe_interval_s`,
 `probe_unhealthy_threshold` failures in a row) and passive outlier detection (a connect
 error ejects at once) eject it within seconds, bounded by `max_ejected_percent` of the
 table, and a request that fails before its first byte is retried on another replica.

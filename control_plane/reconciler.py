@@ -59,6 +59,7 @@ from control_plane.reconcile_state import (
 )
 from control_plane.routing_table import bump_version
 from meridian.backoff import Backoff
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import NodeRole, NodeStatus
 from meridian.registry import UnknownName
 from meridian.settings import ProviderSettings
@@ -482,10 +483,12 @@ def default_drivers(
     onprem_inventory: Path | Inventory | None,
     settings: ProviderSettings | None = None,
     providers: ProviderRegistry | None = None,
+    clock: Clock = SYSTEM_CLOCK,
 ) -> DriverRegistry:
     """The drivers of the enabled providers (`MERIDIAN_PROVIDER_ENABLED`, on-prem alone by
-    default); each cloud's SDK is imported only when its provider is enabled."""
-    config = ProviderConfig(settings or ProviderSettings(), load_inventory(onprem_inventory))
+    default), waiting on `clock` (the control plane's); each cloud's SDK is imported only
+    when its provider is enabled."""
+    config = ProviderConfig(settings or ProviderSettings(), load_inventory(onprem_inventory), clock)
     registry = providers or PROVIDERS
     drivers = DriverRegistry()
     for name in config.settings.enabled:

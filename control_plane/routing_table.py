@@ -7,7 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Row, Text, cast, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, lazyload
 
 from control_plane.db.models import ApiKey, Deployment, Node, RoutingState, Tenant
 from control_plane.scopes import Scope
@@ -54,6 +54,7 @@ def bump_version(session: Session) -> int:
 # node whose row did not change is not decoded at all (build_routing_table's `known`).
 _ROUTED_COLUMNS = (
     Node.node_id, Node.region, Node.url, cast(Node.models, Text).label("models"), Node.status, Node.engine,
+    cast(Node.capabilities, Text).label("capabilities"),
     Node.kv_events, Node.kv_events_replay, Node.tool_call_parser, Node.role,
     cast(Node.kv_transfer, Text).label("kv_transfer"),
 )
@@ -84,8 +85,9 @@ def build_routing_table(
         session.connection().execute(select(*_ROUTED_COLUMNS).where(Node.status != NodeStatus.LOST.value)).all(),
         key=lambda n: n.node_id,
     )
-    keys = session.scalars(
-        select(ApiKey).where(ApiKey.revoked_at.is_(None)).order_by(ApiKey.created_at, ApiKey.id)
+    keys = session.scalars(  # their tenants are read whole below: no join per key
+        select(ApiKey).options(lazyload(ApiKey.tenant_row)).where(ApiKey.revoked_at.is_(None))
+        .order_by(ApiKey.created_at, ApiKey.id)
     ).all()
     deployments = session.scalars(select(Deployment).order_by(Deployment.model)).all()
     tenants = {t.name: t for t in session.scalars(select(Tenant)).all()}
@@ -94,7 +96,9 @@ def build_routing_table(
         generated_at=now,
         regions=sorted(regions.values(), key=lambda r: r.name),
         nodes=_routing_nodes(nodes, known),
-        tenants=[_tenant_entry(k, tenants.get(k.tenant)) for k in keys if Scope.INFERENCE.value in k.scopes],
+        # A key whose tenant has no row has no residency zone: it is served nowhere.
+        tenants=[_tenant_entry(k, tenants[k.tenant]) for k in keys
+                 if Scope.INFERENCE.value in k.scopes and k.tenant in tenants],
         deployments=[
             DeploymentEntry(model=d.model, zone=d.zone, min_replicas=d.min_replicas, max_replicas=d.max_replicas)
             for d in deployments
@@ -120,6 +124,7 @@ def _routing_nodes(rows: list[Row[Any]], known: NodeRows | None) -> list[Routing
             models=json.loads(n.models),
             status=NodeStatus(n.status),
             engine=n.engine,
+            capabilities=json.loads(n.capabilities) if n.capabilities is not None else None,
             kv_events=n.kv_events,
             kv_events_replay=n.kv_events_replay,
             tool_call_parser=n.tool_call_parser,
@@ -140,15 +145,14 @@ def node_kv_transfer(n: Node) -> KVTransferInfo | None:
     return KVTransferInfo.model_validate(n.kv_transfer) if n.kv_transfer is not None else None
 
 
-def _tenant_entry(key: ApiKey, tenant: Tenant | None) -> TenantEntry:
-    models = intersect_models(key.models, tenant.models if tenant is not None else None)
+def _tenant_entry(key: ApiKey, tenant: Tenant) -> TenantEntry:
     return TenantEntry(
         key_hash=key.key_hash,
         key_prefix=key.key_prefix,
         tenant=key.tenant,
-        zone=key.zone,
-        models=models,
-        requests_per_minute=tenant.requests_per_minute if tenant is not None else None,
-        tokens_per_minute=tenant.tokens_per_minute if tenant is not None else None,
-        cache_group=tenant.cache_group if tenant is not None else None,
+        zone=tenant.zone,  # the tenant's alone: a key has no zone of its own
+        models=intersect_models(key.models, tenant.models),
+        requests_per_minute=tenant.requests_per_minute,
+        tokens_per_minute=tenant.tokens_per_minute,
+        cache_group=tenant.cache_group,
     )

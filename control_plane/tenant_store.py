@@ -81,15 +81,13 @@ def create(
 
 
 def update_fields(session: Session, row: Tenant, changes: dict[str, Any], now: datetime) -> bool:
-    """Apply changed fields; re-binds the tenant's keys to a new zone. True if anything changed."""
+    """Apply changed fields (a new zone is its keys' at once: they read it from the tenant).
+    True if anything changed."""
     changed = {k: v for k, v in changes.items() if getattr(row, k) != v}
     if not changed:
         return False
     for key, value in changed.items():
         setattr(row, key, value)
-    if "zone" in changed:
-        # Residency is the key's: every key of the tenant moves with it, atomically.
-        session.execute(update(ApiKey).where(ApiKey.tenant == row.name).values(zone=row.zone))
     row.resource_version += 1
     row.updated_at = now
     session.flush()

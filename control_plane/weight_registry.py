@@ -12,8 +12,8 @@ from sqlalchemy.orm import Session
 
 from control_plane.db.models import Node, WeightReplica
 from control_plane.errors import Forbidden, NotFound
+from meridian import residency
 from meridian.contracts import (
-    GLOBAL_ZONE,
     NodeStatus,
     RegionInfo,
     WeightPeer,
@@ -42,14 +42,14 @@ def sources(
     if node is None or node.status == NodeStatus.LOST.value:
         raise NotFound(f"node {req.node_id!r} is not registered")
     region = regions[node.region]
-    if req.zone != GLOBAL_ZONE and req.zone not in region.zones:
+    if not region.admits(req.zone):
         raise Forbidden(
             f"the model is bound to zone {req.zone!r}; node {node.node_id} is in {node.region} "
             f"(zones {', '.join(region.zones)})"
         )
-    if req.zone != GLOBAL_ZONE and req.origin_region is not None:
-        origin = regions.get(req.origin_region)
-        if origin is None or req.zone not in origin.zones:
+    if req.origin_region is not None:
+        origin = regions.get(req.origin_region)  # one the fabric does not know has no zone
+        if not residency.admits(origin.zones if origin is not None else (), req.zone):
             raise Forbidden(f"the model is bound to zone {req.zone!r} but its origin is in {req.origin_region}")
     _serialise_claims(session, digest, node.region)
     rows = session.execute(

@@ -9,7 +9,7 @@ import logging
 import random
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from urllib.parse import urlsplit
 
@@ -19,9 +19,11 @@ from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 from meridian.contracts import (
     HEARTBEAT_RETRY_MAX_S,
     ColdStart,
+    EngineKind,
     HeartbeatAck,
     KVConnector,
     KVTransferInfo,
+    NodeCapability,
     NodeHeartbeat,
     NodeLoad,
     NodeRegistered,
@@ -184,6 +186,7 @@ class NodeAgent:
         cold_start: Callable[[], ColdStart] | None = None,
         tool_call_parser: str | None = None,
         kv_transfer: KVTransferInfo | None = None,
+        capabilities: Sequence[NodeCapability] = (),
         retry_base_s: float = 0.5,
         retry_max_s: float = HEARTBEAT_RETRY_MAX_S,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -211,7 +214,8 @@ class NodeAgent:
             region=settings.region,
             url=advertise_url(settings),
             models=self._models,
-            engine="vllm" if settings.engine == "vllm" else "torch",
+            engine=EngineKind.VLLM if settings.engine == "vllm" else EngineKind.TORCH,
+            capabilities=list(capabilities),
             version=_package_version()[:64],
             kv_events=kv_events,
             kv_events_replay=kv_events_replay,

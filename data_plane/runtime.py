@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 
 from data_plane.agent import NodeAgent, default_node_id, torch_kv_transfer
-from data_plane.engine.base import Engine, KVTransferEngine, PassthroughEngine
+from data_plane.engine.base import CapableEngine, Engine, KVTransferEngine, PassthroughEngine
 from data_plane.kv_events import ZmqEventPublisher, create_publisher
 from data_plane.lifecycle import NodeLifecycle
 from data_plane.weights.node_weights import NodeWeights
@@ -62,6 +62,8 @@ class NodeRuntime:
                 # Where a prefill/decode node's KV is pulled from: vLLM's NIXL side channel, or
                 # the torch node's own listener.
                 kv_transfer=_kv_transfer(engine, settings),
+                # What routers shape their requests to this node by (never its engine's name).
+                capabilities=engine.capabilities() if isinstance(engine, CapableEngine) else (),
                 clock=clock,
             )
         self.agent = agent

@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request, WebSocket
@@ -32,6 +32,7 @@ from meridian.contracts import (
     MODEL_ROUTES,
     ModelCard,
     ModelList,
+    RoutingNode,
     TenantEntry,
 )
 from meridian.geo import Point
@@ -40,13 +41,9 @@ from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
 from meridian.settings import RouterSettings
 from meridian.tracing import Tracing
 
-from .access_log import AccessRecord
-from .accounting import account, answer_usage, count_request, model_label
-from .admin_listener import metrics_page, scraper_tokens
-from .affinity import Affinity
-from .auth import authenticate, key_digest
-from .disagg.bodies import refuse_client_params
-from .disagg.pools import plan as pd_plan
+from .admission.ratelimit import Admission, RateLimiter, create_rate_limiter
+from .admission.tokens import estimate_tokens
+from .context import RequestContext
 from .errors import (
     ModelNotFound,
     NoHealthyReplica,
@@ -57,36 +54,34 @@ from .errors import (
     error_response,
     install_error_handlers,
 )
-from .health import Ejection, FleetState, InProcessFleetState
+from .forwarding.disagg.bodies import refuse_client_params
+from .forwarding.disagg.pools import plan as pd_plan
+from .forwarding.forwarder import Exchange, UpstreamForwarder
+from .forwarding.outlier import CircuitBreaker, RetryBudget
+from .forwarding.upstream import make_upstream_client
+from .ingress.arrival import Arrival, HttpArrival
+from .ingress.auth import authenticate, key_digest
 from .ingress.http import RouterApp
-from .isolation import salted
-from .kserve.server import GrpcListener
-from .kserve.service import COMPLETIONS, InferenceService
-from .kv_index import KVIndex
-from .kv_scope import KVScope
-from .kv_subscriber import KVEventSubscriber
-from .locate import ClientLocator, RttEstimator
-from .metrics import RouterMetrics
-from .outlier import CircuitBreaker, RetryBudget
-from .policies import AffinityPolicy, RoutingPolicy, create_policy
-from .prefix import PrefixKeyBuilder
-from .prefix_history import InProcessPrefixHistory, PrefixHistory, RedisPrefixHistory
-from .probe import NodeProber
-from .proxy import UpstreamForwarder
-from .ratelimit import Admission, RateLimiter, create_rate_limiter
-from .redis_fleet import RedisFleetState
-from .request import (
+from .ingress.isolation import salted
+from .ingress.kserve.server import GrpcListener
+from .ingress.kserve.service import COMPLETIONS, InferenceService
+from .ingress.request import (
     MAX_MODEL_NAME_CHARS,
-    ClientWatch,
     InferenceRequest,
     parse_inference_request,
-    read_body,
     request_id_for,
 )
-from .responses import ResponseIds, ResponseNotFound, StoredResponse, follow_up, pinned
-from .scale_from_zero import Outlook, ScaleFromZero, ScaleUpClient, deployed_models, outlook
-from .selection import (
+from .ingress.responses import ResponseIds, ResponseNotFound, StoredResponse, follow_up
+from .ingress.websocket import RESPONSES_PATH, ResponsesSocket
+from .observability.access_log import AccessRecord
+from .observability.accounting import account, answer_usage, count_request, model_label
+from .observability.admin_listener import metrics_page, own_page, scraper_tokens
+from .observability.metrics import RouterMetrics
+from .observability.tracing import begin as begin_trace
+from .selection.affinity import Affinity, every_node
+from .selection.candidates import (
     Candidate,
+    FleetView,
     RoutingContext,
     exhausted_error,
     models_for,
@@ -94,12 +89,25 @@ from .selection import (
     select_candidates,
     zone_ready_replicas,
 )
-from .table import LoadedTable, RoutingTableClient, TableSource
-from .tokens import estimate_tokens
-from .tracing import RequestTrace
-from .tracing import begin as begin_trace
-from .upstream import make_upstream_client
-from .websocket import RESPONSES_PATH, ResponsesSocket
+from .selection.locate import ClientLocator, RttEstimator
+from .selection.pinned import pinned
+from .selection.policies import AffinityPolicy, RoutingPolicy, create_policy
+from .selection.prefix import PrefixKeyBuilder
+from .selection.scale_from_zero import Outlook, ScaleFromZero, ScaleUpClient, deployed_models, outlook
+from .state.health import Ejection, FleetState, InProcessFleetState
+from .state.kv_index import KVIndex
+from .state.kv_scope import KVScope
+from .state.kv_subscriber import KVEventSubscriber
+from .state.prefix_history import InProcessPrefixHistory, PrefixHistory, RedisPrefixHistory
+from .state.probe import NodeProber
+from .state.redis_fleet import RedisFleetState
+from .state.table import LoadedTable, RoutingTableClient, TableSource
+from .workers import WorkerSlot
+from .workers.host_buckets import worker_rate_limiter
+from .workers.host_fleet import HostFleetState
+from .workers.host_history import HostPrefixHistory
+from .workers.host_probes import HostProbeShare
+from .workers.metrics_pages import PageServer
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +135,13 @@ class RouterState:
     rtt: RttEstimator
     response_ids: ResponseIds
     tracing: Tracing
-    # The gRPC listener (geo_router.kserve), when settings.grpc_port is set.
+    # The gRPC listener (geo_router.ingress.kserve), when settings.grpc_port is set.
     grpc: GrpcListener | None = None
+    # Selection's view of the fleet: health, the circuit breaker, RTT estimates.
+    fleet_view: FleetView = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fleet_view = FleetView(self.fleet, self.rtt.rtt_ms, self.breaker.allows)
 
     def table(self) -> LoadedTable:
         loaded = self.table_source.current()
@@ -148,17 +161,13 @@ class RouterState:
                also: Collection[str] = ()) -> list[Candidate]:
         """Candidates for the request: residency, health and circuit breakers applied, at most
         max_candidates of them plus the usable ones of `also` (a stored response's node)."""
-        return select_candidates(
-            table, tenant, model, self.fleet, location, rtt=self.rtt.rtt_ms, allows=self.breaker.allows,
-            limit=self.settings.max_candidates, also=also,
-        )
+        return select_candidates(table, tenant, model, self.fleet_view, location,
+                                 limit=self.settings.max_candidates, also=also)
 
     def more(self, table: LoadedTable, tenant: TenantEntry, model: str,
              location: Point | None) -> Callable[[Sequence[str]], list[Candidate]]:
         """Named nodes as candidates, with select's checks (prefix holders a bounded set left out)."""
-        return lambda node_ids: named_candidates(
-            table, tenant, model, self.fleet, location, node_ids, rtt=self.rtt.rtt_ms, allows=self.breaker.allows
-        )
+        return lambda node_ids: named_candidates(table, tenant, model, self.fleet_view, location, node_ids)
 
 
 def create_app(
@@ -167,17 +176,21 @@ def create_app(
     *,
     fleet: FleetState | None = None,
     clock: Clock = SYSTEM_CLOCK,
+    worker: WorkerSlot | None = None,
 ) -> FastAPI:
     """Build the router app; its lifespan starts the routing-table source and background work.
 
     Without `fleet`, node health is shared through Redis when `settings.redis_url` is set
     (the app then starts and stops that sync), else kept in this process. The same goes for
     the approximate prefix index and the rate-limit counters. `clock` is the one clock of
-    every part of the app that keeps time (tests pass a ManualClock).
+    every part of the app that keeps time (tests pass a ManualClock). `worker`: this app is
+    one of several worker processes of one router (geo_router.workers); without Redis it
+    shares node health, the prefix index, rate limits and /metrics with its siblings on the host.
     """
     source: TableSource = table_source if table_source is not None else RoutingTableClient(settings, clock=clock)
-    state, shared_fleet = _build_state(settings, source, fleet, clock)
-    app = RouterApp(title="Meridian geo router", lifespan=_lifespan(state, shared_fleet),
+    state, shared_fleet = _build_state(settings, source, fleet, clock, worker)
+    pages = None if worker is None else PageServer(worker, lambda: own_page(state.metrics, state.prober))
+    app = RouterApp(title="Meridian geo router", lifespan=_lifespan(state, shared_fleet, pages),
                     docs_url=None, redoc_url=None)
     app.state.router = state
     install_error_handlers(app)
@@ -186,12 +199,13 @@ def create_app(
     # The same handlers again, served ahead of FastAPI's stack (geo_router.ingress.http);
     # the FastAPI routes stay for what reads the app's route list (405s, the schema).
     app.serve_inference({route: functools.partial(_route, state, route=route) for route in MODEL_ROUTES})
-    _add_other_routes(app, state)
+    _add_other_routes(app, state, worker)
     return app
 
 
 def _build_state(
-    settings: RouterSettings, source: TableSource, fleet: FleetState | None, clock: Clock
+    settings: RouterSettings, source: TableSource, fleet: FleetState | None, clock: Clock,
+    worker: WorkerSlot | None,
 ) -> tuple[RouterState, RedisFleetState | None]:
     """Every part of one router app, wired together; the Redis fleet state when one is made
     here (its sync is then the app's to start and stop)."""
@@ -201,12 +215,17 @@ def _build_state(
         fleet_state = fleet
     elif settings.redis_url:
         fleet_state = shared_fleet = RedisFleetState.from_settings(settings, clock)
+    elif worker is not None:
+        fleet_state = HostFleetState.for_worker(settings, worker.fleet_path, worker.index, clock)
     else:
         fleet_state = InProcessFleetState.from_settings(settings, clock)
-    history: PrefixHistory = (
-        RedisPrefixHistory.from_settings(settings, clock=clock) if settings.redis_url
-        else InProcessPrefixHistory.from_settings(settings, clock=clock)
-    )
+    history: PrefixHistory
+    if settings.redis_url:
+        history = RedisPrefixHistory.from_settings(settings, clock=clock)
+    elif worker is not None:
+        history = HostPrefixHistory.for_worker(settings, worker.history_path, worker.index, clock=clock)
+    else:
+        history = InProcessPrefixHistory.from_settings(settings, clock=clock)
 
     def table_version() -> float:
         loaded = source.current()
@@ -220,7 +239,11 @@ def _build_state(
 
     metrics = RouterMetrics(table_version, table_age)
     metrics.count_zone_replicas_of(lambda: zone_ready_replicas(t) if (t := source.current()) is not None else {})
-    prober = NodeProber(settings, fleet_state, clock=clock)
+    # One worker probes for all (geo_router.workers.host_probes).
+    share = None if worker is None else HostProbeShare.for_worker(
+        worker.probes_path, worker.probe_lease_path, worker.index, settings.probe_interval_s, clock)
+    prober = NodeProber(settings, fleet_state, clock=clock, share=share)
+    metrics.count_probes_of(lambda: prober.probes_started)
     kv_index = KVIndex(settings.kv_index_max_blocks_per_node)
     kv_scope = KVScope(settings)
     prefixes = PrefixKeyBuilder(settings)
@@ -228,9 +251,7 @@ def _build_state(
         loads=prober, kv_index=kv_index, history=history, prefixes=prefixes,
         default_service_ms=settings.default_service_ms,
         balance_half_life_s=settings.affinity_balance_half_life_s,
-        use_kv_events=settings.kv_events_enabled,
-        # Unscoped, every node with KV events is indexed: no per-candidate call on the request path.
-        indexed=kv_scope.covers if settings.kv_events_max_rtt_ms is not None else None,
+        exact=_exact_for(settings, kv_scope),
         clock=clock,
     )
     state = RouterState(
@@ -255,7 +276,7 @@ def _build_state(
         prefixes=prefixes,
         affinity=affinity,
         breaker=CircuitBreaker.from_settings(settings, fleet_state),
-        rate_limiter=create_rate_limiter(settings, clock),
+        rate_limiter=worker_rate_limiter(settings, clock, worker) if worker else create_rate_limiter(settings, clock),
         locator=ClientLocator(settings),
         rtt=RttEstimator.from_settings(settings),
         response_ids=ResponseIds(settings.cluster_token.get_secret_value()),
@@ -282,13 +303,21 @@ def _grpc_listener(state: RouterState) -> GrpcListener:
     """The KServe v2 gRPC endpoint of this app: its inferences go through `_route` as
     /v1/completions requests."""
 
-    service = InferenceService(lambda request: _route(state, request, COMPLETIONS), state.table_source.current,
+    service = InferenceService(lambda arrival: _route(state, arrival, COMPLETIONS), state.table_source.current,
                                servable_models, meridian_version, state.settings.grpc_max_requests_per_stream)
     return GrpcListener(state.settings, service)
 
 
+def _exact_for(settings: RouterSettings, kv_scope: KVScope) -> Callable[[RoutingNode], bool] | None:
+    """The nodes affinity matches by the KV index: none without KV events, those in the
+    index's scope when it has one, else every node that publishes events."""
+    if not settings.kv_events_enabled:
+        return None
+    return kv_scope.covers if settings.kv_events_max_rtt_ms is not None else every_node
+
+
 def _lifespan(
-    state: RouterState, shared_fleet: RedisFleetState | None
+    state: RouterState, shared_fleet: RedisFleetState | None, pages: PageServer | None
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """Starts the app's background parts in order, and stops them in reverse."""
 
@@ -301,9 +330,10 @@ def _lifespan(
             if shared_fleet is not None:
                 await shared_fleet.start()
                 stack.push_async_callback(shared_fleet.stop)
-            for part in (state.history, state.rate_limiter):
-                await part.start()
-                stack.push_async_callback(part.stop)
+            for part in (state.history, state.rate_limiter, pages):
+                if part is not None:
+                    await part.start()
+                    stack.push_async_callback(part.stop)
             stack.callback(state.locator.close)
             # Last out: exports the spans of the requests that ended while stopping.
             stack.push_async_callback(asyncio.to_thread, state.tracing.shutdown)
@@ -332,7 +362,7 @@ def _lifespan(
     return lifespan
 
 
-def _add_other_routes(app: FastAPI, state: RouterState) -> None:
+def _add_other_routes(app: FastAPI, state: RouterState, worker: WorkerSlot | None) -> None:
     """Stored responses, the model list, health and metrics."""
     settings, source = state.settings, state.table_source
 
@@ -371,8 +401,8 @@ def _add_other_routes(app: FastAPI, state: RouterState) -> None:
             return
         digest = key_digest(ws.headers.get("authorization"), ws.headers.get("x-api-key"))
 
-        def turn(request: Request, answer: Callable[[], Response] | None = None, /) -> Awaitable[Response]:
-            return _route(state, request, RESPONSES_PATH, answer)
+        def turn(arrival: Arrival, answer: Callable[[], Response] | None = None, /) -> Awaitable[Response]:
+            return _route(state, arrival, RESPONSES_PATH, answer)
 
         def key_holds() -> bool:
             # No table (never, once one loaded) is not the key's fault: the turn answers 503.
@@ -389,22 +419,22 @@ def _add_other_routes(app: FastAPI, state: RouterState) -> None:
         return JSONResponse({"status": "ok", "routing_version": loaded.version})
 
     if settings.metrics_port is not None:
-        return  # /metrics is served on the admin listener only (geo_router.admin_listener)
+        return  # /metrics is served on the admin listener only (geo_router.observability.admin_listener)
     scrapers = scraper_tokens(settings.metrics_token, settings.cluster_token)
 
     @app.get("/metrics")
     async def prometheus_metrics(request: Request) -> Response:
-        return metrics_page(request, state.metrics, state.prober, scrapers)
+        return await metrics_page(request, state.metrics, state.prober, scrapers, worker)
 
 
 def _add_model_route(app: FastAPI, state: RouterState, route: str) -> None:
     async def endpoint(request: Request) -> Response:
-        return await _route(state, request, route)
+        return await _route(state, HttpArrival(request), route)
 
     app.add_api_route(route, endpoint, methods=["POST"], name=route)
 
 
-def _tenant(loaded: LoadedTable, request: HTTPConnection) -> TenantEntry:
+def _tenant(loaded: LoadedTable, request: HTTPConnection | Arrival) -> TenantEntry:
     # Anthropic's clients send their key as x-api-key.
     return authenticate(loaded, request.headers.get("authorization"), request.headers.get("x-api-key"))
 
@@ -455,25 +485,25 @@ async def _cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
-async def _route(state: RouterState, request: Request, route: str,
+async def _route(state: RouterState, arrival: Arrival, route: str,
                  answer: Callable[[], Response] | None = None) -> Response:
     """The request through the pipeline; with `answer`, answered by the router itself once
     admitted (a WebSocket warm-up): key, size, rate limits, accounting, log and trace as
     any request, and no replica."""
-    headers = request.headers
+    headers = arrival.headers
     # An idempotency key names the request end to end (journals, nodes, logs).
     request_id = request_id_for(headers.get(HEADER_IDEMPOTENCY_KEY) or headers.get(HEADER_REQUEST_ID))
-    request.state.request_id = request_id
+    arrival.named(request_id)
     loaded: LoadedTable | None = None
     tenant: TenantEntry | None = None
     inference: InferenceRequest | None = None
-    trace = begin_trace(state.tracing, request, route, request_id)
+    trace = begin_trace(state.tracing, headers, route, request_id)
     access = AccessRecord(request_id, route, state.settings.access_log)
     try:
         loaded = state.table()
-        tenant = _tenant(loaded, request)
+        tenant = _tenant(loaded, arrival)
         access.tenant = tenant.tenant
-        body = await read_body(request, state.settings.max_request_bytes)
+        body = await arrival.body(state.settings.max_request_bytes)
         received_at = time.perf_counter()
         # Prefix caches are per tenant (or sharing group): no tenant can probe another's.
         inference = salted(parse_inference_request(body), tenant)
@@ -482,7 +512,7 @@ async def _route(state: RouterState, request: Request, route: str,
         if trace is not None:
             trace.tenant(tenant, inference.model)
         stored: StoredResponse | None = None
-        if route == "/v1/responses":
+        if route == RESPONSES_PATH:
             inference, stored = follow_up(state.response_ids, inference, tenant)
         if answer is not None and not tenant.may_use(inference.model):
             # A forwarded request learns this from its candidates; a warm-up has none.
@@ -491,8 +521,8 @@ async def _route(state: RouterState, request: Request, route: str,
         if answer is not None:
             response = answer()
         else:
-            response = await _forwarded(state, request, route, loaded, tenant, inference, stored,
-                                        request_id, received_at, trace)
+            ctx = RequestContext(route, request_id, loaded, tenant, inference, received_at, trace, stored)
+            response = await _forwarded(state, ctx, arrival)
         response.headers.update(admission.headers)
         usage = answer_usage(response)
         account(state.metrics, state.rate_limiter.settle, admission, model_label(loaded, inference.model),
@@ -515,43 +545,32 @@ async def _route(state: RouterState, request: Request, route: str,
         raise
 
 
-async def _forwarded(
-    state: RouterState,
-    request: Request,
-    route: str,
-    loaded: LoadedTable,
-    tenant: TenantEntry,
-    inference: InferenceRequest,
-    stored: StoredResponse | None,
-    request_id: str,
-    received_at: float,
-    trace: RequestTrace | None,
-) -> Response:
+async def _forwarded(state: RouterState, ctx: RequestContext, arrival: Arrival) -> Response:
     """An admitted request's answer from a replica: located, ordered, forwarded."""
-    peer = request.client.host if request.client else None
-    location = state.locator.locate(request.headers, peer, loaded.regions)
+    loaded, tenant, inference, stored = ctx.loaded, ctx.tenant, ctx.inference, ctx.stored
+    ctx.location = state.locator.locate(arrival.headers, arrival.peer, loaded.regions)
     also = (stored.node_id,) if stored is not None else ()
-    candidates, queued_s = await _candidates(state, loaded, tenant, inference, location, request, also)
+    candidates, queued_s = await _candidates(state, ctx, arrival, also)
     if stored is not None:
         candidates = pinned(loaded, candidates, stored, inference.model)
-    ordered = _ordered(state, loaded, candidates, tenant, inference, location, request_id)
+    ordered = _ordered(state, ctx, candidates)
     pd = pd_plan(ordered)
     # Until the answer starts, nothing else notices the client leaving: the node would
     # go on generating a whole non-streamed answer (or a stream's prefill) for nobody.
-    watch = ClientWatch(request.scope, request.receive)
+    watch = arrival.watch()
     try:
-        response = await state.forwarder.forward(
-            route,
+        response = await state.forwarder.forward(Exchange(
+            ctx.route,
             inference,
             pd.decode,
-            request_id,
-            received_at,
+            ctx.request_id,
+            ctx.received_at,
             exhausted=exhausted_error(tenant, inference.model),
             queued_s=queued_s,
-            rewrite=state.response_ids.rewriter(tenant) if route == "/v1/responses" else None,
-            trace=trace,
+            rewrite=state.response_ids.rewriter(tenant) if ctx.route == RESPONSES_PATH else None,
+            trace=ctx.trace,
             pd=pd if pd.prefill else None,
-        )
+        ))
     except asyncio.CancelledError:
         if not watch.fired:
             raise
@@ -575,44 +594,32 @@ def _admit(state: RouterState, route: str, tenant: TenantEntry, inference: Infer
 
 
 async def _candidates(
-    state: RouterState,
-    loaded: LoadedTable,
-    tenant: TenantEntry,
-    inference: InferenceRequest,
-    location: Point | None,
-    request: Request,
-    also: Collection[str] = (),
+    state: RouterState, ctx: RequestContext, arrival: Arrival, also: Collection[str] = ()
 ) -> tuple[list[Candidate], float]:
     """The replicas that may serve, and how long the request was held for one to scale up."""
+    loaded, tenant, model, location = ctx.loaded, ctx.tenant, ctx.inference.model, ctx.location
     try:
-        return state.select(loaded, tenant, inference.model, location, also), 0.0
+        return state.select(loaded, tenant, model, location, also), 0.0
     except (ModelNotFound, NoHealthyReplica, NoReplicaInZone):
-        seen = outlook(loaded, tenant, inference.model)
+        seen = outlook(loaded, tenant, model)
         if seen is Outlook.AS_IS:
             raise
     # On the app's clock, as the hold's deadline is: the wait a test moves is the one reported.
     held_at = state.clock.monotonic()
     candidates = await state.scale_from_zero.hold(
         tenant,
-        inference.model,
+        model,
         location,
-        lambda table: state.select(table, tenant, inference.model, location, also),
-        request.receive,
+        lambda table: state.select(table, tenant, model, location, also),
+        arrival.departed,
         seen,
     )
     return candidates, state.clock.monotonic() - held_at
 
 
-def _ordered(
-    state: RouterState,
-    loaded: LoadedTable,
-    candidates: list[Candidate],
-    tenant: TenantEntry,
-    inference: InferenceRequest,
-    location: Point | None,
-    request_id: str,
-) -> list[Candidate]:
+def _ordered(state: RouterState, ctx: RequestContext, candidates: list[Candidate]) -> list[Candidate]:
     """The candidates in the policy's order, counting the first choice's predicted cache hits."""
+    loaded, tenant, inference, location = ctx.loaded, ctx.tenant, ctx.inference, ctx.location
     # A set at the bound may have left out the replica holding the prompt: affinity adds it.
     more = state.more(loaded, tenant, inference.model, location) if len(candidates) >= state.settings.max_candidates else None
     candidates, prefix = state.affinity.annotate(candidates, inference.model, inference.payload, more)
@@ -621,7 +628,7 @@ def _ordered(
         model=inference.model,
         stream=inference.stream,
         client_location=location,
-        request_id=request_id,
+        request_id=ctx.request_id,
         payload=inference.payload,
     )
     ordered = state.policy.order(candidates, ctx)
@@ -654,11 +661,11 @@ async def _stored_response(state: RouterState, request: Request, response_id: st
         raise NoHealthyReplica(node.models[0] if node.models else "", 5)
     # vLLM's GET takes `stream` and `starting_after` (resuming a background response).
     query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k in ("stream", "starting_after")])
-    return await state.forwarder.forward(
+    return await state.forwarder.forward(Exchange(
         f"/v1/responses/{stored.inner_id}{suffix}" + (f"?{query}" if query else ""),
         InferenceRequest(body=b"", model=candidates[0].node.models[0],
                          stream=request.query_params.get("stream") == "true", payload={}),
         candidates, request_id, time.perf_counter(),
         exhausted=NoHealthyReplica(candidates[0].node.models[0], 5),
         method=method, rewrite=state.response_ids.rewriter(tenant),
-    )
+    ))

@@ -20,6 +20,9 @@ app = typer.Typer(no_args_is_help=True, help="The geo router (global OpenAI-comp
 def router_serve(
     host: Annotated[str | None, typer.Option(help="Bind address [MERIDIAN_ROUTER_HOST]")] = None,
     port: Annotated[int | None, typer.Option(help="Port [MERIDIAN_ROUTER_PORT]")] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="Processes serving the port as one router; 0: one per core [MERIDIAN_ROUTER_WORKERS]")
+    ] = None,
     control_plane_url: Annotated[str | None, typer.Option(help="[MERIDIAN_ROUTER_CONTROL_PLANE_URL]")] = None,
     snapshot_path: Annotated[
         Path | None, typer.Option(help="Keep the last routing table here [MERIDIAN_ROUTER_SNAPSHOT_PATH]")
@@ -31,5 +34,5 @@ def router_serve(
     """Run the geo router, the global inference endpoint."""
     from geo_router.listener import serve
 
-    serve(settings_or_exit(RouterSettings, host=host, port=port, control_plane_url=control_plane_url,
+    serve(settings_or_exit(RouterSettings, host=host, port=port, workers=workers, control_plane_url=control_plane_url,
                            snapshot_path=snapshot_path, default_client_location=default_client_location))

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from meridian.contracts import HEADER_REQUEST_ID
+from meridian.contracts import HEADER_REQUEST_ID, Route
 from meridian.errors import OpenAIError
 
 log = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ def _request_id(request: Request) -> str | None:
 
 def _respond(request: Request, exc: RouterError) -> JSONResponse:
     # Each API answers in its own error shape: Anthropic's clients parse theirs.
-    if request.url.path.startswith("/v1/messages"):
+    if request.url.path.startswith(Route.MESSAGES):
         return anthropic_error_response(exc, _request_id(request))
     return error_response(exc, _request_id(request))
 

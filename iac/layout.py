@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from meridian.contracts import GLOBAL_ZONE
+from meridian import residency
 from meridian.infra_plan import InfraDeployment, InfraGroup, InfraPlan, InfraRegion, OnPremSite
 from providers.aws import naming as aws_naming
 from providers.gcp import naming as gcp_naming
@@ -195,7 +195,7 @@ def model_uris(plan: InfraPlan, region: InfraRegion) -> list[tuple[str, str]]:
 
 
 def _may_hold(deployment: InfraDeployment, region: InfraRegion) -> bool:
-    return deployment.zone == GLOBAL_ZONE or deployment.zone in region.zones
+    return region.admits(deployment.zone)
 
 
 def replications(plan: InfraPlan) -> list[Replication]:
@@ -215,7 +215,7 @@ def replications(plan: InfraPlan) -> list[Replication]:
         for region in (plan.region(n) for n in names):
             if region.provider != "aws":
                 continue
-            zoned = deployment.zone != GLOBAL_ZONE
+            zoned = residency.is_bound(deployment.zone)
             clusters[(deployment.zone,) if zoned else tuple(sorted(region.zones))].append(region)
         for members in clusters.values():
             home, *others = members

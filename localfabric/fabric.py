@@ -545,6 +545,9 @@ class LocalFabric:
         grpc_port = fabric_port(self.spec.host)
         self._grpc_targets.append(f"{self.spec.host}:{grpc_port}")
         env = {
+            # One process unless router_env says otherwise (the demo: every core): drills and
+            # benchmarks read one router process's figures.
+            "MERIDIAN_ROUTER_WORKERS": "1",
             "MERIDIAN_ROUTER_TOKENIZER_DIRS": json.dumps(tokenizers),
             "MERIDIAN_ROUTER_GRPC_PORT": str(grpc_port),
             "MERIDIAN_ROUTER_METRICS_TOKEN": self._metrics_token,

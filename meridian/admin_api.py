@@ -144,7 +144,9 @@ class ApiKeyView(BaseModel):
     id: str
     name: str
     tenant: str
-    zone: str
+    # Its tenant's; null when the tenant has no row (deleted, its keys revoked with it; or the
+    # bootstrap admin key's operator tenant).
+    zone: str | None
     scopes: list[Scope]
     models: list[str] | None
     key_prefix: str

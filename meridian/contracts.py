@@ -23,6 +23,9 @@ from pydantic import (
     model_validator,
 )
 
+from meridian import residency
+from meridian.residency import GLOBAL_ZONE
+
 # Providers are registered by name (providers.provider.PROVIDERS; the kernel does not know
 # which), so the kernel accepts any well-formed name and the layer that holds the registry
 # (the control plane, the CLI, chaos) refuses one that is not registered.
@@ -30,18 +33,32 @@ PROVIDER_PATTERN = r"^[a-z][a-z0-9-]{0,15}$"
 # Region names are "<provider>:<location>", e.g. "aws:us-east-1", "onprem:tokyo-1".
 REGION_PATTERN = r"^[a-z][a-z0-9-]{0,15}:[a-z0-9][a-z0-9-]{0,62}$"
 NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
-# Residency zones are short lowercase names; "global" means "may be served anywhere".
+# Residency zones are short lowercase names; "global" means "may be served anywhere"
+# (meridian.residency owns the rule).
 ZONE_PATTERN = r"^[a-z][a-z0-9-]{0,31}$"
-GLOBAL_ZONE = "global"
 
 # Response headers the router sets so a client can see where it was served.
 HEADER_REGION = "x-meridian-region"
 HEADER_NODE = "x-meridian-node"
 
-# The inference API the fabric serves, at the router and passed through by vLLM nodes:
-# routes whose answer is a generation, then every route whose body names a model.
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
-MODEL_ROUTES = (*GENERATION_ROUTES, "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize")
+
+class Route(StrEnum):
+    """The inference API's routes whose body names a model, at the router and passed
+    through by vLLM nodes (each written once, here)."""
+
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+    RESPONSES = "/v1/responses"
+    MESSAGES = "/v1/messages"
+    COUNT_TOKENS = "/v1/messages/count_tokens"
+    EMBEDDINGS = "/v1/embeddings"
+    TOKENIZE = "/tokenize"
+    DETOKENIZE = "/detokenize"
+
+
+# Routes whose answer is a generation, then every route whose body names a model.
+GENERATION_ROUTES = (Route.CHAT, Route.COMPLETIONS, Route.RESPONSES, Route.MESSAGES)
+MODEL_ROUTES = tuple(Route)
 HEADER_REQUEST_ID = "x-request-id"
 # A request id the router keeps from its client (else it makes one) and that every process
 # logs: a token with no room for log or header injection.
@@ -105,6 +122,33 @@ class NodeStatus(StrEnum):
     LOST = "lost"  # heartbeats stopped; kept for a while so status can show it
 
 
+class EngineKind(StrEnum):
+    """The runtime a node serves with (data_plane.engine's registry names)."""
+
+    TORCH = "torch"  # the built-in engine
+    VLLM = "vllm"  # vLLM's OpenAI server, requests passed through
+
+
+class NodeCapability(StrEnum):
+    """What a node's engine does with a request that the router shapes its requests by: the
+    router asks a node what it can do, never which engine it runs."""
+
+    # Honours `include_stop_str_in_output`: a stream asked to include its stop strings holds
+    # none of its text back (a migrated stream's continuation is asked so).
+    STOP_STRING_IN_OUTPUT = "stop_string_in_output"
+    # Takes `add_special_tokens` on a chat request, tokenizing its prompt as its own Responses
+    # path would (a Responses request served as chat is asked so).
+    CHAT_SPECIAL_TOKENS = "chat_special_tokens"
+
+
+# What a node of each engine can do, for a node whose agent predates `capabilities` (it
+# registers without them) and for a routing table of such a control plane.
+ENGINE_CAPABILITIES: dict[str, tuple[NodeCapability, ...]] = {
+    EngineKind.TORCH: (),
+    EngineKind.VLLM: (NodeCapability.STOP_STRING_IN_OUTPUT, NodeCapability.CHAT_SPECIAL_TOKENS),
+}
+
+
 class NodeRole(StrEnum):
     """What a node does for a prefill/decode disaggregated deployment (DESIGN.md)."""
 
@@ -144,6 +188,8 @@ def _is_both(value: object) -> bool:
 # A node's role, left out of the JSON when co-located, so peers of an older version
 # (extra="forbid") still accept what every co-located node sends.
 _ROLE = Field(NodeRole.BOTH, exclude_if=_is_both)
+# A node's capabilities (NodeCapability), left out while unset: an older agent said none.
+_CAPABILITIES = Field(None, max_length=32, exclude_if=_is_none)
 
 
 class NodeLoad(_Wire):
@@ -173,7 +219,10 @@ class NodeRegistration(_Wire):
     region: RegionName
     url: str = Field(description="Base URL routers use to reach the node, e.g. http://10.0.0.5:8000")
     models: list[ModelName] = Field(default_factory=list, max_length=64)
-    engine: Literal["torch", "vllm"] = "torch"
+    engine: EngineKind = EngineKind.TORCH
+    # What its engine does that routers shape requests by; None (an older agent): what its
+    # engine kind could do then (ENGINE_CAPABILITIES).
+    capabilities: list[NodeCapability] | None = _CAPABILITIES
     version: str = Field("", max_length=64)
     status: NodeStatus = NodeStatus.STARTING
     # Where routers subscribe to the node's KV cache events (ZMQ PUB, vLLM's format) and
@@ -183,7 +232,7 @@ class NodeRegistration(_Wire):
     # The parser that turns the model's text into tool calls when it chooses them itself
     # (vLLM's --tool-call-parser); None when the node parses none (no auto tool choice, or
     # the torch engine). Routers resume a broken tool-call stream only where they can
-    # replay its parser (geo_router.migration.decide).
+    # replay its parser (geo_router.forwarding.migration.decide).
     tool_call_parser: ToolCallParserName | None = _OMITTED_WHEN_UNSET
     # Prefill/decode disaggregation: the node's role and, unless co-located, its KV transfer.
     role: NodeRole = _ROLE
@@ -283,7 +332,7 @@ class RegionInfo(_Wire):
     def admits(self, zone: str) -> bool:
         """Residency, the one rule every layer asks: may a tenant's request or a deployment's
         replica of `zone` be served or placed in this region? `global` may go anywhere."""
-        return zone == GLOBAL_ZONE or zone in self.zones
+        return residency.admits(self.zones, zone)
 
 
 class RoutingNode(_Wire):
@@ -295,7 +344,9 @@ class RoutingNode(_Wire):
     url: str
     models: list[ModelName]
     status: NodeStatus
-    engine: str = "torch"
+    engine: EngineKind = EngineKind.TORCH
+    # See NodeRegistration; absent from an older control plane's tables.
+    capabilities: list[NodeCapability] | None = _CAPABILITIES
     # The node's KV event endpoints and tool-call parser (see NodeRegistration); absent in
     # old snapshots.
     kv_events: ZmqEndpoint | None = _OMITTED_WHEN_UNSET
@@ -304,6 +355,11 @@ class RoutingNode(_Wire):
     # The node's P/D role and KV transfer (see NodeRegistration); co-located when absent.
     role: NodeRole = _ROLE
     kv_transfer: KVTransferInfo | None = _OMITTED_WHEN_UNSET
+
+    def can(self, capability: NodeCapability) -> bool:
+        """Whether the node's engine does `capability` (as it registered, or as its kind did)."""
+        held = self.capabilities if self.capabilities is not None else ENGINE_CAPABILITIES.get(self.engine, ())
+        return capability in held
 
 
 def allows_model(models: Sequence[str] | None, model: str) -> bool:

@@ -1,9 +1,13 @@
-"""Geography: great-circle distance and a round-trip-time estimate between points."""
+"""Geography: great-circle distance and a round-trip-time estimate between points, and
+between a client and a region (its point, or a place named by text)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+from meridian.contracts import RegionInfo
 
 EARTH_RADIUS_KM = 6371.0
 # Light in fibre covers about 200 km per millisecond; real routes are longer than the
@@ -44,3 +48,25 @@ def parse_point(text: str) -> Point | None:
     if not (-90 <= lat <= 90 and -180 <= lon <= 180) or math.isnan(lat) or math.isnan(lon):
         return None
     return Point(lat, lon)
+
+
+def resolve_location(text: str | None, regions: Mapping[str, RegionInfo]) -> Point | None:
+    """A point for "lat,lon" or a known region name; None when `text` is neither."""
+    if not text:
+        return None
+    text = text.strip()
+    region = regions.get(text)
+    if region is not None:
+        return region_point(region)
+    return parse_point(text)
+
+
+def region_point(region: RegionInfo) -> Point:
+    return Point(region.latitude, region.longitude)
+
+
+def region_rtt_ms(client: Point | None, region: RegionInfo) -> float:
+    """Estimated client-to-region round trip; 0 for every region when the client is unknown."""
+    if client is None:
+        return 0.0
+    return estimate_rtt_ms(client, region_point(region))

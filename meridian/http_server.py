@@ -30,12 +30,18 @@ header until it ends). `LimitedHttpToolsProtocol` adds, per connection:
 
 uvicorn's access line of a request that carries an `x-request-id` (a node's, from the
 router that sent it) has it as the record's `request_id` field, so that the router's line
-(geo_router.access_log) and the node's join on it.
+(geo_router.observability.access_log) and the node's join on it.
 
 It also tells the app when a client hangs up, without the app having to wait on
 `receive()` in a task of its own for every request: the ASGI scope's
 `extensions[DISCONNECT_EXTENSION]` registers a callback, called (once, on the loop) if the
 connection is lost before that request's answer is complete.
+
+Idle connections: a listener keeps one open for `SERVER_KEEPALIVE_S`, our pooled clients
+reuse one for at most `CLIENT_KEEPALIVE_S`, so the client always lets go first. With both
+at 5 s (uvicorn's and httpx's defaults, and vLLM's), a request sent on a connection idle
+for just under 5 s can cross the server's close and fail with nothing read (ReadError);
+that happened 1 time in 30 at that gap here, and once in CI between a node and its vLLM.
 
 Concurrency of requests is capped where the work is (the router's upstream slots and
 scale-from-zero queue, the node's waiting queue), each answering 503 with Retry-After.
@@ -82,6 +88,15 @@ _MAX_HELD_BYTES = 1 << 20
 
 # How long a refused connection's further bytes are read and dropped before it is closed.
 LINGER_S = 2.0
+
+# How long a listener keeps an idle connection: longer than any client of ours keeps one
+# pooled (CLIENT_KEEPALIVE_S) and than the load balancers that usually sit in front of
+# the router (60 s on AWS ALB and GCP), so that the client, not the server, closes an idle
+# connection: the other way round, a request sent as the server closes fails unread.
+SERVER_KEEPALIVE_S = 75
+# The longest our own pooled clients (the router's upstream pool, a node's client to
+# vLLM, probes) reuse an idle connection: well inside SERVER_KEEPALIVE_S.
+CLIENT_KEEPALIVE_S = 30.0
 
 # (content type, body) of an error answered by the listener itself.
 ErrorBody = Callable[[int, str], tuple[str, bytes]]
@@ -482,6 +497,7 @@ def limited_config(app: Any, settings: ListenerSettings, error_body: ErrorBody =
     limits of `settings`; with `http2_max_streams`, HTTP/2 is served on the same port too
     (meridian.http2). Logging is meridian.logs' (configure_logging), not uvicorn's."""
     kwargs.setdefault("log_config", None)
+    kwargs.setdefault("timeout_keep_alive", SERVER_KEEPALIVE_S)
     limits = ListenerLimits.of(settings)
     if http2_max_streams is None:
         return Config(app, http=limited_protocol(limits, error_body), **kwargs)
@@ -489,7 +505,7 @@ def limited_config(app: Any, settings: ListenerSettings, error_body: ErrorBody =
     from meridian.http2 import AlpnConfig, H2Handoff
 
     h2 = H2Handoff(app, max_streams=http2_max_streams, max_header_bytes=limits.max_header_bytes,
-                   keep_alive_s=kwargs.get("timeout_keep_alive", 5),
+                   keep_alive_s=kwargs["timeout_keep_alive"],
                    max_control_frames_per_s=settings.http2_max_control_frames_per_s,
                    body_timeout_s=limits.body_timeout_s, error_body=error_body)
     return AlpnConfig(app, http=limited_protocol(limits, error_body, h2), **kwargs)

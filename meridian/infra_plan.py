@@ -18,7 +18,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from meridian.contracts import GLOBAL_ZONE, NODE_ID_PATTERN, ModelName, ProviderName, RegionName, ZoneName
+from meridian import residency
+from meridian.contracts import NODE_ID_PATTERN, ModelName, ProviderName, RegionName, ZoneName
+from meridian.residency import GLOBAL_ZONE
 
 FORMAT = "meridian-infra-plan/v1"
 
@@ -39,6 +41,10 @@ class InfraRegion(_Strict):
     # physical zone in every account; subnets take them as availability_zone_id), GCP zone
     # names ("europe-west4-b").
     availability_zones: list[str] = Field(default_factory=list)
+
+    def admits(self, zone: str) -> bool:
+        """Whether a deployment bound to `zone` may have groups here (meridian.residency)."""
+        return residency.admits(self.zones, zone)
 
 
 class InfraDeployment(_Strict):
@@ -133,7 +139,7 @@ class InfraPlan(_Strict):
             deployment = models.get(g.model)
             if deployment is None:
                 raise ValueError(f"{where}: deployment {g.model} is not in the plan's deployments")
-            if deployment.zone != GLOBAL_ZONE and deployment.zone not in region.zones:
+            if not region.admits(deployment.zone):
                 raise ValueError(
                     f"{where}: residency: deployment {g.model} is zoned {deployment.zone!r}, "
                     f"region {g.region} is in {region.zones}"

@@ -3,7 +3,7 @@
 `configure_logging()` (called by each component's `serve`) sends every record, uvicorn's
 included, to stderr in the format of `MERIDIAN_LOG_FORMAT` (or the config file's `log:`):
 
-- text: `2026-01-01T12:00:00.123Z INFO geo_router.proxy: message key=value …`
+- text: `2026-01-01T12:00:00.123Z INFO geo_router.forwarding.forwarder: message key=value …`
 - json: one object per line, `{"ts", "level", "logger", "msg", …the record's extra fields}`,
   plus `exc` (the formatted traceback) when the record carries one.
 
@@ -16,7 +16,7 @@ its hands off logging; its loggers propagate to the root handler set up here.
 Probes and scrapes are not news: uvicorn's access lines for `/metrics`, `/health*` and
 `/ready*` are dropped (`ProbeFilter`). Without it 307 of a node's 315 log lines were the
 router's `/metrics` probe; the requests that matter are still logged, and the router logs
-its own line per routed request (geo_router.access_log, logger `meridian.access`), which
+its own line per routed request (geo_router.observability.access_log, logger `meridian.access`), which
 the stderr handler writes in batches (at most 0.1 s late; `_StderrHandler` says why).
 """
 
@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import select
 import sys
 import threading
 import time
@@ -73,7 +74,7 @@ _START_NS = time.time_ns()
 
 class FieldsRecord(logging.LogRecord):
     """A record of `logger` with fields, built directly: for lines written on every request
-    (geo_router.access_log), where `Logger.info(..., extra=...)` costs more than the work
+    (geo_router.observability.access_log), where `Logger.info(..., extra=...)` costs more than the work
     it logs (a caller lookup walking the stack, the process, thread and module looked up,
     each extra field checked against the standard ones when formatted). It has every
     attribute a LogRecord has, and each field as an attribute, as `extra=` gives them;
@@ -172,6 +173,10 @@ class ProbeFilter(logging.Filter):
         return not (isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and is_probe(args[2]))
 
 
+# The most one write() to a pipe carries without another writer's bytes in between (POSIX).
+_ATOMIC_BYTES = getattr(select, "PIPE_BUF", 512)
+
+
 class _StderrHandler(logging.StreamHandler[TextIO]):
     """Writes to whatever sys.stderr is at the time (a test runner may swap it).
 
@@ -226,11 +231,26 @@ class _StderrHandler(logging.StreamHandler[TextIO]):
         super().close()
 
     def _write(self) -> None:
-        if self._pending:
-            text, self._pending = "".join(self._pending), []
-            stream = self.stream
-            stream.write(text)
-            stream.flush()
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        stream = self.stream
+        # Several processes may share this stderr (the router's workers, a supervisor's
+        # pipe to journald): a write of at most PIPE_BUF bytes to a pipe is never mixed with
+        # another's, a larger one may be. So lines go out in writes of whole lines of at most
+        # PIPE_BUF bytes each (a longer line alone), never cut mid-line.
+        chunk: list[str] = []
+        size = 0
+        for line in pending:
+            n = len(line.encode("utf-8", "surrogateescape")) if not line.isascii() else len(line)
+            if chunk and size + n > _ATOMIC_BYTES:
+                stream.write("".join(chunk))
+                stream.flush()
+                chunk, size = [], 0
+            chunk.append(line)
+            size += n
+        stream.write("".join(chunk))
+        stream.flush()
 
     def _flush_every(self) -> None:
         while not self._closed.wait(BATCH_S):

@@ -78,7 +78,8 @@ class Registry(Generic[T]):
         try:
             entry = self._entries[name]
         except KeyError:
-            raise UnknownName(self.kind, name, self.names()) from None
+            # str(): a name given as a StrEnum member is said as its value, as it is listed.
+            raise UnknownName(self.kind, str(name), self.names()) from None
         if isinstance(entry, str):
             entry = cast(T, load_target(entry))
             self._entries[name] = entry

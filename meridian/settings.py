@@ -274,6 +274,9 @@ class RouterSettings(ListenerSettings):
 
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
+    # Processes serving the port as one router (geo_router.workers); 0 (default): one per CPU
+    # this process may use. The listener limits (max_connections and the like) hold per worker.
+    workers: int = Field(0, ge=0, le=256)
     control_plane_url: str = "http://127.0.0.1:8081"
     cluster_token: SecretStr = _CLUSTER_TOKEN
     # /metrics names nodes and tenants, so it answers only a bearer of this token or of the
@@ -306,7 +309,7 @@ class RouterSettings(ListenerSettings):
     # Longest silence allowed between two chunks of a streamed answer.
     read_timeout_s: float = Field(60.0, gt=0)
     max_attempts: int = Field(3, ge=1, le=10)
-    # One INFO line per routed request under the logger `meridian.access` (geo_router.access_log).
+    # One INFO line per routed request under the logger `meridian.access` (geo_router.observability.access_log).
     access_log: bool = True
     # With a path, every attempt sent to a node is journalled there as a JSON line keyed by
     # the request's idempotency key (meridian.request_journal; chaos drills read it).
@@ -320,7 +323,7 @@ class RouterSettings(ListenerSettings):
     # closed between turns (code 1001: the client reconnects); at most ws_max_lanes
     # conversations (`stream_id`) per connection. A message is at most max_request_bytes.
     # Every turn, a warm-up (`generate: false`) too, is a request: the key, max_request_bytes,
-    # the tenant's rate limits and accounting apply to it (geo_router.websocket.endpoint).
+    # the tenant's rate limits and accounting apply to it (geo_router.ingress.websocket.endpoint).
     ws_idle_timeout_s: float = Field(300.0, gt=0)
     ws_max_connection_s: float = Field(3600.0, gt=0)
     ws_max_lanes: int = Field(16, ge=1, le=1024)
@@ -337,7 +340,7 @@ class RouterSettings(ListenerSettings):
     # lanes and more than 16 lanes at the default max_request_bytes.
     ws_max_lane_bytes: int = Field(8_000_000, gt=0)
     ws_max_socket_bytes: int = Field(32_000_000, gt=0)
-    # gRPC (KServe Open Inference Protocol v2 with Triton's streaming, geo_router.kserve) on
+    # gRPC (KServe Open Inference Protocol v2 with Triton's streaming, geo_router.ingress.kserve) on
     # this port when set (0: any free port); on grpc_host, else host. At most
     # grpc_max_concurrent_rpcs calls at once (more: RESOURCE_EXHAUSTED), that many streams per
     # connection, and grpc_max_requests_per_stream requests of one ModelStreamInfer at once.
@@ -353,10 +356,10 @@ class RouterSettings(ListenerSettings):
     # TLS for the public listeners (HTTP and gRPC) when both are set: PEM files.
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
-    # Name of the RoutingPolicy (geo_router.policies registry) that orders replicas:
+    # Name of the RoutingPolicy (geo_router.selection.policies registry) that orders replicas:
     # affinity (default), nearest, least-load or round-robin.
     routing_policy: str = "affinity"
-    # At most this many replicas of a model are candidates for one request (geo_router.selection):
+    # At most this many replicas of a model are candidates for one request (geo_router.selection.candidates):
     # the nearest regions' first (3/4), a uniform sample of the rest after them. Routing work per
     # request grows with it, not with the fleet: each candidate is built, annotated and scored,
     # ~3x what building it costs (python -m bench.candidates). 32 keeps 24 near replicas
@@ -393,7 +396,7 @@ class RouterSettings(ListenerSettings):
     redis_timeout_s: float = Field(1.0, gt=0)
     # Keys are `<prefix>ejected:<node_id>` plus the index `<prefix>ejected`.
     fleet_key_prefix: str = "meridian:router:"
-    # Prefix keys (geo_router.prefix) and the approximate prefix index (geo_router.prefix_history).
+    # Prefix keys (geo_router.selection.prefix) and the approximate prefix index (geo_router.state.prefix_history).
     # Tokenizers let the router template and tokenise prompts as nodes do, so its block hashes
     # equal those in the nodes' KV events: a JSON object model -> checkpoint directory (with
     # tokenizer.json and tokenizer_config.json) and/or a root with one directory per model.
@@ -410,13 +413,13 @@ class RouterSettings(ListenerSettings):
     # With Redis, routers share routing history through the stream `<prefix>prefix-history`,
     # trimmed to this many entries and to entries younger than prefix_history_ttl_s.
     prefix_history_stream_maxlen: int = Field(10_000, ge=100)
-    # Tenant rate limits (geo_router.ratelimit): token buckets hold this many seconds of a
+    # Tenant rate limits (geo_router.admission.ratelimit): token buckets hold this many seconds of a
     # tenant's per-minute limits (60: bursts of up to one minute's worth).
     rate_limit_burst_s: float = Field(60.0, gt=0)
     # Completion tokens charged up front for a request that sets neither max_tokens nor
     # max_completion_tokens; settled against the answer's `usage` when it comes.
     rate_limit_default_completion_tokens: int = Field(256, ge=0)
-    # Client location (geo_router.locate): a MaxMind DB (GeoIP2/GeoLite2 City .mmdb) that
+    # Client location (geo_router.selection.locate): a MaxMind DB (GeoIP2/GeoLite2 City .mmdb) that
     # locates clients the edge header does not; unset, they are at default_client_location.
     geoip_database: Path | None = None
     # Peers in these networks are proxies whose X-Forwarded-For is believed (a JSON list of
@@ -425,7 +428,7 @@ class RouterSettings(ListenerSettings):
     # Where this router runs ("lat,lon" or a region name): measured round trips from here to
     # regions refine the great-circle RTT estimates.
     router_location: str | None = None
-    # Node health, Envoy-style (geo_router.probe, geo_router.health, geo_router.outlier).
+    # Node health, Envoy-style (geo_router.state.probe, geo_router.state.health, geo_router.forwarding.outlier).
     # Active probes: every READY node's GET /metrics every probe_interval_s (jittered), which
     # also reads its load; probe_unhealthy_threshold failures in a row eject the node, and
     # probe_healthy_threshold successes in a row while it is ejected bring it back early.
@@ -453,7 +456,7 @@ class RouterSettings(ListenerSettings):
     # in flight, but never fewer than min_retry_concurrency.
     retry_budget_percent: float = Field(20.0, ge=0, le=100)
     min_retry_concurrency: int = Field(3, ge=0)
-    # Stream migration (geo_router.migration): a chat or completions stream whose node fails
+    # Stream migration (geo_router.forwarding.migration): a chat or completions stream whose node fails
     # after the first byte resumes on another replica of the tenant's zone from the prompt's
     # and the generated token ids. A stream is failed when its connection breaks, its node
     # sends an error event, or no event comes for inter_token_timeout_s (a frozen node).
@@ -473,7 +476,7 @@ class RouterSettings(ListenerSettings):
     migration_queue_timeout_s: float = Field(5.0, ge=0)
     migration_budget_tokens_per_s: float = Field(200_000.0, ge=0)
     migration_budget_burst_tokens: int = Field(2_000_000, ge=0)
-    # KV-prefix index from the nodes' KV cache events (geo_router.kv_index, kv_subscriber):
+    # KV-prefix index from the nodes' KV cache events (geo_router.state.kv_index, kv_subscriber):
     # the router subscribes to every node that advertises a kv_events endpoint.
     kv_events_enabled: bool = True
     # ZMQ topic (prefix) subscribed to; the nodes' kv_events_topic.
@@ -488,7 +491,7 @@ class RouterSettings(ListenerSettings):
     # that starts late knows the blocks cached before it subscribed.
     kv_events_replay_on_connect: bool = True
     # Index only the KV caches of nodes in regions within this estimated round trip of
-    # `router_location` (geo_router.kv_scope); unset, every node's. A router's clients are near
+    # `router_location` (geo_router.state.kv_scope); unset, every node's. A router's clients are near
     # it and its candidates are drawn nearest region first, so a far region's cache seldom
     # decides a placement, while each indexed node costs a ZMQ stream and ~75 bytes a cached
     # block (10,000 nodes x 512 blocks: 374 MiB). Nodes outside are matched by the routing

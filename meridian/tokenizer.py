@@ -19,7 +19,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Tokenizer, decoders
+from tokenizers import AddedToken, Tokenizer, decoders
 
 # U+FFFD is what a byte-level decoder produces for an incomplete UTF-8 sequence.
 REPLACEMENT_CHAR = "\ufffd"
@@ -94,6 +94,11 @@ class ChatTokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of an id in its raw form (byte-level BPE spelling)."""
         return self._tok.id_to_token(token_id)
+
+    def added_tokens(self) -> dict[int, AddedToken]:
+        """The tokens added to the vocabulary (special and not), by id: the tokenizer cuts a
+        text at these before it encodes the pieces between them."""
+        return self._tok.get_added_tokens_decoder()
 
     @property
     def is_byte_level(self) -> bool:

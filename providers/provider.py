@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, cast, runtime_checkable
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import RegionInfo
 from meridian.registry import Registry, load_target
 from meridian.settings import ProviderSettings
@@ -79,6 +80,8 @@ class ProviderConfig:
 
     settings: ProviderSettings
     onprem_inventory: Inventory | None = None
+    # The control plane's one clock: a driver's waits and deadlines run on it.
+    clock: Clock = SYSTEM_CLOCK
 
 
 ProviderFactory = Callable[[ProviderConfig], Provider]

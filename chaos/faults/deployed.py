@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from chaos.admin_writes import AdminWrites
 from chaos.deployed_environment import DeployedEnvironment, DeployedNode
 from chaos.deployment import NODE_FIELDS, CommandAction, FaultAction, TerminateInstanceAction, template_fields
-from chaos.drill import Fault
+from chaos.drill import Fault, FaultKind
 from chaos.environment import InjectionError
 from chaos.faults.injector import Injector
 from chaos.history import History, Outcome
@@ -76,7 +76,7 @@ class CommandInjector:
         self._drained_in_s: float | None = None
         self._replaced: bool | None = None
         # Postgres restart: an operator's admin writes through the fault.
-        self._writes = (AdminWrites(env.admin, env.run_id, env.event) if fault.kind == "postgres_restart"
+        self._writes = (AdminWrites(env.admin, env.run_id, env.event) if fault.kind is FaultKind.POSTGRES_RESTART
                         else None)
 
     async def inject(self) -> None:
@@ -87,10 +87,10 @@ class CommandInjector:
             self._ejections_before = await self._env.routers.ejections(n.node_id for n in self._victims)
             self._ready_before = await self._env.ready_counts({n.region for n in self._victims})
         await self._run(self._action.inject, "inject")
-        if self._fault.kind == "control_plane_outage":
+        if self._fault.kind is FaultKind.CONTROL_PLANE_OUTAGE:
             self._control_plane_down = not await self._env.control_plane_answers()
             self._env.event("check", f"control plane {'unreachable' if self._control_plane_down else 'STILL ANSWERS'}")
-        if self._fault.kind == "spot_preemption" and self._victims:
+        if self._fault.kind is FaultKind.SPOT_PREEMPTION and self._victims:
             deadline_s = float(self._fault.params.get("drain_deadline_s", 120))
             self._draining = asyncio.create_task(self._drained(deadline_s), name="chaos-drain-watch")
 
@@ -138,7 +138,7 @@ class CommandInjector:
             # Routers count every ejection; one per target node shows they took it out.
             ejected = await self._env.routers.all_ejected_since(self._ejections_before)
             seen.update(outlier_ejected=ejected, region_ejected=ejected)
-        if self._fault.kind == "control_plane_outage":
+        if self._fault.kind is FaultKind.CONTROL_PLANE_OUTAGE:
             f = self._fault
             served = any(op.outcome is Outcome.OK and f.start_s <= op.invoke_s < f.end_s for op in history.client)
             seen["served_from_snapshot"] = self._control_plane_down and served

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
-from chaos.drill import Fault
+from chaos.drill import FAULTS, Fault
 from chaos.environment import DrillEnvironment
 from chaos.history import History
 from localfabric import FabricSpec
@@ -61,33 +61,8 @@ class PreparesFabric(Protocol):
     def unavailable() -> str | None: ...
 
 
-_NODE_LINK = "chaos.faults.network:NodeLinkFault"
-_NODE_CRASH = "chaos.faults.process:NodeCrash"
-
-INJECTORS: Registry[InjectorFactory] = Registry("fault injector", builtins={
-    "clock_skew": "chaos.faults.process:ClockSkew",
-    "control_plane_outage": "chaos.faults.process:ControlPlaneOutage",
-    "control_plane_stall": "chaos.faults.control_plane_stall:ControlPlaneStall",
-    "corrupt_weight_chunk": "chaos.faults.weights:CorruptWeightChunk",
-    "disk_full_during_fetch": "chaos.faults.weights:DiskFullDuringFetch",
-    "mid_stream_crash": "chaos.faults.mid_stream:MidStreamCrash",
-    "mid_stream_hang": "chaos.faults.mid_stream:MidStreamHang",
-    "packet_loss": "chaos.faults.packet_loss:PacketLoss",
-    "pd_worker_crash": "chaos.faults.pd:PDWorkerCrash",
-    "postgres_restart": "chaos.faults.network:PostgresRestart",
-    "process_crash": _NODE_CRASH,
-    "process_hang": "chaos.faults.process:NodeHang",
-    "provider_outage": _NODE_CRASH,
-    "proxy_bandwidth": _NODE_LINK,
-    "proxy_blackhole": _NODE_LINK,
-    "proxy_latency": _NODE_LINK,
-    "proxy_reset": _NODE_LINK,
-    "proxy_slow_close": _NODE_LINK,
-    "redis_outage": "chaos.faults.network:RedisOutage",
-    "region_outage": _NODE_CRASH,
-    "scale_from_zero_burst": "chaos.faults.burst:ScaleFromZeroBurst",
-    "spot_preemption": "chaos.faults.process:SpotPreemption",
-})
+INJECTORS: Registry[InjectorFactory] = Registry(
+    "fault injector", builtins={kind.value: fault.injector for kind, fault in FAULTS.items()})
 
 
 def _registered(kind: str) -> InjectorFactory | None:

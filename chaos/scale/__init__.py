@@ -11,7 +11,7 @@ What is real and what is simulated, and why:
   deregister; a death is an agent that stops without deregistering), their requests carried
   by one small keep-alive pool per process (`wire`). Their URLs point at loopback addresses
   nobody serves: nothing in a measurement calls a node.
-- Routers are the real `geo_router.table.RoutingTableClient`, many per process (`routers`),
+- Routers are the real `geo_router.state.table.RoutingTableClient`, many per process (`routers`),
   so that 50 fit on two cores: what the control plane sends them (full tables today,
   deltas once the table stream has them) is what they install. One or two real
   `meridian router serve` processes beside them give a real router's memory and its view

@@ -4,21 +4,21 @@ These need a table, not a fleet, so they run in the coordinator on the bytes the
 plane actually served:
 
 - `table_install_ms`: what a router pays per table change: parsing a one-node delta (the node
-  drained) and `LoadedTable.apply` on the table it holds, as geo_router.table installs a
+  drained) and `LoadedTable.apply` on the table it holds, as geo_router.state.table installs a
   delta (the fleet's routers also time their installs in flight, see chaos.scale.routers);
 - `full_table_install_ms`: `RoutingTable.model_validate_json` + `LoadedTable.build` on the
   bytes of a full table: what a router pays when it starts, or when it is too far behind for
   a delta;
-- `select_us`: `geo_router.selection.select_candidates` over that table for one request (a
+- `select_us`: `geo_router.selection.candidates.select_candidates` over that table for one request (a
   global tenant, one of the fleet's models), in microseconds;
-- `kv_index`: a `geo_router.kv_index.KVIndex` fed, node by node, with BlockStored batches
+- `kv_index`: a `geo_router.state.kv_index.KVIndex` fed, node by node, with BlockStored batches
   encoded and decoded in the real wire format (meridian.kv_events, as the router's
   subscriber does), `blocks_per_node` blocks each: its memory (tracemalloc) and its ingest
   rate (events per second, measured without tracemalloc). A stated share of every node's
   blocks comes from prefixes common to the nodes of its model (system prompts), the rest
   is its own, since what the index costs depends on how much the nodes share;
 - `kv_scope_nodes`: how many nodes the KV index of a router scoped by kv_events_max_rtt_ms
-  holds (geo_router.kv_scope), for the router placed where that is the most.
+  holds (geo_router.state.kv_scope), for the router placed where that is the most.
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ import tracemalloc
 from collections import Counter
 from dataclasses import dataclass
 
-from geo_router.health import InProcessFleetState
-from geo_router.kv_index import KVIndex
-from geo_router.kv_scope import regions_within
-from geo_router.locate import region_point
-from geo_router.selection import select_candidates
-from geo_router.table import LoadedTable
+from geo_router.selection.candidates import select_candidates
+from geo_router.state.health import InProcessFleetState
+from geo_router.state.kv_index import KVIndex
+from geo_router.state.kv_scope import regions_within
+from geo_router.state.table import LoadedTable
 from meridian.contracts import (
     GLOBAL_ZONE,
     NodeStatus,
@@ -44,6 +43,7 @@ from meridian.contracts import (
     RoutingTableDelta,
     TenantEntry,
 )
+from meridian.geo import region_point
 from meridian.kv_events import BlockStored, KVEventBatch, decode_batch, encode_batch
 from meridian.settings import RouterSettings
 
@@ -131,7 +131,7 @@ class KVFigures:
 
 
 def kv_scope_nodes(loaded: LoadedTable, max_rtt_ms: float) -> tuple[int, str]:
-    """The most nodes a router scoped to `max_rtt_ms` indexes (geo_router.kv_scope), over a
+    """The most nodes a router scoped to `max_rtt_ms` indexes (geo_router.state.kv_scope), over a
     router in each region of the table, and that router's region."""
     per_region = Counter(n.region for n in loaded.table.nodes)
     best = (0, "")

@@ -1,4 +1,4 @@
-"""Simulated routers: many real `geo_router.table.RoutingTableClient`s per process.
+"""Simulated routers: many real `geo_router.state.table.RoutingTableClient`s per process.
 
 Each client long-polls the control plane exactly as a router does (whatever the table
 stream offers: full snapshots today, deltas once it has them, since this only calls the
@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 from pydantic import SecretStr
 
-from geo_router.table import LoadedTable, RoutingTableClient
+from geo_router.state.table import LoadedTable, RoutingTableClient
 from localfabric.procs import die_with_parent
 from meridian.contracts import NodeStatus
 from meridian.settings import RouterSettings

@@ -82,7 +82,7 @@ from chaos.scale.stack import (
     start_control_plane,
     start_router,
 )
-from geo_router.table import LoadedTable
+from geo_router.state.table import LoadedTable
 from meridian.contracts import NodeRegistered, NodeRegistration, NodeStatus, RoutingTable
 from meridian.settings import ControlPlaneSettings
 
@@ -112,7 +112,7 @@ class PointSpec:
     register_timeout_s: float = 60.0
     exclusion_timeout_s: float = 60.0
     kv_blocks_per_node: int = 512
-    # The routers' kv_events_max_rtt_ms (geo_router.kv_scope): their KV index holds the nodes of
+    # The routers' kv_events_max_rtt_ms (geo_router.state.kv_scope): their KV index holds the nodes of
     # the regions this near; the figure is the router that holds the most. None: every node.
     kv_scope_rtt_ms: float | None = 50.0
     cp_env: dict[str, str] = field(default_factory=dict)

@@ -137,8 +137,9 @@ def start_router(number: int, cp_url: str, token: str, log_dir: Path, probes: bo
     port = fabric_port("127.0.0.1")
     proc = spawn(f"router-{number}", ["router", "serve", "--host", "127.0.0.1", "--port", str(port),
                                       "--control-plane-url", cp_url],
+                 # One worker: the stack reads one router process's memory and table version.
                  {"MERIDIAN_CLUSTER_TOKEN": token, "MERIDIAN_ROUTER_PROBE_ENABLED": str(probes).lower(),
-                  "MERIDIAN_LOG_LEVEL": "WARNING"},
+                  "MERIDIAN_LOG_LEVEL": "WARNING", "MERIDIAN_ROUTER_WORKERS": "1"},
                  f"http://127.0.0.1:{port}", log_dir)
     proc.wait_http("/health")
     return proc

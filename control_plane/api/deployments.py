@@ -17,7 +17,6 @@ from control_plane.audit import Actor
 from control_plane.auth import Ctx, require_actor, require_cluster_token, require_scopes
 from control_plane.db.models import Deployment
 from control_plane.errors import BadRequest, Conflict
-from control_plane.placement.problem import in_zone
 from control_plane.scopes import FLEET_READERS, Scope
 from meridian.admin_api import DeploymentUpsert
 from meridian.contracts import PRINTABLE_PATTERN, DeploymentView, DisaggregationSpec, ScaleUpRequest
@@ -98,7 +97,7 @@ def _check_pools(ctx: Ctx, zone: str, spec: DisaggregationSpec) -> None:
     unknown = sorted(r for r in spec.pools if r not in ctx.regions)
     if unknown:
         raise BadRequest(f"disaggregation.pools names unknown regions: {', '.join(unknown)}")
-    outside = sorted(r for r in spec.pools if not in_zone(ctx.regions[r], zone))
+    outside = sorted(r for r in spec.pools if not ctx.regions[r].admits(zone))
     if outside:
         raise BadRequest(f"disaggregation.pools names regions outside zone {zone!r}: {', '.join(outside)}")
 

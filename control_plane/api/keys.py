@@ -63,7 +63,6 @@ def create_api_key(ctx: Ctx, actor: AdminActor, body: ApiKeyCreate) -> ApiKeyCre
                 session,
                 name=body.name,
                 tenant=tenant.name,
-                zone=tenant.zone,
                 scopes=body.scopes,
                 models=body.models,
                 now=now,

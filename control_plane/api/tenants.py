@@ -18,8 +18,8 @@ from control_plane.auth import Ctx, require_actor, require_scopes
 from control_plane.db.models import Tenant
 from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import FLEET_READERS, Scope
+from meridian import residency
 from meridian.admin_api import TENANT_PATTERN, TenantCreate, TenantPatch, TenantView
-from meridian.contracts import GLOBAL_ZONE
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
 readers = [Depends(require_scopes(FLEET_READERS))]
@@ -33,7 +33,7 @@ def tenant_view(row: Tenant) -> TenantView:
 
 def known_zone(ctx: Ctx, zone: str) -> str:
     """`zone` if some region belongs to it (or it is global), else 400."""
-    known = {z for r in ctx.regions.values() for z in r.zones} | {GLOBAL_ZONE}
+    known = residency.known_zones(ctx.regions.values())
     if zone not in known:
         raise BadRequest(f"unknown zone {zone!r}; known: {', '.join(sorted(known))}")
     return zone

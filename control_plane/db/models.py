@@ -22,7 +22,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import Dialect
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
 # Named constraints let Alembic's batch mode (SQLite) and autogenerate address them.
@@ -97,6 +97,9 @@ class Node(Base):
     kv_events_replay: Mapped[str | None] = mapped_column(String(256), nullable=True)
     # vLLM's --tool-call-parser of the node (None: it parses no tool calls), as it advertised it.
     tool_call_parser: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # meridian.contracts.NodeCapability values the node registered (NULL: an older agent,
+    # which said none; routers then take its engine kind's, ENGINE_CAPABILITIES).
+    capabilities: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
     # Prefill/decode disaggregation: a meridian.contracts.NodeRole value and, for a prefill or
     # decode node, its meridian.contracts.KVTransferInfo (connector, endpoint, lease) as JSON.
     role: Mapped[str] = mapped_column(String(16), default="both", server_default="both")
@@ -108,14 +111,14 @@ class Node(Base):
 
 
 class ApiKey(Base):
-    """An API key; only its SHA-256 is stored."""
+    """An API key; only its SHA-256 is stored. Its residency zone is its tenant's, stored
+    there alone (migration 0014)."""
 
     __tablename__ = "api_keys"
 
     id: Mapped[str] = mapped_column(String(36), primary_key=True)
     name: Mapped[str] = mapped_column(String(200))
     tenant: Mapped[str] = mapped_column(String(200), index=True)
-    zone: Mapped[str] = mapped_column(String(32))
     scopes: Mapped[list[str]] = mapped_column(JSON)
     # None means every model.
     models: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
@@ -123,6 +126,17 @@ class ApiKey(Base):
     key_prefix: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), nullable=True)
+    # Loaded with the keys, all of a query's at once (one more SELECT ... IN, not a join:
+    # Postgres refuses FOR UPDATE on a key outer-joined to its tenant).
+    tenant_row: Mapped[Tenant | None] = relationship(
+        primaryjoin="foreign(ApiKey.tenant) == Tenant.name", viewonly=True, lazy="selectin")
+
+    @property
+    def zone(self) -> str | None:
+        """The tenant's zone; None for a key whose tenant has no row: a deleted tenant's
+        (revoked with it) or the bootstrap admin key's operator tenant, which serves no
+        inference. Not guessed: a deleted tenant's key was not global."""
+        return self.tenant_row.zone if self.tenant_row is not None else None
 
 
 class RoutingState(Base):
@@ -264,7 +278,7 @@ class PlacementPlan(Base):
 class Tenant(Base):
     """A customer of the fabric: its residency zone, allowed models and rate limits.
 
-    Its API keys carry the tenant's zone; changing the zone re-binds every key."""
+    Its zone is its API keys' too (they read it from here): changing it moves every key."""
 
     __tablename__ = "tenants"
 

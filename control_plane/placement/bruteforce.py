@@ -23,6 +23,7 @@ from control_plane.placement.problem import (
     Deployment,
     PlacementResult,
     Problem,
+    SolveStatus,
     rtt_ms,
     usable_offerings,
 )
@@ -151,7 +152,7 @@ def solve_bruteforce(problem: Problem, max_configs: int = 200_000) -> PlacementR
                     gpus[(ch.offering.region, ch.offering.sku)] += n * ch.offering.gpu_count
             configs.append(_Config(objective, counts, dict(gpus)))
         if not configs:
-            return PlacementResult("infeasible", explanation=(f"deployment {d.name}: no feasible configuration",),
+            return PlacementResult(SolveStatus.INFEASIBLE, explanation=(f"deployment {d.name}: no feasible configuration",),
                                    solve_seconds=time.perf_counter() - t0)
         configs.sort(key=lambda c: c.objective)
         per_dep.append((d, choices, configs))
@@ -159,7 +160,7 @@ def solve_bruteforce(problem: Problem, max_configs: int = 200_000) -> PlacementR
     search = _Search(problem, [configs for _, _, configs in per_dep])
     search.dfs(0, 0.0)
     if search.best_objective == math.inf:
-        return PlacementResult("infeasible", explanation=("capacity: no combination fits the quotas",),
+        return PlacementResult(SolveStatus.INFEASIBLE, explanation=("capacity: no combination fits the quotas",),
                                solve_seconds=time.perf_counter() - t0)
     assignments: list[Assignment] = []
     for (d, choices, _), cfg in zip(per_dep, search.best, strict=True):
@@ -173,7 +174,7 @@ def solve_bruteforce(problem: Problem, max_configs: int = 200_000) -> PlacementR
     for a in assignments:
         costs[a.deployment] += a.cost_per_hour
     return PlacementResult(
-        status="optimal",
+        status=SolveStatus.OPTIMAL,
         assignments=tuple(assignments),
         total_cost_per_hour=sum(costs.values()),
         cost_per_deployment=costs,

@@ -20,7 +20,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 
-from control_plane.placement.problem import Deployment, Problem, in_zone, rtt_ms
+from control_plane.placement.problem import Deployment, Problem, rtt_ms
 from providers.offerings import Offering
 
 
@@ -121,7 +121,7 @@ def build_candidates(problem: Problem) -> tuple[list[Candidates], list[str]]:
             out.append(Candidates(d, (), (), {}, (), d.min_regions, d.min_providers or 1))
             continue
         clients = d.client_regions
-        zone_regions = [r for r in sorted(problem.regions) if in_zone(problem.regions[r], d.zone)]
+        zone_regions = [r for r in sorted(problem.regions) if problem.regions[r].admits(d.zone)]
         if clients:
             allowed_regions = [r for r in zone_regions if any(rtt(c, r) <= d.rtt_objective_ms for c in clients)]
         else:

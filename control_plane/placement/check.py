@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import combinations
 
-from control_plane.placement.problem import Assignment, Deployment, Problem, in_zone, rtt_ms, usable_offerings
+from control_plane.placement.problem import Assignment, Deployment, Problem, rtt_ms, usable_offerings
 from providers.offerings import Offering
 
 _TOL = 1e-6
@@ -24,7 +24,7 @@ def residency_violations(problem: Problem, assignments: Iterable[Assignment]) ->
     for a in assignments:
         region = problem.regions.get(a.region)
         zone = zones.get(a.deployment, "?")
-        if region is None or not in_zone(region, zone):
+        if region is None or not region.admits(zone):
             out.append(f"residency: deployment {a.deployment} (zone '{zone}') has replicas in {a.region}")
     return out
 

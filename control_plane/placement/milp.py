@@ -7,6 +7,7 @@ non-zeros of a fleet-sized placement; this collects plain arrays instead.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import highspy
 import numpy as np
@@ -14,11 +15,20 @@ import numpy as np
 INF = highspy.kHighsInf
 
 
+class MilpStatus(StrEnum):
+    """HiGHS's model status, as the solver reads it."""
+
+    OPTIMAL = "optimal"
+    INFEASIBLE = "infeasible"  # costs are non-negative: "unbounded or infeasible" is this too
+    TIME_LIMIT = "time_limit"
+    OTHER = "other"
+
+
 @dataclass(frozen=True, slots=True)
 class MilpSolution:
     """What came back: HiGHS's model status, the column values (when it has any), and figures."""
 
-    status: str  # "optimal" | "infeasible" | "time_limit" | "other"
+    status: MilpStatus
     has_solution: bool
     values: np.ndarray
     objective: float
@@ -93,12 +103,12 @@ class Milp:
         h.run()
         ms = h.getModelStatus()
         status = {
-            highspy.HighsModelStatus.kOptimal: "optimal",
-            highspy.HighsModelStatus.kInfeasible: "infeasible",
+            highspy.HighsModelStatus.kOptimal: MilpStatus.OPTIMAL,
+            highspy.HighsModelStatus.kInfeasible: MilpStatus.INFEASIBLE,
             # Costs are non-negative, so "unbounded or infeasible" can only be infeasible.
-            highspy.HighsModelStatus.kUnboundedOrInfeasible: "infeasible",
-            highspy.HighsModelStatus.kTimeLimit: "time_limit",
-        }.get(ms, "other")
+            highspy.HighsModelStatus.kUnboundedOrInfeasible: MilpStatus.INFEASIBLE,
+            highspy.HighsModelStatus.kTimeLimit: MilpStatus.TIME_LIMIT,
+        }.get(ms, MilpStatus.OTHER)
         info = h.getInfo()
         has_solution = info.primal_solution_status == highspy.SolutionStatus.kSolutionStatusFeasible
         solution = h.getSolution()
@@ -109,7 +119,7 @@ class Milp:
         if any(self.integer):
             bound = float(info.mip_dual_bound)
         else:
-            bound = objective if status == "optimal" else -INF
-        if status == "optimal" and has_solution:
+            bound = objective if status is MilpStatus.OPTIMAL else -INF
+        if status is MilpStatus.OPTIMAL and has_solution:
             bound = min(bound, objective)
         return MilpSolution(status, has_solution, values, objective, bound, float(h.getRunTime()), duals)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from control_plane.placement.fit import ModelFit
 from meridian.contracts import GLOBAL_ZONE, RegionInfo
@@ -159,17 +160,20 @@ class Problem:
         return self.providers is None or region.provider in self.providers
 
 
+class SolveStatus(StrEnum):
+    """How a placement solve ended (PlacementResult.status)."""
+
+    OPTIMAL = "optimal"  # proven within the MIP gap
+    FEASIBLE = "feasible"  # a valid plan whose proven gap is above the target (the time limit cut it short)
+    INFEASIBLE = "infeasible"  # `explanation` names the constraints that cannot be met
+    TIMEOUT = "timeout"  # no plan found in the time limit
+
+
 @dataclass(frozen=True, slots=True)
 class PlacementResult:
-    """A plan, or why there is none.
+    """A plan, or why there is none (`status`: SolveStatus)."""
 
-    status: "optimal" (proven within the MIP gap), "feasible" (a valid plan whose proven gap,
-    `mip_gap`, is above the target: the time limit cut the search short), "infeasible"
-    (`explanation` names the constraints that cannot be met), or "timeout" (no plan found in the
-    time limit).
-    """
-
-    status: str
+    status: SolveStatus
     assignments: tuple[Assignment, ...] = ()
     total_cost_per_hour: float = 0.0
     cost_per_deployment: Mapping[str, float] = field(default_factory=dict)
@@ -184,7 +188,7 @@ class PlacementResult:
 
     @property
     def feasible(self) -> bool:
-        return self.status in ("optimal", "feasible")
+        return self.status in (SolveStatus.OPTIMAL, SolveStatus.FEASIBLE)
 
     @property
     def churn(self) -> int:
@@ -195,11 +199,6 @@ class PlacementResult:
 def rtt_ms(a: RegionInfo, b: RegionInfo) -> float:
     """Estimated RTT between two regions (meridian.geo's great-circle model)."""
     return estimate_rtt_ms(Point(a.latitude, a.longitude), Point(b.latitude, b.longitude))
-
-
-def in_zone(region: RegionInfo, zone: str) -> bool:
-    """Whether a deployment of `zone` may have a replica in `region` (residency)."""
-    return region.admits(zone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,7 +222,7 @@ def usable_offerings(problem: Problem, d: Deployment) -> Iterator[UsableOffering
         shape = d.shapes.get(off.sku)
         if region is None or shape is None or off.sku not in skus or off.gpu_count < shape.tp:
             continue
-        if not in_zone(region, d.zone) or not problem.provisions(region):
+        if not region.admits(d.zone) or not problem.provisions(region):
             continue
         near = [c for c in clients if rtt_ms(problem.regions[c], region) <= d.rtt_objective_ms]
         if clients and not near:

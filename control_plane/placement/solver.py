@@ -46,7 +46,7 @@ from dataclasses import dataclass, field, replace
 from control_plane.placement.candidates import Candidates, build_candidates
 from control_plane.placement.check import deployment_violations, provider_violations, residency_violations
 from control_plane.placement.diff import churn_counts
-from control_plane.placement.milp import INF, MilpSolution
+from control_plane.placement.milp import INF, MilpSolution, MilpStatus
 from control_plane.placement.model import CurrentPlan, Key, PlacementModel
 from control_plane.placement.parallel import parallel_map
 from control_plane.placement.problem import (
@@ -54,6 +54,7 @@ from control_plane.placement.problem import (
     PlacementResult,
     Problem,
     SolveOptions,
+    SolveStatus,
 )
 from providers.offerings import Offering
 
@@ -158,10 +159,10 @@ def _solve_joint(problem: Problem, current: CurrentPlan, cands: Sequence[Candida
     sol = model.milp.solve(max(0.05, deadline - time.perf_counter()), options.mip_rel_gap,
                            start=model.start_from(start) if start else None)
     if not sol.has_solution:
-        if sol.status == "infeasible":
+        if sol.status is MilpStatus.INFEASIBLE:
             raise _Infeasible(_explain_capacity(problem, current, cands, deadline - time.perf_counter()))
         raise TimeoutError(f"no plan found within the time limit (HiGHS status {sol.status})")
-    return _Outcome(model.read(sol), sol.dual_bound, proven=sol.status == "optimal")
+    return _Outcome(model.read(sol), sol.dual_bound, proven=sol.status is MilpStatus.OPTIMAL)
 
 
 class _Decomposition:
@@ -206,11 +207,11 @@ class _Decomposition:
         model = PlacementModel(self.problem, self.current, self.cands, self.problem.capacity)
         model.milp.integer = [0] * len(model.milp.integer)
         sol = model.milp.solve(self._left(), self.options.mip_rel_gap)
-        if sol.status == "infeasible":
+        if sol.status is MilpStatus.INFEASIBLE:
             raise _Infeasible(_explain_capacity(self.problem, self.current, self.cands, self._left()))
         if not sol.has_solution:
             return -INF, {}
-        if sol.status == "optimal":
+        if sol.status is MilpStatus.OPTIMAL:
             self._lp = (model, sol)
         # HiGHS reports ≤ rows of a minimisation with duals ≤ 0; the price of a GPU is its negation.
         prices = {k: -float(sol.row_duals[row]) for k, row in model.capacity_rows.items()
@@ -257,7 +258,7 @@ class _Decomposition:
                     self.rounded += 1
                 return rounded
         sol = model.milp.solve(seconds, self.options.mip_rel_gap, start=begin)
-        if not sol.has_solution and sol.status == "time_limit":
+        if not sol.has_solution and sol.status is MilpStatus.TIME_LIMIT:
             # Its share of the time was too short to find any plan (a loaded machine, a fleet of
             # thousands): its LP relaxation rounded up is one, with the LP's value as its bound.
             rounded = self._rounded(model, capacity)
@@ -268,7 +269,7 @@ class _Decomposition:
             retry = max(4.0 * seconds, min(1.0, max(0.25, self._left())))
             sol = model.milp.solve(retry, self.options.mip_rel_gap, start=begin)
         if not sol.has_solution:
-            if sol.status == "infeasible":
+            if sol.status is MilpStatus.INFEASIBLE:
                 return None
             raise TimeoutError(f"deployment {cand.deployment.name}: no plan found within the time limit"
                                f" (HiGHS status {sol.status})")
@@ -283,7 +284,7 @@ class _Decomposition:
             lp = model.milp.solve(1.0, self.options.mip_rel_gap)
         finally:
             model.milp.integer = integer
-        if not lp.has_solution or lp.status != "optimal":
+        if not lp.has_solution or lp.status is not MilpStatus.OPTIMAL:
             return None
         plan = model.read(lp, round_up=True)[0]
         used = _usage([model.cands[0]], [plan], self.gpus_of)
@@ -481,20 +482,20 @@ def solve(problem: Problem, options: SolveOptions | None = None) -> PlacementRes
     deadline = t0 + options.time_limit_s
     cands, errors = build_candidates(problem)
     if errors:
-        return PlacementResult("infeasible", explanation=tuple(errors), solve_seconds=time.perf_counter() - t0)
+        return PlacementResult(SolveStatus.INFEASIBLE, explanation=tuple(errors), solve_seconds=time.perf_counter() - t0)
     current = CurrentPlan.of(problem)
     if not problem.deployments:
         removed = sum(a.replicas for a in problem.current)
-        return PlacementResult("optimal", replicas_removed=removed, solve_seconds=time.perf_counter() - t0)
+        return PlacementResult(SolveStatus.OPTIMAL, replicas_removed=removed, solve_seconds=time.perf_counter() - t0)
     try:
         if sum(len(c.options) for c in cands) <= options.joint_max_options:
             outcome = _solve_joint(problem, current, cands, options, deadline)
         else:
             outcome = _solve_components(problem, current, cands, options, deadline)
     except _Infeasible as e:
-        return PlacementResult("infeasible", explanation=tuple(e.lines), solve_seconds=time.perf_counter() - t0)
+        return PlacementResult(SolveStatus.INFEASIBLE, explanation=tuple(e.lines), solve_seconds=time.perf_counter() - t0)
     except TimeoutError as e:
-        return PlacementResult("timeout", explanation=(str(e),), solve_seconds=time.perf_counter() - t0)
+        return PlacementResult(SolveStatus.TIMEOUT, explanation=(str(e),), solve_seconds=time.perf_counter() - t0)
 
     offerings = {(o.region, o.instance_type): o for o in problem.offerings}
     plans = [_trim(problem, current, cand, plan, offerings) for cand, plan in zip(cands, outcome.plans, strict=True)]
@@ -509,7 +510,7 @@ def solve(problem: Problem, options: SolveOptions | None = None) -> PlacementRes
     for a in assignments:
         costs[a.deployment] += a.cost_per_hour
     return PlacementResult(
-        status="optimal" if outcome.proven or gap <= options.mip_rel_gap + 1e-9 else "feasible",
+        status=SolveStatus.OPTIMAL if outcome.proven or gap <= options.mip_rel_gap + 1e-9 else SolveStatus.FEASIBLE,
         assignments=tuple(assignments),
         total_cost_per_hour=sum(costs.values()),
         cost_per_deployment=costs,

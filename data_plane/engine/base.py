@@ -10,20 +10,41 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.contracts import KVTransferInfo
+from meridian.contracts import KVTransferInfo, NodeCapability
 from meridian.registry import Registry
 from meridian.settings import NodeSettings
 
 if TYPE_CHECKING:
     import httpx
 
-    from data_plane.engine.kv_transfer.holds import KVHold
-    from data_plane.engine.kv_transfer.payload import KVPayload
     from meridian.kv_events import KVEventBatch
     from meridian.tokenizer import ChatTokenizer
 
 FinishReason = Literal["stop", "length", "abort"]
 log = logging.getLogger(__name__)
+
+
+class ExternalKV(Protocol):
+    """Another node's prefill of a request's prompt, as an engine is given it to decode
+    after (meridian.kv_transfer). Each engine has its own form of the KV itself (the torch
+    engine's: data_plane.engine.kv_transfer.payload.KVPayload, its tensors on the CPU); this
+    protocol names only what says which prompt it is, so the protocol imports no engine."""
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def tokens_sha256(self) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KVHold:
+    """What a prefill request's last output says of its held KV: the handle a decode node
+    pulls it by, the blocks, and the prompt tokens whose KV they hold (the whole prompt)."""
+
+    handle: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
 
 
 def warn_without_chat_template(tokenizer: ChatTokenizer, model: str) -> None:
@@ -80,7 +101,7 @@ class GenerationRequest:
     hold_kv: bool = False
     # Decode after another node's prefill: the prompt's KV it computed (checked to fit);
     # those tokens are not computed again, but for the last, whose logits are sampled.
-    external_kv: KVPayload | None = None
+    external_kv: ExternalKV | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,6 +230,14 @@ class PassthroughEngine(Protocol):
         them itself (vLLM's --tool-call-parser); None when it reads none. An engine that is
         not pass-through serves no tools."""
         ...
+
+
+@runtime_checkable
+class CapableEngine(Protocol):
+    """An engine that says what it does with requests that routers shape theirs by; the node
+    registers it (an engine that does not say registers none)."""
+
+    def capabilities(self) -> tuple[NodeCapability, ...]: ...
 
 
 @runtime_checkable

@@ -36,12 +36,13 @@ from data_plane.engine.base import (
     GenerationOutput,
     GenerationRequest,
     KVEventSink,
+    KVHold,
     TokenLogprob,
     served_model_name,
     warn_without_chat_template,
 )
 from data_plane.engine.kv_cache.manager import KVCacheManager
-from data_plane.engine.kv_transfer.holds import HeldKV, KVHold, Leases
+from data_plane.engine.kv_transfer.holds import HeldKV, Leases
 from data_plane.engine.kv_transfer.payload import KVLayout, KVPayload, dtype_name
 from data_plane.engine.model_runner import LoraBatchFactory, ModelRunner
 from data_plane.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
@@ -52,6 +53,7 @@ from data_plane.model.loader import load_model
 from data_plane.model.paged_attention import PagedKVCache
 from data_plane.sampling import Sampled, SamplingFailed, make_generator
 from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.contracts import NodeCapability
 from meridian.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
 from meridian.settings import NodeSettings
 from meridian.stop_strings import StopStringMatcher
@@ -209,6 +211,11 @@ class TorchEngine:
     def set_kv_event_sink(self, sink: KVEventSink | None) -> None:
         self._sink = sink
 
+    def capabilities(self) -> tuple[NodeCapability, ...]:
+        # It refuses include_stop_str_in_output (it holds back only a real stop string's
+        # start) and add_special_tokens on a chat: neither applies.
+        return ()
+
     def models(self) -> list[str]:
         return [self._model_name]
 
@@ -258,6 +265,9 @@ class TorchEngine:
             raise EngineRequestError(f"unknown LoRA adapter {request.lora_name!r}")
         if request.request_id in self._active_ids:
             raise EngineRequestError(f"request id {request.request_id!r} is already running")
+        external = request.external_kv
+        if external is not None and not isinstance(external, KVPayload):
+            raise EngineRequestError(f"the torch engine takes another node's KV as a KVPayload, not {type(external).__name__}")
         with self._lock:
             waiting = self._inbox_pending + self._sched_waiting
             if waiting >= self._settings.max_waiting_requests:
@@ -274,7 +284,7 @@ class TorchEngine:
         )
         seq = Sequence(
             request=request, arrival=next(self._arrivals),
-            token_ids=list(request.prompt_token_ids), sink=client, pending_kv=request.external_kv,
+            token_ids=list(request.prompt_token_ids), sink=client, pending_kv=external,
         )
         self._active_ids.add(request.request_id)
         self._inbox.put(Add(seq))

@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from meridian.cpus import usable_cpus
+
 # Same bound as the reference implementation: a header is metadata, never weights.
 MAX_HEADER_BYTES = 100_000_000
 DEFAULT_BUFFER_BYTES = 64 * 1024 * 1024
@@ -144,16 +146,9 @@ def stream_tensors(
     if sys.byteorder != "little":
         raise NotImplementedError("safetensors data is little-endian; big-endian hosts are not supported")
     if staged if staged is not None else target.type != "cpu":
-        threads = read_threads or min(MAX_READ_THREADS, _usable_cpus())
+        threads = read_threads or min(MAX_READ_THREADS, usable_cpus())
         return _StagedLoad(target, dtype, buffer_bytes, buffers, threads, on_header).run(files)
     return _mapped(files, target, dtype, on_header)
-
-
-def _usable_cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 # --- header -----------------------------------------------------------------------------

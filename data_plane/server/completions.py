@@ -29,10 +29,10 @@ from data_plane.engine.base import (
     FinishReason,
     GenerationOutput,
     GenerationRequest,
+    KVHold,
     SamplingParams,
     TokenLogprob,
 )
-from data_plane.engine.kv_transfer.holds import KVHold
 from data_plane.engine.tracing import traced
 from data_plane.runtime import NodeRuntime
 from data_plane.server.body import parse_body

@@ -19,7 +19,7 @@ import enum
 from typing import Any
 
 from data_plane.agent import advertised_endpoint, default_node_id
-from data_plane.engine.kv_transfer.holds import KVHold
+from data_plane.engine.base import KVHold
 from data_plane.server.errors import BadRequestError
 from meridian.contracts import KVConnector, NodeRole
 from meridian.kv_transfer import is_decode_request, is_prefill_request

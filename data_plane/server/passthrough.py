@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 import httpx
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from opentelemetry import context as otel_context
 from starlette.types import Receive, Scope, Send
 
@@ -40,6 +40,7 @@ from data_plane.server.errors import (
     UnavailableError,
 )
 from meridian.contracts import GENERATION_ROUTES, HEADER_REQUEST_ID, MODEL_ROUTES
+from meridian.http_stream import ListenerStreamingResponse
 from meridian.kv_transfer import is_prefill_request
 from meridian.request_journal import RequestJournal
 from meridian.tracing import inject
@@ -63,9 +64,10 @@ class _Call:
     finished: bool = False
 
 
-class _RelayedStream(StreamingResponse):
+class _RelayedStream(ListenerStreamingResponse):
     """A relayed stream that always closes its upstream, however the client leaves (a
-    client gone before the body was iterated included)."""
+    client gone before the body was iterated included; on the node's listener a hang-up
+    cancels it, meridian.http_stream)."""
 
     def __init__(self, content: AsyncIterator[bytes], status_code: int, headers: dict[str, str], *,
                  on_close: Callable[[], Awaitable[None]]) -> None:

@@ -10,6 +10,7 @@ import httpx
 
 from data_plane.weights.errors import ResidencyError
 from data_plane.weights.manifest import Manifest
+from meridian import residency
 from meridian.contracts import WeightPeer, WeightSources, WeightSourcesRequest
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class ControlPlanePeers:
         if resp.status_code != 200:
             return self._unreachable(manifest, RuntimeError(f"HTTP {resp.status_code}: {_detail(resp)}"))
         answer = WeightSources.model_validate_json(resp.content)
-        if manifest.zone != "global" and manifest.zone not in answer.node_zones:
+        if not residency.admits(answer.node_zones, manifest.zone):
             raise ResidencyError(
                 f"{manifest.name} is bound to zone {manifest.zone!r}; region {self.region} is in "
                 f"{answer.node_zones}"
@@ -58,7 +59,7 @@ class ControlPlanePeers:
         return [p for p in answer.peers if p.node_id != self.node_id]
 
     def _unreachable(self, manifest: Manifest, exc: Exception) -> list[WeightPeer]:
-        if manifest.zone != "global":
+        if residency.is_bound(manifest.zone):
             # Without the control plane this node cannot tell which zones its region is in.
             raise ResidencyError(
                 f"{manifest.name} is bound to zone {manifest.zone!r} and the control plane, which "

@@ -24,6 +24,7 @@ from data_plane.weights.origins import (
 from data_plane.weights.origins.peer import PeerOrigin
 from data_plane.weights.origins.transport import make_client
 from data_plane.weights.peers import PeerDirectory
+from meridian import residency
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.settings import WeightSettings
 
@@ -163,7 +164,7 @@ class WeightPuller:
         if self.peers is not None:
             for peer in await self.peers.sources(manifest, origin.region):
                 peers.append(Source(f"peer {peer.node_id}", self._peer_origin(peer.url), by_digest=True))
-        elif manifest.zone != "global":
+        elif residency.is_bound(manifest.zone):
             log.warning(
                 "%s is bound to zone %r; no control plane to check this node's zone (operator pull)",
                 manifest.name, manifest.zone,

@@ -21,9 +21,10 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ..errors import answer_error
+from .arrival import Arrival, HttpArrival
 
-# handler(request) -> the answer (it raises RouterError and the like for errors).
-Handler = Callable[[Request], Awaitable[Response]]
+# handler(arrival) -> the answer (it raises RouterError and the like for errors).
+Handler = Callable[[Arrival], Awaitable[Response]]
 
 
 class RouterApp(FastAPI):
@@ -42,7 +43,7 @@ class RouterApp(FastAPI):
                 scope["app"] = self
                 request = Request(scope, receive, send)
                 try:
-                    response = await handler(request)
+                    response = await handler(HttpArrival(request))
                 except Exception as exc:  # answered as FastAPI's installed handlers would
                     response = await answer_error(request, exc)
                 await response(scope, receive, send)

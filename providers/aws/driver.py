@@ -26,16 +26,15 @@ group, then stopped); `spot_interruption` reads the status codes.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
-import time
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import boto3
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import NODE_ID_PATTERN
 from meridian.settings import ProviderSettings
 from providers.aws import naming
@@ -174,6 +173,7 @@ class AwsDriver:
         clients: AwsClients | None = None,
         poll_interval_s: float = 2.0,
         max_size: int = DEFAULT_MAX_SIZE,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._clients = clients or AwsClients(settings or ProviderSettings(), session)
         self._settings = self._clients.settings
@@ -184,6 +184,7 @@ class AwsDriver:
         }
         self._poll_s = poll_interval_s
         self._max_size = max_size
+        self._clock = clock
 
     @property
     def clients(self) -> AwsClients:
@@ -350,7 +351,7 @@ class AwsDriver:
             raise ValueError("size must be >= 0")
         aws_region, gpus = self._check(spec)
         name = self.group_name(spec)
-        since = datetime.now(UTC) - CLOCK_SKEW
+        since = self._clock.now() - CLOCK_SKEW
         group = await self._ensure(spec, aws_region)
         if group.get("Status") == "Delete in progress":
             raise ProviderError(f"Auto Scaling group {name} in {aws_region} is being deleted", provider=PROVIDER)
@@ -371,7 +372,7 @@ class AwsDriver:
         self, spec: GroupSpec, aws_region: str, gpus: int, size: int, since: datetime
     ) -> GroupState:
         name = self.group_name(spec)
-        deadline = time.monotonic() + self._settings.operation_timeout_s
+        deadline = self._clock.monotonic() + self._settings.operation_timeout_s
         while True:
             state = self._state(await self._describe(spec, aws_region), gpus)
             if state.size == size:
@@ -385,12 +386,12 @@ class AwsDriver:
                 if failure is not None:
                     raise map_error(failure, action=f"launching instances of {name}", region=aws_region,
                                     instance_type=spec.instance_type)
-            left = deadline - time.monotonic()
+            left = deadline - self._clock.monotonic()
             if left <= 0:
                 raise ProviderError(
                     f"Auto Scaling group {name} in {aws_region} has {state.size} of {size} {spec.instance_type} "
                     f"instances after {self._settings.operation_timeout_s:g}s", provider=PROVIDER)
-            await asyncio.sleep(min(self._poll_s, left))
+            await self._clock.sleep(min(self._poll_s, left))
 
     async def list_nodes(self, spec: GroupSpec) -> GroupState:
         """The group's pending and in-service instances (none when the group does not exist)."""
@@ -467,7 +468,7 @@ class AwsDriver:
                 paginate=True, instance_type=spec.instance_type, SpotInstanceRequestIds=request_ids,
             )
             requests = {str(r.get("InstanceId")): r for r in answer.get("SpotInstanceRequests", [])}
-        return interruption_notices(spot, requests, datetime.now(UTC))
+        return interruption_notices(spot, requests, self._clock.now())
 
     def close(self) -> None:
         """Close the boto3 clients' connections."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import RegionInfo
 from meridian.settings import ProviderSettings
 from providers.aws import offerings as aws_offerings
@@ -20,16 +21,16 @@ class AwsProvider:
 
     name = PROVIDER
 
-    def __init__(self, settings: ProviderSettings | None = None) -> None:
+    def __init__(self, settings: ProviderSettings | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self._settings = settings or ProviderSettings()
         self._offerings = aws_offerings.offerings()
         self._clients = AwsClients(self._settings)
-        self._driver = AwsDriver(clients=self._clients, offerings=self._offerings)
+        self._driver = AwsDriver(clients=self._clients, offerings=self._offerings, clock=clock)
         self._quotas = AwsQuotas(self._clients, self._offerings)
 
     @classmethod
     def from_config(cls, config: ProviderConfig) -> AwsProvider:
-        return cls(config.settings)
+        return cls(config.settings, config.clock)
 
     def regions(self) -> list[RegionInfo]:
         return aws_regions.regions()

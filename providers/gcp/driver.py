@@ -17,7 +17,7 @@ API's answers (is a MIG the group's, which MIG to create, a MIG's instances) is 
 providers.gcp.migs; this module makes the calls and waits around them.
 
 The SDK (google-cloud-compute, REST transport) blocks; every call runs in a worker thread with
-`call_timeout_s`, and the waits between calls are asyncio sleeps, so a caller that cancels
+`call_timeout_s`, and the waits between calls are sleeps on its clock, so a caller that cancels
 (the reconciler bounds each driver call) stops the polling at once. A whole method is bounded
 by `operation_timeout_s`.
 
@@ -45,13 +45,14 @@ from __future__ import annotations
 import asyncio
 import re
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from functools import cached_property
 
 from google.api_core import exceptions as api_exceptions
 from google.cloud import compute_v1
 
 from meridian.backoff import Backoff
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import NODE_ID_PATTERN
 from meridian.settings import ProviderSettings
 from providers.driver import GroupSpec, GroupState, PreemptionNotice
@@ -113,8 +114,10 @@ class GcpDriver:
         clients: LazyClients | None = None,
         offerings: Sequence[Offering] | None = None,
         poll: Backoff = DEFAULT_POLL,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._settings = settings
+        self._clock = clock
         self._clients = clients or LazyClients(settings)
         self._given_offerings = offerings
         self._poll = poll
@@ -182,16 +185,16 @@ class GcpDriver:
     # --- calls and waits ---------------------------------------------------------------
 
     def _deadline(self) -> float:
-        return asyncio.get_running_loop().time() + self._settings.operation_timeout_s
+        return self._clock.monotonic() + self._settings.operation_timeout_s
 
     async def _sleep(self, attempt: int, deadline: float, what: str, g: Group) -> None:
-        left = deadline - asyncio.get_running_loop().time()
+        left = deadline - self._clock.monotonic()
         if left <= 0:
             raise ProviderError(
                 f"timed out after {self._settings.operation_timeout_s:g}s waiting for {what} ({g.where})",
                 provider=PROVIDER,
             )
-        await asyncio.sleep(min(self._poll.delay(attempt), left))
+        await self._clock.sleep(min(self._poll.delay(attempt), left))
 
     async def _wait(self, g: Group, op: compute_v1.Operation, deadline: float) -> None:
         """Poll a region operation until DONE; its errors come back typed."""
@@ -471,7 +474,7 @@ class GcpDriver:
         zones = sorted(
             {z for pz in mig.distribution_policy.zones if (z := pz.zone.rsplit("/", 1)[-1])} or set(g.zones)
         )
-        now = datetime.now(UTC)
+        now = self._clock.now()
         notices: dict[str, PreemptionNotice] = {}
         for zone in zones:
             request = compute_v1.ListZoneOperationsRequest(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import RegionInfo
 from meridian.settings import ProviderSettings
 from providers.driver import NodeGroupDriver
@@ -19,16 +20,16 @@ class GcpProvider:
 
     name = PROVIDER
 
-    def __init__(self, settings: ProviderSettings) -> None:
+    def __init__(self, settings: ProviderSettings, clock: Clock = SYSTEM_CLOCK) -> None:
         self._settings = settings
         self._clients = LazyClients(settings)
         # Parsed once, for the driver and for offerings() alike.
         self._offerings = gcp_offerings.offerings()
-        self._driver = GcpDriver(settings, clients=self._clients, offerings=self._offerings)
+        self._driver = GcpDriver(settings, clients=self._clients, offerings=self._offerings, clock=clock)
 
     @classmethod
     def from_config(cls, config: ProviderConfig) -> GcpProvider:
-        return cls(config.settings)
+        return cls(config.settings, config.clock)
 
     def regions(self) -> list[RegionInfo]:
         return gcp_regions.regions()

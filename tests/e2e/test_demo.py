@@ -98,7 +98,7 @@ def test_demo_prints_endpoint_and_ctrl_c_stops_everything(tmp_path):
         records = [json.loads(line) for text in logs.values() for line in text.splitlines()]
         assert records and all({"ts", "level", "logger", "msg"} <= set(r) for r in records)
         assert {r["logger"] for r in records} >= {"uvicorn.error", "control_plane.leader", "data_plane.runtime",
-                                                 "geo_router.table"}
+                                                 "geo_router.state.table"}
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from router_harness import eventually, reserve_port
 
-from geo_router.redis_sync import RedisMirror
+from geo_router.state.redis_sync import RedisMirror
 from meridian.clock import ManualClock
 
 M = TypeVar("M", bound=RedisMirror)

@@ -23,7 +23,7 @@ from router_harness import CLUSTER_TOKEN, REGIONS, ServerGroup, router_settings
 from data_plane.server.app import create_app as create_node_app
 from geo_router import create_app as create_router_app
 from geo_router.app import RouterState
-from geo_router.table import StaticTableSource
+from geo_router.state.table import StaticTableSource
 from meridian.contracts import NodeStatus, RoutingNode, RoutingTable, TenantEntry
 from meridian.http_server import limited_config, openai_error_body
 from meridian.security import hash_api_key

@@ -7,6 +7,7 @@ Group names hold no group id, so each test serves a model of its own unless it n
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -18,6 +19,7 @@ import httpx
 import pytest
 from aws_moto import aws_client, make_network
 
+from meridian.clock import ManualClock
 from meridian.contracts import NODE_ID_PATTERN, NodeRole
 from meridian.settings import ProviderSettings
 from providers.aws import naming
@@ -178,15 +180,24 @@ async def test_resize_creates_a_missing_group_and_refuses_a_negative_size(aws: d
 
 
 async def test_a_resize_aws_cannot_finish_gives_up_after_the_operation_timeout(aws: dict[str, Any]) -> None:
-    d = AwsDriver(settings(aws["endpoint"], operation_timeout_s=0.5), poll_interval_s=0.05)
+    # Ten minutes of the control plane's clock, not of the test's: the driver waits on it.
+    clock = ManualClock()
+    d = AwsDriver(settings(aws["endpoint"], operation_timeout_s=600.0), poll_interval_s=60.0, clock=clock)
     s = spec()
     nodes = (await d.resize(s, 2)).nodes
     # Instances protected from scale-in are never picked to go, so the group cannot shrink.
     aws_client(aws["endpoint"], "autoscaling", "us-east-1").set_instance_protection(
         AutoScalingGroupName=d.group_name(s), InstanceIds=list(nodes), ProtectedFromScaleIn=True)
-    with pytest.raises(ProviderError, match=r"has 2 of 1 p5.48xlarge instances after 0.5s") as caught:
-        await d.resize(s, 1)
-    assert caught.value.retryable
+    shrinking = asyncio.ensure_future(d.resize(s, 1))
+    polls = 0
+    while not shrinking.done():
+        if clock.sleepers:  # between two polls of AWS (each a real call to moto, in a thread)
+            clock.advance(60.0)
+            polls += 1
+        await asyncio.sleep(0.005)
+    with pytest.raises(ProviderError, match=r"has 2 of 1 p5.48xlarge instances after 600s") as caught:
+        shrinking.result()
+    assert caught.value.retryable and polls == 10
     await d.delete_group(s)
 
 

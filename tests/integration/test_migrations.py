@@ -18,7 +18,7 @@ TABLES = {
     "models", "capacity", "placement_plans", "tenants", "audit_log",
     "leadership", "node_groups", "node_drains", "reconcile_steps", "autoscaler_decisions",
 }
-HEAD = "0013"
+HEAD = "0015"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -125,5 +125,90 @@ def test_node_groups_made_before_roles_are_co_located_and_pools_are_groups_of_th
         migrate.downgrade(database_url, "0010")
         with engine.connect() as conn:
             assert conn.execute(sa.text("SELECT id FROM node_groups")).scalars().all() == ["old"]
+    finally:
+        engine.dispose()
+
+
+def _insert_key(conn: sa.Connection, key_id: str, tenant: str, zone: str, scopes: str = '["inference"]',
+                revoked: bool = False) -> None:
+    conn.execute(
+        sa.text(
+            "INSERT INTO api_keys (id, name, tenant, zone, scopes, models, key_hash, key_prefix, created_at,"
+            " revoked_at) VALUES (:id, 'k', :tenant, :zone, :scopes, NULL, :hash, 'mrd_x',"
+            " '2026-03-01 00:00:00+00:00', :revoked)"
+        ),
+        {"id": key_id, "tenant": tenant, "zone": zone, "scopes": scopes, "hash": key_id.encode().hex().ljust(64, "0"),
+         "revoked": "2026-04-01 00:00:00+00:00" if revoked else None},
+    )
+
+
+def _insert_tenant(conn: sa.Connection, name: str, zone: str) -> None:
+    conn.execute(
+        sa.text("INSERT INTO tenants (name, zone, models, resource_version, created_at, updated_at)"
+                " VALUES (:name, :zone, NULL, 1, '2026-01-01 00:00:00+00:00', '2026-01-01 00:00:00+00:00')"),
+        {"name": name, "zone": zone},
+    )
+
+
+def _columns(url: str, table: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        return {c["name"] for c in sa.inspect(engine).get_columns(table)}
+    finally:
+        engine.dispose()
+
+
+def test_a_tenants_zone_moves_off_its_keys_without_losing_one(database_url: str) -> None:
+    """0014: the zone is the tenant's alone. A tenant without a row whose keys serve inference
+    (or are zoned) gets one in their zone; the bootstrap operator's global admin key does not
+    make one; a revoked key in another zone does not stop it."""
+    migrate.upgrade(database_url, "0013")
+    engine = make_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            _insert_tenant(conn, "acme", "eu")
+            _insert_key(conn, "a1", "acme", "eu")
+            _insert_key(conn, "a2", "acme", "us", revoked=True)  # revoked: it serves nothing
+            _insert_key(conn, "o1", "orphan", "apac")  # a tenant with keys and no row
+            _insert_key(conn, "g1", "ops", "global", scopes='["operator"]')
+            _insert_key(conn, "b1", "meridian", "global", scopes='["admin"]')
+        migrate.upgrade(database_url)
+        assert "zone" not in _columns(database_url, "api_keys")
+        with engine.connect() as conn:
+            rows = conn.execute(sa.text("SELECT name, zone FROM tenants ORDER BY name")).all()
+        assert [tuple(r) for r in rows] == [("acme", "eu"), ("orphan", "apac")]
+
+        # Back down: each key in its tenant's zone, global where its tenant has no row.
+        migrate.downgrade(database_url, "0013")
+        with engine.connect() as conn:
+            keys = dict(conn.execute(sa.text("SELECT id, zone FROM api_keys")).all())  # type: ignore[arg-type]
+        assert keys == {"a1": "eu", "a2": "eu", "o1": "apac", "g1": "global", "b1": "global"}
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("stray", ["key in another zone", "tenantless keys in two zones"])
+def test_a_key_whose_zone_contradicts_its_tenants_stops_the_upgrade_and_changes_nothing(
+    database_url: str, stray: str
+) -> None:
+    migrate.upgrade(database_url, "0013")
+    engine = make_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            if stray == "key in another zone":
+                _insert_tenant(conn, "acme", "eu")
+                _insert_key(conn, "a1", "acme", "eu")
+                _insert_key(conn, "a2", "acme", "us")
+            else:
+                _insert_key(conn, "o1", "orphan", "eu")
+                _insert_key(conn, "o2", "orphan", "us")
+        with pytest.raises(RuntimeError, match="acme|orphan"):
+            migrate.upgrade(database_url)
+        assert migrate.current(database_url) == "0013"
+        assert "zone" in _columns(database_url, "api_keys")
+        with engine.connect() as conn:
+            zones = sorted(conn.execute(sa.text("SELECT zone FROM api_keys")).scalars())
+            tenants = conn.execute(sa.text("SELECT name FROM tenants")).scalars().all()
+        assert zones == ["eu", "us"] and tenants == (["acme"] if stray == "key in another zone" else [])
     finally:
         engine.dispose()

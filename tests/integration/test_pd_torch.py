@@ -35,7 +35,7 @@ from chaos.faults.tcp_proxy import FaultProxy, running_proxy
 from data_plane.model.make_tiny import make_tiny_checkpoint
 from data_plane.server.app import create_app as create_node_app
 from geo_router import create_app as create_router_app
-from geo_router.table import StaticTableSource
+from geo_router.state.table import StaticTableSource
 from meridian.contracts import (
     HEADER_NODE,
     KVConnector,

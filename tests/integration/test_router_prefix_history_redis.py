@@ -13,7 +13,7 @@ from redis.asyncio import Redis
 from redis_sharing import INTERVAL_S, Mirrors, failed_syncs, refused_redis, seen_within, unreachable_warnings
 from router_harness import eventually
 
-from geo_router.prefix_history import RedisPrefixHistory
+from geo_router.state.prefix_history import RedisPrefixHistory
 from meridian.clock import ManualClock
 
 pytestmark = pytest.mark.redis
@@ -99,7 +99,7 @@ async def test_without_redis_a_router_keeps_its_own_history(
     make_history: MakeHistory, caplog: pytest.LogCaptureFixture
 ):
     with refused_redis() as url:
-        caplog.set_level(logging.WARNING, logger="geo_router.prefix_history")
+        caplog.set_level(logging.WARNING, logger="geo_router.state.prefix_history")
         clock = ManualClock()
         history = await make_history(url=url, clock=clock)
         assert not history.redis_reachable

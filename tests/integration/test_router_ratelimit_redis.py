@@ -15,8 +15,8 @@ from redis.asyncio import Redis
 from redis_sharing import Mirrors, RedisProxy, refused_redis, unreachable_warnings
 from router_harness import eventually
 
+from geo_router.admission.ratelimit import RedisRateLimiter
 from geo_router.errors import RateLimited
-from geo_router.ratelimit import RedisRateLimiter
 
 INTERVAL_S = 0.1
 
@@ -129,7 +129,7 @@ async def test_every_key_has_a_ttl(make_limiter: MakeLimiter, redis: Redis, pref
 async def test_without_redis_each_router_enforces_the_full_limit_itself(
     make_limiter: MakeLimiter, caplog: pytest.LogCaptureFixture
 ):
-    caplog.set_level(logging.WARNING, logger="geo_router.ratelimit")
+    caplog.set_level(logging.WARNING, logger="geo_router.admission.ratelimit")
     with refused_redis() as url:
         limiter = await make_limiter(url)
         assert not limiter.redis_reachable

@@ -36,9 +36,9 @@ from router_harness import (
 )
 
 from geo_router import create_app
-from geo_router.health import Ejection, FailureKind
-from geo_router.redis_fleet import RedisFleetState
-from geo_router.table import StaticTableSource
+from geo_router.state.health import Ejection, EjectionPolicy, FailureKind
+from geo_router.state.redis_fleet import RedisFleetState
+from geo_router.state.table import StaticTableSource
 from meridian.clock import ManualClock
 from meridian.contracts import HEADER_NODE
 
@@ -53,10 +53,11 @@ MakeFleet = Callable[..., Awaitable[RedisFleetState]]
 def make_fleet(redis_url: str, prefix: str, mirrors: Mirrors) -> MakeFleet:
     """Starts RedisFleetStates (one per simulated router) on this test's prefix."""
 
-    async def make(url: str = redis_url, base_s: float = 5.0, **kwargs: Any) -> RedisFleetState:
-        return await mirrors.start(RedisFleetState(url, ejection_base_s=base_s, ejection_max_s=60.0,
-                                                   sync_interval_s=INTERVAL_S, timeout_s=0.5, key_prefix=prefix,
-                                                   **kwargs))
+    async def make(url: str = redis_url, base_s: float = 5.0, consecutive_failures_to_eject: int = 5,
+                   max_ejected_percent: float = 50.0, **kwargs: Any) -> RedisFleetState:
+        policy = EjectionPolicy(base_s, 60.0, consecutive_failures_to_eject, max_ejected_percent)
+        return await mirrors.start(RedisFleetState(url, policy=policy, sync_interval_s=INTERVAL_S, timeout_s=0.5,
+                                                   key_prefix=prefix, **kwargs))
 
     return make
 
@@ -172,7 +173,7 @@ async def test_without_redis_each_router_still_ejects_on_its_own(
     make_fleet: MakeFleet, caplog: pytest.LogCaptureFixture
 ):
     with refused_redis() as url:
-        caplog.set_level(logging.WARNING, logger="geo_router.redis_fleet")
+        caplog.set_level(logging.WARNING, logger="geo_router.state.redis_fleet")
         clock = ManualClock()
         fleet = await make_fleet(url=url, clock=clock)
         assert not fleet.redis_reachable

@@ -14,8 +14,8 @@ from router_harness import eventually
 from tenant_fabric import MODEL
 from vllm_fabric import ALICE, KVFabric, kv_fabric, require_vllm
 
-from geo_router.isolation import salted
-from geo_router.request import parse_inference_request
+from geo_router.ingress.isolation import salted
+from geo_router.ingress.request import parse_inference_request
 from meridian.contracts import HEADER_NODE
 
 pytestmark = pytest.mark.timeout(600)

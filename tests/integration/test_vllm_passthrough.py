@@ -3,7 +3,7 @@ official clients: what a vLLM node serves reaches tenants through the router unc
 
 The node passes requests through to vLLM (data_plane/server/passthrough.py); the router
 authenticates (Bearer or x-api-key), salts, charges and routes them, and pins stored
-responses to their replica (geo_router/responses.py).
+responses to their replica (geo_router/ingress/responses.py).
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ from token_ids_contract import (
 )
 from vllm_fabric import ADAPTER, ALICE, BOB, WEATHER, require_vllm, vllm_fabric, write_spec
 
+from data_plane.engine.vllm.command import default_vllm_python
 from data_plane.model.make_tiny import VLLM_CPU_ARCH
 from data_plane.server.app import create_app as create_node_app
+from meridian.http_server import SERVER_KEEPALIVE_S
 from meridian.tokenizer import ChatTokenizer
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
@@ -379,6 +381,19 @@ async def test_a_killed_engine_core_is_restarted_and_serves_again(fabric: Tenant
         await asyncio.sleep(1)
     assert answer.usage is not None and answer.usage.completion_tokens == 3
     assert supervisor.pid != pid and supervisor.restarts >= 1
+
+
+async def test_vllm_runs_with_the_keep_alive_the_node_gave_it(fabric: TenantFabric) -> None:
+    """vLLM's API server keeps an idle connection as long as the node says, by a variable
+    this vLLM reads (a rename would put the 5 s default and its race with the pool back)."""
+    pid = fabric.node.state.runtime.engine.supervisor.pid
+    environ = (await asyncio.to_thread(Path(f"/proc/{pid}/environ").read_bytes)).split(b"\0")
+    assert f"VLLM_HTTP_TIMEOUT_KEEP_ALIVE={SERVER_KEEPALIVE_S}".encode() in environ
+    read = await asyncio.create_subprocess_exec(
+        default_vllm_python(), "-c", "import vllm.envs as e; print(e.VLLM_HTTP_TIMEOUT_KEEP_ALIVE)",
+        env={**os.environ, "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEPALIVE_S)}, stdout=asyncio.subprocess.PIPE)
+    out, _ = await read.communicate()
+    assert read.returncode == 0 and int(out) == SERVER_KEEPALIVE_S
 
 
 async def test_sigterm_drains_in_flight_streams_before_the_node_stops(fabric: TenantFabric) -> None:

@@ -32,7 +32,7 @@ from tenant_fabric import MODEL, Tenant
 from vllm_fabric import PDNodes, pd_nodes, require_vllm
 
 from geo_router import create_app as create_router_app
-from geo_router.table import StaticTableSource
+from geo_router.state.table import StaticTableSource
 from meridian.contracts import HEADER_REQUEST_ID, NodeRole, NodeStatus, RoutingNode, RoutingTable
 from meridian.kv_transfer import decode_params, prefill_request_params
 
@@ -153,7 +153,7 @@ def _served(nodes: PDNodes, role: NodeRole) -> dict[str, tuple[bool, bool]]:
 async def test_through_the_router_a_chat_is_disaggregated_and_answers_as_co_located(
     nodes: PDNodes, stream: bool,
 ) -> None:
-    """The router's own P/D flow (geo_router.disagg) in front of the two vLLM nodes."""
+    """The router's own P/D flow (geo_router.forwarding.disagg) in front of the two vLLM nodes."""
     path = "/v1/chat/completions"
     case = f"router-{stream}"
     body = request(path, case, stream)

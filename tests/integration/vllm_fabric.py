@@ -29,7 +29,7 @@ from data_plane.model.make_tiny import VLLM_CPU_ARCH, make_tiny_checkpoint
 from data_plane.server.app import create_app as create_node_app
 from geo_router import create_app as create_router_app
 from geo_router.app import RouterState
-from geo_router.table import StaticTableSource
+from geo_router.state.table import StaticTableSource
 from meridian.contracts import NodeRole, NodeStatus, RoutingNode, RoutingTable
 from meridian.ports import free_port
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from data_plane.engine.base import KVHold
 from data_plane.engine.kv_cache.block_pool import Block
 from data_plane.engine.kv_cache.manager import KVCacheManager, cdiv
 from data_plane.engine.kv_transfer.payload import KVLayout, KVPayload, tokens_digest
@@ -27,16 +28,6 @@ from data_plane.model.paged_attention import PagedKVCache
 from meridian.clock import Clock
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class KVHold:
-    """What a prefill request's last output says of its held KV."""
-
-    handle: str
-    block_ids: tuple[int, ...]
-    # Prompt tokens whose KV the blocks hold (the whole prompt).
-    num_tokens: int
 
 
 @dataclass(eq=False, slots=True)

@@ -47,6 +47,7 @@ from data_plane.engine.vllm.spec import (
     load_deployment_spec,
 )
 from meridian.contracts import KVConnector, KVTransferInfo, NodeRole
+from meridian.http_server import SERVER_KEEPALIVE_S
 from meridian.ports import free_port
 from meridian.settings import NodeSettings
 from meridian.tracing import traces_url
@@ -234,6 +235,13 @@ def cpu_env(spec: DeploymentSpec) -> dict[str, str]:
     if spec.cpu_threads_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_threads_bind
     return {**env, **spec.env}
+
+
+def http_env() -> dict[str, str]:
+    """vLLM's API server keeps an idle connection as long as our listeners do
+    (meridian.http_server.SERVER_KEEPALIVE_S), longer than the node's pooled client reuses
+    one: at vLLM's default 5 s, httpx's own, a request crossing its close failed unread."""
+    return {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(SERVER_KEEPALIVE_S)}
 
 
 def tracing_env(otlp_endpoint: str | None) -> dict[str, str]:

@@ -45,6 +45,7 @@ from data_plane.engine.vllm.command import (
     build_serve_argv,
     cpu_env,
     detect_gpu_count,
+    http_env,
     load_spec,
     nixl_env,
     nixl_side_channel,
@@ -56,7 +57,8 @@ from data_plane.engine.vllm.relay import KVEventRelay
 from data_plane.engine.vllm.spec import DeploymentSpec, DeploymentSpecError
 from data_plane.engine.vllm.supervisor import RestartPolicy, VllmSupervisor
 from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
-from meridian.contracts import KVTransferInfo
+from meridian.contracts import KVTransferInfo, NodeCapability, Route
+from meridian.http_server import CLIENT_KEEPALIVE_S
 from meridian.ports import free_port
 from meridian.settings import NodeSettings
 from meridian.tokenizer import ChatTokenizer
@@ -291,7 +293,8 @@ class VllmEngine:
             base_url=self.base_url,
             timeout=httpx.Timeout(connect=5.0, read=s.vllm_read_timeout_s, write=30.0, pool=30.0),
             # Every in-flight request holds a connection; the engine bounds them itself.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=CLIENT_KEEPALIVE_S),
         )
         supervisor = VllmSupervisor(
             argv,
@@ -304,7 +307,7 @@ class VllmEngine:
                 max_restarts=s.vllm_max_restarts, window_s=s.vllm_restart_window_s,
                 backoff_s=s.vllm_restart_backoff_s, backoff_max_s=s.vllm_restart_backoff_max_s,
             ),
-            env={**tracing_env(s.otlp_endpoint), **nixl_env(self.kv_side_channel),
+            env={**http_env(), **tracing_env(s.otlp_endpoint), **nixl_env(self.kv_side_channel),
                  **(self.spec.env if gpu_count > 0 else cpu_env(self.spec))},
             clock=self._clock,
         )
@@ -401,6 +404,11 @@ class VllmEngine:
     def tool_call_parser(self) -> str | None:
         return self.spec.tool_call_parser
 
+    def capabilities(self) -> tuple[NodeCapability, ...]:
+        # vLLM's stream excluding stop strings holds back len(longest) - 1 characters unless
+        # asked to include them; its chat takes add_special_tokens (as its Responses path).
+        return (NodeCapability.STOP_STRING_IN_OUTPUT, NodeCapability.CHAT_SPECIAL_TOKENS)
+
     def kv_transfer(self) -> KVTransferInfo | None:
         side = self.kv_side_channel
         return side.info() if side is not None else None
@@ -487,7 +495,7 @@ class VllmEngine:
         parser = stream.parser
         headers = {"X-Request-Id": stream.request.request_id}
         try:
-            async with self._client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+            async with self._client.stream("POST", Route.COMPLETIONS, json=body, headers=headers) as r:
                 if r.status_code != 200:
                     raise _status_error(r.status_code, _error_message(await r.aread()))
                 async for line in r.aiter_lines():

@@ -4,7 +4,7 @@ vLLM names its blocks by its own hash (another function and seed: sha256 of a pi
 tuple, or xxhash), which a router computing from the request never equals. Its
 BlockStored events carry each block's token ids, its parent and its extra keys (LoRA
 name, cache salt), so the node re-keys every stored block with meridian.block_hash,
-which the router computes from a request's prompt (geo_router.prefix): the routers'
+which the router computes from a request's prompt (geo_router.selection.prefix): the routers'
 exact index then matches vLLM nodes precisely, as it matches torch-engine nodes, and
 sees their evictions, which the approximate routing history cannot.
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from bench.protocol_load import _event_type, _sse_text, text_output
 from bench.protocols import chat_stream_answer
 from chaos.protocols import infer_request
-from geo_router.kserve.tensors import read_request, response
-from geo_router.migration.events import split_events
-from geo_router.migration.responses_stream import ResponsesEvents
+from geo_router.forwarding.migration.responses_stream import ResponsesEvents
+from geo_router.ingress.kserve.tensors import read_request, response
+from geo_router.sse import split_events
 
 
 def test_the_infer_request_reads_as_a_generation_of_new_text() -> None:

@@ -7,7 +7,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from chaos.drill import DRILLS_DIR, MAX_SHORT_DURATION_S, DrillError, load_drill, load_drills
+from chaos.drill import (
+    DRILLS_DIR,
+    FAULT_PARAMS,
+    MAX_SHORT_DURATION_S,
+    DrillError,
+    FaultKind,
+    load_drill,
+    load_drills,
+)
+from chaos.faults.injector import INJECTORS
 
 ISSUE_DRILLS = {
     "node-crash": "process_crash",
@@ -58,6 +67,14 @@ def test_every_issue_drill_ships_with_its_fault_and_a_short_version_within_a_min
         # Every drill asserts the history properties the issue requires of all of them.
         assert (d.pass_criteria.max_lost, d.pass_criteria.max_duplicated) == (0, 0), d.name
         assert d.pass_criteria.max_residency_violations == 0, d.name
+
+
+def test_every_fault_kind_has_its_params_and_an_injector_that_loads() -> None:
+    """A fault kind is declared once (chaos.drill.FAULTS); the injector registry is built
+    from it, so a kind cannot be listed in one place and missing from another."""
+    assert set(INJECTORS.names()) == {k.value for k in FaultKind} == set(FAULT_PARAMS)
+    for kind in FaultKind:
+        assert callable(INJECTORS.get(kind)), kind
 
 
 def test_only_the_stall_drill_runs_a_simulated_fleet() -> None:

@@ -352,15 +352,18 @@ async def test_ok_answers_are_recorded_with_their_headers_and_the_request_is_wel
 
     assert set(ops) == {gen.key(n) for n in range(len(schedule))}
     assert {op.stream for op in ops.values()} == {True, False}
+    # A stream's first byte is its first event, not its end: the script waits 50 ms between
+    # them. Judged on the median, because a client loop starved past those 50 ms on a
+    # loaded box reads both chunks at once; recorded at the end, every gap would be ~0.
+    gaps = [op.end_s - op.first_byte_s for op in ops.values() if op.stream and op.end_s and op.first_byte_s]
+    assert statistics.median(gaps) >= 0.03
     for n, arrival in enumerate(schedule):
         op = ops[gen.key(n)]
         assert (op.outcome, op.status, op.error_code) == (Outcome.OK, 200, None)
         assert (op.region, op.node) == (REGION, f"node-{router.urls[0].rsplit(':', 1)[1]}")
         assert op.end_s is not None and op.first_byte_s is not None
         assert arrival.at_s <= op.invoke_s < op.first_byte_s <= op.end_s
-        if op.stream:
-            assert op.end_s - op.first_byte_s >= 0.03  # the first event, not the end of the stream
-        else:
+        if not op.stream:
             assert op.first_byte_s == op.end_s
 
         seen = router.by_key()[op.key]
@@ -394,7 +397,9 @@ async def test_each_kind_of_answer_gets_the_outcome_the_checker_relies_on(
     router: Router, writer: HistoryWriter, script: str, stream: bool, outcome: Outcome, status: int | None,
     code: str | None, first_byte: bool, extra: dict[str, bool],
 ) -> None:
-    timeout = 0.4
+    # Only the held request needs a short timeout; the others get one a stalled CI loop cannot
+    # reach, or a loaded machine turns their definite answer into a timeout.
+    timeout = 0.4 if script == "slow" else 30.0
     load = make_load({f"t-{script}": script}, streaming_fraction=1.0 if stream else 0.0, request_timeout_s=timeout)
     started = time.monotonic()
     ops = await drive(generator(load, writer, router.urls[:1]), writer)
@@ -411,7 +416,7 @@ async def test_each_kind_of_answer_gets_the_outcome_the_checker_relies_on(
             # The server holds the request forever: the client's timeout ended it (the upper
             # bound is loose, as a shared CI machine can stall the loop for a second or two).
             assert timeout - 0.05 <= op.end_s - op.invoke_s < timeout + 5
-    assert time.monotonic() - started < timeout + 10
+    assert time.monotonic() - started < min(timeout, 0.4) + 10
 
 
 async def test_a_refused_connection_is_a_definite_failure_and_urls_take_turns(

@@ -41,7 +41,7 @@ from chaos.history import ClientOp, HistoryWriter, Outcome, read_records
 from chaos.load import LoadGenerator, LoadTarget
 from chaos.schedule import FaultState
 from geo_router import create_app
-from geo_router.table import StaticTableSource
+from geo_router.state.table import StaticTableSource
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from chaos.scale.measure import kv_scope_nodes
-from geo_router.table import LoadedTable
+from geo_router.state.table import LoadedTable
 from meridian.contracts import NodeStatus, RegionInfo, RoutingNode, RoutingTable
 
 REGIONS = [

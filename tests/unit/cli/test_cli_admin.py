@@ -196,7 +196,8 @@ def router(control_plane: str) -> Iterator[str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "cli", "router", "serve", "--host", "127.0.0.1", "--port", str(port),
          "--control-plane-url", control_plane],
-        env={**os.environ, "MERIDIAN_CLUSTER_TOKEN": CLUSTER_TOKEN}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        env={**os.environ, "MERIDIAN_CLUSTER_TOKEN": CLUSTER_TOKEN, "MERIDIAN_ROUTER_WORKERS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         wait_until_up(proc, port, timeout_s=60)
         yield f"http://127.0.0.1:{port}"

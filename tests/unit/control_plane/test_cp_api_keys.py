@@ -144,6 +144,39 @@ async def test_a_keys_models_never_outlive_its_tenants(cp: ControlPlane) -> None
     assert table[hash_api_key(wide["key"])] == ["other-model", "big"]
 
 
+async def test_a_tenants_zone_change_reaches_every_key_and_the_routing_table_at_once(cp: ControlPlane) -> None:
+    """The zone is stored once, on the tenant (migration 0014): its keys and their routing
+    entries read it there, so no key can be left in the old zone."""
+    keys = [(await cp.create_key(tenant="acme", zone="eu", name=f"k{i}")).json() for i in range(3)]
+    other = (await cp.create_key(tenant="globex", zone="us")).json()
+    version = await cp.version()
+
+    r = await cp.http.patch("/v1/tenants/acme", json={"zone": "us"}, headers=cp.admin)
+    assert r.status_code == 200 and r.json()["zone"] == "us", r.text
+    listed = {k["id"]: k["zone"] for k in await cp.admin_list("/v1/api-keys")}
+    assert [listed[k["id"]] for k in keys] == ["us", "us", "us"] and listed[other["id"]] == "us"
+    table = (await cp.table()).json()
+    assert table["version"] > version
+    zones = {t["key_hash"]: t["zone"] for t in table["tenants"]}
+    assert [zones[hash_api_key(k["key"])] for k in keys] == ["us", "us", "us"]
+
+    # And back: one write, every key follows; the other tenant's key stays where it was.
+    assert (await cp.http.patch("/v1/tenants/acme", json={"zone": "eu"}, headers=cp.admin)).status_code == 200
+    zones = {t["key_hash"]: t["zone"] for t in (await cp.table()).json()["tenants"]}
+    assert [zones[hash_api_key(k["key"])] for k in keys] == ["eu", "eu", "eu"]
+    assert zones[hash_api_key(other["key"])] == "us"
+
+
+async def test_a_deleted_tenants_revoked_keys_are_listed_without_a_zone_not_as_global(cp: ControlPlane) -> None:
+    """A key's zone is its tenant's (stored there alone): once the tenant is gone, the zone
+    is unknown, never guessed as global."""
+    key = (await cp.create_key(tenant="acme", zone="eu")).json()
+    assert (await cp.http.delete("/v1/tenants/acme", headers=cp.admin)).status_code in (200, 204)
+    listed = {k["id"]: k for k in await cp.admin_list("/v1/api-keys", include_revoked="true")}
+    assert listed[key["id"]]["revoked_at"] is not None and listed[key["id"]]["zone"] is None
+    assert all(t["key_hash"] != hash_api_key(key["key"]) for t in (await cp.table()).json()["tenants"])
+
+
 async def test_a_tenants_cache_sharing_group_is_published_with_its_keys(cp: ControlPlane) -> None:
     r = await cp.http.post("/v1/tenants", json={"name": "team-a", "zone": "eu", "cache_group": "acme-corp"},
                            headers=cp.admin)

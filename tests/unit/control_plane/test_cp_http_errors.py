@@ -37,6 +37,23 @@ async def test_oversized_streamed_body_is_413(cp: ControlPlane) -> None:
     cp.assert_problem(r, 413)
 
 
+@pytest.mark.parametrize("path", ["/v1/nodes/register", "/v1/nodes/node-a/heartbeat"])
+@pytest.mark.parametrize(("declared", "why"), [("abc", "not a byte count"), ("-1", "not a byte count"),
+                                               ("+5", "not a byte count"), ("5", "Content-Length header says 5")])
+async def test_a_content_length_that_is_malformed_or_lies_is_a_400_problem_not_a_guess(
+    cp: ControlPlane, path: str, declared: str, why: str
+) -> None:
+    """The control plane reads bodies with the router's and the node's one reader
+    (meridian.http_body): it used to ignore a malformed Content-Length and read on. The
+    heartbeat's fast path reads them the same way."""
+    assert (await cp.register("node-a")).status_code == 200
+    headers = {**cp.internal, "content-type": "application/json", "content-length": declared}
+    r = await cp.http.post(path, content=b'{"status": "ready"}', headers=headers)
+    body = cp.assert_problem(r, 400)
+    assert why in body["detail"]
+    assert r.headers["connection"] == "close"
+
+
 async def test_streamed_body_under_the_limit_is_accepted(cp: ControlPlane) -> None:
     payload = b'{"node_id": "node-a", "region": "aws:us-east-1", "url": "http://a:1"}'
 

@@ -10,6 +10,7 @@ from cp_harness import REAPER, ControlPlane, on_manual_clock, until
 from control_plane.app import create_app
 from control_plane.version_watch import DEFAULT_RECHECK_S
 from meridian.clock import ManualClock
+from meridian.contracts import NodeCapability, RoutingNode
 from meridian.settings import ControlPlaneSettings
 
 
@@ -124,6 +125,33 @@ async def test_the_tool_call_parser_reaches_the_routing_table(cp: ControlPlane) 
 
     for bad in ("", "py thonic", "x" * 65, "pythonic\n", "../etc"):
         r = await cp.register("node-a", tool_call_parser=bad)
+        assert r.status_code == 422, bad
+
+
+async def test_what_a_node_can_do_reaches_the_routing_table_and_an_older_agents_node_says_nothing(
+    cp: ControlPlane,
+) -> None:
+    await cp.register("node-a", status="ready", engine="vllm", capabilities=["stop_string_in_output"])
+    v = await cp.version()
+    node = RoutingNode.model_validate((await cp.table()).json()["nodes"][0])
+    assert node.capabilities == [NodeCapability.STOP_STRING_IN_OUTPUT]
+    assert node.can(NodeCapability.STOP_STRING_IN_OUTPUT) and not node.can(NodeCapability.CHAT_SPECIAL_TOKENS)
+
+    # A change is a new version: routers must shape requests to what the node now does.
+    await cp.register("node-a", status="ready", engine="vllm", capabilities=[])
+    table = (await cp.table()).json()
+    assert table["version"] == v + 1 and table["nodes"][0]["capabilities"] == []
+
+    # An older agent registers none: the table leaves the field out, and routers take what
+    # the engine kind did (a vLLM node could do both).
+    await cp.register("node-a", status="ready", engine="vllm")
+    table = (await cp.table()).json()
+    assert table["version"] == v + 2 and "capabilities" not in table["nodes"][0]
+    node = RoutingNode.model_validate(table["nodes"][0])
+    assert node.can(NodeCapability.STOP_STRING_IN_OUTPUT) and node.can(NodeCapability.CHAT_SPECIAL_TOKENS)
+
+    for bad in (["telepathy"], "stop_string_in_output", ["stop_string_in_output"] * 33):
+        r = await cp.register("node-a", capabilities=bad)
         assert r.status_code == 422, bad
 
 

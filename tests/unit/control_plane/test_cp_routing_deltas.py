@@ -19,8 +19,8 @@ from sqlalchemy import delete, update
 
 from control_plane.context import AppContext
 from control_plane.db.models import Node, RoutingState
-from geo_router.snapshot import read_snapshot
-from geo_router.table import LoadedTable, RoutingTableClient
+from geo_router.state.snapshot import read_snapshot
+from geo_router.state.table import LoadedTable, RoutingTableClient
 from meridian.contracts import HEADER_TABLE_BUILD, TABLE_DELTA_IM, RoutingTable, RoutingTableDelta
 from meridian.settings import RouterSettings
 

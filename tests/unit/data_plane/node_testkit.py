@@ -19,6 +19,7 @@ from data_plane.engine.base import Engine, GenerationOutput, GenerationRequest, 
 from data_plane.engine.torch_engine import TorchEngine
 from meridian.clock import ManualClock
 from meridian.contracts import HeartbeatAck, NodeHeartbeat, NodeRegistered, NodeRegistration
+from meridian.http_server import SERVER_KEEPALIVE_S
 from meridian.settings import NodeSettings
 
 MODEL_NAME = "tiny-llama"
@@ -85,7 +86,8 @@ class _TestServer(uvicorn.Server):
 @contextlib.asynccontextmanager
 async def running_server(app: Any, port: int = 0) -> AsyncIterator[str]:
     """Serve an ASGI app with uvicorn in this event loop; yields its base URL."""
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                            timeout_keep_alive=SERVER_KEEPALIVE_S)
     server = _TestServer(config)
     task = asyncio.create_task(server.serve())
     with contextlib.suppress(AssertionError):

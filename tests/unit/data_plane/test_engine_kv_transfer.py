@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from node_testkit import make_settings, tokens_of
 
-from data_plane.engine.base import GenerationRequest, SamplingParams
+from data_plane.engine.base import EngineRequestError, GenerationRequest, SamplingParams
 from data_plane.engine.kv_transfer import payload as kvp
 from data_plane.engine.torch_engine import TorchEngine
 from meridian.clock import ManualClock
@@ -127,3 +127,18 @@ async def test_payload_checks(prefill: TorchEngine) -> None:
     assert "model" in (kvp.mismatch(payload, other, PROMPT, None) or "")
     # Nothing held any more after the export.
     assert prefill.stats().kv_cache_usage == 0
+
+
+async def test_another_engines_kv_is_refused_as_a_request_error_not_run(prefill: TorchEngine) -> None:
+    """The engine protocol names another node's KV only by the prompt it is for (ExternalKV);
+    the torch engine takes its own form of it and says so of any other."""
+
+    @dataclasses.dataclass(frozen=True)
+    class OtherEnginesKV:
+        num_tokens: int
+        tokens_sha256: str
+
+    foreign = OtherEnginesKV(len(PROMPT), "0" * 64)
+    with pytest.raises(EngineRequestError, match="KVPayload"):
+        await generate(prefill, "foreign", GREEDY, external_kv=foreign)
+    assert prefill.stats().running == 0

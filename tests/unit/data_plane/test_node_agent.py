@@ -30,7 +30,7 @@ from data_plane.engine.vllm.spec import DeploymentSpec
 from data_plane.runtime import NodeRuntime
 from data_plane.server.app import create_app
 from meridian.clock import ManualClock
-from meridian.contracts import KVConnector, KVTransferInfo, NodeLoad, NodeRole, NodeStatus
+from meridian.contracts import KVConnector, KVTransferInfo, NodeCapability, NodeLoad, NodeRole, NodeStatus
 from meridian.ports import free_port
 
 
@@ -323,6 +323,21 @@ async def test_registration_carries_the_tool_call_parser(
     agent = NodeRuntime(settings, node_engine).agent
     await registered(agent)
     assert cp.registrations()[0].tool_call_parser == expected
+
+
+async def test_registration_says_what_the_engine_can_do_and_an_engine_that_says_nothing_can_do_nothing(
+    control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path,
+) -> None:
+    """Routers shape their requests by what a node can do, not by its engine's name."""
+    cp, url = control_plane
+    vllm_settings = agent_settings(tiny_checkpoint, url, engine="vllm")
+    vllm = VllmEngine(vllm_settings, spec=DeploymentSpec(name="chat", model="tiny"))
+    await registered(NodeRuntime(vllm_settings, vllm).agent)
+    assert cp.registrations()[-1].capabilities == [NodeCapability.STOP_STRING_IN_OUTPUT,
+                                                   NodeCapability.CHAT_SPECIAL_TOKENS]
+    settings = agent_settings(tiny_checkpoint, url, engine="torch")
+    await registered(NodeRuntime(settings, GatedEngine(settings)).agent)
+    assert cp.registrations()[-1].capabilities == []
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -16,12 +16,14 @@ from data_plane.engine.vllm.command import (
     build_serve_argv,
     cpu_env,
     executable_argv,
+    http_env,
     nixl_env,
     nixl_side_channel,
     spec_from_settings,
 )
 from data_plane.engine.vllm.spec import DeploymentSpec, DeploymentSpecError, load_deployment_spec
 from meridian.contracts import KVConnector, KVTransferInfo, NodeRole
+from meridian.http_server import CLIENT_KEEPALIVE_S
 from meridian.settings import NodeSettings
 
 MODEL_DIR = Path("/cache/models/llama-3.1-8b")
@@ -305,3 +307,9 @@ def test_a_vllm_node_refuses_the_torch_engines_connector_and_a_second_one_from_i
         build_serve_argv(own, model_dir=MODEL_DIR, gpu_count=0, port=9000, kv_transfer=side)
     # A co-located node leaves the spec's own connector alone.
     assert "--kv-transfer-config=" in build_serve_argv(own, model_dir=MODEL_DIR, gpu_count=0, port=9000)[-1]
+
+
+def test_vllm_keeps_an_idle_connection_longer_than_the_node_pools_it() -> None:
+    # At vLLM's default (5 s, httpx's too) a request on a connection idle for just under
+    # 5 s could cross vLLM's close and fail unread.
+    assert int(http_env()["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) >= 2 * CLIENT_KEEPALIVE_S

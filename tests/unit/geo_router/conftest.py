@@ -16,7 +16,7 @@ from router_harness import (
 )
 
 from geo_router import create_app
-from geo_router.table import StaticTableSource
+from geo_router.state.table import StaticTableSource
 
 
 @pytest.fixture

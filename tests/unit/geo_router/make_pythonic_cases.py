@@ -1,6 +1,6 @@
 """Records what vLLM's own pythonic tool parser streams, for test_tool_calls.py.
 
-The router's tests run without vLLM, so its replay (geo_router.migration.tool_calls) is
+The router's tests run without vLLM, so its replay (geo_router.forwarding.migration.tool_calls) is
 checked against these recorded outputs. Regenerate with vLLM's venv after a vLLM upgrade:
     .venv-vllm/bin/python tests/unit/geo_router/make_pythonic_cases.py
 """

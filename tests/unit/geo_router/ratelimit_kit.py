@@ -3,8 +3,8 @@ requests a limiter admits back to back."""
 
 from __future__ import annotations
 
+from geo_router.admission.ratelimit import RateLimiter
 from geo_router.errors import RateLimited
-from geo_router.ratelimit import RateLimiter
 from meridian.contracts import TenantEntry
 
 

@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import SecretStr
 
 from geo_router.listener import listener_config
-from geo_router.table import StaticTableSource
+from geo_router.state.table import StaticTableSource
 from meridian.contracts import (
     DeploymentEntry,
     NodeStatus,
@@ -35,6 +35,7 @@ from meridian.contracts import (
     TenantEntry,
     openai_error,
 )
+from meridian.http_server import SERVER_KEEPALIVE_S
 from meridian.security import hash_api_key
 from meridian.settings import RouterSettings
 
@@ -292,8 +293,10 @@ class ServerGroup:
         """Serve `app` (on `sock` when given; with `config` when given, else a plain one);
         returns its base URL once it accepts requests."""
         sock = sock or reserve_port()
+        # Idle connections kept as our listeners keep them (meridian.http_server), longer
+        # than the router's pool and probes keep them.
         config = config or uvicorn.Config(app, lifespan="on", log_level="warning",
-                                          timeout_graceful_shutdown=2)
+                                          timeout_graceful_shutdown=2, timeout_keep_alive=SERVER_KEEPALIVE_S)
         server = _Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
         self._running.append((server, task, sock))

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from geo_router.migration.tool_calls import PythonicStream
+from geo_router.forwarding.migration.tool_calls import PythonicStream
 from meridian.stop_strings import StopStringMatcher
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz    "

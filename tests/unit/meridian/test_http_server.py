@@ -11,11 +11,18 @@ import json
 import re
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from fastapi import FastAPI, Request
 from router_harness import ServerGroup, eventually
 
-from meridian.http_server import limited_config, openai_error_body, problem_body
+from meridian.http_server import (
+    CLIENT_KEEPALIVE_S,
+    SERVER_KEEPALIVE_S,
+    limited_config,
+    openai_error_body,
+    problem_body,
+)
 from meridian.settings import ListenerSettings
 
 LIMITS = ListenerSettings(max_header_bytes=2048, header_timeout_s=0.5, body_timeout_s=0.5, max_connections=3)
@@ -165,3 +172,13 @@ async def test_connections_past_a_clients_cap_are_refused_and_freed_when_it_clos
 def test_limits_are_validated(limit: int) -> None:
     with pytest.raises(ValueError):
         ListenerSettings(max_header_bytes=limit)
+
+
+
+def test_a_listener_keeps_an_idle_connection_longer_than_any_client_of_ours_pools_it() -> None:
+    """The client lets an idle connection go first: a request on a pooled connection never
+    crosses the server's keep-alive close (at 5 s and 5 s, one in 30 did: ReadError)."""
+    config = limited_config(echo_app(), ListenerSettings())  # a node's, the control plane's
+    assert config.timeout_keep_alive == SERVER_KEEPALIVE_S
+    for pooled in (CLIENT_KEEPALIVE_S, httpx.Limits().keepalive_expiry):  # ours, httpx's default
+        assert pooled is not None and config.timeout_keep_alive >= 2 * pooled

@@ -129,3 +129,43 @@ async def test_an_access_line_carries_the_requests_sane_request_id(capsys: pytes
     assert len(access) == 4
     assert access[0].endswith('"POST /v1/chat/completions HTTP/1.1" 200 request_id=req-7f3a:1')
     assert not any("request_id" in line for line in access[1:])
+
+
+class _Writes:
+    """A stderr that keeps each write() between flushes as the system call it becomes."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self._buffer = ""
+
+    def write(self, text: str) -> int:
+        self._buffer += text
+        return len(text)
+
+    def flush(self) -> None:
+        if self._buffer:
+            self.calls.append(self._buffer)
+            self._buffer = ""
+
+
+def test_batched_lines_reach_a_shared_stderr_in_whole_lines_of_at_most_pipe_buf(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router's workers share one stderr (a pipe, often): a write longer than PIPE_BUF may be
+    interleaved with another process's, so a batch goes out in writes of whole lines that fit."""
+    import select
+
+    from meridian.logs import BATCH_LINES, FieldsRecord, flush_logs
+
+    stderr = _Writes()
+    monkeypatch.setattr("sys.stderr", stderr)
+    configure_logging(LogSettings(format=LogFormat.JSON))
+    logger = logging.getLogger("meridian.access")
+    lines = BATCH_LINES * 3
+    for n in range(lines):
+        logger.handle(FieldsRecord("meridian.access", logging.INFO, "/v1/chat/completions %s", (n,),
+                                   {"request_id": f"{n:032x}", "tenant": "é" * 40, "pad": "x" * 200}, batched=True))
+    flush_logs()
+    assert stderr.calls and all(len(c.encode()) <= select.PIPE_BUF and c.endswith("\n") for c in stderr.calls)
+    records = [json.loads(line) for call in stderr.calls for line in call.splitlines()]
+    assert [r["request_id"] for r in records] == [f"{n:032x}" for n in range(lines)]
+    assert len(stderr.calls) < lines  # still batched: several lines a write

@@ -10,7 +10,7 @@ from control_plane.placement.bruteforce import TooLarge, solve_bruteforce
 from control_plane.placement.candidates import build_candidates
 from control_plane.placement.check import deployment_violations, violations
 from control_plane.placement.model import CurrentPlan, PlacementModel
-from control_plane.placement.problem import Deployment, Problem, ReplicaShape, SolveOptions, in_zone
+from control_plane.placement.problem import Deployment, Problem, ReplicaShape, SolveOptions
 from control_plane.placement.solver import _objective, solve
 from meridian.contracts import RegionInfo
 from providers.offerings import Offering
@@ -69,7 +69,7 @@ def _assert_valid(problem: Problem, options: SolveOptions) -> None:
         return
     zones = {d.name: d.zone for d in problem.deployments}
     for a in result.assignments:  # residency, spelled out
-        assert in_zone(problem.regions[a.region], zones[a.deployment])
+        assert problem.regions[a.region].admits(zones[a.deployment])
     assert violations(problem, list(result.assignments)) == []  # spread, quotas, demand, RTT, spot
 
 
