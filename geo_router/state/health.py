@@ -11,8 +11,13 @@ Passive outlier detection after Envoy's, fed by the proxy and the active prober:
 - a 4xx is the client's fault, never the node's: it is not reported as a failure.
 
 An ejection lasts `ejection_base_s`, doubling with each ejection since the node last answered
-a request, up to `ejection_max_s`. Failures reported while the node is ejected (requests sent
-before it was) neither extend nor escalate it. One answered request clears the node's record;
+a request, up to `ejection_max_s`. Failures of requests reported while the node is ejected
+(sent before it was) neither extend nor escalate it. A probe that fails while the node is
+ejected was sent during the ejection, so it is news: it keeps the node out for at least
+`ejection_base_s` from then (no escalation, no listener told), and a node whose probes keep
+failing stays out rather than coming back, for the gap until the next probe, at each
+ejection's end (Envoy's active health checking: unhealthy until probes pass). One answered
+request clears the node's record;
 `uneject` (the prober's healthy threshold) ends an ejection early but keeps the backoff level,
 since a node that answers probes has not yet shown it answers requests.
 
@@ -79,7 +84,8 @@ class FleetState(Protocol):
         ...
 
     def record_failure(self, node_id: str, kind: FailureKind = FailureKind.UNREACHABLE) -> float:
-        """Count a failure; returns the ejection it caused in seconds (0: none)."""
+        """Count a failure; returns the ejection it caused in seconds (0: none), or for a
+        probe's failure while the node is ejected, how long the node is now out for."""
         ...
 
     def uneject(self, node_id: str) -> bool:
@@ -188,7 +194,11 @@ class EjectionRules:
     ) -> float:
         """Apply one failure to `record` (`records`: every node's, for the cap); the ejection in s."""
         if record.ejected_until > now:
-            return 0.0  # sent before the ejection: already acted on
+            if kind is not FailureKind.PROBE:
+                return 0.0  # sent before the ejection: already acted on
+            # Sent during it: the node is still down (the module docstring). Not a new ejection.
+            record.ejected_until = max(record.ejected_until, now + self._base_s)
+            return record.ejected_until - now
         record.consecutive_failures += 1
         if kind is FailureKind.ERROR and record.consecutive_failures < self._consecutive:
             return 0.0

@@ -11,7 +11,9 @@ Envoy's active health checking, with these semantics:
   token refused) says nothing about the node's health and counts as neither;
 - `probe_unhealthy_threshold` failures in a row eject the node through the FleetState (so,
   like any ejection, it is shared through Redis and bounded by the max ejected percent);
-  while the probes keep failing it is ejected again each time an ejection ends;
+  each probe that fails while it is ejected keeps it out for `ejection_base_s` more, so a
+  node whose probes keep failing never comes back between an ejection's end and the next
+  probe (the FleetState's docstring), as long as a node is probed more often than that;
 - `probe_healthy_threshold` successes in a row while the node is ejected, whatever ejected
   it, end the ejection early (Envoy's successful_active_health_check_uneject_host);
 - probes never clear the passive detector's counts: answering /metrics is not answering
@@ -449,9 +451,10 @@ class NodeProber:
         if target.failures < self._settings.probe_unhealthy_threshold:
             log.debug("node %s failed a health probe (%s)", node_id, detail)
             return
-        # While the node is ejected this is a no-op; once the ejection ends it ejects again.
+        # While the node is ejected this keeps it out; once the ejection ends it ejects again.
+        was_ejected = self._fleet.is_ejected(node_id)
         ejected_s = self._fleet.record_failure(node_id, FailureKind.PROBE)
-        if ejected_s > 0:
+        if ejected_s > 0 and not was_ejected:
             log.warning("node %s failed %d health probes in a row (%s); ejected for %.1fs",
                         node_id, target.failures, detail, ejected_s)
 

@@ -25,6 +25,7 @@ from meridian.clock import ManualClock
 
 ERROR = FailureKind.ERROR
 UNREACHABLE = FailureKind.UNREACHABLE
+PROBE = FailureKind.PROBE
 
 
 @dataclass
@@ -121,6 +122,28 @@ async def test_uneject_ends_the_ejection_but_keeps_the_backoff_level(make_rig: C
     await rig.settle()
     assert not rig.fleet.is_ejected("n1")
     assert rig.fleet.record_failure("n1") == 10
+
+
+async def test_a_probe_failing_during_an_ejection_keeps_the_node_out_without_escalating(
+    make_rig: Callable[..., Rig],
+):
+    rig = make_rig()
+    heard: list[Ejection] = []
+    rig.fleet.add_ejection_listener(heard.append)
+    assert rig.fleet.record_failure("n1", PROBE) == 5
+    await rig.settle()
+    rig.clock.advance(4)
+    # A request's failure now was sent before the ejection: no news.
+    assert rig.fleet.record_failure("n1", UNREACHABLE) == 0
+    # A probe's was sent during it: the node is still down, out for the base time from now.
+    assert rig.fleet.record_failure("n1", PROBE) == 5
+    await rig.settle()
+    rig.clock.advance(4)
+    assert rig.fleet.ejected_for_s("n1") == pytest.approx(1, abs=0.5)
+    assert [e.node_id for e in heard] == ["n1"]  # one ejection, however long it lasts
+    rig.clock.advance(1.5)
+    assert not rig.fleet.is_ejected("n1")
+    assert rig.fleet.record_failure("n1", PROBE) == 10  # the backoff level was kept, not raised
 
 
 async def test_the_max_ejected_percent_holds_and_listeners_hear_of_every_ejection(

@@ -211,6 +211,30 @@ async def test_a_5xx_node_is_ejected_after_the_unhealthy_threshold(rig: Rig):
     assert n.hits == 2
 
 
+async def test_a_node_whose_probes_keep_failing_never_comes_back_between_ejections():
+    """The ejection's end is no gap for requests to fall into: each failed probe keeps the
+    node out for the base ejection time, so it stays out until probes pass."""
+    clock = ManualClock()
+    rig = Rig(ServerGroup(), InProcessFleetState(ejection_base_s=5, ejection_max_s=60, clock=clock,
+                                                 max_ejected_percent=100))
+    try:
+        n, us1 = await rig.node("us-1", MetricsNode(mode="error500"))
+        prober = rig.prober([us1], probe_unhealthy_threshold=2, probe_healthy_threshold=2, clock=clock)
+        await prober.probe("us-1")
+        await prober.probe("us-1")
+        for _ in range(12):  # probes a second apart for over twice the base ejection
+            clock.advance(1.0)
+            assert rig.fleet.is_ejected("us-1")  # before this second's probe
+            await prober.probe("us-1")
+        n.mode = "ok"
+        await prober.probe("us-1")
+        assert rig.fleet.is_ejected("us-1")
+        await prober.probe("us-1")
+        assert not rig.fleet.is_ejected("us-1")
+    finally:
+        await rig.servers.stop()
+
+
 async def test_a_success_in_between_restarts_the_unhealthy_count(rig: Rig):
     n, us1 = await rig.node("us-1", MetricsNode(mode="error500"))
     prober = rig.prober([us1], probe_unhealthy_threshold=2)
