@@ -16,17 +16,16 @@ from urllib.parse import urlsplit
 import httpx
 
 from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
+from meridian.cluster_client import ClusterAPIError, ClusterClient, ClusterEndpoint
 from meridian.contracts import (
     HEARTBEAT_RETRY_MAX_S,
     ColdStart,
     EngineKind,
-    HeartbeatAck,
     KVConnector,
     KVTransferInfo,
     NodeCapability,
     NodeHeartbeat,
     NodeLoad,
-    NodeRegistered,
     NodeRegistration,
     NodeRole,
     NodeStatus,
@@ -37,29 +36,6 @@ log = logging.getLogger(__name__)
 
 # Used until the control plane's first answer says how often it wants heartbeats.
 DEFAULT_HEARTBEAT_INTERVAL_S = 2.0
-
-
-class ControlPlaneError(Exception):
-    """The control plane answered, but not with success; `retry_after_s` when it said when to
-    come back (a 429 of its registration admission, a 503)."""
-
-    def __init__(self, status_code: int, body: str, retry_after_s: float | None = None) -> None:
-        super().__init__(f"control plane answered {status_code}: {body[:200]}")
-        self.status_code = status_code
-        self.retry_after_s = retry_after_s
-
-    @classmethod
-    def of(cls, resp: httpx.Response) -> ControlPlaneError:
-        return cls(resp.status_code, resp.text, _retry_after_s(resp))
-
-
-def _retry_after_s(resp: httpx.Response) -> float | None:
-    """Retry-After in seconds (the control plane sends only seconds), within an hour."""
-    try:
-        value = float(resp.headers.get("retry-after", ""))
-    except ValueError:
-        return None
-    return value if 0 <= value <= 3600 else None
 
 
 def _package_version() -> str:
@@ -156,22 +132,6 @@ def advertise_kv_events(settings: NodeSettings) -> tuple[str | None, str | None]
     return events, replay
 
 
-def control_plane_client(
-    settings: NodeSettings, *, transport: httpx.AsyncBaseTransport | None = None
-) -> httpx.AsyncClient:
-    """A small pooled client to the control plane that presents the cluster token."""
-    if not settings.control_plane_url:
-        raise ValueError("settings.control_plane_url is not set")
-    token = settings.cluster_token
-    return httpx.AsyncClient(
-        base_url=settings.control_plane_url.rstrip("/"),
-        headers={"Authorization": f"Bearer {token.get_secret_value()}"} if token else {},
-        timeout=httpx.Timeout(settings.control_plane_timeout_s),
-        limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
-        transport=transport,
-    )
-
-
 class NodeAgent:
     """Registers, heartbeats (re-registering when forgotten) and deregisters a node."""
 
@@ -230,7 +190,7 @@ class NodeAgent:
         self.heartbeats_sent = 0
         self._failures = 0
         self._retry_after_s: float | None = None  # what the last refusal said, if it did
-        self._client: httpx.AsyncClient | None = None
+        self._client: ClusterClient | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self._first_registration = asyncio.Event()
@@ -241,7 +201,7 @@ class NodeAgent:
         """Start the background loop; the first registration happens right away."""
         if self._task is not None:
             return
-        self._client = control_plane_client(self._settings, transport=self._transport)
+        self._client = ClusterClient(ClusterEndpoint.for_node(self._settings), transport=self._transport)
         self._task = asyncio.create_task(self._run(), name=f"node-agent-{self.node_id}")
 
     async def wait_registered(self, timeout_s: float) -> bool:
@@ -263,12 +223,9 @@ class NodeAgent:
         if self._client is None:
             return False
         try:
-            resp = await self._client.delete(f"/v1/nodes/{self.node_id}")
-        except httpx.HTTPError as exc:
+            await self._client.deregister(self.node_id)
+        except ClusterAPIError as exc:
             log.warning("could not deregister from the control plane: %s", exc)
-            return False
-        if resp.status_code not in (200, 204, 404):
-            log.warning("deregistration refused: %s %s", resp.status_code, resp.text[:200])
             return False
         self.registered = False
         log.info("deregistered node %s", self.node_id)
@@ -324,9 +281,9 @@ class NodeAgent:
                     log.info("control plane does not know node %s; re-registering", self.node_id)
                     self.registered = False
                     await self._register()
-            except (httpx.HTTPError, ControlPlaneError, ValueError) as exc:
+            except ClusterAPIError as exc:
                 self._failures += 1
-                self._retry_after_s = exc.retry_after_s if isinstance(exc, ControlPlaneError) else None
+                self._retry_after_s = exc.retry_after_s
                 if self._retry_after_s is not None:
                     log.info("control plane busy, reporting again in about %.0f s: %s", self._retry_after_s, exc)
                 elif self._failures == 1:
@@ -342,10 +299,7 @@ class NodeAgent:
     async def _register(self) -> None:
         assert self._client is not None
         body = self._registration.model_copy(update={"status": self._status()})
-        resp = await self._client.post("/v1/nodes/register", json=body.model_dump(mode="json"))
-        if resp.status_code != 200:
-            raise ControlPlaneError.of(resp)
-        ack = NodeRegistered.model_validate_json(resp.content)
+        ack = await self._client.register(body)
         self.heartbeat_interval_s = ack.heartbeat_interval_s
         self.registered = True
         self._first_registration.set()
@@ -359,14 +313,9 @@ class NodeAgent:
             weights=self._weights() if self._weights is not None else None,
             cold_start=self._cold_start() if self._cold_start is not None else None,
         )
-        resp = await self._client.post(
-            f"/v1/nodes/{self.node_id}/heartbeat", json=beat.model_dump(mode="json")
-        )
-        if resp.status_code == 404:
+        ack = await self._client.heartbeat(self.node_id, beat)
+        if ack is None:
             return False
-        if resp.status_code != 200:
-            raise ControlPlaneError.of(resp)
-        ack = HeartbeatAck.model_validate_json(resp.content)
         if ack.heartbeat_interval_s is not None:
             # The control plane paces a large fleet by lengthening the interval; its reaper
             # holds this node to the TTL of the interval it last told it.

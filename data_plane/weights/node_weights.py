@@ -6,15 +6,14 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path, PurePosixPath
 
-import httpx
 from fastapi import APIRouter
 
-from data_plane.agent import control_plane_client
 from data_plane.weights.cache import NodeCache, ref_path
 from data_plane.weights.peer_server import weights_router
 from data_plane.weights.peers import ControlPlanePeers
 from data_plane.weights.pull import PullProgress, PullReport, WeightPuller
 from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.cluster_client import ClusterClient, ClusterEndpoint
 from meridian.settings import NodeSettings
 
 
@@ -52,10 +51,10 @@ class NodeWeights:
         self.settings = settings
         w = settings.weights
         self.cache = NodeCache(Path(w.cache_dir), budget_bytes=w.cache_budget_bytes, clock=clock)
-        self._cp: httpx.AsyncClient | None = None
+        self._cp: ClusterClient | None = None
         peers = None
         if settings.control_plane_url and settings.region and w.peer_fetch:
-            self._cp = control_plane_client(settings)
+            self._cp = ClusterClient(ClusterEndpoint.for_node(settings))
             peers = ControlPlanePeers(self._cp, node_id=node_id, region=settings.region)
         self.puller = WeightPuller(w, self.cache, peers=peers, clock=clock)
         self.digests: list[str] = []

@@ -4,14 +4,14 @@ also checks residency against the node's region and records the node as fetching
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from typing import Protocol
-
-import httpx
 
 from data_plane.weights.errors import ResidencyError
 from data_plane.weights.manifest import Manifest
 from meridian import residency
-from meridian.contracts import WeightPeer, WeightSources, WeightSourcesRequest
+from meridian.cluster_client import ClusterAPIError, ClusterClient
+from meridian.contracts import WeightPeer, WeightSourcesRequest
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class PeerDirectory(Protocol):
 class ControlPlanePeers:
     """PeerDirectory over the control plane's /v1/weights API (cluster token)."""
 
-    def __init__(self, client: httpx.AsyncClient, *, node_id: str, region: str) -> None:
+    def __init__(self, client: ClusterClient, *, node_id: str, region: str) -> None:
         self._client = client
         self.node_id = node_id
         self.region = region
@@ -41,16 +41,11 @@ class ControlPlanePeers:
     async def sources(self, manifest: Manifest, origin_region: str | None) -> list[WeightPeer]:
         body = WeightSourcesRequest(node_id=self.node_id, zone=manifest.zone, origin_region=origin_region)
         try:
-            resp = await self._client.post(
-                f"/v1/weights/{manifest.digest}/sources", json=body.model_dump(mode="json")
-            )
-        except httpx.HTTPError as exc:
+            answer = await self._client.weight_sources(manifest.digest, body)
+        except ClusterAPIError as exc:
+            if exc.status == HTTPStatus.FORBIDDEN:
+                raise ResidencyError(exc.detail) from exc
             return self._unreachable(manifest, exc)
-        if resp.status_code == 403:
-            raise ResidencyError(_detail(resp))
-        if resp.status_code != 200:
-            return self._unreachable(manifest, RuntimeError(f"HTTP {resp.status_code}: {_detail(resp)}"))
-        answer = WeightSources.model_validate_json(resp.content)
         if not residency.admits(answer.node_zones, manifest.zone):
             raise ResidencyError(
                 f"{manifest.name} is bound to zone {manifest.zone!r}; region {self.region} is in "
@@ -70,14 +65,7 @@ class ControlPlanePeers:
 
     async def withdraw(self, digest: str) -> None:
         try:
-            await self._client.delete(f"/v1/weights/{digest}/nodes/{self.node_id}")
-        except httpx.HTTPError as exc:
+            await self._client.withdraw_weights(digest, self.node_id)
+        except ClusterAPIError as exc:
             log.debug("could not withdraw %s: %s", digest[:12], exc)
 
-
-def _detail(resp: httpx.Response) -> str:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.text[:200]
-    return str(body.get("detail") or body.get("title") or body)[:300] if isinstance(body, dict) else str(body)[:300]

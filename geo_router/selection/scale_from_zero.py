@@ -28,11 +28,12 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from urllib.parse import quote
+from http import HTTPStatus
 
 import httpx
 
 from meridian.clock import SYSTEM_CLOCK, Clock, event_or_timeout, first_or_timeout
+from meridian.cluster_client import ClusterAPIError, ClusterClient, ClusterEndpoint
 from meridian.contracts import (
     DeploymentEntry,
     NodeStatus,
@@ -120,36 +121,24 @@ class ScaleUpClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._metrics = metrics
-        self._http = httpx.AsyncClient(
-            base_url=settings.control_plane_url.rstrip("/"),
-            headers={"authorization": f"Bearer {settings.cluster_token.get_secret_value()}"},
-            timeout=httpx.Timeout(settings.scale_up_timeout_s, connect=settings.connect_timeout_s),
-            limits=httpx.Limits(max_connections=4, max_keepalive_connections=2),
-            transport=transport,
-        )
+        self._cluster = ClusterClient(ClusterEndpoint.for_router(settings, settings.scale_up_timeout_s),
+                                      transport=transport)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._cluster.aclose()
 
     async def request(self, model: str, body: ScaleUpRequest) -> bool:
         """POST the scale-up request; True when the control plane accepted it."""
-        path = f"/v1/deployments/{quote(model, safe='')}/scale-up"
         try:
-            resp = await self._http.post(
-                path, content=body.model_dump_json(), headers={"content-type": "application/json"}
-            )
-        except httpx.HTTPError as exc:
-            self._metrics.scale_up_requests.labels(model, "error").inc()
-            log.warning("scale-up of %s failed (%s: %s); asking again later", model, type(exc).__name__, exc)
+            await self._cluster.scale_up(model, body)
+        except ClusterAPIError as exc:
+            outcome = "not_found" if exc.status == HTTPStatus.NOT_FOUND else "error"
+            self._metrics.scale_up_requests.labels(model, outcome).inc()
+            log.warning("scale-up of %s failed (%s); asking again later", model, exc)
             return False
-        if resp.status_code == 200:
-            self._metrics.scale_up_requests.labels(model, "ok").inc()
-            log.info("asked the control plane to scale %s up (%d queued)", model, body.queued_requests)
-            return True
-        outcome = "not_found" if resp.status_code == 404 else "error"
-        self._metrics.scale_up_requests.labels(model, outcome).inc()
-        log.warning("scale-up of %s refused: HTTP %d %s", model, resp.status_code, resp.text[:200])
-        return False
+        self._metrics.scale_up_requests.labels(model, "ok").inc()
+        log.info("asked the control plane to scale %s up (%d queued)", model, body.queued_requests)
+        return True
 
 
 @dataclass(eq=False)

@@ -36,12 +36,10 @@ from pathlib import Path
 from typing import Protocol
 
 import httpx
-from pydantic import ValidationError
 
 from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.cluster_client import ClusterClient, ClusterEndpoint
 from meridian.contracts import (
-    HEADER_TABLE_BUILD,
-    TABLE_DELTA_IM,
     DeploymentEntry,
     NodeStatus,
     RegionInfo,
@@ -56,7 +54,8 @@ from .snapshot import read_snapshot, write_snapshot
 
 log = logging.getLogger(__name__)
 
-ROUTING_TABLE_PATH = "/v1/routing-table"
+# The table call's timeouts but the long-poll's read (ClusterClient.routing_table adds the wait).
+_TABLE_CALL_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,13 +267,8 @@ class RoutingTableClient:
         self._retry_max_s = retry_max_s
         self._loaded: LoadedTable | None = None
         self._task: asyncio.Task[None] | None = None
-        self._http = httpx.AsyncClient(
-            base_url=settings.control_plane_url.rstrip("/"),
-            headers={"authorization": f"Bearer {settings.cluster_token.get_secret_value()}"},
-            timeout=self._timeout(0.0),
-            limits=httpx.Limits(max_connections=2, max_keepalive_connections=1),
-            transport=transport,
-        )
+        self._cluster = ClusterClient(ClusterEndpoint.for_router(settings, _TABLE_CALL_TIMEOUT_S, max_connections=2),
+                                      transport=transport)
         self._updated = asyncio.Event()
         self._listeners: list[TableListener] = []
         self._refreshed_at: float | None = None
@@ -321,7 +315,7 @@ class RoutingTableClient:
                     await task
         self._task = self._snapshot_task = None
         await self._write_snapshot()  # the newest table, if the writer had not got to it
-        await self._http.aclose()
+        await self._cluster.aclose()
 
     async def wait_for_version(self, version: int, timeout_s: float) -> LoadedTable:
         """Wait until a table with at least `version` is loaded (TimeoutError otherwise)."""
@@ -330,11 +324,6 @@ class RoutingTableClient:
                 self._updated.clear()
                 await self._updated.wait()
         return self._loaded
-
-    def _timeout(self, wait_s: float) -> httpx.Timeout:
-        # A long-poll legitimately stays silent for `wait_s`; allow a margin on top.
-        s = self._settings
-        return httpx.Timeout(connect=s.connect_timeout_s, read=wait_s + 10.0, write=10.0, pool=10.0)
 
     async def _run(self) -> None:
         failures = 0
@@ -364,45 +353,24 @@ class RoutingTableClient:
 
     async def _poll(self, wait_s: float) -> bool:
         """One request to the control plane; True when a new table was loaded."""
-        headers: dict[str, str] = {}
-        params: dict[str, str] = {}
-        if self._loaded is not None:
-            headers["if-none-match"] = f'"{self._loaded.version}"'
-            if self._build is not None:
-                headers["a-im"] = TABLE_DELTA_IM
-                headers[HEADER_TABLE_BUILD] = self._build
-            if wait_s > 0:
-                params["wait"] = f"{wait_s:g}"
-        resp = await self._http.get(
-            ROUTING_TABLE_PATH, headers=headers, params=params, timeout=self._timeout(wait_s)
-        )
-        if resp.status_code == 304:
-            self._refreshed_at = self._clock.monotonic()
-            return False
-        if resp.status_code == 226 and self._loaded is not None and self._build is not None:
-            if not self._apply(resp.content):
+        held = self._loaded
+        # The version held makes it conditional (a long-poll); the build held asks for a delta.
+        answer = await self._cluster.routing_table(version=held.version if held is not None else None,
+                                                   build=self._build, wait_s=wait_s)
+        if answer.delta is not None:
+            if held is None or self._build is None or not self._apply(answer.delta):
                 # Not a delta for the table held: drop the build so the next ask is a full one.
                 self._build = None
                 return await self._poll(0.0)
-        elif resp.status_code == 200:
-            try:
-                table = RoutingTable.model_validate_json(resp.content)
-            except ValidationError as exc:
-                raise RuntimeError(f"control plane sent an invalid routing table: {exc}") from exc
+        elif answer.table is not None:
             self.full_tables += 1
-            self._install(LoadedTable.build(table), resp.headers.get(HEADER_TABLE_BUILD))
-        else:
-            raise RuntimeError(f"control plane answered {resp.status_code}: {resp.text[:200]}")
+            self._install(LoadedTable.build(answer.table), answer.build)
         self._refreshed_at = self._clock.monotonic()
-        return True
+        return not answer.unchanged
 
-    def _apply(self, body: bytes) -> bool:
+    def _apply(self, delta: RoutingTableDelta) -> bool:
         """Install the table a delta leads to; False when its base is not the table held."""
         assert self._loaded is not None
-        try:
-            delta = RoutingTableDelta.model_validate_json(body)
-        except ValidationError as exc:
-            raise RuntimeError(f"control plane sent an invalid routing-table delta: {exc}") from exc
         if (delta.base_version, delta.base_build) != (self._loaded.version, self._build):
             log.warning(
                 "routing-table delta from %d/%s does not apply to version %d/%s; fetching the full table",

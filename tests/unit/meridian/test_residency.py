@@ -53,6 +53,7 @@ from geo_router.selection.scale_from_zero import placeable_regions
 from geo_router.state.health import InProcessFleetState
 from geo_router.state.table import LoadedTable
 from meridian import residency
+from meridian.cluster_client import ClusterClient, ClusterEndpoint
 from meridian.contracts import (
     DeploymentEntry,
     KVConnector,
@@ -272,7 +273,7 @@ def _node_accepts(region: RegionInfo, zone: str) -> bool:
 
     async def ask() -> None:
         transport = httpx.ASGITransport(app=_registry_stand_in(region))
-        async with httpx.AsyncClient(transport=transport, base_url="http://cp") as client:
+        async with ClusterClient(ClusterEndpoint("http://cp", None, 5.0), transport=transport) as client:
             await ControlPlanePeers(client, node_id="n", region=region.name).sources(manifest, None)
 
     try:
