@@ -68,6 +68,18 @@ def test_the_base_install_holds_no_extra(base_venv: Path) -> None:
     assert not names & _EXTRAS_ONLY
 
 
+# What a deployment runs: the planes, the kernel, the CLI and what its commands reach.
+_SHIPPED = {"meridian", "control_plane", "data_plane", "geo_router", "providers", "iac", "cli", "localfabric", "chaos"}
+
+
+def test_the_wheel_ships_only_what_production_runs(base_venv: Path) -> None:
+    listing = ("import importlib.metadata as m; "
+               "print('\\n'.join(sorted({f.parts[0] for f in m.files('meridian') if f.suffix == '.py'})))")
+    shown = subprocess.run([str(base_venv / "bin" / "python"), "-c", listing], cwd=base_venv,
+                           capture_output=True, text=True, check=True)
+    assert set(shown.stdout.split()) == _SHIPPED  # no bench, no tests, nothing left out
+
+
 def test_demo_from_the_base_install_answers_a_chat_and_stops_on_ctrl_c(base_venv: Path, tmp_path: Path) -> None:
     work = tmp_path / "demo"
     proc = subprocess.Popen(
