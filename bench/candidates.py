@@ -55,7 +55,7 @@ def measure(replicas: int, max_candidates: int | None = None) -> dict[str, float
     from geo_router.state.prefix_history import InProcessPrefixHistory
     from geo_router.state.table import LoadedTable
     from meridian.geo import Point
-    from meridian.settings import RouterSettings
+    from meridian.settings.router import RouterSettings
 
     bound = {} if max_candidates is None else {"max_candidates": max_candidates}
     settings = RouterSettings(cluster_token="bench", **bound)

@@ -43,7 +43,7 @@ import torch
 from bench.common import Figure, median, percentile
 from data_plane.engine.base import Engine, GenerationRequest, SamplingParams, create_engine
 from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 BENCH = "engine"
 

@@ -39,7 +39,7 @@ import httpx
 
 from bench.common import Figure, median, stop_process
 from meridian.ports import free_port
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 BENCH = "heartbeats"
 TOKEN = "bench-cluster-token-" + "x" * 16
@@ -49,7 +49,7 @@ FLEET = 10_000
 IDLE_S = 3.0
 WEIGHTS = ["a" * 64, "b" * 64]
 _SERVE = (
-    "from control_plane.app import serve; from meridian.settings import ControlPlaneSettings; "
+    "from control_plane.app import serve; from meridian.settings.control_plane import ControlPlaneSettings; "
     "serve(ControlPlaneSettings())"
 )
 

@@ -50,7 +50,7 @@ from geo_router.state.probe import NodeProber
 from geo_router.state.table import LoadedTable
 from meridian.clock import ManualClock
 from meridian.contracts import NodeStatus, RegionInfo, RoutingNode, RoutingTable, RoutingTableDelta
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 BENCH = "probes"
 REGIONS = [

@@ -57,7 +57,7 @@ from meridian.contracts import (
     TenantEntry,
 )
 from meridian.geo import Point, region_rtt_ms
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 BENCH = "routing_table"
 REGIONS = [

@@ -27,7 +27,7 @@ from data_plane.server.app import create_app
 from data_plane.weights.cache import NodeCache
 from data_plane.weights.pull import WeightPuller
 from data_plane.weights.push import push_model
-from meridian.settings import NodeSettings, WeightSettings
+from meridian.settings.node import NodeSettings, WeightSettings
 
 MiB = 1024 * 1024
 

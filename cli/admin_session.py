@@ -38,7 +38,7 @@ from meridian.admin_api import CONTROL_PLANE_SERVICE
 from meridian.admin_client import AdminAPIError, AdminClient
 from meridian.cli_format import OutputConsole, OutputFormat, OutputOpt, emit
 from meridian.cli_settings import settings_or_exit
-from meridian.settings import CLISettings
+from meridian.settings.cli import CLISettings
 
 console = OutputConsole()  # piped: wide enough that no table row folds
 err_console = Console(stderr=True)

@@ -128,7 +128,7 @@ def shape_from_dir(path: Path) -> dict[str, Any]:
 def shape_from_uri(uri: str) -> dict[str, Any]:
     """ModelUpsert fields of the checkpoint at a weight URI (config and headers only)."""
     from data_plane.weights.origins import OriginError, OriginNotFound, open_origin
-    from meridian.settings import WeightSettings
+    from meridian.settings.node import WeightSettings
 
     async def run() -> dict[str, Any]:
         origin = open_origin(uri, WeightSettings())

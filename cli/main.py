@@ -196,7 +196,7 @@ def demo(
     if served.pinned is not None:
         from cli.demo_fetch import cache_root, fetch_demo_model
         from meridian.cli_settings import settings_or_exit
-        from meridian.settings import CLISettings
+        from meridian.settings.cli import CLISettings
 
         try:
             served = fetch_demo_model(served, cache_root(settings_or_exit(CLISettings).model_cache_dir), console)

@@ -17,7 +17,7 @@ import typer
 from cli.admin_session import console, fail
 from meridian import residency
 from meridian.cli_settings import settings_or_exit
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 # http(s) origins and peers are read-only (data_plane.weights.origins raise OriginReadOnly).
 READ_ONLY_SCHEMES = frozenset({"http", "https", "peer"})

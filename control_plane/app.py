@@ -54,7 +54,8 @@ from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import RoutingTable
 from meridian.http_server import limited_config, problem_body
 from meridian.logs import configure_logging
-from meridian.settings import ControlPlaneSettings, ProviderSettings
+from meridian.settings.control_plane import ControlPlaneSettings
+from meridian.settings.providers import ProviderSettings
 from providers.catalog import load_catalog
 from providers.onprem.inventory import load_inventory
 from providers.regions import region_catalog

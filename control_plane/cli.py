@@ -11,7 +11,8 @@ from typing import Annotated
 import typer
 
 from meridian.cli_settings import settings_or_exit
-from meridian.settings import ControlPlaneSettings, ProviderSettings
+from meridian.settings.control_plane import ControlPlaneSettings
+from meridian.settings.providers import ProviderSettings
 
 app = typer.Typer(no_args_is_help=True, help="The control plane (admin API, state, reconciler).")
 

@@ -22,7 +22,8 @@ from control_plane.version_bumper import CHANGED, VersionBumper
 from control_plane.version_watch import VersionWatch
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import RegionInfo
-from meridian.settings import ControlPlaneSettings, ProviderSettings
+from meridian.settings.control_plane import ControlPlaneSettings
+from meridian.settings.providers import ProviderSettings
 from providers.catalog import Catalog
 
 # Threads (and, on Postgres, pooled connections) that renew leases: one renewal is one

@@ -38,7 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from control_plane.db.models import Node
 from meridian.clock import Clock
 from meridian.contracts import NodeStatus
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 if TYPE_CHECKING:
     from control_plane.context import AppContext

@@ -57,7 +57,7 @@ from control_plane.heartbeat_pacing import effective_ttl_s
 from control_plane.routing_table import bump_version
 from meridian.clock import event_or_timeout
 from meridian.contracts import HEARTBEAT_RETRY_MAX_S, NodeStatus
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 log = logging.getLogger(__name__)
 

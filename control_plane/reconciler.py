@@ -62,7 +62,7 @@ from meridian.backoff import Backoff
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import NodeRole, NodeStatus
 from meridian.registry import UnknownName
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.driver import DriverRegistry, GroupSpec, GroupState
 from providers.errors import ProviderError
 from providers.onprem.inventory import Inventory, load_inventory

@@ -30,7 +30,7 @@ from meridian.contracts import (
     NodeRole,
     NodeStatus,
 )
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,13 @@ def advertise_kv_events(settings: NodeSettings) -> tuple[str | None, str | None]
     return events, replay
 
 
+def cluster_endpoint(settings: NodeSettings) -> ClusterEndpoint:
+    """The control plane as this node's agent and weight peers reach it (cluster token)."""
+    if not settings.control_plane_url:
+        raise ValueError("settings.control_plane_url is not set")
+    return ClusterEndpoint(settings.control_plane_url, settings.cluster_token, settings.control_plane_timeout_s)
+
+
 class NodeAgent:
     """Registers, heartbeats (re-registering when forgotten) and deregisters a node."""
 
@@ -201,7 +208,7 @@ class NodeAgent:
         """Start the background loop; the first registration happens right away."""
         if self._task is not None:
             return
-        self._client = ClusterClient(ClusterEndpoint.for_node(self._settings), transport=self._transport)
+        self._client = ClusterClient(cluster_endpoint(self._settings), transport=self._transport)
         self._task = asyncio.create_task(self._run(), name=f"node-agent-{self.node_id}")
 
     async def wait_registered(self, timeout_s: float) -> bool:

@@ -16,7 +16,7 @@ from rich.markup import escape
 
 from meridian.cli_format import OutputConsole
 from meridian.cli_settings import settings_or_exit
-from meridian.settings import NodeSettings, WeightSettings
+from meridian.settings.node import NodeSettings, WeightSettings
 
 node_app = typer.Typer(no_args_is_help=True, help="A data-plane node (runtime + node agent).")
 model_app = typer.Typer(no_args_is_help=True, help="Model checkpoints.")

@@ -14,7 +14,7 @@ from data_plane.runtime import NodeRuntime
 from data_plane.server.app import create_app
 from meridian.http_server import limited_config, openai_error_body
 from meridian.logs import configure_logging
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 log = logging.getLogger(__name__)
 

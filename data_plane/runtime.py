@@ -15,7 +15,7 @@ from data_plane.lifecycle import NodeLifecycle
 from data_plane.weights.node_weights import NodeWeights
 from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 from meridian.contracts import ColdStart, KVTransferInfo, NodeLoad
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 log = logging.getLogger(__name__)
 

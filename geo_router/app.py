@@ -38,7 +38,7 @@ from meridian.contracts import (
 from meridian.geo import Point
 from meridian.logs import flush_logs
 from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 from meridian.tracing import Tracing
 
 from .admission.ratelimit import Admission, RateLimiter, create_rate_limiter

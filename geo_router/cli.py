@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from meridian.cli_settings import settings_or_exit
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 app = typer.Typer(no_args_is_help=True, help="The geo router (global OpenAI-compatible endpoint).")
 

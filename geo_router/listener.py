@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from meridian.cpus import worker_count
 from meridian.http_server import limited_config, openai_error_body
 from meridian.logs import configure_logging
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from .app import RouterState, create_app
 from .observability.admin_listener import create_metrics_app, run_with_admin_listener

@@ -36,7 +36,6 @@ from meridian.contracts import (
     WeightSources,
     WeightSourcesRequest,
 )
-from meridian.settings import NodeSettings, RouterSettings
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -68,7 +67,8 @@ class ClusterAPIError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ClusterEndpoint:
-    """Where the control plane is and how its callers are held to time and connections."""
+    """Where the control plane is and how its callers are held to time and connections (each
+    plane builds it from its own settings)."""
 
     url: str
     token: SecretStr | None
@@ -76,16 +76,6 @@ class ClusterEndpoint:
     connect_timeout_s: float | None = None  # None: timeout_s
     max_connections: int = 4
 
-    @classmethod
-    def for_node(cls, settings: NodeSettings) -> ClusterEndpoint:
-        if not settings.control_plane_url:
-            raise ValueError("settings.control_plane_url is not set")
-        return cls(settings.control_plane_url, settings.cluster_token, settings.control_plane_timeout_s)
-
-    @classmethod
-    def for_router(cls, settings: RouterSettings, timeout_s: float, *, max_connections: int = 4) -> ClusterEndpoint:
-        return cls(settings.control_plane_url, settings.cluster_token, timeout_s, settings.connect_timeout_s,
-                   max_connections)
 
 
 @dataclass(frozen=True, slots=True)

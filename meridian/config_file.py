@@ -40,16 +40,12 @@ import yaml
 from pydantic import BaseModel, SecretStr, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 
-from meridian.settings import (
-    CLISettings,
-    ControlPlaneSettings,
-    FileSettings,
-    LogSettings,
-    NodeSettings,
-    ProviderSettings,
-    RouterSettings,
-    WeightSettings,
-)
+from meridian.settings import FileSettings, LogSettings
+from meridian.settings.cli import CLISettings
+from meridian.settings.control_plane import ControlPlaneSettings
+from meridian.settings.node import NodeSettings, WeightSettings
+from meridian.settings.providers import ProviderSettings
+from meridian.settings.router import RouterSettings
 
 SECTIONS: dict[str, type[FileSettings]] = {
     cls.config_section: cls

@@ -25,7 +25,7 @@ from typing import Literal, Protocol, cast, runtime_checkable
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import RegionInfo
 from meridian.registry import Registry, load_target
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.driver import NodeGroupDriver
 from providers.offerings import Offering
 from providers.onprem.inventory import Inventory

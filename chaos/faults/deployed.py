@@ -22,7 +22,7 @@ from chaos.faults.injector import Injector
 from chaos.history import History, Outcome
 from meridian.contracts import NodeStatus
 from meridian.registry import UnknownName
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.driver import FailsInstances
 from providers.errors import ProviderError
 from providers.provider import PROVIDERS, ProviderConfig

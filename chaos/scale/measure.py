@@ -45,7 +45,7 @@ from meridian.contracts import (
 )
 from meridian.geo import region_point
 from meridian.kv_events import BlockStored, KVEventBatch, decode_batch, encode_batch
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 MIB = 1024 * 1024
 BLOCK_SIZE = 16

@@ -42,7 +42,7 @@ from chaos.scale.wire import WireError, WirePool
 from data_plane.agent import NodeAgent
 from localfabric.procs import die_with_parent
 from meridian.contracts import NodeLoad, NodeStatus
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 STATS_EVERY_S = 1.0
 # The agent processes' niceness (see agent_main).

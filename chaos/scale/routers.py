@@ -29,7 +29,7 @@ from pydantic import SecretStr
 from geo_router.state.table import LoadedTable, RoutingTableClient
 from localfabric.procs import die_with_parent
 from meridian.contracts import NodeStatus
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 STATS_EVERY_S = 0.25
 

@@ -84,7 +84,7 @@ from chaos.scale.stack import (
 )
 from geo_router.state.table import LoadedTable
 from meridian.contracts import NodeRegistered, NodeRegistration, NodeStatus, RoutingTable
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 MODELS = ["llama-3-8b", "mistral-7b", "llama-2-13b", "llama-3-70b"]
 NODES_PER_AGENT_PROC = 2500

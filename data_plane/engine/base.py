@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import KVTransferInfo, NodeCapability
 from meridian.registry import Registry
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 if TYPE_CHECKING:
     import httpx

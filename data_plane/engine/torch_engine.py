@@ -55,7 +55,7 @@ from data_plane.sampling import Sampled, SamplingFailed, make_generator
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import NodeCapability
 from meridian.kv_events import AllBlocksCleared, KVEvent, KVEventBatch
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 from meridian.stop_strings import StopStringMatcher
 from meridian.tokenizer import ChatTokenizer
 

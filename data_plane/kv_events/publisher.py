@@ -32,7 +32,7 @@ import zmq
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.kv_events import END_SEQ, KVEventBatch, encode_batch, seq_from_bytes, seq_to_bytes
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 log = logging.getLogger(__name__)
 

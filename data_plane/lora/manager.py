@@ -27,7 +27,7 @@ from data_plane.lora.adapter import (
     load_adapter,
 )
 from data_plane.model.llama import LlamaConfig
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 
 @dataclass(slots=True)

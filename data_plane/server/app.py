@@ -28,7 +28,7 @@ from data_plane.weights.node_weights import with_model_uri
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import ModelCard, ModelList
 from meridian.request_journal import RequestJournal
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 from meridian.tracing import Tracing
 
 

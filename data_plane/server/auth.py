@@ -14,7 +14,7 @@ from fastapi import Request
 
 from data_plane.server.errors import AuthenticationError
 from meridian.security import bearer_token, constant_time_equals
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from data_plane.engine.kv_transfer.payload import KVLayout, KVPayload, KVPayloadError, decode, mismatch
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from data_plane.engine.base import KVHold
 from data_plane.server.errors import BadRequestError
 from meridian.contracts import KVConnector, NodeRole
 from meridian.kv_transfer import is_decode_request, is_prefill_request
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 PARAM = "kv_transfer_params"
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from data_plane.server.body import decode_json_object, read_body
 from data_plane.server.errors import BadRequestError, validation_error
 from data_plane.server.protocol import ChatMessage
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 from meridian.tokenizer import ChatTokenizer
 
 

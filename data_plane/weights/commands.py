@@ -25,7 +25,7 @@ from data_plane.weights.manifest import Manifest
 from data_plane.weights.pull import PullReport, WeightPuller
 from data_plane.weights.push import push_model
 from meridian.cli_format import folding_table, human_bytes
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 
 def _bar(console: Console) -> Progress:

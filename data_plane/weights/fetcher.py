@@ -25,7 +25,7 @@ from data_plane.weights.origins.base import (
 )
 from meridian.backoff import Backoff
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 log = logging.getLogger(__name__)
 

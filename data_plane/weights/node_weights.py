@@ -8,13 +8,14 @@ from pathlib import Path, PurePosixPath
 
 from fastapi import APIRouter
 
+from data_plane.agent import cluster_endpoint
 from data_plane.weights.cache import NodeCache, ref_path
 from data_plane.weights.peer_server import weights_router
 from data_plane.weights.peers import ControlPlanePeers
 from data_plane.weights.pull import PullProgress, PullReport, WeightPuller
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.cluster_client import ClusterClient, ClusterEndpoint
-from meridian.settings import NodeSettings
+from meridian.cluster_client import ClusterClient
+from meridian.settings.node import NodeSettings
 
 
 def model_link(settings: NodeSettings) -> Path:
@@ -54,7 +55,7 @@ class NodeWeights:
         self._cp: ClusterClient | None = None
         peers = None
         if settings.control_plane_url and settings.region and w.peer_fetch:
-            self._cp = ClusterClient(ClusterEndpoint.for_node(settings))
+            self._cp = ClusterClient(cluster_endpoint(settings))
             peers = ControlPlanePeers(self._cp, node_id=node_id, region=settings.region)
         self.puller = WeightPuller(w, self.cache, peers=peers, clock=clock)
         self.digests: list[str] = []

@@ -26,7 +26,7 @@ from data_plane.weights.origins.transport import make_client
 from data_plane.weights.peers import PeerDirectory
 from meridian import residency
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 log = logging.getLogger(__name__)
 

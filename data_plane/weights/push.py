@@ -10,7 +10,7 @@ from data_plane.weights.errors import first_error
 from data_plane.weights.manifest import MANIFEST_NAME, Manifest, build_manifest
 from data_plane.weights.origins import open_origin
 from meridian.contracts import GLOBAL_ZONE
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 # Files uploaded at once (each large one is itself uploaded in concurrent parts).
 _FILES_IN_FLIGHT = 4

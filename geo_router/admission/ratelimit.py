@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import TenantEntry
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ..state.redis_sync import RedisMirror
 from .ratelimit_buckets import (

@@ -35,7 +35,7 @@ from meridian.contracts import (
     HEADER_REQUEST_ID,
 )
 from meridian.request_journal import RequestJournal
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ..admission.tokens import estimate_prompt_tokens
 from ..errors import RouterError, UpstreamLost, UpstreamTimeout

@@ -18,7 +18,7 @@ import msgspec
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.request_journal import RequestJournal
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ..ingress.request import InferenceRequest
 from ..observability.metrics import RouterMetrics

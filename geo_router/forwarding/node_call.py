@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Callable
 
 from meridian.contracts import HEADER_REQUEST_ID
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ..errors import RouterOverloaded
 from ..ingress.request import InferenceRequest

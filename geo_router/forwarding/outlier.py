@@ -15,7 +15,7 @@ router, and routers sharing Redis each keep their own.
 
 from __future__ import annotations
 
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ..state.health import FleetState
 

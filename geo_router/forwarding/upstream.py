@@ -30,7 +30,7 @@ import httptools
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.http_server import CLIENT_KEEPALIVE_S
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 # A streamed answer buffered beyond this stops being read from the node until the client
 # catches up (TCP then slows the node down): backpressure, and bounded memory per stream.

@@ -30,7 +30,7 @@ from pydantic import SecretStr
 
 from meridian.http_server import limited_config, openai_error_body
 from meridian.security import bearer_token, constant_time_equals
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ..errors import InvalidApiKey, install_error_handlers
 from ..state.probe import NodeProber

@@ -14,7 +14,7 @@ from starlette.datastructures import Headers
 
 from meridian.contracts import RegionInfo
 from meridian.geo import Point, estimate_rtt_ms, region_point, resolve_location
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from meridian.registry import Registry
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from .candidates import Candidate, LoraState, RoutingContext
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from meridian.block_hash import hash_blocks
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 from meridian.tokenizer import ChatTemplateError, ChatTokenizer
 
 from .candidates import split_adapter

@@ -33,7 +33,7 @@ from http import HTTPStatus
 import httpx
 
 from meridian.clock import SYSTEM_CLOCK, Clock, event_or_timeout, first_or_timeout
-from meridian.cluster_client import ClusterAPIError, ClusterClient, ClusterEndpoint
+from meridian.cluster_client import ClusterAPIError, ClusterClient
 from meridian.contracts import (
     DeploymentEntry,
     NodeStatus,
@@ -42,11 +42,11 @@ from meridian.contracts import (
     TenantEntry,
 )
 from meridian.geo import Point, region_rtt_ms
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ..errors import ClientClosedRequest, RouterError, ScaleFromZeroQueueFull, ScaleFromZeroTimeout
 from ..observability.metrics import RouterMetrics
-from ..state.table import LoadedTable, TableSource
+from ..state.table import LoadedTable, TableSource, cluster_endpoint
 from .candidates import Candidate, exhausted_error, tenant_may_use
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class ScaleUpClient:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._metrics = metrics
-        self._cluster = ClusterClient(ClusterEndpoint.for_router(settings, settings.scale_up_timeout_s),
+        self._cluster = ClusterClient(cluster_endpoint(settings, settings.scale_up_timeout_s),
                                       transport=transport)
 
     async def aclose(self) -> None:

@@ -41,7 +41,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 from meridian.contracts import RegionInfo, RoutingNode
 from meridian.geo import Point, region_rtt_ms, resolve_location
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from .table import LoadedTable
 

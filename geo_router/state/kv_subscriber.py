@@ -56,7 +56,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.kv_events import END_SEQ, decode_batch, seq_from_bytes, seq_to_bytes
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from .kv_index import KVIndex
 from .kv_scope import KVScope

@@ -34,7 +34,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from .redis_sync import RedisMirror
 

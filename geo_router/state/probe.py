@@ -68,7 +68,7 @@ import httpx
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import NodeStatus, RoutingNode
 from meridian.http_server import CLIENT_KEEPALIVE_S
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from .health import FailureKind, FleetState
 from .node_load import NodeLoad, parse_node_metrics

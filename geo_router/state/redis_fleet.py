@@ -23,7 +23,7 @@ import logging
 import math
 
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from .health import EjectionPolicy, FailureKind, InProcessFleetState, NodeHealth
 from .redis_sync import RedisMirror

@@ -48,7 +48,7 @@ from meridian.contracts import (
     RoutingTableDelta,
     TenantEntry,
 )
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from .snapshot import read_snapshot, write_snapshot
 
@@ -249,6 +249,12 @@ class StaticTableSource:
         return None
 
 
+def cluster_endpoint(settings: RouterSettings, timeout_s: float, *, max_connections: int = 4) -> ClusterEndpoint:
+    """The control plane as this router reaches it (cluster token), with a call's timeout."""
+    return ClusterEndpoint(settings.control_plane_url, settings.cluster_token, timeout_s, settings.connect_timeout_s,
+                           max_connections)
+
+
 class RoutingTableClient:
     """Keeps the latest routing table from the control plane, long-polling for changes."""
 
@@ -267,7 +273,7 @@ class RoutingTableClient:
         self._retry_max_s = retry_max_s
         self._loaded: LoadedTable | None = None
         self._task: asyncio.Task[None] | None = None
-        self._cluster = ClusterClient(ClusterEndpoint.for_router(settings, _TABLE_CALL_TIMEOUT_S, max_connections=2),
+        self._cluster = ClusterClient(cluster_endpoint(settings, _TABLE_CALL_TIMEOUT_S, max_connections=2),
                                       transport=transport)
         self._updated = asyncio.Event()
         self._listeners: list[TableListener] = []

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import TenantEntry
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ..admission.ratelimit import Admission, InProcessRateLimiter, RateLimiter, create_rate_limiter, refreshed
 from ..admission.ratelimit_buckets import Bucket, LocalTenant, bucket_capacity

@@ -25,7 +25,7 @@ from enum import IntEnum
 from pathlib import Path
 
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ..state.health import EjectionRules, FailureKind, InProcessFleetState, NodeHealth
 from .host_ring import HostRing, RingReader

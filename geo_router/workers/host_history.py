@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ..state.prefix_history import InProcessPrefixHistory
 from .host_ring import HostRing, RingReader

@@ -36,7 +36,7 @@ from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 from typing import Any
 
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from . import WorkerSlot
 from .host_buckets import BucketTable

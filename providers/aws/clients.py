@@ -18,7 +18,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 from botocore.parsers import ResponseParserError
 
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.aws.errors import PROVIDER, map_error
 from providers.errors import ProviderError
 

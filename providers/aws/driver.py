@@ -36,7 +36,7 @@ import boto3
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import NODE_ID_PATTERN
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.aws import naming
 from providers.aws import offerings as aws_offerings
 from providers.aws.clients import AwsClients, location

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import RegionInfo
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.aws import offerings as aws_offerings
 from providers.aws import regions as aws_regions
 from providers.aws.clients import AwsClients

@@ -20,7 +20,7 @@ from google.api_core import retry as api_retry
 from google.auth.credentials import AnonymousCredentials, Credentials
 from google.cloud import compute_v1
 
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.gcp.errors import map_error
 
 T = TypeVar("T")

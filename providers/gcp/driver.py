@@ -54,7 +54,7 @@ from google.cloud import compute_v1
 from meridian.backoff import Backoff
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import NODE_ID_PATTERN
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.driver import GroupSpec, GroupState, PreemptionNotice
 from providers.errors import ProviderError
 from providers.gcp import naming

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from meridian.clock import SYSTEM_CLOCK, Clock
 from meridian.contracts import RegionInfo
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.driver import NodeGroupDriver
 from providers.gcp import offerings as gcp_offerings
 from providers.gcp import regions as gcp_regions

@@ -27,7 +27,7 @@ from geo_router.state.table import StaticTableSource
 from meridian.contracts import NodeStatus, RoutingNode, RoutingTable, TenantEntry
 from meridian.http_server import limited_config, openai_error_body
 from meridian.security import hash_api_key
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 MODEL = "tiny-llama"
 NODE_ID = "eu-node-1"

@@ -21,7 +21,7 @@ from aws_moto import aws_client, make_network
 
 from meridian.clock import ManualClock
 from meridian.contracts import NODE_ID_PATTERN, NodeRole
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.aws import naming
 from providers.aws.clients import AwsClients
 from providers.aws.driver import AwsDriver

@@ -20,7 +20,7 @@ from control_plane.app import create_app
 from control_plane.db import clock
 from control_plane.db.models import Node
 from control_plane.reaper import reap_once
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 pytestmark = pytest.mark.postgres
 

@@ -22,7 +22,7 @@ from control_plane.context import AppContext
 from control_plane.db.clock import db_now
 from control_plane.db.models import Node
 from meridian.clock import ManualClock
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 pytestmark = pytest.mark.postgres
 

@@ -25,7 +25,7 @@ from gcp_compute_standin import COMPUTE, ComputeStandIn, serving
 from meridian.backoff import Backoff
 from meridian.clock import ManualClock
 from meridian.contracts import NODE_ID_PATTERN, NodeRole
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.driver import GroupSpec, NodeGroupDriver
 from providers.errors import AuthError, CapacityError, ProviderError, QuotaError
 from providers.gcp import naming

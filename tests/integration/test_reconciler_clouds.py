@@ -25,7 +25,8 @@ from control_plane.context import AppContext
 from control_plane.db.models import Deployment, PlacementPlan
 from control_plane.leader import FLEET, Fence, claim
 from control_plane.reconciler import Reconciler, StepResult, default_drivers
-from meridian.settings import ControlPlaneSettings, ProviderSettings
+from meridian.settings.control_plane import ControlPlaneSettings
+from meridian.settings.providers import ProviderSettings
 from providers.aws import naming as aws_naming
 from providers.gcp import naming as gcp_naming
 

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from cli.demo import QUESTION
 from data_plane.server.app import create_app
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 from meridian.tokenizer import ChatTokenizer
 
 pytestmark = pytest.mark.timeout(900)

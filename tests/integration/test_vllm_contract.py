@@ -26,7 +26,7 @@ from vllm_fabric import make_vllm_checkpoint, require_vllm, write_spec
 from data_plane.engine.base import GenerationRequest, SamplingParams
 from data_plane.engine.vllm.engine import VllmEngine
 from meridian.kv_events import BlockStored, KVEventBatch
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(600)]
 

@@ -32,7 +32,7 @@ from data_plane.weights.origins.s3 import S3Origin
 from data_plane.weights.origins.sigv4 import AwsCredentials
 from data_plane.weights.pull import WeightPuller
 from data_plane.weights.push import push_model
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 S3_POLICY = '{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":["s3:*"],"Resource":"*"}]}'
 ADMIN_POLICY = '{"Version":"2012-10-17","Statement":[{"Effect":"Allow","Action":["iam:*","s3:*"],"Resource":"*"}]}'

@@ -21,7 +21,7 @@ from bench.nginx import NginxServer
 from data_plane.model.make_tiny import TinyArch, make_tiny_checkpoint
 from data_plane.weights.push import push_model
 from meridian.ports import free_port
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 MiB = 1024 * 1024
 REGION = "aws:us-east-1"

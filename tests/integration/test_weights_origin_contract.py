@@ -18,7 +18,7 @@ from data_plane.weights.origins import (
     WeightOrigin,
     open_origin,
 )
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 ORIGINS = ["file", "https", "s3", "gs"]
 

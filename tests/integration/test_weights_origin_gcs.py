@@ -18,7 +18,7 @@ from data_plane.weights.origins import (
     open_origin,
 )
 from data_plane.weights.origins.gcs import GcsOrigin
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 MIB = 1024 * 1024
 

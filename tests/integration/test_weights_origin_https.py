@@ -22,7 +22,7 @@ from data_plane.weights.origins import (
     open_origin,
 )
 from data_plane.weights.origins.http import HttpOrigin, redirect_refusal
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 
 @pytest.fixture

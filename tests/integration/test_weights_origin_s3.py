@@ -24,7 +24,7 @@ from data_plane.weights.origins import (
 )
 from data_plane.weights.origins.s3 import S3Origin
 from data_plane.weights.origins.sigv4 import EMPTY_SHA256, AwsCredentials, sha256_hex, sign_headers
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 MIB = 1024 * 1024
 

@@ -19,7 +19,7 @@ import pytest
 from bench.nginx import NginxServer
 from data_plane.weights.manifest import MANIFEST_NAME, Manifest
 from data_plane.weights.push import push_model
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 MiB = 1024 * 1024
 CHUNK = 256 * 1024

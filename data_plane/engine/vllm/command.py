@@ -49,7 +49,7 @@ from data_plane.engine.vllm.spec import (
 from meridian.contracts import KVConnector, KVTransferInfo, NodeRole
 from meridian.http_server import SERVER_KEEPALIVE_S
 from meridian.ports import free_port
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 from meridian.tracing import traces_url
 
 log = logging.getLogger(__name__)

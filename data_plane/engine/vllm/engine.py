@@ -60,7 +60,7 @@ from meridian.clock import SYSTEM_CLOCK, Clock, wait_at_most
 from meridian.contracts import KVTransferInfo, NodeCapability, Route
 from meridian.http_server import CLIENT_KEEPALIVE_S
 from meridian.ports import free_port
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 from meridian.tokenizer import ChatTokenizer
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 from meridian.registry import Registry
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 # Called with the number of bytes just transferred (progress bars).
 Progress = Callable[[int], None]

@@ -16,7 +16,7 @@ from data_plane.weights.origins.base import (
     Progress,
 )
 from data_plane.weights.origins.transport import check_span
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 _COPY_BYTES = 8 * 1024 * 1024
 

@@ -32,7 +32,7 @@ from data_plane.weights.origins.transport import (
 )
 from meridian.backoff import Backoff
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 PUBLIC_ENDPOINT = "https://storage.googleapis.com"
 # Resumable upload chunks must be multiples of 256 KiB (all but the last).

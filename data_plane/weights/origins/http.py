@@ -28,7 +28,7 @@ from data_plane.weights.origins.transport import (
     ranged_body,
     transport_errors,
 )
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 # Statuses of a server that does not allow HEAD; the size is then asked with a GET.
 _HEAD_REFUSED = frozenset({405, 501})

@@ -21,7 +21,7 @@ from data_plane.weights.origins.transport import (
     ranged_body,
     transport_errors,
 )
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 
 class PeerOrigin:

@@ -42,7 +42,7 @@ from data_plane.weights.origins.transport import (
     transport_errors,
 )
 from meridian.clock import SYSTEM_CLOCK, Clock
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 _log = logging.getLogger(__name__)
 

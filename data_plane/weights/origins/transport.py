@@ -22,7 +22,7 @@ from data_plane.weights.origins.base import (
 )
 from meridian.backoff import Backoff
 from meridian.clock import Clock
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 T = TypeVar("T")
 

@@ -33,7 +33,7 @@ import msgspec
 from meridian.clock import Clock
 from meridian.contracts import KVConnector
 from meridian.kv_transfer import KVTransferError, decode_params
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ...observability.metrics import RouterMetrics
 from ...selection.candidates import Candidate

@@ -24,7 +24,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from . import kserve_v2_pb2 as pb
 from . import kserve_v2_pb2_grpc as pb_grpc

@@ -60,7 +60,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from meridian.clock import Clock, first_or_timeout
 from meridian.contracts import Route
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 from ...errors import InvalidApiKey, RequestTooLarge, RouterError, error_response
 from ..arrival import Arrival, CallArrival, Departure

@@ -18,7 +18,8 @@ from pydantic import SecretStr
 
 from control_plane.app import create_app
 from meridian.clock import SYSTEM_CLOCK, Clock, ManualClock
-from meridian.settings import ControlPlaneSettings, ProviderSettings
+from meridian.settings.control_plane import ControlPlaneSettings
+from meridian.settings.providers import ProviderSettings
 
 
 @pytest.fixture(

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from control_plane.errors import PROBLEM_MEDIA_TYPE
 from meridian.clock import ManualClock
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 CLUSTER_TOKEN = "test-cluster-token"
 ADMIN_KEY = "mrd_bootstrap-admin-key-for-tests"
@@ -125,7 +125,7 @@ async def advance_until(
 # --- control planes as real processes (`serve`, as `meridian control-plane serve` runs it) ---
 
 _SERVE = (
-    "from control_plane.app import serve; from meridian.settings import ControlPlaneSettings; "
+    "from control_plane.app import serve; from meridian.settings.control_plane import ControlPlaneSettings; "
     "serve(ControlPlaneSettings())"
 )
 

@@ -21,7 +21,7 @@ from chaos.drill import Target
 from cli.main import app as cli_app
 from control_plane.reconciler import default_drivers
 from meridian.contracts import RegionInfo
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.driver import GroupSpec, GroupState, NodeGroupDriver, PreemptionNotice
 from providers.offerings import Offering
 from providers.provider import PROVIDERS, Provider, ProviderConfig, ProviderDescription, Quota

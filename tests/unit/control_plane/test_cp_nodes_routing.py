@@ -11,7 +11,7 @@ from control_plane.app import create_app
 from control_plane.version_watch import DEFAULT_RECHECK_S
 from meridian.clock import ManualClock
 from meridian.contracts import NodeCapability, RoutingNode
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 
 async def test_register_heartbeat_and_routing_table(cp: ControlPlane) -> None:

@@ -28,7 +28,7 @@ from schemathesis.checks import (
 from schemathesis.python import asgi as schemathesis_asgi
 
 from control_plane.app import create_app
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 EXAMPLES_PER_OPERATION = 20
 

@@ -12,7 +12,7 @@ from cp_harness import LOOPS_OFF, ControlPlane
 
 from control_plane.context import AppContext
 from control_plane.db.models import PlacementPlan
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 
 ONPREM_ONLY = pytest.mark.parametrize("provider_settings", [ProviderSettings(enabled=["onprem"])], ids=["onprem-only"])
 

@@ -22,7 +22,7 @@ from control_plane.db.models import Node, RoutingState
 from geo_router.state.snapshot import read_snapshot
 from geo_router.state.table import LoadedTable, RoutingTableClient
 from meridian.contracts import HEADER_TABLE_BUILD, TABLE_DELTA_IM, RoutingTable, RoutingTableDelta
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 REGIONS = ["aws:us-east-1", "aws:eu-west-1", "gcp:europe-west4"]
 MODELS = ["tiny-llama", "qwen", "mistral"]

@@ -24,7 +24,7 @@ from control_plane.context import AppContext
 from control_plane.db.clock import db_now
 from control_plane.db.models import Node, NodeDrain, RoutingState
 from control_plane.node_lease import _renew_statement, report_digest
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 WEIGHTS = ["a" * 64, "b" * 64]
 LOAD = {"running": 1, "waiting": 0, "kv_cache_usage": 0.25}

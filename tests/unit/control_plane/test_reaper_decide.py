@@ -9,7 +9,7 @@ from cp_harness import CLUSTER_TOKEN
 from pydantic import SecretStr
 
 from control_plane.reaper import FleetObservation, Hold, ReapPolicy, SilentNode, decide
-from meridian.settings import ControlPlaneSettings
+from meridian.settings.control_plane import ControlPlaneSettings
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 POLICY = ReapPolicy.from_settings(

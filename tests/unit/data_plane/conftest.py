@@ -16,7 +16,7 @@ from data_plane.model.llama import LlamaConfig
 from data_plane.model.loader import read_config
 from data_plane.model.make_tiny import make_tiny_checkpoint
 from data_plane.server.app import create_app
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 
 @pytest.fixture(scope="session")

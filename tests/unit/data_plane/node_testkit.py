@@ -20,7 +20,7 @@ from data_plane.engine.torch_engine import TorchEngine
 from meridian.clock import ManualClock
 from meridian.contracts import HeartbeatAck, NodeHeartbeat, NodeRegistered, NodeRegistration
 from meridian.http_server import SERVER_KEEPALIVE_S
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 MODEL_NAME = "tiny-llama"
 # Token ids every engine test sends unless it says otherwise.

@@ -23,7 +23,7 @@ from data_plane.kv_events import DropOldestQueue, ZmqEventPublisher, create_publ
 from data_plane.runtime import NodeRuntime
 from meridian import kv_events as ours
 from meridian.ports import free_port
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 VLLM_DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 VLLM_END_SEQ = (-1).to_bytes(8, "big", signed=True)

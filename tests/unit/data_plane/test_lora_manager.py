@@ -18,7 +18,7 @@ from data_plane.lora import (
 )
 from data_plane.lora.make_tiny import make_tiny_lora
 from data_plane.model.llama import LlamaConfig
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 
 @pytest.fixture(scope="module")

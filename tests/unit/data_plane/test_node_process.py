@@ -26,7 +26,7 @@ SERVE = """
 import sys
 from pathlib import Path
 from data_plane.node import serve
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 serve(NodeSettings(model_dir=Path(sys.argv[1]), port=int(sys.argv[2]),
                    control_plane_url=sys.argv[3], region="aws:us-east-1", node_id=sys.argv[4],
                    cluster_token=sys.argv[5], drain_timeout_s=20))

@@ -21,7 +21,7 @@ from data_plane.engine.base import (
 from data_plane.engine.torch_engine import TorchEngine
 from meridian.clock import Clock
 from meridian.registry import UnknownName
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 
 async def test_greedy_is_deterministic(engine: TorchEngine) -> None:

@@ -24,7 +24,7 @@ from data_plane.engine.vllm.command import (
 from data_plane.engine.vllm.spec import DeploymentSpec, DeploymentSpecError, load_deployment_spec
 from meridian.contracts import KVConnector, KVTransferInfo, NodeRole
 from meridian.http_server import CLIENT_KEEPALIVE_S
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 MODEL_DIR = Path("/cache/models/llama-3.1-8b")
 EVENTS = KVEventsEndpoints(

@@ -27,7 +27,7 @@ from data_plane.engine.vllm.spec import DeploymentSpec
 from data_plane.engine.vllm.supervisor import ChildState, VllmFailedError
 from meridian.clock import ManualClock
 from meridian.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 
 STANDIN = Path(__file__).with_name("vllm_standin.py")
 PROMPT = list(range(100, 140))  # 40 tokens: two full blocks of 16

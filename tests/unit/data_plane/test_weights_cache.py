@@ -23,7 +23,7 @@ from data_plane.weights.origins import open_origin
 from data_plane.weights.pull import WeightPuller
 from data_plane.weights.push import push_model
 from meridian.clock import ManualClock
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 CHUNK = 4096
 RETRY_MAX_S = 0.01
@@ -245,7 +245,7 @@ from pathlib import Path
 from data_plane.weights.cache import NodeCache
 from data_plane.weights.errors import CacheFullError
 from data_plane.weights.pull import WeightPuller
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 s = WeightSettings(cache_dir=Path(sys.argv[1]), manifest_chunk_bytes=4096, range_bytes=8192, concurrency=2)
 try:

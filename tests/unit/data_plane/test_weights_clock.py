@@ -18,7 +18,7 @@ from data_plane.weights.origins import OriginUnavailable
 from data_plane.weights.origins.transport import retry_transient
 from data_plane.weights.peer_server import weights_router
 from meridian.clock import ManualClock
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 CHUNK = 4096
 WAIT_S = 5.0

@@ -13,7 +13,7 @@ from pydantic import SecretStr
 from data_plane.server.app import create_app
 from data_plane.weights.manifest import MANIFEST_NAME, Manifest
 from data_plane.weights.push import push_model
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 TOKEN = "cluster-secret"
 

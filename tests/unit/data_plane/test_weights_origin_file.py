@@ -19,7 +19,7 @@ from data_plane.weights.origins import (
 )
 from data_plane.weights.origins.file import FileOrigin
 from meridian.registry import UnknownName
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 
 @pytest.fixture

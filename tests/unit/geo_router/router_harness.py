@@ -37,7 +37,7 @@ from meridian.contracts import (
 )
 from meridian.http_server import SERVER_KEEPALIVE_S
 from meridian.security import hash_api_key
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 MODEL = "tiny-llama"
 CLUSTER_TOKEN = "cluster-secret"

@@ -10,7 +10,7 @@ from pathlib import Path
 from data_plane.model.make_tiny import make_tiny_checkpoint
 from data_plane.weights.push import push_model
 from localfabric.checkpoint import origin_holds
-from meridian.settings import WeightSettings
+from meridian.settings.node import WeightSettings
 
 
 def _push(model_dir: Path, origin: Path) -> None:

@@ -10,17 +10,12 @@ import pytest
 import yaml
 
 from meridian import config_file
-from meridian.settings import (
-    CLISettings,
-    ControlPlaneSettings,
-    FileSettings,
-    LogSettings,
-    NodeSettings,
-    ProviderSettings,
-    RouterSettings,
-    WeightSettings,
-    use_config_file,
-)
+from meridian.settings import FileSettings, LogSettings, use_config_file
+from meridian.settings.cli import CLISettings
+from meridian.settings.control_plane import ControlPlaneSettings
+from meridian.settings.node import NodeSettings, WeightSettings
+from meridian.settings.providers import ProviderSettings
+from meridian.settings.router import RouterSettings
 
 TOKEN = "a-cluster-token-long-enough-to-pass-0123456789"
 

@@ -9,7 +9,7 @@ import pytest
 
 from meridian.contracts import RegionInfo
 from meridian.registry import UnknownName
-from meridian.settings import ProviderSettings
+from meridian.settings.providers import ProviderSettings
 from providers.catalog import load_catalog
 from providers.offerings import Offering
 from providers.onprem.inventory import Inventory

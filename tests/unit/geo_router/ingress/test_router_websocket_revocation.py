@@ -25,7 +25,8 @@ from geo_router import create_app as create_router
 from geo_router.app import RouterState
 from meridian.clock import ManualClock
 from meridian.security import hash_api_key
-from meridian.settings import ControlPlaneSettings, ProviderSettings
+from meridian.settings.control_plane import ControlPlaneSettings
+from meridian.settings.providers import ProviderSettings
 
 ADMIN_KEY = "mrd_bootstrap-admin-key-for-ws-tests"
 KEY_RECHECK_S = 10.0

@@ -155,7 +155,7 @@ def test_router_serve_runs_both_listeners_and_stops_on_sigterm(workers: int):
            "MERIDIAN_CLUSTER_TOKEN": "t", "MERIDIAN_ROUTER_CONTROL_PLANE_URL": f"http://127.0.0.1:{free_port()}",
            "MERIDIAN_ROUTER_PROBE_ENABLED": "false", "MERIDIAN_ROUTER_KV_EVENTS_ENABLED": "false",
            "MERIDIAN_ROUTER_WORKERS": str(workers)}
-    code = "from geo_router.listener import serve; from meridian.settings import RouterSettings; serve(RouterSettings())"
+    code = "from geo_router.listener import serve; from meridian.settings.router import RouterSettings; serve(RouterSettings())"
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         def up() -> bool:

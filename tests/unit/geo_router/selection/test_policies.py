@@ -14,7 +14,7 @@ from geo_router.selection.policies import (
     create_policy,
     policy_names,
 )
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 
 def ids(cands: list[Candidate]) -> list[str]:

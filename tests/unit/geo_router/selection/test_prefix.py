@@ -23,7 +23,7 @@ from data_plane.server.app import create_app as create_node_app
 from geo_router.selection.prefix import PrefixKeyBuilder, RequestPrefix
 from meridian.block_hash import hash_blocks
 from meridian.kv_events import BlockStored, KVEventBatch
-from meridian.settings import NodeSettings
+from meridian.settings.node import NodeSettings
 from meridian.tokenizer import ChatTokenizer
 
 MODEL = "tiny-llama"

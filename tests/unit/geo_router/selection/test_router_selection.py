@@ -25,7 +25,7 @@ from geo_router.state.table import LoadedTable
 from meridian.contracts import DeploymentEntry, NodeStatus, TenantEntry
 from meridian.geo import Point
 from meridian.registry import UnknownName
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 TABLE = LoadedTable.build(make_table([node("us", "http://us:1"), node("eu", "http://eu:1"),
                                       node("apac", "http://apac:1")]))

@@ -35,7 +35,7 @@ from geo_router.state.snapshot import read_snapshot
 from geo_router.state.table import RoutingTableClient
 from meridian.clock import SYSTEM_CLOCK, Clock, ManualClock
 from meridian.contracts import HEADER_REGION, HEADER_TABLE_BUILD, TABLE_DELTA_IM, RoutingTableDelta
-from meridian.settings import RouterSettings
+from meridian.settings.router import RouterSettings
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
