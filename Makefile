@@ -56,11 +56,13 @@ demo: install-base
 
 # deptry: every import of the shipped packages is a declared dependency, none from the dev
 # extra (pyproject's [tool.deptry]); lint-imports: the layering, and each extra's packages
-# imported only by the package that owns it.
+# imported only by the package that owns it; tools/lint_residency.py: the zone rule written
+# only in meridian/residency.py.
 lint: install
 	$(BIN)/deptry .
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
+	$(BIN)/python tools/lint_residency.py
 
 # The two venvs install side by side (pip waits on the network more than on the CPU): on a
 # fresh machine that is minutes off `make test`.

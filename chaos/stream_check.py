@@ -78,7 +78,7 @@ def is_clean_no_replica(op: ClientOp, criteria: StreamCriteria | None) -> bool:
     """A zoned stream that ended with the router's clean error, in a zone the drill leaves
     without a replica (whether its text is a prefix of the reference is checked apart)."""
     d = op.detail
-    return (criteria is not None and d is not None and op.zone in criteria.unmigratable_zones
+    return (criteria is not None and d is not None and op.zone in criteria.unmigratable_zones  # residency: the drill's list
             and d.error_code == UPSTREAM_DISCONNECTED)
 
 

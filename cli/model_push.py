@@ -46,7 +46,7 @@ def check_push_input(model_dir: Path, uri: str, zone: str) -> None:
     if not sep or scheme.lower() not in writable:
         fail(f"cannot push to {uri!r}: the URI must start with one of {', '.join(s + '://' for s in writable)}", 2)
     zones = known_zones()
-    if zone not in zones:
+    if zone not in zones:  # residency: a zone an operator may name, not where it may be
         fail(f"unknown zone {zone!r}; known: {', '.join(sorted(zones))}", 2)
 
 
