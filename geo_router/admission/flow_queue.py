@@ -1,0 +1,225 @@
+"""Flow control's queue: which waiting request goes next when the fleet has room (issue 37).
+
+Pure on purpose: no I/O, no clock reads (the caller passes `now`), no tasks. The admission
+stage wraps one `FlowQueue` per (residency zone, model) with the waiting and the waking, and
+the saturation signal says when there is room; what is decided here is only the order, the
+deadlines and whom to shed.
+
+The order of dispatch:
+
+1. **Priority bands**, the highest first (an int: larger is more urgent). A lower band gets
+   nothing while a higher one waits: that is what a band is for; the deadlines bound how long
+   a lower band can starve.
+2. Within a band, **the tenant that has received the least weighted work**: a virtual token
+   counter (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024). A tenant's
+   counter grows by the work it was served divided by its weight, work being prompt tokens
+   plus generated tokens (an estimate at dispatch, corrected by `settle` with the answer's
+   usage), so a tenant of long prompts gets fewer requests, not more tokens. A tenant that
+   was idle comes back at the least counter of the tenants waiting in its band (none waiting:
+   the counter of the tenant served last): idle time is not credit to spend later in a burst
+   (the paper's "lift").
+3. **First come, first served** within a tenant's flow.
+
+Deadlines: every entry carries `expires_at`; `expired(now)` takes out those past it (the
+caller answers them 503 with Retry-After). Shedding: when an arrival finds the queue at its
+count or byte cap, the newest entries of the lowest sheddable band go to make room (a newer
+entry of a less urgent band is worth least); with not enough sheddable below the arrival's
+band, the arrival itself is refused and nothing is shed. Nothing running is ever touched: the queue holds only requests
+not yet sent.
+
+Counters are kept per tenant across the queue's bands (a tenant's work is its work whatever
+band it came in): in `WorkCounters`, which a router shares with its siblings and other
+routers (Redis, as rate limits are) so that spreading requests over routers gains nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Generic, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class Refusal(StrEnum):
+    """Why an arrival did not get a place in the queue."""
+
+    FULL = "queue_full"  # at its caps, with nothing less urgent to shed
+
+
+class WorkCounters(Protocol):
+    """Each tenant's weighted work served (the virtual token counters), possibly shared."""
+
+    def level(self, tenant: str) -> float: ...
+
+    def charge(self, tenant: str, weighted_work: float) -> None:
+        """Add to the tenant's counter (negative: give back an over-estimate)."""
+        ...
+
+    def lift(self, tenant: str, floor: float) -> None:
+        """Raise the tenant's counter to at least `floor`."""
+        ...
+
+
+class LocalCounters:
+    """WorkCounters in this process's memory (one router, one worker)."""
+
+    def __init__(self) -> None:
+        self._levels: dict[str, float] = {}
+
+    def level(self, tenant: str) -> float:
+        return self._levels.get(tenant, 0.0)
+
+    def charge(self, tenant: str, weighted_work: float) -> None:
+        self._levels[tenant] = self._levels.get(tenant, 0.0) + weighted_work
+
+    def lift(self, tenant: str, floor: float) -> None:
+        if self._levels.get(tenant, 0.0) < floor:
+            self._levels[tenant] = floor
+
+
+@dataclass(frozen=True, slots=True)
+class FlowCaps:
+    """How much one queue holds: entries and request bytes."""
+
+    max_entries: int
+    max_bytes: int
+
+
+@dataclass(eq=False, slots=True)
+class Entry(Generic[T]):
+    """A waiting request: its tenant, band, estimated work and deadline, and the caller's item."""
+
+    item: T
+    tenant: str
+    band: int
+    work: float  # estimated tokens: prompt + what it may generate
+    size: int  # request bytes, counted against the byte cap
+    expires_at: float
+    weight: float = 1.0
+    sheddable: bool = False
+    seq: int = 0  # arrival order, set by the queue
+
+
+@dataclass(slots=True)
+class _Band(Generic[T]):
+    flows: dict[str, deque[Entry[T]]] = field(default_factory=dict)
+
+
+class FlowQueue(Generic[T]):
+    """The waiting requests of one (zone, model), in dispatch order (the module docstring)."""
+
+    def __init__(self, caps: FlowCaps, counters: WorkCounters | None = None) -> None:
+        self._caps = caps
+        self._counters: WorkCounters = counters if counters is not None else LocalCounters()
+        self._bands: dict[int, _Band[T]] = {}
+        self._seq = itertools.count()
+        self._last_served: str | None = None
+        self.entries = 0
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return self.entries
+
+    def push(self, entry: Entry[T]) -> tuple[Refusal | None, list[Entry[T]]]:
+        """Queue `entry`; returns why it was refused (None: queued) and the entries shed for it."""
+        victims = self._victims_for(entry)
+        if victims is None:
+            return Refusal.FULL, []
+        for victim in victims:
+            self._remove(victim)
+        entry.seq = next(self._seq)
+        band = self._bands.setdefault(entry.band, _Band())
+        if entry.tenant not in band.flows:
+            self._lift(band, entry.tenant)
+        self._append(entry)
+        return None, victims
+
+    def pop(self) -> Entry[T] | None:
+        """The next entry to dispatch (None when empty); its tenant is charged its estimate."""
+        if not self._bands:
+            return None
+        band = self._bands[max(self._bands)]
+        tenant = min(band.flows, key=lambda t: (self._counters.level(t), band.flows[t][0].seq))
+        entry = band.flows[tenant][0]
+        self._remove(entry)
+        self._counters.charge(tenant, entry.work / entry.weight)
+        self._last_served = tenant
+        return entry
+
+    def settle(self, entry: Entry[T], actual_work: float) -> None:
+        """Correct the tenant's charge with the work the answer really was."""
+        self._counters.charge(entry.tenant, (actual_work - entry.work) / entry.weight)
+
+    def expired(self, now: float) -> list[Entry[T]]:
+        """Take out and return the entries past their deadline, oldest first."""
+        late = [e for e in self._all() if e.expires_at <= now]
+        for e in late:
+            self._remove(e)
+        return sorted(late, key=lambda e: e.seq)
+
+    def next_deadline(self) -> float | None:
+        return min((e.expires_at for e in self._all()), default=None)
+
+    def waiting(self) -> dict[tuple[int, str], int]:
+        """Entries per (band, tenant), for the metrics."""
+        return {(b, t): len(q) for b, band in self._bands.items() for t, q in band.flows.items()}
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _all(self) -> Iterable[Entry[T]]:
+        for band in self._bands.values():
+            for flow in band.flows.values():
+                yield from flow
+
+    def _victims_for(self, arrival: Entry[T]) -> list[Entry[T]] | None:
+        """What must be shed for `arrival` to fit ([] when it fits as is; None: it cannot).
+        Only sheddable entries of bands below the arrival's, the lowest band first and the
+        newest of it first."""
+        caps = self._caps
+        if arrival.size > caps.max_bytes:
+            return None
+        entries, size = self.entries + 1, self.bytes + arrival.size
+        victims: list[Entry[T]] = []
+        for level in sorted(self._bands):
+            if entries <= caps.max_entries and size <= caps.max_bytes:
+                break
+            if level >= arrival.band:
+                return None
+            sheddable = [e for flow in self._bands[level].flows.values() for e in flow if e.sheddable]
+            for e in sorted(sheddable, key=lambda e: e.seq, reverse=True):
+                if entries <= caps.max_entries and size <= caps.max_bytes:
+                    break
+                victims.append(e)
+                entries, size = entries - 1, size - e.size
+        return victims if entries <= caps.max_entries and size <= caps.max_bytes else None
+
+    def _lift(self, band: _Band[T], tenant: str) -> None:
+        """A tenant that starts to wait in `band` starts from the least counter of those waiting
+        there, or with none waiting, from the counter of the tenant served last."""
+        if band.flows:
+            floor = min(self._counters.level(t) for t in band.flows)
+        elif self._last_served is not None:
+            floor = self._counters.level(self._last_served)
+        else:
+            return
+        self._counters.lift(tenant, floor)
+
+    def _append(self, entry: Entry[T]) -> None:
+        self._bands.setdefault(entry.band, _Band()).flows.setdefault(entry.tenant, deque()).append(entry)
+        self.entries += 1
+        self.bytes += entry.size
+
+    def _remove(self, entry: Entry[T]) -> None:
+        band = self._bands[entry.band]
+        flow = band.flows[entry.tenant]
+        flow.remove(entry)
+        if not flow:
+            del band.flows[entry.tenant]
+            if not band.flows:
+                del self._bands[entry.band]
+        self.entries -= 1
+        self.bytes -= entry.size
