@@ -100,7 +100,7 @@ class ClusterClient:
         self._http = httpx.AsyncClient(
             base_url=endpoint.url.rstrip("/"),
             headers={"authorization": f"Bearer {token.get_secret_value()}"} if token else {},
-            timeout=httpx.Timeout(endpoint.timeout_s, connect=endpoint.connect_timeout_s or endpoint.timeout_s),
+            timeout=self._timeout(endpoint.timeout_s),
             limits=httpx.Limits(max_connections=endpoint.max_connections,
                                 max_keepalive_connections=max(1, endpoint.max_connections // 2)),
             transport=transport,
@@ -161,11 +161,8 @@ class ClusterClient:
                 headers[HEADER_TABLE_BUILD] = build
             if wait_s > 0:
                 params["wait"] = f"{wait_s:g}"
-        e = self._endpoint
-        timeout = httpx.Timeout(e.timeout_s, connect=e.connect_timeout_s or e.timeout_s,
-                                read=wait_s + LONG_POLL_MARGIN_S)
-        resp = await self._call(self._http.build_request("GET", ROUTING_TABLE_PATH, headers=headers,
-                                                         params=params, timeout=timeout))
+        resp = await self._call(self._http.build_request("GET", ROUTING_TABLE_PATH, headers=headers, params=params,
+                                                         timeout=self._timeout(wait_s + LONG_POLL_MARGIN_S)))
         if resp.status_code == HTTPStatus.NOT_MODIFIED:
             return TableAnswer()
         answered_build = resp.headers.get(HEADER_TABLE_BUILD)
@@ -180,6 +177,11 @@ class ClusterClient:
             raise ClusterAPIError.of(resp)
 
     # --- sending ---------------------------------------------------------------------------
+
+    def _timeout(self, read_s: float) -> httpx.Timeout:
+        """The endpoint's timeouts, with `read_s` for the answer (a long-poll waits longer)."""
+        e = self._endpoint
+        return httpx.Timeout(e.timeout_s, connect=e.connect_timeout_s or e.timeout_s, read=read_s)
 
     async def _send(self, method: str, path: str, body: BaseModel | None = None) -> httpx.Response:
         content = body.model_dump_json().encode() if body is not None else None

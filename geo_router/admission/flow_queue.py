@@ -164,10 +164,6 @@ class FlowQueue(Generic[T]):
     def next_deadline(self) -> float | None:
         return min((e.expires_at for e in self._all()), default=None)
 
-    def waiting(self) -> dict[tuple[int, str], int]:
-        """Entries per (band, tenant), for the metrics."""
-        return {(b, t): len(q) for b, band in self._bands.items() for t, q in band.flows.items()}
-
     # --- internals -------------------------------------------------------------------------
 
     def _all(self) -> Iterable[Entry[T]]:
