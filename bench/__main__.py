@@ -5,6 +5,7 @@ from bench import (
     engine,
     engine_vllm,
     failover,
+    flow_control,
     kv_index,
     lease_writes,
     migration,
@@ -60,6 +61,10 @@ def main() -> None:
     for fig in migration.run():
         print(fig.json_line(), flush=True)
     for fig in pd.run(seconds=10.0):
+        print(fig.json_line(), flush=True)
+    # Flow control under saturation (issue 37), quick form: 10 s windows (`python -m
+    # bench.flow_control` for 20 s).
+    for fig in flow_control.run(flow_control.Load(seconds=10.0, warmup_s=5.0)):
         print(fig.json_line(), flush=True)
     for fig in engine.run():
         print(fig.json_line(), flush=True)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -37,7 +39,7 @@ _TOTAL = re.compile(rb"^totals:\s+(\d+)", re.MULTILINE)
 def instructions_per_request(tree: Path, node_url: str, work: Path, requests: int) -> float:
     out = work / "callgrind.out"
     wrapper = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
-    env = {"MERIDIAN_ROUTER_PROBE_ENABLED": "false"}
+    env = {"MERIDIAN_ROUTER_PROBE_ENABLED": "false", **json.loads(os.environ.get("MERIDIAN_BENCH_ROUTER_ENV", "{}"))}
     headers = {"authorization": f"Bearer {TENANT_KEY}", "content-type": "application/json"}
     with router_process(work, node_url, env, source=tree, wrapper=wrapper, start_timeout_s=600) as router, \
             httpx.Client(trust_env=False, timeout=60) as http:

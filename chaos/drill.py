@@ -124,6 +124,7 @@ Invariant = Literal[
     "no_live_node_left_the_table",
     "caught_up_without_storm",
     "pd_served_disaggregated",
+    "flow_control_held",
 ]
 
 Service = Literal["control_plane", "router", "node", "redis", "postgres", "weights_origin"]

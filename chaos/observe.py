@@ -59,6 +59,16 @@ class RouterMetrics:
         after = await self.ejections(before)
         return all(after[node] > count for node, count in before.items())
 
+    async def held_by_flow_control(self) -> float:
+        """Requests the routers' flow control held for room (waited more than 5 ms) so far."""
+        waited = not_held = 0.0
+        for _labels, value in await self.samples("meridian_router_flow_wait_seconds_count"):
+            waited += value
+        for labels, value in await self.samples("meridian_router_flow_wait_seconds_bucket"):
+            if labels.get("le") == "0.005":
+                not_held += value
+        return waited - not_held
+
     async def samples(self, name: str) -> list[tuple[dict[str, str], float]]:
         """(labels, value) of every sample of metric `name` on every router that answers."""
         samples: list[tuple[dict[str, str], float]] = []

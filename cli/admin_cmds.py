@@ -37,7 +37,8 @@ from meridian.admin_api import ApiKeyCreate, TenantCreate, TenantPatch
 from meridian.admin_client import AdminAPIError, request_body
 
 keys_app = typer.Typer(no_args_is_help=True, help="Tenants' API keys (admin scope).")
-tenants_app = typer.Typer(no_args_is_help=True, help="Tenants: residency zone, allowed models, rate limits.")
+tenants_app = typer.Typer(no_args_is_help=True,
+                          help="Tenants: residency zone, allowed models, rate limits, priority and weight.")
 deployments_app = typer.Typer(no_args_is_help=True, help="Deployments (create them with `meridian deploy`).")
 # `meridian models` alone lists them, as it did before the group had commands.
 models_app = typer.Typer(invoke_without_command=True, help="Registered models (register them with `meridian deploy`).")
@@ -47,6 +48,11 @@ ModelsOpt = Annotated[list[str] | None, typer.Option("--model", help="Allowed mo
 RpmOpt = Annotated[int | None, typer.Option("--requests-per-minute", help="Request rate limit")]
 TpmOpt = Annotated[int | None, typer.Option("--tokens-per-minute", help="Token rate limit")]
 CacheGroupOpt = Annotated[str | None, typer.Option("--cache-group", help="Share prefix-cache entries with this group")]
+# Ranges are the kernel's (request_body refuses them in its words), not typer's min/max.
+PriorityOpt = Annotated[int | None, typer.Option(
+    "--priority", help="Dispatch priority band, -10..10: larger is more urgent, below 0 is shed first when full")]
+WeightOpt = Annotated[float | None, typer.Option(
+    "--weight", help="Share of work within its priority band, relative to other tenants (> 0, ≤ 1000)")]
 
 
 @keys_app.command("create")
@@ -57,6 +63,8 @@ def keys_create(
     scope: Annotated[list[str] | None, typer.Option(help="admin, operator, read-only, inference")] = None,
     model: Annotated[list[str] | None, typer.Option(help="Allowed models (default: all)")] = None,
     name: Annotated[str | None, typer.Option(help="Label for the key")] = None,
+    priority: Annotated[int | None, typer.Option(
+        help="Dispatch priority band of this key's requests, -10..10 (default: its tenant's)")] = None,
     create_tenant: Annotated[bool, typer.Option(
         "--create-tenant", help="Create the tenant, in --zone, if it does not exist")] = False,
     output: OutputOpt = OutputFormat.TABLE,
@@ -69,7 +77,8 @@ def keys_create(
         fail("--create-tenant needs --zone: the new tenant's residency zone (eu, us, …) or global", 2)
     with api_errors():
         body = request_body(ApiKeyCreate, name=name or tenant, tenant=tenant, zone=zone,
-                            scopes=scope or ["inference"], models=model or None, create_tenant=create_tenant)
+                            scopes=scope or ["inference"], models=model or None, priority=priority,
+                            create_tenant=create_tenant)
         with admin_client(control_plane, api_key) as admin:
             try:
                 k = admin.create_key(body)
@@ -118,7 +127,7 @@ def keys_revoke(
 @tenants_app.command("list")
 def tenants_list(output: OutputOpt = OutputFormat.TABLE, control_plane: ControlPlaneOpt = None,
                  api_key: ApiKeyOpt = None) -> None:
-    """List tenants with their zone, allowed models and rate limits."""
+    """List tenants with their zone, allowed models, rate limits, priority and weight."""
     with api_errors(), admin_client(control_plane, api_key) as admin:
         tenants = admin.tenants()
     emit(output, tenants, tenants_table(tenants))
@@ -132,13 +141,15 @@ def tenants_create(
     requests_per_minute: RpmOpt = None,
     tokens_per_minute: TpmOpt = None,
     cache_group: CacheGroupOpt = None,
+    priority: PriorityOpt = None,
+    weight: WeightOpt = None,
     output: OutputOpt = OutputFormat.TABLE,
     control_plane: ControlPlaneOpt = None,
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Create a tenant (admin)."""
     fields = _given(zone=zone, models=model, requests_per_minute=requests_per_minute,
-                    tokens_per_minute=tokens_per_minute, cache_group=cache_group)
+                    tokens_per_minute=tokens_per_minute, cache_group=cache_group, priority=priority, weight=weight)
     with api_errors():
         body = request_body(TenantCreate, name=name, **fields)
         with admin_client(control_plane, api_key) as admin:
@@ -155,20 +166,22 @@ def tenants_update(
     requests_per_minute: RpmOpt = None,
     tokens_per_minute: TpmOpt = None,
     cache_group: CacheGroupOpt = None,
+    priority: PriorityOpt = None,
+    weight: WeightOpt = None,
     output: OutputOpt = OutputFormat.TABLE,
     control_plane: ControlPlaneOpt = None,
     api_key: ApiKeyOpt = None,
 ) -> None:
     """Change a tenant's fields; those not given stay as they are (admin)."""
     fields = _given(zone=zone, models=model, requests_per_minute=requests_per_minute,
-                    tokens_per_minute=tokens_per_minute, cache_group=cache_group)
+                    tokens_per_minute=tokens_per_minute, cache_group=cache_group, priority=priority, weight=weight)
     if all_models:
         if model:
             fail("--model and --all-models contradict each other", 2)
         fields["models"] = None
     if not fields:
         fail("nothing to change: give --zone, --model, --all-models, --requests-per-minute, "
-             "--tokens-per-minute or --cache-group", 2)
+             "--tokens-per-minute, --cache-group, --priority or --weight", 2)
     with api_errors():
         body = request_body(TenantPatch, **fields)
         with admin_client(control_plane, api_key) as admin:

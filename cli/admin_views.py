@@ -31,13 +31,15 @@ def keys_table(keys: list[ApiKeyView]) -> Table:
 
 
 def tenants_table(tenants: list[TenantView]) -> Table:
-    table = folding_table("Tenant", "Zone", "Models", "Requests/min", "Tokens/min", "Cache group", "Version",
-                          right=("Requests/min", "Tokens/min", "Version"), title="Tenants")
+    table = folding_table("Tenant", "Zone", "Models", "Requests/min", "Tokens/min", "Cache group", "Priority",
+                          "Weight", "Version", right=("Requests/min", "Tokens/min", "Priority", "Weight", "Version"),
+                          title="Tenants")
     for t in tenants:
         table.add_row(t.name, t.zone, _names(t.models), _limit(t.requests_per_minute),
-                      _limit(t.tokens_per_minute), t.cache_group or "-", str(t.resource_version))
+                      _limit(t.tokens_per_minute), t.cache_group or "-", str(t.priority), f"{t.weight:g}",
+                      str(t.resource_version))
     if not tenants:
-        table.add_row("(no tenants)", *["-"] * 6)
+        table.add_row("(no tenants)", *["-"] * 8)
     return table
 
 

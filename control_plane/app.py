@@ -30,6 +30,7 @@ from control_plane.api import (
     offerings,
     placement,
     residency,
+    routers,
     routing,
     scaling,
     tenants,
@@ -178,7 +179,7 @@ def create_app(
     app.add_middleware(HeartbeatFastPath)
     for module in (
         health, nodes, residency, routing, keys, tenants, deployments, models, capacity, offerings, placement,
-        weights, audit_log, scaling, metrics, console,
+        weights, audit_log, scaling, metrics, console, routers,
     ):
         app.include_router(module.router)
     app.include_router(console_shell)

@@ -1,7 +1,10 @@
 """The autoscaler: Knative-KPA-style replica counts from observed concurrency.
 
 Every autoscale_interval_s the leader samples, per deployment, the concurrency its ready
-nodes report in their heartbeats (running + waiting requests) and `decide`s a replica count.
+nodes report in their heartbeats (running + waiting requests) plus the requests routers'
+flow control holds for its model (control_plane.router_backlog: flow control keeps the nodes'
+queues short, so without them a saturated deployment looks exactly full and never grows),
+and `decide`s a replica count.
 A deployment's replicas are the ready nodes of its model in regions its residency zone admits
 (`in_zone_pools`): a node elsewhere can never serve its zone's tenants, so it is neither a
 replica nor load of the deployment. The count:
@@ -42,9 +45,10 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from control_plane import audit, deployment_store
+from control_plane import audit, deployment_store, router_backlog
 from control_plane.audit import Actor
 from control_plane.context import AppContext
+from control_plane.db.clock import db_now
 from control_plane.db.models import AutoscalerDecision, Deployment, Node
 from control_plane.leader import Fence, check_fence
 from meridian.contracts import AutoscalingSpec, DisaggregationSpec, NodeRole, NodeStatus, RegionInfo
@@ -315,9 +319,12 @@ class Observed:
     desired: int
     last_scale_request_at: datetime | None
     ready: int
+    # The nodes' running + waiting plus the requests routers' flow control holds for the model.
     concurrency: float
     # A disaggregated deployment's prefill pool (then ready and concurrency are its decode pool's).
     prefill: PrefillObserved | None = None
+    # Of concurrency, the requests held at routers (router_backlog), which no node reports.
+    router_waiting: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,7 +386,7 @@ def in_zone_pools(
     return pools
 
 
-def _observed(d: Deployment, pools: dict[tuple[str, str], _Pool]) -> Observed:
+def _observed(d: Deployment, pools: dict[tuple[str, str], _Pool], router_waiting: int) -> Observed:
     topology = deployment_store.disaggregation_of(d)
     roles = list(NodeRole) if topology is None else [NodeRole.DECODE, NodeRole.BOTH]
     serving = [pools[(d.model, r.value)] for r in roles if (d.model, r.value) in pools]
@@ -396,23 +403,28 @@ def _observed(d: Deployment, pools: dict[tuple[str, str], _Pool]) -> Observed:
         desired=d.desired_replicas,
         last_scale_request_at=d.last_scale_request_at,
         ready=sum(p.ready for p in serving),
-        concurrency=sum(p.in_flight for p in serving),
+        concurrency=sum(p.in_flight for p in serving) + router_waiting,
         prefill=prefill,
+        router_waiting=router_waiting,
     )
 
 
-def observe(session: Session, regions: Mapping[str, RegionInfo]) -> list[Observed]:
+def observe(session: Session, regions: Mapping[str, RegionInfo], backlog_ttl_s: float) -> list[Observed]:
     """Every deployment with the load its ready nodes in its zone report now (per pool when
-    disaggregated)."""
+    disaggregated) and what routers hold for it."""
     rows = session.scalars(select(Deployment).order_by(Deployment.model)).all()
-    return observe_rows(session, rows, regions)
+    return observe_rows(session, rows, regions, backlog_ttl_s)
 
 
-def observe_rows(session: Session, rows: Sequence[Deployment], regions: Mapping[str, RegionInfo]) -> list[Observed]:
-    """These deployments with the load their ready nodes in their zones report now."""
+def observe_rows(
+    session: Session, rows: Sequence[Deployment], regions: Mapping[str, RegionInfo], backlog_ttl_s: float
+) -> list[Observed]:
+    """These deployments with the load their ready nodes in their zones report now, plus the
+    requests routers' flow control holds for their models (reports younger than `backlog_ttl_s`)."""
     ready = session.scalars(select(Node).where(Node.status == NodeStatus.READY.value))
     pools = in_zone_pools(ready, {d.model: d.zone for d in rows}, regions)
-    return [_observed(d, pools) for d in rows]
+    held = router_backlog.waiting_by_model(router_backlog.held(session, db_now(session), backlog_ttl_s))
+    return [_observed(d, pools, held.get(d.model, 0)) for d in rows]
 
 
 def pools_of(obs: Observed) -> list[PoolView]:
@@ -501,6 +513,9 @@ class Autoscaler:
             )
         if pool is NodeRole.DECODE:
             decision = replace(decision, inputs={**decision.inputs, "pool": NodeRole.DECODE.value})
+        if prefill is None and obs.router_waiting:
+            # Requests flow control holds at routers: part of the concurrency, never on a node.
+            decision = replace(decision, inputs={**decision.inputs, "router_waiting": obs.router_waiting})
         current = obs.desired if prefill is None else prefill.desired
         hold_due = tracked.last_recorded is None or now - tracked.last_recorded >= (
             self._ctx.settings.autoscale_hold_record_s
@@ -514,7 +529,7 @@ class Autoscaler:
 
     def _read(self) -> list[Observed]:
         with self._ctx.read() as session:
-            return observe(session, self._ctx.regions)
+            return observe(session, self._ctx.regions, self._ctx.settings.router_backlog_ttl_s)
 
     @staticmethod
     def _request_age(tracked: _Tracked, request_at: datetime | None, now: float, wall: datetime) -> float | None:

@@ -32,6 +32,7 @@ def create_key(
     models: Sequence[str] | None,
     now: datetime,
     plaintext: str | None = None,
+    priority: int | None = None,
 ) -> tuple[ApiKey, str]:
     """Store a key's hash (of `plaintext`, or of a newly generated key when None); returns the
     row and the plaintext, which is never stored. Its zone is its tenant's."""
@@ -43,6 +44,7 @@ def create_key(
         tenant=tenant,
         scopes=sorted({s.value for s in scopes}),
         models=list(models) if models is not None else None,
+        priority=priority,
         key_hash=hash_api_key(plaintext),
         key_prefix=key_prefix(plaintext),
         created_at=now,

@@ -31,7 +31,7 @@ from meridian.contracts import (
 def _routing_fields(node: Node) -> tuple[object, ...]:
     """What routers see of a node; a change here is a new routing version."""
     return (node.region, node.url, tuple(node.models), node.engine, node.capabilities, node.status, node.kv_events,
-            node.kv_events_replay, node.tool_call_parser, node.role, node.kv_transfer)
+            node.kv_events_replay, node.tool_call_parser, node.role, node.kv_transfer, node.max_num_seqs)
 
 
 def _status(session: Session, node_id: str, reported: NodeStatus) -> str:
@@ -69,6 +69,7 @@ def register(session: Session, reg: NodeRegistration, regions: dict[str, RegionI
     node.tool_call_parser = reg.tool_call_parser
     node.role = reg.role.value
     node.kv_transfer = reg.kv_transfer.model_dump(mode="json") if reg.kv_transfer is not None else None
+    node.max_num_seqs = reg.max_num_seqs
     node.status = _status(session, reg.node_id, reg.status)
     node.load = NodeLoad(running=0, waiting=0, kv_cache_usage=0.0).model_dump()
     node.registered_at = now

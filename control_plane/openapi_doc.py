@@ -38,6 +38,7 @@ TAGS: list[dict[str, str]] = [
     {"name": "placement", "description": "Placement plans: preview, apply, export as infrastructure."},
     {"name": "scaling", "description": "The leader, node groups, reconciler steps and autoscaler decisions."},
     {"name": "weights", "description": "Where model weights can be fetched from (cluster token)."},
+    {"name": "routers", "description": "Requests held by routers' flow control (cluster token)."},
     {"name": "audit", "description": "Who changed what, when."},
     {"name": "console", "description": "Reads behind the web console: fleet overview and drill reports."},
 ]

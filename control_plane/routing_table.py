@@ -56,7 +56,7 @@ _ROUTED_COLUMNS = (
     Node.node_id, Node.region, Node.url, cast(Node.models, Text).label("models"), Node.status, Node.engine,
     cast(Node.capabilities, Text).label("capabilities"),
     Node.kv_events, Node.kv_events_replay, Node.tool_call_parser, Node.role,
-    cast(Node.kv_transfer, Text).label("kv_transfer"),
+    cast(Node.kv_transfer, Text).label("kv_transfer"), Node.max_num_seqs,
 )
 
 
@@ -130,6 +130,7 @@ def _routing_nodes(rows: list[Row[Any]], known: NodeRows | None) -> list[Routing
             tool_call_parser=n.tool_call_parser,
             role=NodeRole(n.role),
             kv_transfer=_kv_transfer(n.kv_transfer),
+            max_num_seqs=n.max_num_seqs,
         ))
     return out
 
@@ -155,4 +156,8 @@ def _tenant_entry(key: ApiKey, tenant: Tenant) -> TenantEntry:
         requests_per_minute=tenant.requests_per_minute,
         tokens_per_minute=tenant.tokens_per_minute,
         cache_group=tenant.cache_group,
+        # A key's own band wins over its tenant's; the weight is the tenant's alone (a share
+        # among tenants, which a key of the tenant cannot enlarge).
+        priority=key.priority if key.priority is not None else tenant.priority,
+        weight=tenant.weight,
     )

@@ -1,4 +1,5 @@
-"""Tenants at rest: a zone, allowed models and rate limits that every key of the tenant carries."""
+"""Tenants at rest: a zone, allowed models, rate limits and flow control's priority and weight
+that every key of the tenant carries (a key may override the priority)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from sqlalchemy.orm import Session
 from control_plane.db.models import ApiKey, Tenant
 from control_plane.errors import Conflict, NotFound
 from control_plane.routing_table import bump_version
+from meridian.contracts import DEFAULT_PRIORITY, DEFAULT_TENANT_WEIGHT
 
 
 def as_dict(row: Tenant) -> dict[str, Any]:
@@ -24,6 +26,8 @@ def as_dict(row: Tenant) -> dict[str, Any]:
         "requests_per_minute": row.requests_per_minute,
         "tokens_per_minute": row.tokens_per_minute,
         "cache_group": row.cache_group,
+        "priority": row.priority,
+        "weight": row.weight,
         "resource_version": row.resource_version,
         "created_at": row.created_at.isoformat(),
         "updated_at": row.updated_at.isoformat(),
@@ -60,6 +64,8 @@ def create(
     tokens_per_minute: int | None,
     now: datetime,
     cache_group: str | None = None,
+    priority: int = DEFAULT_PRIORITY,
+    weight: float = DEFAULT_TENANT_WEIGHT,
 ) -> Tenant:
     """Add a tenant; Conflict when the name is taken."""
     if session.get(Tenant, name) is not None:
@@ -71,6 +77,8 @@ def create(
         requests_per_minute=requests_per_minute,
         tokens_per_minute=tokens_per_minute,
         cache_group=cache_group,
+        priority=priority,
+        weight=weight,
         resource_version=1,
         created_at=now,
         updated_at=now,

@@ -64,6 +64,7 @@ class NodeRuntime:
                 kv_transfer=_kv_transfer(engine, settings),
                 # What routers shape their requests to this node by (never its engine's name).
                 capabilities=engine.capabilities() if isinstance(engine, CapableEngine) else (),
+                max_num_seqs=engine.max_num_seqs() if isinstance(engine, CapableEngine) else None,
                 clock=clock,
             )
         self.agent = agent

@@ -14,9 +14,10 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlencode
 
 from fastapi import FastAPI, Request, WebSocket
@@ -25,8 +26,10 @@ from starlette.requests import HTTPConnection
 
 from meridian import __version__ as meridian_version
 from meridian.clock import SYSTEM_CLOCK, Clock
+from meridian.cluster_client import ClusterClient
 from meridian.contracts import (
     GENERATION_ROUTES,
+    HEADER_QUEUE_WAIT_MS,
     HEADER_REQUEST_ID,
     HEADER_SCALE_WAIT_MS,
     MODEL_ROUTES,
@@ -41,8 +44,13 @@ from meridian.request_journal import HEADER_IDEMPOTENCY_KEY, RequestJournal
 from meridian.settings.router import RouterSettings
 from meridian.tracing import Tracing
 
+from .admission.flow_capacity import pool_capacity
+from .admission.flow_control import FlowControl, FlowRequest, Ticket, unheld
+from .admission.flow_counters import SharedWorkCounters
+from .admission.flow_headers import band_of, ttl_of
+from .admission.flow_report import BacklogReporter
 from .admission.ratelimit import Admission, RateLimiter, create_rate_limiter
-from .admission.tokens import estimate_tokens
+from .admission.tokens import estimate_tokens, usage_split
 from .context import RequestContext
 from .errors import (
     ModelNotFound,
@@ -58,6 +66,7 @@ from .forwarding.disagg.bodies import refuse_client_params
 from .forwarding.disagg.pools import plan as pd_plan
 from .forwarding.forwarder import Exchange, UpstreamForwarder
 from .forwarding.outlier import CircuitBreaker, RetryBudget
+from .forwarding.streaming import when_stream_ends
 from .forwarding.upstream import make_upstream_client
 from .ingress.arrival import Arrival, HttpArrival
 from .ingress.auth import authenticate, key_digest
@@ -74,7 +83,7 @@ from .ingress.request import (
 from .ingress.responses import ResponseIds, ResponseNotFound, StoredResponse, follow_up
 from .ingress.websocket import RESPONSES_PATH, ResponsesSocket
 from .observability.access_log import AccessRecord
-from .observability.accounting import account, answer_usage, count_request, model_label
+from .observability.accounting import account, answer_usage, count_request, model_label, stream_tokens
 from .observability.admin_listener import metrics_page, own_page, scraper_tokens
 from .observability.metrics import RouterMetrics
 from .observability.tracing import begin as begin_trace
@@ -87,6 +96,7 @@ from .selection.candidates import (
     models_for,
     named_candidates,
     select_candidates,
+    split_adapter,
     zone_ready_replicas,
 )
 from .selection.locate import ClientLocator, RttEstimator
@@ -94,6 +104,7 @@ from .selection.pinned import pinned
 from .selection.policies import AffinityPolicy, RoutingPolicy, create_policy
 from .selection.prefix import PrefixKeyBuilder
 from .selection.scale_from_zero import Outlook, ScaleFromZero, ScaleUpClient, deployed_models, outlook
+from .sse import StreamTally
 from .state.health import Ejection, FleetState, InProcessFleetState
 from .state.kv_index import KVIndex
 from .state.kv_scope import KVScope
@@ -101,7 +112,7 @@ from .state.kv_subscriber import KVEventSubscriber
 from .state.prefix_history import InProcessPrefixHistory, PrefixHistory, RedisPrefixHistory
 from .state.probe import NodeProber
 from .state.redis_fleet import RedisFleetState
-from .state.table import LoadedTable, RoutingTableClient, TableSource
+from .state.table import LoadedTable, RoutingTableClient, TableSource, cluster_endpoint
 from .workers import WorkerSlot
 from .workers.host_buckets import worker_rate_limiter
 from .workers.host_fleet import HostFleetState
@@ -135,6 +146,10 @@ class RouterState:
     rtt: RttEstimator
     response_ids: ResponseIds
     tracing: Tracing
+    flow: FlowControl
+    # Tells the control plane what flow control holds (for the autoscaler and the console).
+    backlog: BacklogReporter
+    flow_counters: SharedWorkCounters | None = None
     # The gRPC listener (geo_router.ingress.kserve), when settings.grpc_port is set.
     grpc: GrpcListener | None = None
     # Selection's view of the fleet: health, the circuit breaker, RTT estimates.
@@ -237,6 +252,8 @@ def _build_state(
             return -1.0
         return 0.0 if refreshed is None else max(0.0, clock.monotonic() - refreshed)
 
+    # Flow control's work counters: shared by every router through Redis when there is one.
+    counters = SharedWorkCounters.from_settings(settings, clock) if settings.redis_url else None
     metrics = RouterMetrics(table_version, table_age)
     metrics.count_zone_replicas_of(lambda: zone_ready_replicas(t) if (t := source.current()) is not None else {})
     # One worker probes for all (geo_router.workers.host_probes).
@@ -254,6 +271,8 @@ def _build_state(
         exact=_exact_for(settings, kv_scope),
         clock=clock,
     )
+    flow = FlowControl(settings, pool_capacity(settings, source.current, fleet_state, prober.load, clock), clock,
+                       counters.for_pool if counters is not None else None)
     state = RouterState(
         settings=settings,
         clock=clock,
@@ -281,7 +300,12 @@ def _build_state(
         rtt=RttEstimator.from_settings(settings),
         response_ids=ResponseIds(settings.cluster_token.get_secret_value()),
         tracing=Tracing.create("meridian-router", settings.otlp_endpoint, settings.otlp_zone_endpoints),
+        flow=flow,
+        flow_counters=counters,
+        backlog=BacklogReporter(settings, ClusterClient(cluster_endpoint(settings, settings.scale_up_timeout_s)), flow,
+                                lambda outcome: metrics.backlog_reports.labels(outcome).inc(), clock),
     )
+    metrics.count_flow_queues_of(state.flow.gauges)
     fleet_state.add_ejection_listener(lambda e: _count_ejection(state, e))
     fleet_state.add_ejection_listener(state.forwarder.on_ejection)
     if isinstance(state.policy, AffinityPolicy):
@@ -330,7 +354,7 @@ def _lifespan(
             if shared_fleet is not None:
                 await shared_fleet.start()
                 stack.push_async_callback(shared_fleet.stop)
-            for part in (state.history, state.rate_limiter, pages):
+            for part in (state.history, state.rate_limiter, state.flow_counters, pages):
                 if part is not None:
                     await part.start()
                     stack.push_async_callback(part.stop)
@@ -353,6 +377,9 @@ def _lifespan(
                 _on_table(state, loaded)
             refine = asyncio.create_task(_refine_rtt(state), name="rtt-refinement")
             stack.push_async_callback(_cancel, refine)
+            stack.push_async_callback(state.flow.aclose)
+            await state.backlog.start()
+            stack.push_async_callback(state.backlog.stop)
             if state.grpc is not None:
                 await state.grpc.start()
                 stack.push_async_callback(state.grpc.stop)
@@ -518,13 +545,17 @@ async def _route(state: RouterState, arrival: Arrival, route: str,
             # A forwarded request learns this from its candidates; a warm-up has none.
             raise ModelNotFound(inference.model[:MAX_MODEL_NAME_CHARS])
         admission = _admit(state, route, tenant, inference)
+        ticket: Ticket | None = None
         if answer is not None:
             response = answer()
         else:
             ctx = RequestContext(route, request_id, loaded, tenant, inference, received_at, trace, stored)
-            response = await _forwarded(state, ctx, arrival)
+            ctx.work = admission.tokens
+            response, ticket = await _forwarded(state, ctx, arrival)
         response.headers.update(admission.headers)
         usage = answer_usage(response)
+        if ticket is not None:
+            _release_when_answered(ticket, response, usage, inference.payload)
         account(state.metrics, state.rate_limiter.settle, admission, model_label(loaded, inference.model),
                 inference.payload, response, usage)
         if trace is not None:
@@ -545,7 +576,66 @@ async def _route(state: RouterState, arrival: Arrival, route: str,
         raise
 
 
-async def _forwarded(state: RouterState, ctx: RequestContext, arrival: Arrival) -> Response:
+async def _forwarded(state: RouterState, ctx: RequestContext, arrival: Arrival) -> tuple[Response, Ticket]:
+    """An admitted request's answer from a replica, once flow control lets it go, and its
+    ticket: the caller gives its place back when the answer ends (`_release_when_answered`)."""
+    ticket = await _flow_ticket(state, ctx, arrival)
+    try:
+        response = await _from_replica(state, ctx, arrival)
+    except BaseException:
+        ticket.release(None)
+        raise
+    if ticket.waited_s:
+        response.headers[HEADER_QUEUE_WAIT_MS] = f"{ticket.waited_s * 1000:.0f}"
+    return response, ticket
+
+
+async def _flow_ticket(state: RouterState, ctx: RequestContext, arrival: Arrival) -> Ticket:
+    """Wait for room in the request's (zone, model) pool (geo_router.admission.flow_control)."""
+    tenant, model = ctx.tenant, ctx.inference.model
+    pool = (tenant.zone, model if model in ctx.loaded.nodes_by_model else split_adapter(model)[0])
+    if not state.flow.enabled or ctx.route not in GENERATION_ROUTES:
+        return unheld(pool)
+    band = band_of(tenant, arrival.headers)
+    request = FlowRequest(pool, tenant.tenant, band, tenant.weight, ctx.work, len(ctx.inference.body),
+                          ttl_of(state.settings, arrival.headers))
+    labels = (tenant.zone, str(band), tenant.tenant)
+    ticket = state.flow.admit_now(request)
+    if ticket is not None:
+        return ticket  # the wait histogram is of the requests that waited
+    watch = arrival.watch()  # only a request that may wait watches its client
+    try:
+        ticket = await state.flow.admit(request)
+    except asyncio.CancelledError:
+        if not watch.fired:
+            raise
+        raise watch.closed_request() from None
+    except RouterError as exc:
+        state.metrics.child("flow_refused", *labels, exc.code or "").inc()
+        raise
+    finally:
+        watch.stop()
+    state.metrics.child("flow_wait", *labels).observe(ticket.waited_s)
+    return ticket
+
+
+def _release_when_answered(ticket: Ticket, response: Response, usage: Mapping[str, Any] | None,
+                           payload: Mapping[str, Any]) -> None:
+    """Give the ticket back with the work the answer was (`usage`: a whole answer's, read
+    once for the accounting too): a stream's when it ends."""
+    if ticket.control is None:
+        return
+
+    def stream_ended(tally: StreamTally) -> None:
+        ticket.release(sum(stream_tokens(tally, payload)))
+
+    if when_stream_ends(response, stream_ended):
+        return
+    split = usage_split({"usage": usage}) if usage is not None else None
+    ticket.release(sum(split) if split else None)
+
+
+async def _from_replica(state: RouterState, ctx: RequestContext, arrival: Arrival) -> Response:
     """An admitted request's answer from a replica: located, ordered, forwarded."""
     loaded, tenant, inference, stored = ctx.loaded, ctx.tenant, ctx.inference, ctx.stored
     ctx.location = state.locator.locate(arrival.headers, arrival.peer, loaded.regions)

@@ -35,3 +35,5 @@ class RequestContext:
     # A Responses follow-up's stored response (its replica is preferred).
     stored: StoredResponse | None = None
     location: Point | None = None
+    # Tokens the request is estimated to cost (prompt + completion budget): its work in flow control.
+    work: int = 0

@@ -182,6 +182,35 @@ class ScaleFromZeroQueueFull(RouterError):
         )
 
 
+class QueueTimeout(RouterError):
+    """Flow control held the request past its queue TTL: the zone's replicas stayed full."""
+
+    status = 503
+    type_ = "service_unavailable_error"
+    code = "queue_timeout"
+
+    def __init__(self, model: str, waited_s: float, retry_after_s: int) -> None:
+        super().__init__(
+            f"Every replica of model `{model}` stayed busy for the {waited_s:g} seconds your request "
+            f"could wait. Retry in {retry_after_s} seconds.",
+            headers=_retry_after(retry_after_s),
+        )
+
+
+class QueueFull(RouterError):
+    """Flow control's queue is at its caps (or shed this request for a more urgent one)."""
+
+    status = 503
+    type_ = "service_unavailable_error"
+    code = "queue_full"
+
+    def __init__(self, model: str, retry_after_s: int, *, shed: bool = False) -> None:
+        why = ("gave its place to a more urgent request" if shed
+               else "could not be queued: the queue for it is full")
+        super().__init__(f"Every replica of model `{model}` is busy and your request {why}. "
+                         f"Retry in {retry_after_s} seconds.", headers=_retry_after(retry_after_s))
+
+
 class ClientClosedRequest(RouterError):
     """The client went away while its request waited; nobody reads this answer."""
 

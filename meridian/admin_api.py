@@ -20,6 +20,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meridian.contracts import (
+    DEFAULT_PRIORITY,
+    DEFAULT_TENANT_WEIGHT,
     GLOBAL_ZONE,
     PRINTABLE_PATTERN,
     AutoscalingSpec,
@@ -29,7 +31,9 @@ from meridian.contracts import (
     NodeRole,
     NodeView,
     PlacementSpec,
+    Priority,
     RegionInfo,
+    TenantWeight,
     ZoneName,
 )
 
@@ -80,6 +84,12 @@ class TenantCreate(BaseModel):
     cache_group: CacheGroupName | None = Field(
         None, description="Tenants of one group share prefix-cache entries (and can see each other's "
         "cache hits); by default a tenant's cache is its own.")
+    priority: Priority = Field(
+        DEFAULT_PRIORITY, description="Dispatch priority band when requests wait for room: larger is more "
+        "urgent; below 0 is sheddable (shed first when queues are full). A key can override it.")
+    weight: TenantWeight = Field(
+        DEFAULT_TENANT_WEIGHT, description="The tenant's share of work within its priority band, relative to the "
+        "other tenants there.")
 
 
 class TenantPatch(BaseModel):
@@ -92,6 +102,10 @@ class TenantPatch(BaseModel):
     requests_per_minute: RateLimit | None = None
     tokens_per_minute: RateLimit | None = None
     cache_group: CacheGroupName | None = None
+    # Not clearable as a limit is: a tenant always has a band and a weight, so null is refused
+    # (400, as for zone); send the default to reset one.
+    priority: Priority | None = None
+    weight: TenantWeight | None = None
 
 
 class TenantView(BaseModel):
@@ -101,6 +115,9 @@ class TenantView(BaseModel):
     requests_per_minute: int | None
     tokens_per_minute: int | None
     cache_group: str | None = None
+    # Defaults: what a control plane that predates flow control means by leaving them out.
+    priority: int = DEFAULT_PRIORITY
+    weight: float = DEFAULT_TENANT_WEIGHT
     resource_version: int
     created_at: datetime
     updated_at: datetime
@@ -121,6 +138,8 @@ class ApiKeyCreate(BaseModel):
     zone: ZoneName | None = None
     scopes: list[Scope] = Field(min_length=1, max_length=len(Scope))
     models: list[ModelName] | None = Field(None, max_length=64)
+    priority: Priority | None = Field(
+        None, description="This key's dispatch priority band, overriding its tenant's (null: the tenant's).")
     create_tenant: bool = Field(
         False, description="Create the tenant in `zone` (required then) if it does not exist, in the "
         "same transaction as the key; without it a key for an unknown tenant is refused with 404.")
@@ -149,6 +168,8 @@ class ApiKeyView(BaseModel):
     zone: str | None
     scopes: list[Scope]
     models: list[str] | None
+    # Its own priority band; null: its tenant's.
+    priority: int | None = None
     key_prefix: str
     created_at: datetime
     revoked_at: datetime | None = None
@@ -415,6 +436,15 @@ class ConsoleViewer(BaseModel):
     scopes: list[Scope]
 
 
+class PoolHeldView(BaseModel):
+    """Requests held at the routers for one (residency zone, model) pool, and how many routers hold them."""
+
+    zone: str
+    model: str
+    waiting: int
+    routers: int
+
+
 class ConsoleOverview(BaseModel):
     """One poll of the web console: the fleet as this control plane sees it now.
 
@@ -429,6 +459,8 @@ class ConsoleOverview(BaseModel):
     node_ttl_s: float
     regions: list[RegionInfo]
     nodes: list[NodeView]
+    # Requests routers' flow control holds per (zone, model) pool, from fresh reports.
+    router_backlog: list[PoolHeldView] = []
 
 
 class DrillReportSummary(BaseModel):

@@ -1,5 +1,6 @@
 """The one client of the control plane's cluster API: the calls nodes and routers make with the
-cluster token (register, heartbeat, deregister, weight sources, the routing table, scale-up).
+cluster token (register, heartbeat, deregister, weight sources, the routing table, scale-up, the
+routers' flow-control backlog).
 
 What `admin_client` is for the admin API: requests and answers are the kernel's contracts
 (`meridian.contracts`), so no caller builds a JSON body or a path by hand, and every failure is
@@ -30,6 +31,7 @@ from meridian.contracts import (
     NodeHeartbeat,
     NodeRegistered,
     NodeRegistration,
+    RouterBacklog,
     RoutingTable,
     RoutingTableDelta,
     ScaleUpRequest,
@@ -174,6 +176,12 @@ class ClusterClient:
         """Ask for a replica of `model` (404: no such deployment)."""
         resp = await self._send("POST", f"/v1/deployments/{quote(model, safe='')}/scale-up", request)
         if resp.status_code != HTTPStatus.OK:
+            raise ClusterAPIError.of(resp)
+
+    async def router_backlog(self, router_id: str, report: RouterBacklog) -> None:
+        """Replace this router's report of what its flow control holds."""
+        resp = await self._send("PUT", f"/v1/routers/{quote(router_id, safe='')}/backlog", report)
+        if resp.status_code != HTTPStatus.NO_CONTENT:
             raise ClusterAPIError.of(resp)
 
     # --- sending ---------------------------------------------------------------------------

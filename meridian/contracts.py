@@ -78,6 +78,17 @@ ModelName = Annotated[str, Field(min_length=1, max_length=200, pattern=PRINTABLE
 # A prefix-cache sharing group of tenants (see TenantEntry.cache_group).
 CACHE_GROUP_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"
 CacheGroupName = Annotated[str, Field(pattern=CACHE_GROUP_PATTERN)]
+# A tenant's (or one key's) dispatch priority in routers' flow control (issue 37): larger is
+# more urgent, and a band below SHEDDABLE_BELOW is shed first when a queue is full. Bounded so
+# that bands stay a handful an operator can reason about, not a second weight.
+PRIORITY_MIN, PRIORITY_MAX, DEFAULT_PRIORITY = -10, 10, 0
+SHEDDABLE_BELOW = 0
+Priority = Annotated[int, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)]
+# A tenant's share of work within its priority band, relative to the other tenants there.
+# Finite and bounded: a weight divides the work charged to the tenant, so 0, inf or nan would
+# give it every dispatch or none.
+TENANT_WEIGHT_MAX, DEFAULT_TENANT_WEIGHT = 1000.0, 1.0
+TenantWeight = Annotated[float, Field(gt=0, le=TENANT_WEIGHT_MAX, allow_inf_nan=False)]
 # A ZMQ endpoint a router can connect to: tcp://host:port (IPv6 host in brackets) or
 # ipc://path. Wildcard hosts ("*") are bind addresses, not connectable, so they are refused.
 ZMQ_ENDPOINT_PATTERN = (
@@ -190,6 +201,8 @@ def _is_both(value: object) -> bool:
 _ROLE = Field(NodeRole.BOTH, exclude_if=_is_both)
 # A node's capabilities (NodeCapability), left out while unset: an older agent said none.
 _CAPABILITIES = Field(None, max_length=32, exclude_if=_is_none)
+# A node's batch slots, left out while unset so that peers of an older version accept it.
+_SLOTS = Field(None, ge=1, le=65_536, exclude_if=_is_none)
 
 
 class NodeLoad(_Wire):
@@ -237,6 +250,10 @@ class NodeRegistration(_Wire):
     # Prefill/decode disaggregation: the node's role and, unless co-located, its KV transfer.
     role: NodeRole = _ROLE
     kv_transfer: KVTransferInfo | None = _OMITTED_WHEN_UNSET
+    # Sequences its engine runs at once (vLLM's max_num_seqs): what routers' flow control
+    # fills a node to before holding requests at the router (geo_router.admission.flow_control);
+    # None, an older agent: the router's default.
+    max_num_seqs: int | None = _SLOTS
 
     @model_validator(mode="after")
     def _disaggregated_has_transfer(self) -> NodeRegistration:
@@ -355,11 +372,20 @@ class RoutingNode(_Wire):
     # The node's P/D role and KV transfer (see NodeRegistration); co-located when absent.
     role: NodeRole = _ROLE
     kv_transfer: KVTransferInfo | None = _OMITTED_WHEN_UNSET
+    max_num_seqs: int | None = _SLOTS  # see NodeRegistration
 
     def can(self, capability: NodeCapability) -> bool:
         """Whether the node's engine does `capability` (as it registered, or as its kind did)."""
         held = self.capabilities if self.capabilities is not None else ENGINE_CAPABILITIES.get(self.engine, ())
         return capability in held
+
+
+def _is_default_priority(value: object) -> bool:
+    return value == DEFAULT_PRIORITY
+
+
+def _is_default_weight(value: object) -> bool:
+    return value == DEFAULT_TENANT_WEIGHT
 
 
 def allows_model(models: Sequence[str] | None, model: str) -> bool:
@@ -392,9 +418,19 @@ class TenantEntry(_Wire):
     # Tenants of one group share prefix-cache entries (an operator's opt-in); None: the
     # tenant's cache is its own (routers salt every request per tenant).
     cache_group: CacheGroupName | None = _OMITTED_WHEN_UNSET
+    # Flow control (issue 37): the key's priority band (its own override, else its tenant's)
+    # and its tenant's weight within the band. Left out of the JSON at their defaults, so
+    # that routers of an older version (extra="forbid") still accept tables of default tenants.
+    priority: Priority = Field(DEFAULT_PRIORITY, exclude_if=_is_default_priority)
+    weight: TenantWeight = Field(DEFAULT_TENANT_WEIGHT, exclude_if=_is_default_weight)
 
     def may_use(self, model: str) -> bool:
         return allows_model(self.models, model)
+
+    @property
+    def sheddable(self) -> bool:
+        """Whether a full queue may shed this key's waiting requests to make room."""
+        return self.priority < SHEDDABLE_BELOW
 
 
 class RoutingTable(_Wire):
@@ -534,6 +570,8 @@ class Problem(BaseModel):
 
 # Response header: how long the router held a request while its model scaled from zero.
 HEADER_SCALE_WAIT_MS = "x-meridian-scale-wait-ms"
+# Response header: how long flow control held a request for room on its zone's replicas.
+HEADER_QUEUE_WAIT_MS = "x-meridian-queue-wait-ms"
 
 
 class DeploymentEntry(_Wire):
@@ -660,6 +698,35 @@ class ScaleUpRequest(_Wire):
     # placing the replica where it can serve the requests that wait.
     client_region: RegionName | None = None
     zone: ZoneName | None = None
+
+
+# A router's name in its backlog reports: host, port and worker, as the router composes it.
+ROUTER_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+RouterId = Annotated[str, Field(pattern=ROUTER_ID_PATTERN)]
+
+
+# What one backlog report names at most: a router reports its largest pools.
+MAX_BACKLOG_POOLS = 1000
+
+
+class PoolBacklog(_Wire):
+    """Requests one router's flow control holds for a (residency zone, model) pool."""
+
+    zone: ZoneName
+    model: ModelName
+    waiting: int = Field(ge=0, le=10_000_000)
+
+
+class RouterBacklog(_Wire):
+    """What a router's flow control holds now, per pool (`PUT /v1/routers/{id}/backlog`).
+
+    Flow control keeps the nodes' queues short and holds the backlog at the routers, where
+    the nodes' heartbeats (running + waiting) cannot show it: the autoscaler adds these
+    reports to them, and the console shows them. A report replaces the router's previous
+    one; an empty one says nothing waits there any more.
+    """
+
+    pools: list[PoolBacklog] = Field(default_factory=list, max_length=MAX_BACKLOG_POOLS)
 
 
 RoutingTable.model_rebuild()

@@ -170,6 +170,20 @@ FABRIC = Dashboard(
         ), unit="reqps", width=8),
         Panel("Scale from zero: wait", quantiles("meridian_router_scale_from_zero_wait_seconds", "", qs=(0.5, 0.9)),
               unit="s", width=8),
+        Panel("Flow control: waiting", (
+            q("sum by (zone, model, band) (meridian_router_flow_waiting)", "{{zone}} {{model}} band {{band}}"),),
+            width=8, min=0,
+            description="Requests held at the routers while their zone's replicas of the model are full, by priority "
+                        "band: the backlog waits here, in fair order, rather than in each node's own queue."),
+        Panel("Flow control: wait by band", quantiles("meridian_router_flow_wait_seconds", "band", qs=(0.5, 0.9)),
+              unit="s", width=8,
+              description="Time the requests that had to wait for room waited before going to a replica; "
+                          "alert MeridianFlowWaitHigh when a band's p90 stays over its target."),
+        Panel("Flow control: refused", (
+            q(f"sum by (band, reason) (rate(meridian_router_flow_refused_total[{RATE}]))", "band {{band}} {{reason}}"),),
+            unit="reqps", width=8,
+            description="503s of flow control: queue_timeout (waited the request's TTL), queue_full, shed (a "
+                        "sheddable request gave its place to a more urgent one)."),
         Panel("Ready replicas by zone", (
             q("max by (zone, model) (meridian_router_zone_ready_replicas)", "{{zone}} {{model}}"),), width=12, min=0,
             description="Ready replicas each zone's tenants may use, per deployment that keeps replicas; at 0 the "
@@ -342,6 +356,15 @@ TENANT = Dashboard(
         Panel("Requests by residency zone", (q(
             f"sum by (zone) (rate(meridian_router_tenant_requests_total{{{_T}}}[{RATE}]))", "{{zone}}"),),
             unit="reqps", width=24),
+        Row("Flow control"),
+        Panel("Waiting for room", (q(
+            f"sum by (zone, model, band) (meridian_router_flow_waiting{{{_T}}})", "{{zone}} {{model}} band {{band}}"),),
+            width=8, min=0, description="The tenant's requests held at the routers while their replicas are full."),
+        Panel("Wait for room", quantiles("meridian_router_flow_wait_seconds", "band", f"{{{_T}}}", qs=(0.5, 0.9)),
+              unit="s", width=8),
+        Panel("Refused by flow control", (q(
+            f"sum by (reason) (rate(meridian_router_flow_refused_total{{{_T}}}[{RATE}]))", "{{reason}}"),),
+            unit="reqps", width=8),
     ),
 )
 

@@ -137,6 +137,26 @@ def _libpq_url(url: str, database: str) -> str:
     return make_url(url).set(drivername="postgresql", database=database).render_as_string(hide_password=False)
 
 
+# FastAPI classifies endpoint callables in module-level LRU caches of 4096 entries each
+# (fastapi.dependencies.models, 0.16x). A cached endpoint closure keeps its app alive, and
+# with it whatever the app holds: an in-process node app's model and KV cache, about 65 MB,
+# so one test worker grew past 12 GB over the node and router tests. One app per process (as
+# in production) is one entry; in tests they pile up.
+_FASTAPI_CALLABLE_CACHES = ("_is_gen_callable_cached", "_is_async_gen_callable_cached",
+                            "_is_coroutine_callable_cached")
+
+
+@pytest.fixture(autouse=True)
+def _forget_fastapi_endpoints() -> Iterator[None]:
+    """Each test's apps go with the test: FastAPI's classification caches are emptied after it."""
+    yield
+    models = sys.modules.get("fastapi.dependencies.models")
+    for name in _FASTAPI_CALLABLE_CACHES:
+        cache = getattr(models, name, None)
+        if cache is not None:
+            cache.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def postgres_server_url() -> str:
     """URL of the test Postgres server (MERIDIAN_TEST_POSTGRES_URL); checked once."""

@@ -17,14 +17,14 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Path, Response
 from sqlalchemy import select
 
-from control_plane import drill_reports, node_registry
+from control_plane import drill_reports, node_registry, router_backlog
 from control_plane.auth import Ctx, Principal, require_scopes
 from control_plane.db.clock import db_now
 from control_plane.db.models import Node
 from control_plane.errors import NotFound
 from control_plane.routing_table import current_version
 from control_plane.scopes import FLEET_READERS
-from meridian.admin_api import ConsoleOverview, ConsoleViewer, DrillReportSummary
+from meridian.admin_api import ConsoleOverview, ConsoleViewer, DrillReportSummary, PoolHeldView
 
 router = APIRouter(prefix="/v1/console", tags=["console"])
 Reader = Annotated[Principal, Depends(require_scopes(FLEET_READERS))]
@@ -36,7 +36,8 @@ MAX_NODES = 2000
 
 @router.get("/overview")
 def overview(ctx: Ctx, viewer: Reader) -> ConsoleOverview:
-    """Regions, nodes (with load and cumulative request counts), the routing version and who is looking."""
+    """Regions, nodes (with load and cumulative request counts), requests held at the routers,
+    the routing version and who is looking."""
     with ctx.read() as session:
         rows = session.scalars(select(Node).order_by(Node.region, Node.node_id).limit(MAX_NODES)).all()
         nodes = [node_registry.view(session, n) for n in rows]
@@ -44,6 +45,7 @@ def overview(ctx: Ctx, viewer: Reader) -> ConsoleOverview:
         # The clock heartbeats are stamped with, so the page's heartbeat ages are right on
         # every replica (control_plane.db.clock).
         now = db_now(session)
+        held = router_backlog.held(session, now, ctx.settings.router_backlog_ttl_s)
     return ConsoleOverview(
         generated_at=now,
         viewer=ConsoleViewer(name=viewer.name, tenant=viewer.tenant, scopes=sorted(viewer.scopes)),
@@ -52,6 +54,7 @@ def overview(ctx: Ctx, viewer: Reader) -> ConsoleOverview:
         node_ttl_s=ctx.settings.node_ttl_s,
         regions=sorted(ctx.regions.values(), key=lambda r: r.name),
         nodes=nodes,
+        router_backlog=[PoolHeldView(zone=p.zone, model=p.model, waiting=p.waiting, routers=p.routers) for p in held],
     )
 
 

@@ -65,6 +65,7 @@ def create_api_key(ctx: Ctx, actor: AdminActor, body: ApiKeyCreate) -> ApiKeyCre
                 tenant=tenant.name,
                 scopes=body.scopes,
                 models=body.models,
+                priority=body.priority,
                 now=now,
             )
             view = key_view(row)

@@ -200,7 +200,7 @@ def list_autoscaler_status(
     with ctx.read() as session:
         rows, next_cursor = paginate(session, query, [Deployment.model], page)
         views = []
-        for obs in autoscaler.observe_rows(session, rows, ctx.regions):
+        for obs in autoscaler.observe_rows(session, rows, ctx.regions, ctx.settings.router_backlog_ttl_s):
             last = _last_decisions(session, obs.model)
             views.extend(
                 AutoscalerStatus(model=obs.model, pool=p.pool, min_replicas=p.min_replicas, max_replicas=p.max_replicas,

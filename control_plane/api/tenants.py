@@ -1,4 +1,5 @@
-"""Tenants: residency zone, allowed models and rate limits, inherited by every key of the tenant."""
+"""Tenants: residency zone, allowed models, rate limits and flow control's priority and weight,
+inherited by every key of the tenant (a key may override the priority)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from control_plane.errors import BadRequest, Conflict
 from control_plane.scopes import FLEET_READERS, Scope
 from meridian import residency
 from meridian.admin_api import TENANT_PATTERN, TenantCreate, TenantPatch, TenantView
+from meridian.contracts import DEFAULT_PRIORITY, DEFAULT_TENANT_WEIGHT
 
 router = APIRouter(prefix="/v1", tags=["tenants"])
 readers = [Depends(require_scopes(FLEET_READERS))]
@@ -49,6 +51,8 @@ def create_audited(session: Session, actor: Actor, body: TenantCreate, now: date
         requests_per_minute=body.requests_per_minute,
         tokens_per_minute=body.tokens_per_minute,
         cache_group=body.cache_group,
+        priority=body.priority,
+        weight=body.weight,
         now=now,
     )
     audit.record(session, actor, action="create", resource_type="tenant", resource_id=row.name,
@@ -99,6 +103,10 @@ def patch_tenant(
         if changes["zone"] is None:
             raise BadRequest("zone cannot be null; use 'global' for no residency constraint")
         known_zone(ctx, changes["zone"])
+    # Not limits to clear: every tenant has a band and a weight (the columns are NOT NULL).
+    for field, default in (("priority", DEFAULT_PRIORITY), ("weight", DEFAULT_TENANT_WEIGHT)):
+        if field in changes and changes[field] is None:
+            raise BadRequest(f"{field} cannot be null; use {default:g} for the default")
     now = ctx.clock.now()
     with ctx.write() as session:
         row = tenant_store.get(session, name, for_update=True)

@@ -100,6 +100,8 @@ class Node(Base):
     # meridian.contracts.NodeCapability values the node registered (NULL: an older agent,
     # which said none; routers then take its engine kind's, ENGINE_CAPABILITIES).
     capabilities: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True), nullable=True)
+    # Sequences its engine runs at once (NodeRegistration.max_num_seqs; NULL: not said).
+    max_num_seqs: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Prefill/decode disaggregation: a meridian.contracts.NodeRole value and, for a prefill or
     # decode node, its meridian.contracts.KVTransferInfo (connector, endpoint, lease) as JSON.
     role: Mapped[str] = mapped_column(String(16), default="both", server_default="both")
@@ -122,6 +124,9 @@ class ApiKey(Base):
     scopes: Mapped[list[str]] = mapped_column(JSON)
     # None means every model.
     models: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
+    # Flow control's priority band for this key's requests, overriding its tenant's (None: the
+    # tenant's; meridian.contracts.Priority's range).
+    priority: Mapped[int | None] = mapped_column(Integer, nullable=True)
     key_hash: Mapped[str] = mapped_column(String(64), unique=True, index=True)
     key_prefix: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
@@ -205,6 +210,20 @@ class WeightReplica(Base):
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())
 
 
+class RouterBacklogRow(Base):
+    """Requests a router's flow control held for a (zone, model) pool at its last report
+    (meridian.contracts.RouterBacklog). A report replaces the router's rows; rows older than
+    the backlog TTL count for nothing and go with the next report of any router."""
+
+    __tablename__ = "router_backlogs"
+
+    router_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    zone: Mapped[str] = mapped_column(String(64), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    waiting: Mapped[int] = mapped_column(Integer)
+    reported_at: Mapped[datetime] = mapped_column(UTCDateTime(), index=True)
+
+
 class ModelRecord(Base):
     """A model's architecture, as model fit needs it to size replicas per GPU SKU."""
 
@@ -276,7 +295,8 @@ class PlacementPlan(Base):
 
 
 class Tenant(Base):
-    """A customer of the fabric: its residency zone, allowed models and rate limits.
+    """A customer of the fabric: its residency zone, allowed models, rate limits and flow
+    control's priority and weight.
 
     Its zone is its API keys' too (they read it from here): changing it moves every key."""
 
@@ -290,6 +310,11 @@ class Tenant(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Tenants of one group share prefix-cache entries; None: the tenant's cache is its own.
     cache_group: Mapped[str | None] = mapped_column(String(100), nullable=True)
+    # Flow control (issue 37): the tenant's priority band (larger is more urgent; below 0
+    # sheddable) and its share of work within the band. Server defaults (migration 0017) so
+    # that a control plane of an older version, writing neither, still inserts tenants.
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    weight: Mapped[float] = mapped_column(Float, default=1.0, server_default="1")
     resource_version: Mapped[int] = mapped_column(Integer, default=1)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime())

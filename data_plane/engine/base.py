@@ -239,6 +239,11 @@ class CapableEngine(Protocol):
 
     def capabilities(self) -> tuple[NodeCapability, ...]: ...
 
+    def max_num_seqs(self) -> int:
+        """Sequences it runs at once: routers' flow control fills the node to this before it
+        holds requests at the router."""
+        ...
+
 
 @runtime_checkable
 class KVTransferEngine(Protocol):

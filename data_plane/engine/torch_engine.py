@@ -216,6 +216,9 @@ class TorchEngine:
         # start) and add_special_tokens on a chat: neither applies.
         return ()
 
+    def max_num_seqs(self) -> int:
+        return self._settings.max_num_seqs
+
     def models(self) -> list[str]:
         return [self._model_name]
 

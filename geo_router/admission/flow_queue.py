@@ -15,10 +15,16 @@ The order of dispatch:
    counter grows by the work it was served divided by its weight, work being prompt tokens
    plus generated tokens (an estimate at dispatch, corrected by `settle` with the answer's
    usage), so a tenant of long prompts gets fewer requests, not more tokens. A tenant that
-   was idle comes back at the least counter of the tenants waiting in its band (none waiting:
-   the counter of the tenant served last): idle time is not credit to spend later in a burst
-   (the paper's "lift").
-3. **First come, first served** within a tenant's flow.
+   starts to wait comes back at the least counter of the tenants waiting in its band (none
+   waiting: the counter of the tenant served last): idle time is not credit to spend later in
+   a burst (the paper's "lift"). The lift leaves a tenant the work of its requests still
+   running: that was charged in full when they went (the paper charges tokens as they are
+   generated), so without the allowance a tenant whose flow empties for a moment between its
+   requests (a client that sends its next request when the last ends leaves a gap at every
+   turn) would pay for them twice, in the charge and in the lift, and lose the lead its weight
+   earned. The allowance is bounded by what it has running: never credit saved while idle.
+3. **First come, first served** within a tenant's flow. Between tenants level on their counters
+   (one just lifted), the one that started to wait last goes first.
 
 Deadlines: every entry carries `expires_at`; `expired(now)` takes out those past it (the
 caller answers them 503 with Retry-After). Shedding: when an arrival finds the queue at its
@@ -36,7 +42,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
@@ -105,8 +111,18 @@ class Entry(Generic[T]):
 
 
 @dataclass(slots=True)
+class _Running:
+    """One tenant's requests dispatched and not yet settled: how many, and their weighted work."""
+
+    requests: int = 0
+    work: float = 0.0
+
+
+@dataclass(slots=True)
 class _Band(Generic[T]):
     flows: dict[str, deque[Entry[T]]] = field(default_factory=dict)
+    # When each tenant's flow started to wait (the arrival order of its first entry).
+    since: dict[str, int] = field(default_factory=dict)
 
 
 class FlowQueue(Generic[T]):
@@ -118,8 +134,12 @@ class FlowQueue(Generic[T]):
         self._bands: dict[int, _Band[T]] = {}
         self._seq = itertools.count()
         self._last_served: str | None = None
+        # Per tenant, its requests dispatched and not yet settled: their work is what the lift
+        # leaves it (the module docstring), their number what the caller's fair share counts.
+        self._running: dict[str, _Running] = {}
         self.entries = 0
         self.bytes = 0
+        self.running = 0  # requests dispatched and not yet settled, of every tenant
 
     def __len__(self) -> int:
         return self.entries
@@ -138,21 +158,95 @@ class FlowQueue(Generic[T]):
         self._append(entry)
         return None, victims
 
-    def pop(self) -> Entry[T] | None:
-        """The next entry to dispatch (None when empty); its tenant is charged its estimate."""
+    def peek(self, only: Callable[[str], bool] | None = None) -> Entry[T] | None:
+        """The entry `pop` would take next (None when empty), left in place and uncharged;
+        with `only`, the next of the most urgent band's tenants that `only` admits."""
         if not self._bands:
             return None
         band = self._bands[max(self._bands)]
-        tenant = min(band.flows, key=lambda t: (self._counters.level(t), band.flows[t][0].seq))
-        entry = band.flows[tenant][0]
-        self._remove(entry)
-        self._counters.charge(tenant, entry.work / entry.weight)
-        self._last_served = tenant
+        tenants = [t for t in band.flows if only(t)] if only is not None else band.flows
+        if not tenants:
+            return None
+        # Between tenants level on their counters (one just lifted to the least), the one
+        # that started to wait last goes first: a light tenant's request beside a flood waits
+        # for no one's turn; its counter is then charged, and the flood's turn comes.
+        tenant = min(tenants, key=lambda t: (self._counters.level(t), -band.since[t], band.flows[t][0].seq))
+        return band.flows[tenant][0]
+
+    def tenants(self) -> set[str]:
+        """The tenants with entries waiting, in any band."""
+        return {t for band in self._bands.values() for t in band.flows}
+
+    def waiting_of(self, tenant: str) -> int:
+        """The tenant's entries waiting, in every band."""
+        return sum(len(band.flows.get(tenant, ())) for band in self._bands.values())
+
+    def pop(self) -> Entry[T] | None:
+        """The next entry to dispatch (None when empty); its tenant is charged its estimate."""
+        entry = self.peek()
+        if entry is not None:
+            self.take(entry)
         return entry
 
-    def settle(self, entry: Entry[T], actual_work: float) -> None:
-        """Correct the tenant's charge with the work the answer really was."""
-        self._counters.charge(entry.tenant, (actual_work - entry.work) / entry.weight)
+    def take(self, entry: Entry[T]) -> None:
+        """Dispatch a queued entry (one `peek` chose): out of the queue, its tenant charged."""
+        self._remove(entry)
+        self.charge(entry)
+
+    def charge(self, entry: Entry[T]) -> None:
+        """Charge a request that went without waiting (pop charges those that waited); it runs
+        until `settle`."""
+        weighted = entry.work / entry.weight
+        self._counters.charge(entry.tenant, weighted)
+        running = self._running.setdefault(entry.tenant, _Running())
+        running.requests += 1
+        running.work += weighted
+        self.running += 1
+        self._last_served = entry.tenant
+
+    def discard(self, entry: Entry[T]) -> bool:
+        """Take `entry` out unserved (its client left); False when it is no longer queued."""
+        band = self._bands.get(entry.band)
+        flow = band.flows.get(entry.tenant) if band is not None else None
+        if flow is None or entry not in flow:
+            return False
+        self._remove(entry)
+        return True
+
+    def top_band(self) -> int | None:
+        """The most urgent band waiting (None: nothing waits)."""
+        return max(self._bands) if self._bands else None
+
+    def waiting(self) -> dict[tuple[int, str], int]:
+        """Entries waiting per (band, tenant): what the queue-depth gauges show."""
+        return {(level, t): len(flow) for level, band in self._bands.items() for t, flow in band.flows.items()}
+
+    def settle(self, entry: Entry[T], actual_work: float | None) -> None:
+        """A dispatched entry has ended: it no longer runs, and its tenant's charge is corrected
+        with the work the answer really was (None: not known, the estimate stands)."""
+        running = self._running.get(entry.tenant)
+        if running is not None:
+            running.requests -= 1
+            running.work -= entry.work / entry.weight
+            self.running -= 1
+            if running.requests <= 0:
+                del self._running[entry.tenant]
+        if actual_work is not None:
+            self._counters.charge(entry.tenant, (actual_work - entry.work) / entry.weight)
+
+    def running_work(self, tenant: str) -> float:
+        """The weighted work of the tenant's entries dispatched and not yet settled."""
+        running = self._running.get(tenant)
+        return running.work if running is not None else 0.0
+
+    def running_of(self, tenant: str) -> int:
+        """The tenant's entries dispatched and not yet settled."""
+        running = self._running.get(tenant)
+        return running.requests if running is not None else 0
+
+    def running_tenants(self) -> set[str]:
+        """The tenants with entries dispatched and not yet settled."""
+        return set(self._running)
 
     def expired(self, now: float) -> list[Entry[T]]:
         """Take out and return the entries past their deadline, oldest first."""
@@ -195,17 +289,22 @@ class FlowQueue(Generic[T]):
 
     def _lift(self, band: _Band[T], tenant: str) -> None:
         """A tenant that starts to wait in `band` starts from the least counter of those waiting
-        there, or with none waiting, from the counter of the tenant served last."""
+        there, or with none waiting, from the counter of the tenant served last, less the work
+        it has running (charged up front, not yet served)."""
         if band.flows:
             floor = min(self._counters.level(t) for t in band.flows)
         elif self._last_served is not None:
             floor = self._counters.level(self._last_served)
         else:
             return
-        self._counters.lift(tenant, floor)
+        self._counters.lift(tenant, floor - self.running_work(tenant))
 
     def _append(self, entry: Entry[T]) -> None:
-        self._bands.setdefault(entry.band, _Band()).flows.setdefault(entry.tenant, deque()).append(entry)
+        band = self._bands.setdefault(entry.band, _Band())
+        if entry.tenant not in band.flows:
+            band.flows[entry.tenant] = deque()
+            band.since[entry.tenant] = entry.seq
+        band.flows[entry.tenant].append(entry)
         self.entries += 1
         self.bytes += entry.size
 
@@ -215,6 +314,7 @@ class FlowQueue(Generic[T]):
         flow.remove(entry)
         if not flow:
             del band.flows[entry.tenant]
+            del band.since[entry.tenant]
             if not band.flows:
                 del self._bands[entry.band]
         self.entries -= 1

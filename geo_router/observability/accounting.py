@@ -65,6 +65,13 @@ def body_usage(body: bytes) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
+def stream_tokens(tally: StreamTally, payload: Mapping[str, Any]) -> tuple[int, int]:
+    """(prompt, completion) tokens of a stream that ended: its usage chunk's, else the prompt
+    estimate and one token per streamed event (nodes stream a token at a time)."""
+    split = usage_split({"usage": tally.usage}) if tally.usage is not None else None
+    return split or (estimate_prompt_tokens(payload), tally.events)
+
+
 def account(
     metrics: RouterMetrics,
     settle: Settle,
@@ -89,8 +96,7 @@ def account(
             settle(tenant, admission.tokens, prompt + completion)
 
     def stream_ended(tally: StreamTally) -> None:
-        split = usage_split({"usage": tally.usage}) if tally.usage is not None else None
-        settled(*(split or (estimate_prompt_tokens(payload), tally.events)))
+        settled(*stream_tokens(tally, payload))
 
     if when_stream_ends(response, stream_ended) or not isinstance(response.body, bytes | bytearray):
         return

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..admission.flow_control import FlowGauges
 from ..state.node_load import NodeLoad
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -59,6 +60,41 @@ class _ZoneReplicas(Collector):
         for (zone, model), count in sorted(self.read().items()):
             family.add_metric([zone, model], count)
         yield family
+
+
+class _FlowQueues(Collector):
+    """Flow control's pools, read at scrape time (geo_router.admission.flow_control.FlowGauges)."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], FlowGauges] = FlowGauges
+
+    def _families(self) -> tuple[GaugeMetricFamily, ...]:
+        pool = ("zone", "model")
+        return (
+            GaugeMetricFamily("meridian_router_flow_waiting", "Requests waiting at this router for room on their "
+                              "zone's replicas (flow control), by zone, model, priority band and tenant.",
+                              labels=(*pool, "band", "tenant")),
+            GaugeMetricFamily("meridian_router_flow_running", "Requests flow control let go and that have not "
+                              "finished, by zone and model.", labels=pool),
+            GaugeMetricFamily("meridian_router_flow_slots", "Batch slots of the replicas a pool may use, as flow "
+                              "control counts them (each node's max_num_seqs).", labels=pool),
+            GaugeMetricFamily("meridian_router_flow_others", "Requests of other routers on a pool's replicas, as "
+                              "the nodes' reports show them beyond this router's own.", labels=pool),
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        waiting, running, slots, others = self._families()
+        gauges = self.read()
+        for (zone, model, band, tenant), count in sorted(gauges.waiting.items()):
+            waiting.add_metric([zone, model, str(band), tenant], count)
+        for (zone, model), (let_go, n, other) in sorted(gauges.pools.items()):
+            running.add_metric([zone, model], let_go)
+            slots.add_metric([zone, model], n)
+            others.add_metric([zone, model], other)
+        yield from (waiting, running, slots, others)
 
 
 class RouterMetrics:
@@ -156,6 +192,16 @@ class RouterMetrics:
         self.overhead = self._histogram(
             "meridian_router_overhead_seconds", (),
             "Time spent in the router itself before the upstream request (upstream waits excluded).", _OVERHEAD_BUCKETS)
+        self.flow_wait = self._histogram(
+            "meridian_router_flow_wait_seconds", ("zone", "band", "tenant"),
+            "How long the requests that had to wait for room (flow control) waited before they went to "
+            "a replica (one that found room at once is not counted).", _LATENCY_BUCKETS)
+        self.flow_refused = self._counter(
+            "meridian_router_flow_refused", ("zone", "band", "tenant", "reason"),
+            "Requests flow control answered 503: queue_timeout (waited their TTL), queue_full (no "
+            "place), shed (gave their place to a more urgent band).")
+        self._flow_queues = _FlowQueues()
+        self.registry.register(self._flow_queues)
         self.scale_queued = self._gauge(
             "meridian_router_scale_from_zero_queued", ("model",),
             "Requests held while their model scales up from zero replicas, or while a replica starts "
@@ -163,6 +209,9 @@ class RouterMetrics:
         self.scale_up_requests = self._counter(
             "meridian_router_scale_up_requests", ("model", "outcome"),
             "Scale-up requests sent to the control plane, by outcome (ok, not_found, error).")
+        self.backlog_reports = self._counter(
+            "meridian_router_flow_backlog_reports", ("outcome",),
+            "Reports of flow control's backlog sent to the control plane, by outcome (ok, error).")
         self.scale_timeouts = self._counter(
             "meridian_router_scale_from_zero_timeouts", ("model",),
             "Held requests answered 503 because no replica became ready in time.")
@@ -204,6 +253,10 @@ class RouterMetrics:
     def count_zone_replicas_of(self, read: Callable[[], Mapping[tuple[str, str], int]]) -> None:
         """Export `read()` (ready replicas per (zone, model)) as meridian_router_zone_ready_replicas."""
         self._zone_replicas.read = read
+
+    def count_flow_queues_of(self, read: Callable[[], FlowGauges]) -> None:
+        """Export `read()` (flow control's waiting and running requests) as its gauges."""
+        self._flow_queues.read = read
 
     def _counter(self, name: str, labels: Sequence[str], doc: str) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)

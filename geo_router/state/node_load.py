@@ -46,6 +46,9 @@ class NodeLoad:
     prefix_cache_hits: float | None = None
     prefix_cache_queries: float | None = None
     observed_at: float = 0.0
+    # This router's own requests in flight there when the page was read (set by the prober):
+    # running + waiting beyond it are other routers' (flow control's view of the node).
+    own_in_flight: int = 0
 
 
 def parse_node_metrics(text: str, *, observed_at: float | None = None) -> NodeLoad:

@@ -52,6 +52,7 @@ ManualClock); the probe timeout and the round trip are real network time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import heapq
 import itertools
 import logging
@@ -432,6 +433,8 @@ class NodeProber:
         if target.failures >= self._settings.probe_unhealthy_threshold:
             log.info("node %s answers its health probes again", node_id)
         target.failures = 0
+        if load is not None:
+            load = dataclasses.replace(load, own_in_flight=self._fleet.in_flight(node_id))
         target.load = load
         if load is not None and self._share is not None:
             self._share.tell_load(node_id, load)

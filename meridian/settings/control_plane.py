@@ -114,5 +114,9 @@ class ControlPlaneSettings(ListenerSettings):
     # Upper bound on one provider driver call.
     driver_timeout_s: float = Field(60.0, gt=0)
     autoscale_interval_s: float = Field(2.0, gt=0)
+    # A router's flow-control backlog report (RouterBacklog) counts for the autoscaler and the
+    # console this long after it was made: routers report every flow_backlog_report_s while
+    # anything waits, so a report this old is of a router that stopped (gone or cut off).
+    router_backlog_ttl_s: float = Field(15.0, gt=0)
     # A decision that keeps the replica count is recorded at most this often per deployment.
     autoscale_hold_record_s: float = Field(60.0, gt=0)

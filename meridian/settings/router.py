@@ -8,6 +8,7 @@ from typing import ClassVar
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from meridian.contracts import ROUTER_ID_PATTERN
 from meridian.settings.base import CLUSTER_TOKEN_FIELD, ListenerSettings
 
 
@@ -164,6 +165,29 @@ class RouterSettings(ListenerSettings):
     # Completion tokens charged up front for a request that sets neither max_tokens nor
     # max_completion_tokens; settled against the answer's `usage` when it comes.
     rate_limit_default_completion_tokens: int = Field(256, ge=0)
+    # Flow control (geo_router.admission.flow_control): once a zone's replicas of a model are
+    # full, requests wait at the router, ordered by priority band and fair share, instead of
+    # in each node's first-come queue. "Full" is the replicas' batch slots (each node's
+    # max_num_seqs as it registered it; flow_default_slots for one that did not say) less a
+    # reserve of flow_reserve_share of them, kept for tenants below their fair share of the
+    # pool: a light tenant's request starts at once beside a flood instead of waiting for a
+    # flooding tenant's request to finish. Nothing waits while there is room.
+    flow_control: bool = True
+    flow_default_slots: int = Field(32, ge=1)
+    flow_reserve_share: float = Field(0.0625, ge=0, lt=1)
+    # How long a request may wait for room (x-meridian-queue-ttl asks for less or more, up to
+    # the max); past it: 503 queue_timeout with Retry-After.
+    flow_queue_ttl_s: float = Field(30.0, gt=0)
+    flow_queue_max_ttl_s: float = Field(300.0, gt=0)
+    # What one (zone, model) queue holds at most; an arrival beyond it sheds the newest waiting
+    # requests of sheddable (negative-priority) bands below its own, or is refused (503 queue_full).
+    flow_queue_max_entries: int = Field(10_000, ge=1)
+    flow_queue_max_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    # While requests wait, the router tells the control plane what it holds this often (and
+    # once more when nothing waits any more), for the autoscaler and the console; 0: never.
+    # Its name there is router_id, by default "<hostname>:<port>:<pid>" (one per worker).
+    flow_backlog_report_s: float = Field(2.0, ge=0)
+    router_id: str | None = Field(None, pattern=ROUTER_ID_PATTERN)
     # Client location (geo_router.selection.locate): a MaxMind DB (GeoIP2/GeoLite2 City .mmdb) that
     # locates clients the edge header does not; unset, they are at default_client_location.
     geoip_database: Path | None = None

@@ -2,7 +2,8 @@
 
 An operator opens the control plane's root and lands on /console, is refused with a clear
 message for a wrong key, logs in with a read-only key, sees the three demo regions on the map and
-their nodes (with no write control), sees traffic counted per region, and watches a node that is
+their nodes (with no write control), sees traffic counted per region and the requests routers
+report holding, and watches a node that is
 killed (SIGKILL) turn lost and its region go down, without reloading the page. The control plane
 expires nodes fast here (a 3 s TTL, no start-up grace) so the loss shows within seconds. Then an
 operator is offered Apply for the newest of two previews only, applies it, sees it called in force
@@ -24,7 +25,7 @@ from e2e_fabric import e2e_spec, running
 from localfabric import DEMO_MODEL, DEMO_REGIONS, LocalFabric
 from meridian.admin_api import ApiKeyCreate, DeploymentUpsert, ModelUpsert, PlanRequest, Scope
 from meridian.admin_client import AdminClient
-from meridian.contracts import PlacementSpec
+from meridian.contracts import PlacementSpec, PoolBacklog, RouterBacklog
 
 pytestmark = pytest.mark.e2e
 
@@ -88,6 +89,15 @@ def _send_traffic(fabric: LocalFabric, requests: int) -> None:
             assert r.status_code == 200, r.text
 
 
+def _report_backlog(fabric: LocalFabric, pools: list[PoolBacklog]) -> None:
+    """PUT a backlog report as a router does (playwright's sync API owns this thread's loop)."""
+    assert fabric.info is not None
+    r = httpx.put(f"{fabric.info.control_plane_url}/v1/routers/console-test:1:1/backlog", timeout=10,
+                  content=RouterBacklog(pools=pools).model_dump_json(),
+                  headers={"authorization": f"Bearer {fabric.info.cluster_token}", "content-type": "application/json"})
+    assert r.status_code == 204, r.text
+
+
 def test_console_shows_the_fleet_to_a_read_only_key_and_a_killed_node_going_lost(
     console_fabric: LocalFabric, tmp_path: Path
 ) -> None:
@@ -128,6 +138,15 @@ def test_console_shows_the_fleet_to_a_read_only_key_and_a_killed_node_going_lost
         page.wait_for_function(
             "() => Number(document.querySelector('#regions tr[data-region=\"aws:us-east-1\"] td[data-rate]')"
             "?.dataset.rate || 0) > 0", timeout=SHOW_MS)
+
+        # What a router's flow control holds shows beside the regions (a report as routers send
+        # it), and goes when the router says nothing waits.
+        assert page.inner_text("#held tbody") == "Nothing waits at the routers."
+        _report_backlog(fabric, [PoolBacklog(zone="eu", model=DEMO_MODEL, waiting=7)])
+        page.wait_for_selector('#held tr[data-zone="eu"]', timeout=SHOW_MS)
+        assert page.locator('#held tr[data-zone="eu"] td').all_inner_texts() == ["eu", DEMO_MODEL, "7", "1"]
+        _report_backlog(fabric, [])
+        page.wait_for_selector('#held tr[data-zone="eu"]', state="detached", timeout=SHOW_MS)
 
         fabric.kill_node(KILLED, signal.SIGKILL)
         page.wait_for_selector(f'#nodes tr[data-node="{_node_id(KILLED)}"][data-status="lost"]', timeout=SHOW_MS)

@@ -17,8 +17,9 @@ TABLES = {
     "nodes", "api_keys", "routing_state", "deployments", "weight_replicas",
     "models", "capacity", "placement_plans", "tenants", "audit_log",
     "leadership", "node_groups", "node_drains", "reconcile_steps", "autoscaler_decisions",
+    "router_backlogs",
 }
-HEAD = "0015"
+HEAD = "0018"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -210,5 +211,35 @@ def test_a_key_whose_zone_contradicts_its_tenants_stops_the_upgrade_and_changes_
             zones = sorted(conn.execute(sa.text("SELECT zone FROM api_keys")).scalars())
             tenants = conn.execute(sa.text("SELECT name FROM tenants")).scalars().all()
         assert zones == ["eu", "us"] and tenants == (["acme"] if stray == "key in another zone" else [])
+    finally:
+        engine.dispose()
+
+
+def test_tenants_get_the_default_band_and_weight_and_keys_their_tenants(database_url: str) -> None:
+    """0017: existing tenants are at band 0 with weight 1 (as everyone was), keys follow their
+    tenant's band; a control plane that writes neither column (the previous version, during a
+    rolling upgrade) still inserts tenants; down again, the columns go and the rows stay."""
+    migrate.upgrade(database_url, "0016")
+    engine = make_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            _insert_tenant(conn, "acme", "eu")
+            conn.execute(sa.text(
+                "INSERT INTO api_keys (id, name, tenant, scopes, models, key_hash, key_prefix, created_at)"
+                " VALUES ('a1', 'k', 'acme', '[\"inference\"]', NULL, :hash, 'mrd_x', '2026-03-01 00:00:00+00:00')"
+            ), {"hash": "a" * 64})
+        migrate.upgrade(database_url)
+        with engine.begin() as conn:
+            _insert_tenant(conn, "globex", "us")  # as the previous version writes a tenant
+            rows = conn.execute(sa.text("SELECT name, priority, weight FROM tenants ORDER BY name")).all()
+            assert [tuple(r) for r in rows] == [("acme", 0, 1.0), ("globex", 0, 1.0)]
+            assert conn.execute(sa.text("SELECT priority FROM api_keys")).scalars().all() == [None]
+            conn.execute(sa.text("UPDATE api_keys SET priority = -5"))
+        migrate.downgrade(database_url, "0016")
+        assert not {"priority", "weight"} & _columns(database_url, "tenants")
+        assert "priority" not in _columns(database_url, "api_keys")
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT name FROM tenants ORDER BY name")).scalars().all() == ["acme", "globex"]
+            assert conn.execute(sa.text("SELECT id FROM api_keys")).scalars().all() == ["a1"]
     finally:
         engine.dispose()

@@ -3,7 +3,7 @@
 
 import { ApiError, forgetKey, get, loginMessage, saveKey, savedKey } from "./api.js";
 import { fmtTime, replace } from "./dom.js";
-import { RateTracker, byRegion, renderMap, renderNodes, renderRegions } from "./fleet.js";
+import { RateTracker, byRegion, renderHeld, renderMap, renderNodes, renderRegions } from "./fleet.js";
 import { renderDecisions, renderDrills, renderEvents, renderPlan } from "./panels.js";
 
 const params = new URLSearchParams(location.search);
@@ -49,6 +49,7 @@ async function poll() {
   const groups = byRegion(overview);
   renderMap($("#map"), $("#legend"), overview, groups);
   renderRegions($("#regions tbody"), overview, groups, current.rates);
+  renderHeld($("#held tbody"), overview);
   renderNodes($("#nodes tbody"), overview, current.rates);
   $("#routing-version").textContent = `routing v${overview.routing_version}`;
   $("#viewer").textContent = `${overview.viewer.name} · ${overview.viewer.scopes.join(", ")}`;

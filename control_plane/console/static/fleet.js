@@ -150,6 +150,18 @@ export function renderRegions(tbody, overview, groups, rates) {
   replace(tbody, rows.length ? rows : h("tr", {}, h("td", { colspan: 8, class: "muted" }, "No node has registered yet.")));
 }
 
+// Requests the routers' flow control holds per (zone, model): the backlog no node reports,
+// which the autoscaler counts with the nodes' running and waiting.
+export function renderHeld(tbody, overview) {
+  const rows = (overview.router_backlog || []).map((p) =>
+    h("tr", { "data-zone": p.zone, "data-model": p.model },
+      h("td", {}, p.zone),
+      h("td", {}, h("code", {}, p.model)),
+      h("td", { class: "num" }, p.waiting),
+      h("td", { class: "num" }, p.routers)));
+  replace(tbody, rows.length ? rows : h("tr", {}, h("td", { colspan: 4, class: "muted" }, "Nothing waits at the routers.")));
+}
+
 export function coldStartText(c) {
   if (!c) return "–";
   const steps = [];

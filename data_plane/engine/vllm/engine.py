@@ -409,6 +409,9 @@ class VllmEngine:
         # asked to include them; its chat takes add_special_tokens (as its Responses path).
         return (NodeCapability.STOP_STRING_IN_OUTPUT, NodeCapability.CHAT_SPECIAL_TOKENS)
 
+    def max_num_seqs(self) -> int:
+        return self.spec.max_num_seqs
+
     def kv_transfer(self) -> KVTransferInfo | None:
         side = self.kv_side_channel
         return side.info() if side is not None else None

@@ -41,6 +41,8 @@ ISSUE_DRILLS = {
     "pd-worker-crash": "pd_worker_crash",
     # Issue 34: the control plane frozen past the node TTL must not reap a healthy fleet.
     "control-plane-stall": "control_plane_stall",
+    # Issue 37: a node killed while flow control holds a saturated zone's backlog.
+    "saturated-node-crash": "process_crash",
 }
 
 

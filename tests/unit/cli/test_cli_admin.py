@@ -71,6 +71,35 @@ def test_tenants_are_created_listed_and_updated(admin_env):
     assert "eu" in line and "all" in line and "9,000" in line
 
 
+def test_a_tenants_priority_and_weight_are_set_shown_and_a_keys_priority_overrides(admin_env):
+    r = cli(admin_env, "tenants", "create", "banded", "--zone", "eu", "--priority", "2", "--weight", "1.5",
+            "-o", "json")
+    assert r.exit_code == 0, r.output
+    created = TenantView.model_validate_json(r.stdout)
+    assert (created.priority, created.weight) == (2, 1.5)
+    r = cli(admin_env, "tenants", "update", "banded", "--priority", "-3", "-o", "json")
+    assert r.exit_code == 0, r.output
+    updated = TenantView.model_validate_json(r.stdout)
+    assert (updated.priority, updated.weight) == (-3, 1.5)
+    r = cli(admin_env, "tenants", "update", "banded", "--weight", "0.25")
+    assert r.exit_code == 0, r.output
+    r = cli(admin_env, "tenants", "list")
+    line = next(line for line in r.stdout.splitlines() if "banded" in line)
+    assert "-3" in line and "0.25" in line
+    r = cli(admin_env, "tenants", "update", "banded", "--priority", "11")
+    assert_clean_failure(r, 2)
+    assert "  priority: Input should be less than or equal to 10" in r.stderr
+    r = cli(admin_env, "tenants", "update", "banded", "--weight", "0")
+    assert_clean_failure(r, 2)
+    assert "  weight: Input should be greater than 0" in r.stderr
+    r = cli(admin_env, "keys", "create", "--tenant", "banded", "--priority", "7", "-o", "json")
+    assert r.exit_code == 0, r.output
+    assert ApiKeyCreated.model_validate_json(r.stdout).priority == 7
+    r = cli(admin_env, "keys", "create", "--tenant", "banded", "--priority", "-11")
+    assert_clean_failure(r, 2)
+    assert "  priority: Input should be greater than or equal to -10" in r.stderr
+
+
 def test_a_422_prints_each_field_error_on_its_own_line(admin_env):
     r = cli(admin_env, "tenants", "create", "bad-zone", "--zone", "EU")
     assert_clean_failure(r, 2)
@@ -90,7 +119,7 @@ def test_the_control_planes_own_refusals_are_one_line(admin_env):
     assert r.stderr.startswith("404 Not Found")
     r = cli(admin_env, "tenants", "update", "acme")
     assert_clean_failure(r, 2)
-    assert "nothing to change" in r.stderr
+    assert "nothing to change" in r.stderr and "--priority or --weight" in r.stderr
 
 
 def test_keys_are_listed_without_secrets_and_revoked(admin_env):

@@ -95,10 +95,11 @@ def test_the_admin_tables_keep_every_value_at_80_columns():
     assert "…" not in text and cols["ID"] == key.id and cols["Tenant"] == key.tenant
     assert cols["Scopes"] == "inference,read-only" and cols["Prefix"] == key.key_prefix
     tenant = TenantView(name="acme-corporation-europe", zone="eu", models=None, requests_per_minute=600,
-                        tokens_per_minute=1_000_000, cache_group="acme-shared", resource_version=3,
-                        created_at=NOW, updated_at=NOW)
+                        tokens_per_minute=1_000_000, cache_group="acme-shared", priority=-10, weight=0.25,
+                        resource_version=3, created_at=NOW, updated_at=NOW)
     text, cols = columns(tenants_table([tenant]))
     assert "…" not in text and cols["Tenant"] == tenant.name and cols["Tokens/min"] == "1,000,000"
+    assert cols["Priority"] == "-10" and cols["Weight"] == "0.25"
     model = ModelView(name="meta-llama/Llama-3.1-70B-Instruct", params_b=70.6, layers=80, kv_heads=8,
                       head_dim=128, quantization="fp8", kv_cache_dtype="fp8", attention_heads=64,
                       hidden_size=8192, max_context=131072, target_concurrent_seqs=16,

@@ -466,3 +466,34 @@ async def test_other_zones_nodes_are_neither_replicas_nor_load_of_a_zoned_deploy
     last = (await decisions(cp))[-1]
     assert (last["inputs"]["ready"], last["desired"]) == (0, 1)
     assert last["reason"].startswith("hold at 1; 0 of 1 ready;")
+
+
+@loops_off
+async def test_requests_held_at_the_routers_scale_a_deployment_its_nodes_show_as_just_full(
+    cp: ControlPlane, clock: ManualClock
+) -> None:
+    """Flow control keeps node queues short: the nodes report a full batch and nothing waiting,
+    the backlog is at the routers. Their reports are load; without them nothing would grow."""
+    await setup_deployment(cp)  # target 2 per replica
+    assert (await cp.heartbeat("n1", load={"running": 2, "waiting": 0})).status_code == 200
+    scaler = Autoscaler(cp.app.state.ctx)
+    fence = lead(cp)
+    await scaler.tick(fence)
+    assert await desired(cp) == 1  # exactly full, by the nodes
+    for router_id, waiting in (("router-a:8080:1", 5), ("router-b:8080:2", 3)):
+        r = await cp.http.put(f"/v1/routers/{router_id}/backlog", headers=cp.internal,
+                              json={"pools": [{"zone": "global", "model": MODEL, "waiting": waiting}]})
+        assert r.status_code == 204, r.text
+    clock.advance(2)
+    await scaler.tick(fence)
+    # ceil((2 running + 8 held) / 2): the stable window's mean of 2 and 10 is 6, so 3 now.
+    last = (await decisions(cp))[-1]
+    assert last["inputs"]["router_waiting"] == 8
+    assert await desired(cp) == 3
+    # The routers' queues empty: nothing more is held, and the next decision has no router load.
+    for router_id in ("router-a:8080:1", "router-b:8080:2"):
+        r = await cp.http.put(f"/v1/routers/{router_id}/backlog", headers=cp.internal, json={"pools": []})
+        assert r.status_code == 204
+    clock.advance(cp.settings.autoscale_hold_record_s)
+    await scaler.tick(fence)
+    assert "router_waiting" not in (await decisions(cp))[-1]["inputs"]

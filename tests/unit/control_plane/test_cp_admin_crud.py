@@ -41,6 +41,46 @@ async def test_tenant_round_trip(cp: ControlPlane) -> None:
     cp.assert_problem(await cp.http.delete("/v1/tenants/acme", headers=cp.admin), 404)
 
 
+async def test_tenant_priority_and_weight_round_trip(cp: ControlPlane) -> None:
+    """Flow control's band and weight (issue 37): defaults, set, changed, and refused out of range."""
+    r = await cp.http.post("/v1/tenants", json={"name": "plain", "zone": "eu"}, headers=cp.admin)
+    assert r.status_code == 201, r.text
+    assert (r.json()["priority"], r.json()["weight"]) == (0, 1.0)
+
+    r = await cp.http.post("/v1/tenants", json={"name": "acme", "zone": "eu", "priority": 5, "weight": 2.5},
+                           headers=cp.admin)
+    assert r.status_code == 201, r.text
+    created = r.json()
+    assert (created["priority"], created["weight"]) == (5, 2.5)
+    assert (await cp.http.get("/v1/tenants/acme", headers=cp.admin)).json() == created
+
+    r = await cp.http.patch("/v1/tenants/acme", json={"priority": -10, "weight": 1000},
+                            headers={**cp.admin, "if-match": '"1"'})
+    assert r.status_code == 200, r.text
+    assert (r.json()["priority"], r.json()["weight"], r.json()["resource_version"]) == (-10, 1000.0, 2)
+    # Leaving them out leaves them be.
+    r = await cp.http.patch("/v1/tenants/acme", json={"requests_per_minute": 60}, headers=cp.admin)
+    assert (r.json()["priority"], r.json()["weight"]) == (-10, 1000.0)
+
+    json_headers = {**cp.admin, "content-type": "application/json"}
+    for bad in ({"priority": 11}, {"priority": -11}, {"priority": 1.5}, {"weight": 0}, {"weight": -1},
+                {"weight": 1000.5}):
+        body = cp.assert_problem(await cp.http.post("/v1/tenants", json={"name": "b", **bad}, headers=cp.admin), 422)
+        assert body["errors"][0]["loc"][:2] == ["body", next(iter(bad))]
+        cp.assert_problem(await cp.http.patch("/v1/tenants/acme", json=bad, headers=cp.admin), 422)
+    # Python's JSON reader takes these; a weight divides work, so they are refused as the others.
+    for word in (b"Infinity", b"NaN"):
+        cp.assert_problem(await cp.http.post("/v1/tenants", content=b'{"name": "b", "weight": ' + word + b"}",
+                                             headers=json_headers), 422)
+    # Not a limit to clear: every tenant has a band and a weight.
+    for field in ("priority", "weight"):
+        body = cp.assert_problem(await cp.http.patch("/v1/tenants/acme", json={field: None}, headers=cp.admin), 400)
+        assert field in body["detail"]
+    r = await cp.http.get("/v1/tenants/acme", headers=cp.admin)
+    assert (r.json()["priority"], r.json()["weight"], r.json()["resource_version"]) == (-10, 1000.0, 3)
+    cp.assert_problem(await cp.http.get("/v1/tenants/b", headers=cp.admin), 404)
+
+
 async def test_model_round_trip(cp: ControlPlane) -> None:
     url = "/v1/models/meta-llama/Llama-3.1-8B"
     r = await cp.http.put(url, json=MODEL_SPEC, headers=cp.admin)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from cp_harness import ADMIN_KEY, ControlPlane
 
 from control_plane.db.engine import make_engine
+from meridian.contracts import TenantEntry
 from meridian.security import hash_api_key
 
 
@@ -190,6 +193,46 @@ async def test_a_tenants_cache_sharing_group_is_published_with_its_keys(cp: Cont
     assert "cache_group" not in entry
     bad = await cp.http.post("/v1/tenants", json={"name": "b", "cache_group": "no spaces\n"}, headers=cp.admin)
     cp.assert_problem(bad, 422)
+
+
+async def test_a_tenants_priority_and_weight_are_published_with_its_keys_and_a_keys_own_priority_wins(
+    cp: ControlPlane,
+) -> None:
+    """Flow control (issue 37): each entry carries its key's band (its own, else its tenant's)
+    and its tenant's weight; at their defaults they are left out, as older routers expect."""
+    r = await cp.http.post("/v1/tenants", json={"name": "team-a", "zone": "eu", "priority": 3, "weight": 2},
+                           headers=cp.admin)
+    assert r.status_code == 201, r.text
+    inherits = (await cp.create_key(tenant="team-a", name="inherits")).json()
+    batch = (await cp.create_key(tenant="team-a", name="batch", priority=-5)).json()
+    # An override to the default band still wins over the tenant's.
+    level = (await cp.create_key(tenant="team-a", name="level", priority=0)).json()
+    assert (inherits["priority"], batch["priority"], level["priority"]) == (None, -5, 0)
+    listed = {k["name"]: k["priority"] for k in await cp.admin_list("/v1/api-keys", tenant="team-a")}
+    assert listed == {"inherits": None, "batch": -5, "level": 0}
+
+    def published(table: dict[str, Any]) -> dict[str, dict[str, Any]]:
+        entries = {t["key_hash"]: t for t in table["tenants"]}
+        return {k["name"]: entries[hash_api_key(k["key"])] for k in (inherits, batch, level)}
+
+    entries = published((await cp.table()).json())
+    assert [(e.get("priority"), e.get("weight")) for e in entries.values()] == [(3, 2.0), (-5, 2.0), (None, 2.0)]
+    assert TenantEntry.model_validate(entries["batch"]).sheddable
+    assert not TenantEntry.model_validate(entries["inherits"]).sheddable
+
+    # The tenant back at the defaults: the keys that follow it carry neither field.
+    version = await cp.version()
+    r = await cp.http.patch("/v1/tenants/team-a", json={"priority": 0, "weight": 1}, headers=cp.admin)
+    assert r.status_code == 200, r.text
+    table = (await cp.table()).json()
+    assert table["version"] > version
+    entries = published(table)
+    assert "priority" not in entries["inherits"] and "weight" not in entries["inherits"]
+    assert entries["batch"]["priority"] == -5 and "weight" not in entries["batch"]
+
+    for bad in (11, -11, "high"):
+        body = cp.assert_problem(await cp.create_key(tenant="team-a", priority=bad), 422)
+        assert body["errors"][0]["loc"][:2] == ["body", "priority"]
 
 
 async def test_a_key_for_an_unknown_tenant_is_refused_and_creates_nothing(cp: ControlPlane) -> None:

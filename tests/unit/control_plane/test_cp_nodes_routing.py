@@ -155,6 +155,24 @@ async def test_what_a_node_can_do_reaches_the_routing_table_and_an_older_agents_
         assert r.status_code == 422, bad
 
 
+async def test_a_nodes_batch_slots_reach_the_routing_table_and_an_older_agents_node_says_none(
+    cp: ControlPlane,
+) -> None:
+    await cp.register("node-a", status="ready", max_num_seqs=24)
+    v = await cp.version()
+    assert (await cp.table()).json()["nodes"][0]["max_num_seqs"] == 24
+    # A change is a new version: routers' flow control fills the node to its new batch.
+    await cp.register("node-a", status="ready", max_num_seqs=8)
+    table = (await cp.table()).json()
+    assert table["version"] == v + 1 and table["nodes"][0]["max_num_seqs"] == 8
+    await cp.register("node-a", status="ready")
+    table = (await cp.table()).json()
+    assert table["version"] == v + 2 and "max_num_seqs" not in table["nodes"][0]
+    for bad in (0, -1, "many", 1 << 20):
+        r = await cp.register("node-a", max_num_seqs=bad)
+        assert r.status_code == 422, bad
+
+
 async def test_a_disaggregated_nodes_role_and_kv_transfer_reach_the_table_and_status(cp: ControlPlane) -> None:
     transfer = {"connector": "NixlConnector", "endpoint": "10.0.0.7:5600", "lease_s": 30.0}
     await cp.register("node-p", status="ready", role="prefill", kv_transfer=transfer)

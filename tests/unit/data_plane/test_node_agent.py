@@ -340,6 +340,20 @@ async def test_registration_says_what_the_engine_can_do_and_an_engine_that_says_
     assert cp.registrations()[-1].capabilities == []
 
 
+async def test_registration_says_how_many_sequences_the_engine_runs_at_once(
+    control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path,
+) -> None:
+    """Routers' flow control fills a node to its batch before holding requests at the router."""
+    cp, url = control_plane
+    vllm_settings = agent_settings(tiny_checkpoint, url, engine="vllm")
+    vllm = VllmEngine(vllm_settings, spec=DeploymentSpec(name="chat", model="tiny", max_num_seqs=48))
+    await registered(NodeRuntime(vllm_settings, vllm).agent)
+    assert cp.registrations()[-1].max_num_seqs == 48
+    settings = agent_settings(tiny_checkpoint, url, engine="torch", max_num_seqs=6)
+    await registered(NodeRuntime(settings, GatedEngine(settings)).agent)
+    assert cp.registrations()[-1].max_num_seqs == 6
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 async def test_a_prefill_or_decode_vllm_node_registers_its_role_and_nixl_side_channel(
     control_plane: tuple[StandInControlPlane, str], tiny_checkpoint: Path, role: str,

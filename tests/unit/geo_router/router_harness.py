@@ -201,7 +201,8 @@ class ScaleUpCall:
 
 class StandInControlPlane:
     """Serves GET /v1/routing-table with the control plane's ETag / long-poll semantics,
-    and records POST /v1/deployments/{model}/scale-up (answered `scale_up_status`)."""
+    and records POST /v1/deployments/{model}/scale-up (answered `scale_up_status`) and the
+    routers' backlog reports (PUT /v1/routers/{id}/backlog)."""
 
     def __init__(self, table: RoutingTable) -> None:
         self.table = table
@@ -209,10 +210,13 @@ class StandInControlPlane:
         self.answers: list[int] = []
         self.scale_ups: list[ScaleUpCall] = []
         self.scale_up_status = 200
+        # (router id, body) of each flow-control backlog report.
+        self.backlogs: list[tuple[str, dict[str, Any]]] = []
         self._changed = asyncio.Event()
         self.app = FastAPI()
         self.app.get("/v1/routing-table")(self._routing_table)
         self.app.post("/v1/deployments/{model:path}/scale-up")(self._scale_up)
+        self.app.put("/v1/routers/{router_id}/backlog")(self._backlog)
 
     @contextlib.asynccontextmanager
     async def serving(self, sock: socket.socket | None = None) -> AsyncIterator[str]:
@@ -234,6 +238,10 @@ class StandInControlPlane:
             return JSONResponse({"title": "error", "status": self.scale_up_status},
                                 status_code=self.scale_up_status)
         return JSONResponse({"model": model, "desired_replicas": 1})
+
+    async def _backlog(self, router_id: str, request: Request) -> Response:
+        self.backlogs.append((router_id, await request.json()))
+        return Response(status_code=204)
 
     async def _routing_table(self, request: Request) -> Response:
         inm = request.headers.get("if-none-match")

@@ -74,3 +74,21 @@ def test_the_tool_call_parser_is_optional_on_the_wire():
     for bad in ("", "-x", "a b", "x" * 65, "pythonic\n"):
         with pytest.raises(ValidationError):
             NodeRegistration(node_id="n1", region="aws:us-east-1", url="http://h:1", tool_call_parser=bad)
+
+
+def test_a_tenants_priority_and_weight_are_left_out_at_their_defaults():
+    """Flow control's fields (issue 37): an entry at band 0 and weight 1 sends what an older
+    router (which forbids unknown fields) accepts; others round-trip within their bounds."""
+    key = {"key_hash": "a" * 64, "key_prefix": "mrd_abc", "tenant": "t", "zone": "eu"}
+    plain = TenantEntry(**key)
+    assert (plain.priority, plain.weight, plain.sheddable) == (0, 1.0, False)
+    dumped = plain.model_dump(mode="json")
+    assert "priority" not in dumped and "weight" not in dumped
+    banded = TenantEntry(**key, priority=-1, weight=0.5)
+    assert banded.sheddable and banded.model_dump(mode="json")["priority"] == -1
+    assert TenantEntry.model_validate_json(banded.model_dump_json()) == banded
+    assert not TenantEntry(**key, priority=10, weight=1000).sheddable
+    for bad in ({"priority": 11}, {"priority": -11}, {"weight": 0}, {"weight": 1000.5}, {"weight": float("inf")},
+                {"weight": float("nan")}):
+        with pytest.raises(ValidationError):
+            TenantEntry(**key, **bad)

@@ -4,7 +4,9 @@ urgent and sheddable, never a partial shed."""
 
 from __future__ import annotations
 
+import heapq
 import itertools
+import random
 from collections import Counter
 
 import pytest
@@ -94,6 +96,16 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     assert Counter(order) == Counter({"busy": 5, "late": 5})
 
 
+def test_a_tenant_that_starts_to_wait_level_with_another_goes_first() -> None:
+    q: FlowQueue[int] = FlowQueue(ROOMY)
+    for _ in range(3):
+        _queued(q, _entry("flood", work=750))
+    q.pop()
+    short = _queued(q, _entry("light", work=750))  # lifted level with the flood's counter
+    assert q.pop() is short
+    assert [e.tenant for e in _drain(q)] == ["flood", "flood"]
+
+
 def test_an_idle_tenant_arriving_at_an_empty_queue_starts_from_the_last_served() -> None:
     counters = LocalCounters()
     q: FlowQueue[int] = FlowQueue(ROOMY, counters)
@@ -158,3 +170,70 @@ def test_an_arrival_never_displaces_its_own_band_or_a_more_urgent_one() -> None:
     assert q.push(_entry("c", band=1, sheddable=True)) == (Refusal.FULL, [])  # its own band: it is the newest
     assert q.push(_entry("d", band=0)) == (Refusal.FULL, [])  # less urgent than both
     assert [e.item for e in _drain(q)] == [e.item for e in held]
+
+
+
+def _closed_loop_shares(clients: dict[str, int], weights: dict[str, float], works: dict[str, float],
+                        slots: int, completions: int = 3000) -> dict[str, float]:
+    """Each tenant's share of the work served through `slots` slots when each of its `clients`
+    sends its next request a moment (0 to 20 ticks) after its last one ended, every request
+    taking 80 to 120 ticks (seeded: the same run every time)."""
+    rng = random.Random(7)
+    q: FlowQueue[int] = FlowQueue(ROOMY)
+    order = itertools.count()
+    events: list[tuple[float, int, str | Entry[int]]] = []  # (when, order, arriving tenant or ending entry)
+    for tenant, n in clients.items():
+        for _ in range(n):
+            heapq.heappush(events, (rng.uniform(0, 20), next(order), tenant))
+    served: Counter[str] = Counter()
+    running = ended = 0
+    while ended < completions:
+        now, _, event = heapq.heappop(events)
+        if isinstance(event, str):
+            _queued(q, _entry(event, work=works[event], weight=weights[event]))
+        else:
+            q.settle(event, actual_work=event.work)
+            served[event.tenant] += int(event.work)
+            running, ended = running - 1, ended + 1
+            heapq.heappush(events, (now + rng.uniform(0, 20), next(order), event.tenant))
+        while running < slots and (e := q.pop()) is not None:
+            running += 1
+            heapq.heappush(events, (now + rng.uniform(80, 120), next(order), e))
+    total = sum(served.values())
+    return {t: served[t] / total for t in clients}
+
+
+def test_a_weighted_tenant_whose_flow_empties_between_requests_keeps_its_share() -> None:
+    # Its clients send their next request a moment after the last ends, so the weight-2
+    # tenant's flow empties now and then while its requests run; the lift must not make it
+    # pay for those again (they were charged in full when they went): it keeps half the work.
+    weights = {"heavy": 2.0, "b": 1.0, "c": 1.0}
+    works = {"heavy": 130.0, "b": 330.0, "c": 600.0}  # short, middling and long prompts
+    shares = _closed_loop_shares({"heavy": 16, "b": 16, "c": 16}, weights, works, slots=16)
+    assert shares["heavy"] == pytest.approx(0.5, abs=0.015)
+
+
+def test_the_lift_allowance_is_the_work_running_and_ends_with_it() -> None:
+    counters = LocalCounters()
+    q: FlowQueue[int] = FlowQueue(ROOMY, counters)
+    went = _queued(q, _entry("a", work=300))
+    assert q.pop() is went  # a's 300 runs, charged up front
+    b_went = []
+    for _ in range(10):
+        _queued(q, _entry("b", work=100))
+        b_went.append(q.pop())  # b alone (lifted to a's 300): its counter climbs by 1000
+    _queued(q, _entry("b", work=100))
+    assert q.running_work("a") == 300 and counters.level("b") == 1300
+    _queued(q, _entry("a"))  # a starts to wait again with 300 still running
+    assert counters.level("a") == 1300 - 300
+    q.settle(went, actual_work=300)
+    assert q.running_work("a") == 0
+    for e in _drain(q):
+        q.settle(e, actual_work=e.work)
+    assert q.running_work("a") == 0
+    for _ in range(10):
+        _queued(q, _entry("b", work=100))
+        q.pop()
+    _queued(q, _entry("b", work=100))
+    _queued(q, _entry("a"))  # nothing of a's runs now: level with b, no credit kept
+    assert counters.level("a") == counters.level("b")

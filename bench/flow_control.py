@@ -1,0 +1,383 @@
+"""Flow control under saturation: a noisy neighbour, fair shares, weights, a priority band and
+two routers, each against the same load sent through a router without flow control.
+
+    python -m bench.flow_control [--seconds S] [--runs alone,flood,flood_off,...]
+
+One local fabric: a control plane and two torch-engine nodes in one region, each running at
+most `slots` sequences at once (the fleet's capacity is 2 x slots streams), with a router
+with flow control (the default), a router without it (MERIDIAN_ROUTER_FLOW_CONTROL=false) and
+two more routers with it for the two-router run. Tenants are made through the admin API:
+`flood` (A), `light` (B), `first`, `second`, `third` (the fairness runs, weights set per
+run) and `urgent` (priority 5). Every run is closed-loop for a fixed window after a warm-up:
+
+- **alone**: B alone, a few users with a short think time (about 20% of the fleet): its TTFT
+  p90 unloaded, the baseline of the noisy-neighbour and priority figures.
+- **flood / flood_off**: A keeps 5 x the fleet's slots of long streams in flight (400-word
+  prompts, 200 tokens), B as in `alone`; with and without flow control. B's TTFT p90, and
+  every tenant's generated tokens per second (throughput).
+- **fair / fair_off**: three tenants, each with the fleet's slots of streams in flight and
+  prompts of 50, 200 and 400 words: Jain's index over the tokens (prompt + generated) each
+  was served in the window.
+- **weighted / weighted_off**: the same with weights 2:1:1: the largest relative error of a
+  tenant's share against 2:1:1.
+- **urgent**: A floods, `urgent` (band 5) sends B's light load: its TTFT p90 against `alone`.
+- **two**: `flood` through two routers with flow control, every request to either at random.
+
+Tokens served are the answers' own usage (stream_options.include_usage), counted for the
+requests that ended inside the window. TTFT is the client's: request sent to first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.common import Figure, percentile
+from data_plane.model.make_tiny import make_tiny_checkpoint
+from localfabric import FabricSpec, LocalFabric, local_fabric
+from meridian.admin_api import ApiKeyCreate, Scope, TenantCreate, TenantPatch
+from meridian.admin_client import AdminClient
+from meridian.contracts import HEADER_QUEUE_WAIT_MS
+
+BENCH = "flow_control"
+REGION = "aws:us-east-1"
+MODEL = "bench-llama"
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
+         "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+TENANTS = ("flood", "light", "first", "second", "third", "urgent")
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    slots: int = 16  # per node; the fleet's capacity is twice this
+    seconds: float = 20.0  # each run's measured window
+    warmup_s: float = 6.0
+    flood_words: int = 400
+    flood_tokens: int = 200
+    light_users: int = 3
+    light_words: int = 40
+    light_tokens: int = 16
+    light_think_s: float = 0.3
+    fair_words: tuple[int, ...] = (50, 200, 400)
+    fair_tokens: int = 64
+    reserve_share: float | None = None  # the routers' flow_reserve_share (None: their default)
+
+
+@dataclass
+class Tally:
+    """What the clients of one run saw, per tenant: TTFTs and tokens served in the window."""
+
+    ttfts: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    # Of those, the time the router held the request for room (x-meridian-queue-wait-ms).
+    queued: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    generated: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    window: tuple[float, float] = (0.0, 0.0)
+
+    def in_window(self, t: float) -> bool:
+        return self.window[0] <= t <= self.window[1]
+
+
+def log(msg: str) -> None:
+    print(f"[bench.flow_control] {msg}", file=sys.stderr, flush=True)
+
+
+def _prompt(rng: random.Random, words: int) -> str:
+    return f"[{rng.random():.12f}] " + " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def _stream(http: httpx.AsyncClient, url: str, key: str, prompt: str, max_tokens: int,
+                  tenant: str, tally: Tally) -> None:
+    """One streamed chat request: its TTFT (when it starts in the window) and, when it ends in
+    the window, its usage."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "ignore_eos": True}
+    sent = time.perf_counter()
+    first: float | None = None
+    usage: dict[str, int] | None = None
+    try:
+        async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
+                               headers={"authorization": f"Bearer {key}"}) as r:
+            if r.status_code != 200:
+                await r.aread()
+                tally.errors[tenant] += 1
+                return
+            queued_s = float(r.headers.get(HEADER_QUEUE_WAIT_MS, "0")) / 1000
+            async for line in r.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                if first is None:
+                    first = time.perf_counter()
+                if '"usage"' in line:
+                    usage = json.loads(line[6:]).get("usage") or usage
+    except httpx.HTTPError:
+        tally.errors[tenant] += 1
+        return
+    ended = time.perf_counter()
+    if first is not None and tally.in_window(sent):
+        tally.ttfts[tenant].append(first - sent)
+        tally.queued[tenant].append(queued_s)
+    if usage is not None and tally.in_window(ended):
+        tally.tokens[tenant] += int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
+        tally.generated += int(usage.get("completion_tokens", 0))
+
+
+@dataclass(frozen=True, slots=True)
+class Clients:
+    """One tenant's closed-loop clients in a run."""
+
+    tenant: str
+    users: int
+    words: int
+    tokens: int
+    think_s: float = 0.0
+
+
+async def _run(urls: list[str], keys: dict[str, str], clients: list[Clients], load: Load) -> Tally:
+    """The clients against `urls` (each request to one at random) for the warm-up and window."""
+    tally = Tally()
+    start = time.perf_counter()
+    tally.window = (start + load.warmup_s, start + load.warmup_s + load.seconds)
+    stop_at = tally.window[1]
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+
+    async def user(http: httpx.AsyncClient, c: Clients, seed: int) -> None:
+        rng = random.Random(seed)
+        while time.perf_counter() < stop_at:
+            await _stream(http, rng.choice(urls), keys[c.tenant], _prompt(rng, c.words), c.tokens, c.tenant, tally)
+            if c.think_s:
+                await asyncio.sleep(rng.expovariate(1 / c.think_s))
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), limits=limits) as http:
+        users = [user(http, c, hash((c.tenant, i))) for c in clients for i in range(c.users)]
+        tasks = [asyncio.ensure_future(u) for u in users]
+        await asyncio.sleep(max(0.0, stop_at - time.perf_counter()))
+        # The window is over: what still runs (a flood's backlog) is cut off, not waited for.
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return tally
+
+
+def jain(xs: list[float]) -> float:
+    """Jain's fairness index: 1 when all are equal, 1/n when one gets everything."""
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if any(xs) else 0.0
+
+
+def share_error(served: list[float], weights: list[float]) -> float:
+    """The largest relative error of a share against its weight's share."""
+    total, wsum = sum(served), sum(weights)
+    if not total:
+        return 1.0
+    return max(abs((s / total) / (w / wsum) - 1) for s, w in zip(served, weights, strict=True))
+
+
+async def _routing_versions(routers: dict[str, list[str]]) -> dict[str, int]:
+    """Each router's routing-table version now (its /health says)."""
+    async with httpx.AsyncClient(timeout=5) as http:
+        return {url: (await http.get(f"{url}/health")).json()["routing_version"]
+                for urls in routers.values() for url in urls}
+
+
+async def _newer_tables(routers: dict[str, list[str]], versions: dict[str, int]) -> None:
+    """Until every router has a newer table than `versions` (a tenant's new weight reaches
+    a router by its long-poll: a fixed wait was too short on a loaded box, and a run then
+    measured the old weights)."""
+    for _ in range(120):
+        now = await _routing_versions(routers)
+        if all(now[url] > v for url, v in versions.items()):
+            return
+        await asyncio.sleep(0.25)
+    raise RuntimeError("the routers did not load the new routing table within 30 s")
+
+
+async def _drain(fabric: LocalFabric) -> None:
+    """Until the nodes run nothing (a cut-off flood's requests end or are aborted)."""
+    token = fabric.info.cluster_token if fabric.info else ""
+    async with httpx.AsyncClient(timeout=5) as http:
+        for _ in range(120):
+            busy = 0.0
+            for p in fabric.node_processes:
+                r = await http.get(f"{p.url}/metrics", headers={"authorization": f"Bearer {token}"})
+                for line in r.text.splitlines():
+                    if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
+                        busy += float(line.rsplit(" ", 1)[1])
+            if not busy:
+                return
+            await asyncio.sleep(0.5)
+    log("the nodes did not drain within 60 s")
+
+
+def _light(tenant: str, load: Load) -> Clients:
+    return Clients(tenant, load.light_users, load.light_words, load.light_tokens, load.light_think_s)
+
+
+def _flood(load: Load) -> Clients:
+    return Clients("flood", 5 * 2 * load.slots, load.flood_words, load.flood_tokens)
+
+
+def _fair(load: Load) -> list[Clients]:
+    names = ("first", "second", "third")
+    return [Clients(n, 2 * load.slots, w, load.fair_tokens) for n, w in zip(names, load.fair_words, strict=True)]
+
+
+@dataclass
+class Bench:
+    fabric: LocalFabric
+    routers: dict[str, list[str]]
+    keys: dict[str, str]
+    admin: Callable[[], AdminClient]
+    load: Load
+    tallies: dict[str, Tally] = field(default_factory=dict)
+
+    async def measure(self, name: str, router: str, clients: list[Clients],
+                      before: Callable[[], bool] | None = None) -> None:
+        if before is not None:
+            versions = await _routing_versions(self.routers)
+            if before():
+                await _newer_tables(self.routers, versions)
+        tally = await _run(self.routers[router], self.keys, clients, self.load)
+        await _drain(self.fabric)
+        self.tallies[name] = tally
+        p90 = {t: round(percentile(v, 0.9) * 1000, 1) for t, v in tally.ttfts.items() if v}
+        held = {t: round(percentile(v, 0.9) * 1000, 1) for t, v in tally.queued.items() if v}
+        log(f"{name:12s} TTFT p90 ms {p90} (held at the router, p90 ms {held}), tokens {dict(tally.tokens)}, generated/s "
+            f"{tally.generated / self.load.seconds:.0f}, errors {dict(tally.errors)}")
+
+    def weights(self, w: tuple[float, float, float]) -> Callable[[], bool]:
+        """Set the fairness tenants' weights; True when that changed any (a new table comes)."""
+        def apply() -> bool:
+            changed = False
+            with self.admin() as admin:
+                for name, weight in zip(("first", "second", "third"), w, strict=True):
+                    if admin.tenant(name).weight != weight:
+                        admin.update_tenant(name, TenantPatch(weight=weight))
+                        changed = True
+            return changed
+        return apply
+
+
+RUNS: dict[str, Callable[[Bench], Awaitable[None]]] = {
+    "alone": lambda b: b.measure("alone", "on", [_light("light", b.load)]),
+    "flood": lambda b: b.measure("flood", "on", [_flood(b.load), _light("light", b.load)]),
+    "flood_off": lambda b: b.measure("flood_off", "off", [_flood(b.load), _light("light", b.load)]),
+    "fair": lambda b: b.measure("fair", "on", _fair(b.load), b.weights((1, 1, 1))),
+    "fair_off": lambda b: b.measure("fair_off", "off", _fair(b.load)),
+    "weighted": lambda b: b.measure("weighted", "on", _fair(b.load), b.weights((2, 1, 1))),
+    "weighted_off": lambda b: b.measure("weighted_off", "off", _fair(b.load)),
+    "urgent": lambda b: b.measure("urgent", "on", [_flood(b.load), _light("urgent", b.load)]),
+    "two": lambda b: b.measure("two", "two", [_flood(b.load), _light("light", b.load)]),
+}
+
+
+def _p90(b: Bench, run: str, tenant: str) -> float:
+    return percentile(b.tallies[run].ttfts[tenant], 0.9) * 1000
+
+
+def _fair_tokens(b: Bench, run: str) -> list[float]:
+    return [float(b.tallies[run].tokens[t]) for t in ("first", "second", "third")]
+
+
+def _figures(b: Bench) -> list[Figure]:
+    have, out = b.tallies.keys(), []
+    if {"flood", "alone"} <= have:
+        out.append(Figure(BENCH, "noisy_neighbour_ttft_p90_vs_alone", _p90(b, "flood", "light"),
+                          _p90(b, "alone", "light"), "B alone", "ratio <= 1.3 (B's TTFT p90, A at 5x capacity)", "ms"))
+    if {"flood_off", "alone"} <= have:
+        out.append(Figure(BENCH, "noisy_neighbour_ttft_p90_vs_alone_without_flow_control",
+                          _p90(b, "flood_off", "light"), _p90(b, "alone", "light"), "B alone",
+                          "context: what flow control removes", "ms"))
+    if {"flood", "flood_off"} <= have:
+        out.append(Figure(BENCH, "throughput_vs_no_flow_control", b.tallies["flood"].generated / b.load.seconds,
+                          b.tallies["flood_off"].generated / b.load.seconds, "no flow control",
+                          "ratio >= 0.95 (generated tokens/s)", "tokens/s"))
+    if {"fair", "fair_off"} <= have:
+        out.append(Figure(BENCH, "jain_index", jain(_fair_tokens(b, "fair")), jain(_fair_tokens(b, "fair_off")),
+                          "no flow control", "ours >= 0.95 (tokens served, 3 tenants, 50/200/400-word prompts)",
+                          "index"))
+    if {"weighted", "weighted_off"} <= have:
+        out.append(Figure(BENCH, "weighted_share_error", share_error(_fair_tokens(b, "weighted"), [2, 1, 1]),
+                          share_error(_fair_tokens(b, "weighted_off"), [2, 1, 1]), "no flow control",
+                          "ours <= 0.10 (largest relative error of a share against 2:1:1)", "ratio"))
+    if {"urgent", "alone"} <= have:
+        out.append(Figure(BENCH, "high_band_ttft_p90_vs_unloaded", _p90(b, "urgent", "urgent"),
+                          _p90(b, "alone", "light"), "the same load unloaded",
+                          "ratio <= 1.2 (band 5 beside A at 5x capacity)", "ms"))
+    if {"two", "alone"} <= have:
+        out.append(Figure(BENCH, "two_routers_noisy_neighbour_ttft_p90_vs_alone", _p90(b, "two", "light"),
+                          _p90(b, "alone", "light"), "B alone",
+                          "ratio <= 1.3 (two routers, each request to either)", "ms"))
+    return out
+
+
+def _fabric_spec(tmp: Path, load: Load) -> FabricSpec:
+    model_dir = make_tiny_checkpoint(tmp / MODEL, seed=0)
+    return FabricSpec(
+        work_dir=tmp / "fabric", regions=(REGION,), model_name=MODEL, model_dir=model_dir,
+        nodes_per_region=2, default_client_location=REGION,
+        node_env={"MERIDIAN_NODE_MAX_NUM_SEQS": str(load.slots), "MERIDIAN_NODE_MAX_MODEL_LEN": "2048"},
+    )
+
+
+def _tenants(fabric: LocalFabric) -> tuple[dict[str, str], Callable[[], AdminClient]]:
+    info = fabric.info
+    assert info is not None
+
+    def admin() -> AdminClient:
+        return AdminClient(info.control_plane_url, info.admin_key, 10.0)
+
+    keys = {}
+    with admin() as a:
+        for name in TENANTS:
+            a.create_tenant(TenantCreate(name=name, priority=5 if name == "urgent" else 0))
+            keys[name] = a.create_key(ApiKeyCreate(name=name, tenant=name, scopes=[Scope.INFERENCE])).key
+    return keys, admin
+
+
+def run(load: Load = Load(), only: frozenset[str] | None = None) -> list[Figure]:
+    with tempfile.TemporaryDirectory() as tmp, local_fabric(_fabric_spec(Path(tmp), load), on_step=log) as fabric:
+        keys, admin = _tenants(fabric)
+        on = {"MERIDIAN_ROUTER_FLOW_RESERVE_SHARE": str(load.reserve_share)} if load.reserve_share is not None else {}
+        routers = {"on": [fabric.start_router(on).url],
+                   "off": [fabric.start_router({"MERIDIAN_ROUTER_FLOW_CONTROL": "false"}).url],
+                   "two": [fabric.start_router(on).url for _ in range(2)]}
+        time.sleep(3.0)  # the routers' first probes read the nodes' load
+        bench = Bench(fabric, routers, keys, admin, load)
+
+        async def measure_all() -> None:
+            for name, measure in RUNS.items():
+                if only is None or name in only:
+                    await measure(bench)
+
+        asyncio.run(measure_all())
+    return _figures(bench)
+
+
+def main() -> None:
+    defaults = Load()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=defaults.seconds, help="each run's measured window")
+    ap.add_argument("--slots", type=int, default=defaults.slots, help="sequences per node")
+    ap.add_argument("--reserve", type=float, default=None, help="the routers' flow_reserve_share")
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"which runs ({', '.join(RUNS)})")
+    args = ap.parse_args()
+    load = Load(slots=args.slots, seconds=args.seconds, reserve_share=args.reserve)
+    for fig in run(load, frozenset(args.runs.split(","))):
+        print(fig.json_line(), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+"""Flow control: requests wait at the router, in a fair order, when a zone's replicas are full.
+
+Rate limits cap what one tenant may send; they do nothing when the fleet as a whole is full,
+and then every node's own queue fills in arrival order: one tenant's burst of long prompts
+raises everyone's time to first token. So the router holds the backlog instead, per
+(residency zone, model) pool, and lets a request go only while the pool has room; which
+request goes next is geo_router.admission.flow_queue's decision (priority bands, then the
+tenant that has received the least weighted work, then first come first served).
+
+**Room.** A pool's slots are the batch slots of its replicas (each node's `max_num_seqs` as
+it registered it; `flow_default_slots` for a node that did not say), counted over the
+replicas the zone's tenants may use and that are not ejected. Its occupancy is this router's
+own requests let go and not finished (exact, at once) plus what other routers have there:
+each node's last reported running + waiting less this router's own in flight there when the
+page was read (the prober's scrape, about once a second; geo_router.admission.flow_capacity). A pool is full at
+its slots less a reserve (`flow_reserve_share` of them), which only a light tenant may use:
+one whose requests running and waiting are fewer than slots / (tenants active in the pool +
+1). A light tenant's request beside a flood starts at once, in the batch, instead of waiting
+for a flooding tenant's request to end; a backlogged tenant is never light, so the reserve
+never reorders backlogged tenants. So node queues stay empty: the router, not the node, holds the backlog.
+
+**Work-conserving.** A request that finds room and nobody waiting goes at once (`admit_now`:
+no task, no timer, no future; the pool's capacity is measured at most every 50 ms). A
+pool with no slots (scaled to zero, every replica ejected) is not held here: the rest of the
+pipeline answers it (scale-from-zero's hold, or a 503 with Retry-After).
+
+**Work.** A request's work is estimated at arrival (prompt characters / 4 plus the tokens it may
+generate) and corrected by its answer's usage when it ends. An estimate that is wrong the same
+way for every request of a tenant (a tokenizer of 1.7 characters a token; answers that stop
+well before max_tokens) would skew the order for as long as its requests run, so each
+tenant's estimates are scaled by what its answers turned out to be (`calibrated`).
+
+**Deadlines.** A waiting request has a queue TTL (`flow_queue_ttl_s`, or the request's
+`x-meridian-queue-ttl` up to `flow_queue_max_ttl_s`); past it, 503 queue_timeout with
+Retry-After. A client that leaves takes its place out of the queue. A request let go is
+never taken back: streams already running are never preempted.
+
+**Several routers.** The occupancy of other routers is seen through the nodes' reports, at
+most one probe interval (plus its scrape) stale: in that second each router may let go up to
+what it saw free, so a pool can overshoot by one refill per router per interval, which the
+nodes' own queues absorb (bench.flow_control measures what that costs). The work counters
+are shared through Redis when there is one (geo_router.admission.flow_counters).
+
+**Seen by the autoscaler.** The backlog held here is on no node's report, so each router
+tells the control plane what it holds (geo_router.admission.flow_report), and the
+autoscaler counts it with the nodes' running and waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from meridian.clock import Clock, first_or_timeout
+from meridian.contracts import SHEDDABLE_BELOW
+from meridian.settings.router import RouterSettings
+
+from ..errors import QueueFull, QueueTimeout
+from .flow_queue import Entry, FlowCaps, FlowQueue, LocalCounters, WorkCounters
+
+# How far one answer moves a tenant's estimate correction (an exponential average).
+_CALIBRATION_STEP = 0.2
+_MAX_CALIBRATIONS = 100_000
+# (residency zone, base model): requests that compete for the same replicas' batches.
+PoolKey = tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    """A pool's replicas as flow control counts them: their batch slots, and the requests
+    other routers have there (reported running + waiting beyond this router's own)."""
+
+    slots: int
+    others: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """What the gate decides on: the pool's slots, its reserve, what is in it now."""
+
+    slots: int
+    reserve: int
+    occupied: int
+
+    def admits(self, light: bool) -> bool:
+        """Whether one more request fits: below the slots less the reserve, or into the
+        reserve for a light tenant's."""
+        limit = self.slots if light else self.slots - self.reserve
+        return self.occupied < limit
+
+
+def reserve_of(slots: int, share: float) -> int:
+    """The slots kept for tenants below their fair share (rounded down: a small pool keeps none)."""
+    return math.floor(slots * share)
+
+
+def below_fair_share(demand: int, slots: int, tenants: int) -> bool:
+    """Whether a tenant with `demand` requests (running and waiting) in a pool of `slots`
+    shared by `tenants` active tenants (itself included) asks for less than an equal share
+    were one more tenant to come: the reserve is for arrivals beside a flood, so a tenant
+    alone in the pool does not take it."""
+    return demand < slots / (max(1, tenants) + 1)
+
+
+def calibrated(ratio: float, estimate: float, actual: float) -> float:
+    """A tenant's estimate correction after one answer: moved a fifth of the way to what
+    would have made this answer's uncorrected `estimate` exact (actual / estimate), within
+    1/8 to 8 (one odd answer moves it little). Measured against the uncorrected estimate, not
+    the corrected one the request went with: a tenant's requests in flight all went with the
+    correction of their time, and scaling the correction by each of their errors in turn
+    compounds (sixteen answers at three times the estimate took it to 8, then sixteen at
+    8/3 of the new estimate back down: the charges swung by thousands of tokens a second)."""
+    return min(8.0, max(0.125, ratio + _CALIBRATION_STEP * (actual / estimate - ratio)))
+
+
+@dataclass(slots=True)
+class FlowGauges:
+    """Requests waiting per (zone, model, band, tenant); per pool, the requests this router let
+    go and that have not finished, its slots, and other routers' requests there."""
+
+    waiting: dict[tuple[str, str, int, str], int] = field(default_factory=dict)
+    pools: dict[PoolKey, tuple[int, int, int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class FlowRequest:
+    """One request as flow control sees it."""
+
+    pool: PoolKey
+    tenant: str
+    band: int
+    weight: float
+    work: float  # estimated tokens: prompt + what it may generate
+    size: int  # request bytes
+    ttl_s: float
+
+
+@dataclass(slots=True)
+class _Pool:
+    # Its waiting requests, and those this router let go and that have not finished (the
+    # queue's `running`: charged when they go, settled when they end).
+    queue: FlowQueue[asyncio.Future[bool]]
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """A request let go: release it once its answer has ended (`actual_work`: the tokens it
+    really was, None when not known), exactly once."""
+
+    control: FlowControl | None
+    pool: PoolKey
+    entry: Entry[asyncio.Future[bool]] | None
+    estimate: float = 0.0  # the request's work as estimated, before its tenant's correction
+    waited_s: float = 0.0
+    released: bool = False
+
+    def release(self, actual_work: float | None = None) -> None:
+        if self.released or self.control is None or self.entry is None:
+            return
+        self.released = True
+        self.control._release(self, actual_work)
+
+
+def unheld(pool: PoolKey) -> Ticket:
+    """A ticket for a request flow control does not hold (off, a route it does not hold, no slots)."""
+    return Ticket(None, pool, None)
+
+
+class FlowControl:
+    """The router's pools: `admit` waits for room, `Ticket.release` makes it (module doc)."""
+
+    def __init__(
+        self,
+        settings: RouterSettings,
+        capacity: Callable[[PoolKey], Capacity],
+        clock: Clock,
+        counters: Callable[[PoolKey], WorkCounters] | None = None,
+    ) -> None:
+        self._settings = settings
+        self._capacity = capacity
+        self._clock = clock
+        self._counters = counters or (lambda _pool: LocalCounters())
+        self._caps = FlowCaps(settings.flow_queue_max_entries, settings.flow_queue_max_bytes)
+        self._pools: dict[PoolKey, _Pool] = {}
+        self._ticker: asyncio.Task[None] | None = None
+        # Set while requests wait (the ticker runs): what the backlog report waits on.
+        self._backlogged = asyncio.Event()
+        self._passed_future: asyncio.Future[bool] | None = None
+        # Per (pool, tenant), what its answers' work turned out to be over the estimate.
+        self._calibration: dict[tuple[PoolKey, str], float] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self._settings.flow_control
+
+    def pools(self) -> dict[PoolKey, _Pool]:
+        return self._pools
+
+    def admit_now(self, request: FlowRequest) -> Ticket | None:
+        """A ticket at once when the request may go without waiting (flow control off, a pool
+        without slots, nobody waiting and room); None when it must wait (`admit`). The
+        request path's only cost on an unsaturated fleet: no task, no timer, no future."""
+        if not self._settings.flow_control:
+            return unheld(request.pool)
+        capacity = self._capacity(request.pool)
+        if capacity.slots <= 0:
+            return unheld(request.pool)
+        pool = self._pool(request.pool)
+        if len(pool.queue):
+            return None
+        room = self._room(pool, capacity)
+        if not (room.admits(False) or room.admits(self._light(pool, request.tenant, capacity))):
+            return None
+        entry = self._entry(request, self._passed())
+        pool.queue.charge(entry)  # nobody waits: no order to keep
+        return Ticket(self, request.pool, entry, request.work)
+
+    async def admit(self, request: FlowRequest) -> Ticket:
+        """A ticket once the request may go; QueueFull or QueueTimeout when it may not."""
+        ticket = self.admit_now(request)
+        if ticket is not None:
+            return ticket
+        pool, capacity = self._pool(request.pool), self._capacity(request.pool)
+        entry = self._entry(request, asyncio.get_running_loop().create_future())
+        refusal, shed = pool.queue.push(entry)
+        for victim in shed:
+            victim.item.set_exception(QueueFull(request.pool[1], self._retry_after_s(), shed=True))
+        if refusal is not None:
+            raise QueueFull(request.pool[1], self._retry_after_s())
+        self._pump(request.pool, pool, capacity)  # it may be next, and fit
+        if not entry.item.done():
+            self._ticking()
+        return await self._wait(request, pool, entry)
+
+    def _entry(self, request: FlowRequest, item: asyncio.Future[bool]) -> Entry[asyncio.Future[bool]]:
+        work = request.work * self._calibration.get((request.pool, request.tenant), 1.0)
+        return Entry(item, request.tenant, request.band, work, request.size, self._clock.monotonic() + request.ttl_s,
+                     request.weight, sheddable=request.band < SHEDDABLE_BELOW)
+
+    def pump(self, key: PoolKey) -> None:
+        """Let waiting requests of `key` go while the pool has room (and expire the late)."""
+        pool = self._pools.get(key)
+        if pool is None or not len(pool.queue):
+            return  # nobody waits (an unsaturated pool's every release): nothing to read
+        now = self._clock.monotonic()
+        for late in pool.queue.expired(now):
+            if not late.item.done():
+                late.item.set_result(False)  # past its deadline: the waiter answers 503
+        self._pump(key, pool, self._capacity(key))
+
+    def gauges(self) -> FlowGauges:
+        """What the metrics show, read at scrape time (FlowGauges)."""
+        gauges = FlowGauges()
+        for key, pool in self._pools.items():
+            for (band, tenant), n in pool.queue.waiting().items():
+                gauges.waiting[(*key, band, tenant)] = n
+            capacity = self._capacity(key)
+            gauges.pools[key] = (pool.queue.running, capacity.slots, capacity.others)
+        return gauges
+
+    def held(self) -> dict[PoolKey, int]:
+        """Requests waiting per pool now (what the backlog report tells the control plane)."""
+        return {key: n for key, pool in self._pools.items() if (n := len(pool.queue))}
+
+    def pump_all(self) -> None:
+        """Every pool with requests waiting: room may have come from elsewhere (a new node,
+        other routers' requests ending), which no release of this router's announces."""
+        for key in [k for k, p in self._pools.items() if len(p.queue)]:
+            self.pump(key)
+
+    async def aclose(self) -> None:
+        """Stop the pumping (the app's lifespan, on the way out)."""
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+            self._ticker = None
+
+    async def _tick(self) -> None:
+        """Pump every pool once per probe interval while requests wait, as the nodes' reports
+        refresh (nothing wakes while nothing waits)."""
+        while any(len(p.queue) for p in self._pools.values()):
+            await self._clock.sleep(self._settings.probe_interval_s)
+            self.pump_all()
+        self._ticker = None
+        self._backlogged.clear()
+
+    def _ticking(self) -> None:
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().create_task(self._tick(), name="flow-control")
+            self._backlogged.set()
+
+    async def backlogged(self) -> None:
+        """Return once requests wait (at once if they do now): an idle router's backlog report
+        sleeps here, on no timer."""
+        await self._backlogged.wait()
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _passed(self) -> asyncio.Future[bool]:
+        """The one settled future of the requests that never wait (a future each cost every
+        request a loop call; an entry that waits gets its own)."""
+        if self._passed_future is None:
+            self._passed_future = asyncio.get_running_loop().create_future()
+            self._passed_future.set_result(True)
+        return self._passed_future
+
+    def _pool(self, key: PoolKey) -> _Pool:
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _Pool(FlowQueue(self._caps, self._counters(key)))
+        return pool
+
+    def _pump(self, key: PoolKey, pool: _Pool, capacity: Capacity) -> None:
+        """Let entries go in the queue's order while the pool is below its slots less the
+        reserve; then into the reserve, in the same order among the light tenants (the
+        reserve is theirs: a flood's next request, which may not use it, does not block it)."""
+        while (entry := pool.queue.peek()) is not None and self._room(pool, capacity).admits(False):
+            self._dispatch(key, pool, entry)
+        while self._room(pool, capacity).admits(True):
+            entry = pool.queue.peek(lambda tenant: self._light(pool, tenant, capacity))
+            if entry is None:
+                return
+            self._dispatch(key, pool, entry)
+
+    def _dispatch(self, key: PoolKey, pool: _Pool, entry: Entry[asyncio.Future[bool]]) -> None:
+        pool.queue.take(entry)
+        entry.item.set_result(True)
+
+    def _room(self, pool: _Pool, capacity: Capacity) -> Room:
+        reserve = reserve_of(capacity.slots, self._settings.flow_reserve_share)
+        return Room(capacity.slots, reserve, pool.queue.running + capacity.others)
+
+    def _light(self, pool: _Pool, tenant: str, capacity: Capacity) -> bool:
+        """Whether `tenant` asks for less than a fair share of the pool: its requests running
+        and waiting here are fewer than the slots shared by the active tenants and one more.
+        A backlogged tenant is never light, so the reserve never reorders backlogged tenants:
+        their shares stay the counters' (the weights), however short their requests."""
+        tenants = len(pool.queue.running_tenants() | pool.queue.tenants() | {tenant})
+        demand = pool.queue.running_of(tenant) + pool.queue.waiting_of(tenant)
+        return below_fair_share(demand, capacity.slots, tenants)
+
+    async def _wait(self, request: FlowRequest, pool: _Pool, entry: Entry[asyncio.Future[bool]]) -> Ticket:
+        """Until `pump` lets the entry go (True), finds it late (False) or sheds it (QueueFull).
+        A cancel (the caller's client left: its watch cancels the task) takes it out of the
+        queue, or gives back the slot it was just given."""
+        started = self._clock.monotonic()
+        try:
+            while not entry.item.done():
+                remaining = entry.expires_at - self._clock.monotonic()
+                if remaining <= 0:
+                    pool.queue.discard(entry)
+                    entry.item.set_result(False)
+                    break
+                await first_or_timeout(self._clock, remaining, entry.item)
+        except BaseException:
+            if entry.item.done() and not entry.item.cancelled() and entry.item.exception() is None \
+                    and entry.item.result():
+                self._release_entry(request.pool, entry, 0.0, request.work)
+            else:
+                pool.queue.discard(entry)
+                entry.item.cancel()
+            raise
+        if not entry.item.result():  # raises QueueFull when it was shed
+            raise QueueTimeout(request.pool[1], request.ttl_s, self._retry_after_s())
+        return Ticket(self, request.pool, entry, request.work, waited_s=self._clock.monotonic() - started)
+
+    def _release(self, ticket: Ticket, actual_work: float | None) -> None:
+        assert ticket.entry is not None
+        self._release_entry(ticket.pool, ticket.entry, actual_work, ticket.estimate)
+
+    def _release_entry(self, key: PoolKey, entry: Entry[asyncio.Future[bool]], actual_work: float | None,
+                       estimate: float) -> None:
+        pool = self._pools.get(key)
+        if pool is None:
+            return
+        pool.queue.settle(entry, actual_work)
+        if actual_work is not None and actual_work > 0 and estimate > 0:
+            self._calibrate((key, entry.tenant), estimate, actual_work)
+        self.pump(key)
+
+    def _calibrate(self, key: tuple[PoolKey, str], estimate: float, actual: float) -> None:
+        """A tenant's correction in a pool, kept while its pool comes and goes (bounded: tenants
+        and models come and go too)."""
+        if key not in self._calibration and len(self._calibration) >= _MAX_CALIBRATIONS:
+            self._calibration.clear()
+        self._calibration[key] = calibrated(self._calibration.get(key, 1.0), estimate, actual)
+
+    def _retry_after_s(self) -> int:
+        return max(1, math.ceil(self._settings.probe_interval_s))

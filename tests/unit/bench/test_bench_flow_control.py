@@ -1,0 +1,48 @@
+"""bench.flow_control's figures from what its runs saw: Jain's index, the weighted share
+error, and each must-show figure named and computed from the right runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.flow_control import Bench, Load, Tally, _figures, jain, share_error
+
+
+def test_jain_is_one_for_equal_shares_and_one_over_n_when_one_takes_all() -> None:
+    assert jain([5.0, 5.0, 5.0]) == pytest.approx(1.0)
+    assert jain([9.0, 0.0, 0.0]) == pytest.approx(1 / 3)
+    assert jain([0.0, 0.0]) == 0.0
+
+
+def test_share_error_is_the_largest_relative_miss_of_a_weighted_share() -> None:
+    assert share_error([200, 100, 100], [2, 1, 1]) == pytest.approx(0.0)
+    assert share_error([100, 100, 100], [2, 1, 1]) == pytest.approx(1 / 3)  # the 2 got 1/3, not 1/2
+    assert share_error([0, 0, 0], [2, 1, 1]) == 1.0
+
+
+def _tally(ttfts: dict[str, list[float]], tokens: dict[str, int] | None = None, generated: int = 0) -> Tally:
+    t = Tally()
+    for tenant, values in ttfts.items():
+        t.ttfts[tenant].extend(values)
+    for tenant, n in (tokens or {}).items():
+        t.tokens[tenant] = n
+    t.generated = generated
+    return t
+
+
+def test_the_figures_compare_the_right_runs() -> None:
+    load = Load(seconds=10)
+    bench = Bench(fabric=None, routers={}, keys={}, admin=lambda: None, load=load)  # type: ignore[arg-type]
+    bench.tallies = {
+        "alone": _tally({"light": [0.010] * 10}),
+        "flood": _tally({"light": [0.012] * 10}, generated=950),
+        "flood_off": _tally({"light": [0.300] * 10}, generated=1000),
+        "fair": _tally({}, {"first": 100, "second": 100, "third": 100}),
+        "fair_off": _tally({}, {"first": 300, "second": 0, "third": 0}),
+    }
+    figures = {f.metric: f for f in _figures(bench)}
+    assert figures["noisy_neighbour_ttft_p90_vs_alone"].ratio == pytest.approx(1.2)
+    assert figures["throughput_vs_no_flow_control"].ratio == pytest.approx(0.95)
+    assert figures["jain_index"].ours == pytest.approx(1.0)
+    assert figures["jain_index"].baseline == pytest.approx(1 / 3)
+    assert "weighted_share_error" not in figures  # its runs were not measured
