@@ -78,6 +78,8 @@ class TokenNode:
     faults: list[Fault] = field(default_factory=list)  # consumed one per stream, in order
     requests: list[dict[str, Any]] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set when one of its streams freezes (a "stall" fault begins): tests order on it, not on sleeps.
+    stalled: asyncio.Event = field(default_factory=asyncio.Event)
     # A non-streamed answer dies after this many tokens (the connection closes, no status).
     die_whole: bool = False
     # What its /detokenize makes of a text: another tokenizer than the other nodes'.
@@ -231,6 +233,7 @@ async def _fail(node: TokenNode, fault: Fault) -> AsyncIterator[str]:
         yield _sse({"error": {"message": "engine fault", "type": "server_error", "code": None}})
         await node.release.wait()
     if fault.kind == "stall":
+        node.stalled.set()
         await node.release.wait()  # frozen: the connection stays open, nothing comes
 
 

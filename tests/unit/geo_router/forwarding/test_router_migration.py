@@ -404,18 +404,28 @@ async def test_a_replica_whose_own_streams_went_silent_is_passed_over(tmp_path: 
     # The whole nearest region freezes: us-1's stream and us-2's stream both stall. The stream
     # on us-1 must not be resumed on us-2 (same region, not yet ejected: its own stream has
     # not timed out yet) but on eu-1, without waiting out a second inter-token timeout.
-    # A timeout of 2 s: us-2 has been silent 1.7 s (over half of it) when us-1's stream times
-    # out, leaving 0.7 s for a loaded box to start the second stream late.
-    async for f in _fabric(tmp_path, {"us-1": "us", "us-2": "us", "eu-1": "eu"}, inter_token_timeout_s=2.0,
+    # The second stream starts once the first has frozen (not after a sleep), so the second
+    # node has been silent for the timeout less the second stream's start-up when the first
+    # times out: a 3 s timeout leaves a loaded box 1.5 s to start it (CI once took over 0.7 s).
+    async for f in _fabric(tmp_path, {"us-1": "us", "us-2": "us", "eu-1": "eu"}, inter_token_timeout_s=3.0,
                            consecutive_failures_to_eject=100):
         f.nodes["us-1"].faults.append(Fault("stall", 3))
         f.nodes["us-2"].faults.append(Fault("stall", 3))
-        first, second = await asyncio.gather(stream(f, max_tokens=20), _later(0.3, stream(f, max_tokens=20)))
+        first_task = asyncio.create_task(stream(f, max_tokens=20))
+        await _first_set(f.nodes["us-1"].stalled, f.nodes["us-2"].stalled)
+        second = await stream(f, max_tokens=20)
+        first = await first_task
+        assert f.nodes["us-1"].stalled.is_set() and f.nodes["us-2"].stalled.is_set()
         for got in (first, second):
             assert got.error is None and got.text == reference(chat_prompt(MESSAGES), 20)[0]
             assert got.trailer is not None and got.trailer["node"] == "eu-1"
 
 
-async def _later(delay_s: float, coro: Any) -> Any:
-    await asyncio.sleep(delay_s)
-    return await coro
+async def _first_set(*events: asyncio.Event) -> None:
+    waits = [asyncio.create_task(e.wait()) for e in events]
+    try:
+        await asyncio.wait_for(asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED), 10)
+    finally:
+        for w in waits:
+            w.cancel()
+
