@@ -21,7 +21,16 @@ run) and `urgent` (priority 5). Every run is closed-loop for a fixed window afte
 - **weighted / weighted_off**: the same with weights 2:1:1: the largest relative error of a
   tenant's share against 2:1:1.
 - **urgent**: A floods, `urgent` (band 5) sends B's light load: its TTFT p90 against `alone`.
-- **two**: `flood` through two routers with flow control, every request to either at random.
+- **full**: the engines' floor, without flow control: A keeps exactly the fleet's slots less
+  B's users in flight, so every batch is full and B's requests never wait for a slot (at the
+  router or a node). B's TTFT p90 there is what a request costs beside a full batch: the
+  `*_vs_full_batch` figures divide by it, so what is left of a ratio above 1 is the wait the
+  router (or a node's queue) added, and what `*_vs_alone` shows beyond it is the engine's
+  step time with a full batch against an empty one.
+- **two**: `flood` through two routers with flow control, every request to either at random,
+  sharing their work counters and their requests running through Redis (`--redis`, the
+  local one by default; without one answering, the two routers each count alone and the log
+  says so).
 
 Tokens served are the answers' own usage (stream_options.include_usage), counted for the
 requests that ended inside the window. TTFT is the client's: request sent to first token.
@@ -32,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import tempfile
@@ -42,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 
 from bench.common import Figure, percentile
 from data_plane.model.make_tiny import make_tiny_checkpoint
@@ -72,6 +83,7 @@ class Load:
     fair_words: tuple[int, ...] = (50, 200, 400)
     fair_tokens: int = 64
     reserve_share: float | None = None  # the routers' flow_reserve_share (None: their default)
+    redis_url: str | None = "redis://127.0.0.1:6379/0"  # the two routers' shared state
 
 
 @dataclass
@@ -229,6 +241,11 @@ def _flood(load: Load) -> Clients:
     return Clients("flood", 5 * 2 * load.slots, load.flood_words, load.flood_tokens)
 
 
+def _full(load: Load) -> Clients:
+    """A's streams that fill the fleet's batches beside B's users and no more."""
+    return Clients("flood", 2 * load.slots - load.light_users, load.flood_words, load.flood_tokens)
+
+
 def _fair(load: Load) -> list[Clients]:
     names = ("first", "second", "third")
     return [Clients(n, 2 * load.slots, w, load.fair_tokens) for n, w in zip(names, load.fair_words, strict=True)]
@@ -280,6 +297,7 @@ RUNS: dict[str, Callable[[Bench], Awaitable[None]]] = {
     "weighted_off": lambda b: b.measure("weighted_off", "off", _fair(b.load)),
     "urgent": lambda b: b.measure("urgent", "on", [_flood(b.load), _light("urgent", b.load)]),
     "two": lambda b: b.measure("two", "two", [_flood(b.load), _light("light", b.load)]),
+    "full": lambda b: b.measure("full", "off", [_full(b.load), _light("light", b.load)]),
 }
 
 
@@ -320,6 +338,12 @@ def _figures(b: Bench) -> list[Figure]:
         out.append(Figure(BENCH, "two_routers_noisy_neighbour_ttft_p90_vs_alone", _p90(b, "two", "light"),
                           _p90(b, "alone", "light"), "B alone",
                           "ratio <= 1.3 (two routers, each request to either)", "ms"))
+    for run, tenant, name in (("flood", "light", "noisy_neighbour"), ("urgent", "urgent", "high_band"),
+                              ("two", "light", "two_routers_noisy_neighbour")):
+        if {run, "full"} <= have:
+            out.append(Figure(BENCH, f"{name}_ttft_p90_vs_full_batch", _p90(b, run, tenant), _p90(b, "full", "light"),
+                              "B beside full batches, nothing waiting (the engines' floor)",
+                              "context: near 1 when the router adds no wait beyond the engine's", "ms"))
     return out
 
 
@@ -347,13 +371,26 @@ def _tenants(fabric: LocalFabric) -> tuple[dict[str, str], Callable[[], AdminCli
     return keys, admin
 
 
+def _shared(load: Load) -> dict[str, str]:
+    """The two routers' environment for sharing through Redis (empty when none answers)."""
+    if load.redis_url is None:
+        return {}
+    try:
+        with redis.Redis.from_url(load.redis_url, socket_timeout=2) as client:
+            client.ping()
+    except redis.RedisError as exc:
+        log(f"Redis at {load.redis_url} does not answer ({exc}): the two routers count alone")
+        return {}
+    return {"MERIDIAN_ROUTER_REDIS_URL": load.redis_url, "MERIDIAN_ROUTER_FLEET_KEY_PREFIX": f"bench-flow-{os.getpid()}:"}
+
+
 def run(load: Load = Load(), only: frozenset[str] | None = None) -> list[Figure]:
     with tempfile.TemporaryDirectory() as tmp, local_fabric(_fabric_spec(Path(tmp), load), on_step=log) as fabric:
         keys, admin = _tenants(fabric)
         on = {"MERIDIAN_ROUTER_FLOW_RESERVE_SHARE": str(load.reserve_share)} if load.reserve_share is not None else {}
         routers = {"on": [fabric.start_router(on).url],
                    "off": [fabric.start_router({"MERIDIAN_ROUTER_FLOW_CONTROL": "false"}).url],
-                   "two": [fabric.start_router(on).url for _ in range(2)]}
+                   "two": [fabric.start_router({**on, **_shared(load)}).url for _ in range(2)]}
         time.sleep(3.0)  # the routers' first probes read the nodes' load
         bench = Bench(fabric, routers, keys, admin, load)
 
@@ -372,9 +409,10 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=defaults.seconds, help="each run's measured window")
     ap.add_argument("--slots", type=int, default=defaults.slots, help="sequences per node")
     ap.add_argument("--reserve", type=float, default=None, help="the routers' flow_reserve_share")
+    ap.add_argument("--redis", default=defaults.redis_url, help="the two routers' Redis ('' for none)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"which runs ({', '.join(RUNS)})")
     args = ap.parse_args()
-    load = Load(slots=args.slots, seconds=args.seconds, reserve_share=args.reserve)
+    load = Load(slots=args.slots, seconds=args.seconds, reserve_share=args.reserve, redis_url=args.redis or None)
     for fig in run(load, frozenset(args.runs.split(","))):
         print(fig.json_line(), flush=True)
 

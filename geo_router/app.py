@@ -48,6 +48,7 @@ from .admission.flow_capacity import pool_capacity
 from .admission.flow_control import FlowControl, FlowRequest, Ticket, unheld
 from .admission.flow_counters import SharedWorkCounters
 from .admission.flow_headers import band_of, ttl_of
+from .admission.flow_peers import SharedFlowPeers
 from .admission.flow_report import BacklogReporter
 from .admission.ratelimit import Admission, RateLimiter, create_rate_limiter
 from .admission.tokens import estimate_tokens, usage_split
@@ -150,6 +151,8 @@ class RouterState:
     # Tells the control plane what flow control holds (for the autoscaler and the console).
     backlog: BacklogReporter
     flow_counters: SharedWorkCounters | None = None
+    # The other routers' requests per pool, through Redis (flow control's room).
+    flow_peers: SharedFlowPeers | None = None
     # The gRPC listener (geo_router.ingress.kserve), when settings.grpc_port is set.
     grpc: GrpcListener | None = None
     # Selection's view of the fleet: health, the circuit breaker, RTT estimates.
@@ -271,8 +274,12 @@ def _build_state(
         exact=_exact_for(settings, kv_scope),
         clock=clock,
     )
-    flow = FlowControl(settings, pool_capacity(settings, source.current, fleet_state, prober.load, clock), clock,
-                       counters.for_pool if counters is not None else None)
+    peers = SharedFlowPeers.from_settings(settings, clock) if settings.redis_url else None
+    capacity = pool_capacity(settings, source.current, fleet_state, prober.load, clock,
+                             peers.peers if peers is not None else None)
+    flow = FlowControl(settings, capacity, clock, counters.for_pool if counters is not None else None)
+    if peers is not None:
+        peers.follow(flow.active_pools, flow.pump_all)
     state = RouterState(
         settings=settings,
         clock=clock,
@@ -302,6 +309,7 @@ def _build_state(
         tracing=Tracing.create("meridian-router", settings.otlp_endpoint, settings.otlp_zone_endpoints),
         flow=flow,
         flow_counters=counters,
+        flow_peers=peers,
         backlog=BacklogReporter(settings, ClusterClient(cluster_endpoint(settings, settings.scale_up_timeout_s)), flow,
                                 lambda outcome: metrics.backlog_reports.labels(outcome).inc(), clock),
     )
@@ -354,7 +362,7 @@ def _lifespan(
             if shared_fleet is not None:
                 await shared_fleet.start()
                 stack.push_async_callback(shared_fleet.stop)
-            for part in (state.history, state.rate_limiter, state.flow_counters, pages):
+            for part in (state.history, state.rate_limiter, state.flow_counters, state.flow_peers, pages):
                 if part is not None:
                     await part.start()
                     stack.push_async_callback(part.stop)

@@ -2,11 +2,14 @@
 
 The pool of (zone, model) is the READY replicas of the model in the regions the zone may be
 served in (residency first, as selection counts them), less the ejected: their batch slots
-(`max_num_seqs` as each node registered it, else `flow_default_slots`) and what other
-routers have there (the nodes' reported running + waiting beyond this router's own in
-flight at each scrape, summed over the pool; a node with no fresh report counts none). O(replicas of the pool) a
-measurement, kept for CACHE_S (a new routing table is measured at once): the inputs change
-with probes and ejections, not per request.
+(`max_num_seqs` as each node registered it, else `flow_default_slots`), what other routers
+have there, and what they published of themselves. With Redis, the other routers' published
+counts and demands (`Peers`: exact per router, at most two sync intervals stale);
+without (or while they are not fresh), the nodes' reported running + waiting beyond this
+router's own in flight at each scrape, summed over the pool (a node with no fresh report
+counts none), and no peers. O(replicas of the pool) a measurement, kept for CACHE_S (a new
+routing table is measured at once): the inputs change with probes and ejections, not per
+request.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from meridian.settings.router import RouterSettings
 from ..state.health import FleetState
 from ..state.node_load import NodeLoad
 from ..state.table import LoadedTable
-from .flow_control import Capacity, PoolKey
+from .flow_control import Capacity, Peers, PoolKey
 
 # A pool's capacity is read again after this long (or at once for a new routing table): its
 # inputs change with probes (once a second) and ejections, and a request should not pay for
@@ -33,8 +36,10 @@ def pool_capacity(
     fleet: FleetState,
     load: Callable[[str], NodeLoad | None],
     clock: Clock,
+    peers: Callable[[PoolKey], Peers | None] | None = None,
 ) -> Callable[[PoolKey], Capacity]:
-    """The capacity function flow control asks (no table yet: no slots, nothing held)."""
+    """The capacity function flow control asks (no table yet: no slots, nothing held);
+    `peers`: the other routers of a pool as they published themselves (None: not known)."""
     default_slots = settings.flow_default_slots
     cache: dict[PoolKey, tuple[float, LoadedTable, Capacity]] = {}
 
@@ -49,6 +54,9 @@ def pool_capacity(
         if len(cache) > 10_000:  # zones x models: never near it, but bounded
             cache.clear()
         measured = _measure(loaded, key, fleet, load, default_slots)
+        published = peers(key) if peers is not None else None
+        if published is not None:
+            measured = Capacity(measured.slots, published.others, published)
         cache[key] = (now + CACHE_S, loaded, measured)
         return measured
 

@@ -35,11 +35,24 @@ tenant's estimates are scaled by what its answers turned out to be (`calibrated`
 Retry-After. A client that leaves takes its place out of the queue. A request let go is
 never taken back: streams already running are never preempted.
 
-**Several routers.** The occupancy of other routers is seen through the nodes' reports, at
-most one probe interval (plus its scrape) stale: in that second each router may let go up to
-what it saw free, so a pool can overshoot by one refill per router per interval, which the
-nodes' own queues absorb (bench.flow_control measures what that costs). The work counters
-are shared through Redis when there is one (geo_router.admission.flow_counters).
+**Several routers.** Were each router to fill all the room it saw free, several routers would
+each fill the same room. Seen through the nodes' reports (at most a probe interval stale, and
+noisy: geo_router.admission.flow_peers) the pool swung between overfull and underfull every
+interval, and a light tenant's request waited out the swing (bench.flow_control, two
+routers: B's TTFT p90 1.57 s, 1.55 s of it held here). With Redis, each router publishes its
+requests running and its demand (running + waiting) per pool every 0.1 s
+(geo_router.admission.flow_peers), and the slots below the reserve are split between the
+routers max-min fairly by demand (`Peers.quota`: a router asking less than an equal share
+gets what it asks, the others split the rest equally, rounded down): while other routers
+have requests waiting, a router lets requests go only below its own quota, which no other
+router's momentary count moves, so two routers never fill the same hole; room no other
+router waits for is anyone's (work-conserving). (In proportion to demand, two backlogged routers' quotas moved with
+their queues' lengths and, read at different moments, summed to one more than the slots
+half the time: the reserve went to the flood.) The reserve is counted by what is in use (every router's running as
+published): a light tenant's request goes in beside any router's flood. Without Redis (or
+while the published view is stale) a router counts the others from the nodes' reports and
+fills what it sees free. The work counters are shared through Redis as well
+(geo_router.admission.flow_counters).
 
 **Seen by the autoscaler.** The backlog held here is on no node's report, so each router
 tells the control plane what it holds (geo_router.admission.flow_report), and the
@@ -69,27 +82,75 @@ PoolKey = tuple[str, str]
 
 
 @dataclass(frozen=True, slots=True)
+class Peers:
+    """The other routers of a pool as they published themselves (through Redis): the sum of
+    their requests running, each one's demand (running + waiting), and this router's own
+    demand as it published it."""
+
+    others: int
+    others_demand: tuple[int, ...]
+    own_demand: int
+
+    @property
+    def others_waiting(self) -> int:
+        return sum(self.others_demand) - self.others
+
+    def quota(self, slots: int) -> int:
+        """This router's max-min fair part of `slots` by demand: a router asking for less
+        than an equal share of what is left gets what it asks; the rest share equally,
+        rounded down (several routers may leave a slot or so unused, never one too many)."""
+        left, routers = slots, 1 + len(self.others_demand)
+        for demand in sorted(self.others_demand):
+            if demand * routers >= left:
+                break
+            left, routers = left - demand, routers - 1
+        return min(self.own_demand, left // routers)
+
+
+@dataclass(frozen=True, slots=True)
 class Capacity:
-    """A pool's replicas as flow control counts them: their batch slots, and the requests
-    other routers have there (reported running + waiting beyond this router's own)."""
+    """A pool's replicas as flow control counts them: their batch slots, the requests other
+    routers have there, and, when the routers publish themselves (Redis), what they published
+    (None: not known; this router then fills whatever it sees free)."""
 
     slots: int
     others: int = 0
+    peers: Peers | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Room:
-    """What the gate decides on: the pool's slots, its reserve, what is in it now."""
+    """What the gate decides on: the pool's slots, its reserve, what is in it now (`in_use`:
+    this router's requests and the others'), and what counts against the slots below the
+    reserve (`occupied`: the same, or with peers, this router's requests plus the slots that
+    are the other routers' quotas)."""
 
     slots: int
     reserve: int
     occupied: int
+    in_use: int | None = None
+
+    @staticmethod
+    def of(capacity: Capacity, running: int, reserve: int) -> Room:
+        """The room as this router sees it with `running` of its requests let go (module doc,
+        Several routers): below the reserve, room no other router waits for, or its quota."""
+        in_use = running + capacity.others
+        if capacity.peers is None:
+            return Room(capacity.slots, reserve, in_use, in_use)
+        below = capacity.slots - reserve
+        # Room no other router waits for is anyone's (work-conserving: a burst does not wait
+        # for the next sync to raise this router's demand); room they wait for goes by quota.
+        unclaimed = in_use + capacity.peers.others_waiting
+        return Room(capacity.slots, reserve, min(unclaimed, running + below - capacity.peers.quota(below)), in_use)
 
     def admits(self, light: bool) -> bool:
-        """Whether one more request fits: below the slots less the reserve, or into the
-        reserve for a light tenant's."""
-        limit = self.slots if light else self.slots - self.reserve
-        return self.occupied < limit
+        """Whether one more request fits: below the slots less the reserve (with peers, below
+        this router's quota), or into the reserve for a light tenant's, by what is in use (a
+        light tenant's request goes in beside any router's flood)."""
+        if self.occupied < self.slots - self.reserve:
+            return True
+        in_use = self.occupied if self.in_use is None else self.in_use
+        return light and in_use < self.slots
 
 
 def reserve_of(slots: int, share: float) -> int:
@@ -265,6 +326,12 @@ class FlowControl:
         """Requests waiting per pool now (what the backlog report tells the control plane)."""
         return {key: n for key, pool in self._pools.items() if (n := len(pool.queue))}
 
+    def active_pools(self) -> dict[PoolKey, tuple[int, int]]:
+        """Per pool where this router has requests let go (and not finished) or waiting: how
+        many of each (what it publishes to the other routers)."""
+        return {key: (pool.queue.running, len(pool.queue)) for key, pool in self._pools.items()
+                if pool.queue.running or len(pool.queue)}
+
     def pump_all(self) -> None:
         """Every pool with requests waiting: room may have come from elsewhere (a new node,
         other routers' requests ending), which no release of this router's announces."""
@@ -331,8 +398,7 @@ class FlowControl:
         entry.item.set_result(True)
 
     def _room(self, pool: _Pool, capacity: Capacity) -> Room:
-        reserve = reserve_of(capacity.slots, self._settings.flow_reserve_share)
-        return Room(capacity.slots, reserve, pool.queue.running + capacity.others)
+        return Room.of(capacity, pool.queue.running, reserve_of(capacity.slots, self._settings.flow_reserve_share))
 
     def _light(self, pool: _Pool, tenant: str, capacity: Capacity) -> bool:
         """Whether `tenant` asks for less than a fair share of the pool: its requests running

@@ -187,6 +187,9 @@ class RouterSettings(ListenerSettings):
     # once more when nothing waits any more), for the autoscaler and the console; 0: never.
     # Its name there is router_id, by default "<hostname>:<port>:<pid>" (one per worker).
     flow_backlog_report_s: float = Field(2.0, ge=0)
+    # With Redis, each router publishes its requests running per pool this often and reads the
+    # other routers' (geo_router.admission.flow_peers): what flow control counts as theirs.
+    flow_peers_sync_interval_s: float = Field(0.1, gt=0)
     router_id: str | None = Field(None, pattern=ROUTER_ID_PATTERN)
     # Client location (geo_router.selection.locate): a MaxMind DB (GeoIP2/GeoLite2 City .mmdb) that
     # locates clients the edge header does not; unset, they are at default_client_location.

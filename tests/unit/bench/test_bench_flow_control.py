@@ -39,6 +39,7 @@ def test_the_figures_compare_the_right_runs() -> None:
         "flood_off": _tally({"light": [0.300] * 10}, generated=1000),
         "fair": _tally({}, {"first": 100, "second": 100, "third": 100}),
         "fair_off": _tally({}, {"first": 300, "second": 0, "third": 0}),
+        "full": _tally({"light": [0.008] * 10}),
     }
     figures = {f.metric: f for f in _figures(bench)}
     assert figures["noisy_neighbour_ttft_p90_vs_alone"].ratio == pytest.approx(1.2)
@@ -46,3 +47,7 @@ def test_the_figures_compare_the_right_runs() -> None:
     assert figures["jain_index"].ours == pytest.approx(1.0)
     assert figures["jain_index"].baseline == pytest.approx(1 / 3)
     assert "weighted_share_error" not in figures  # its runs were not measured
+    # The engines' floor (B beside full batches, nothing waiting) divides the saturated runs.
+    assert figures["noisy_neighbour_ttft_p90_vs_full_batch"].ratio == pytest.approx(1.5)
+    assert figures["noisy_neighbour_ttft_p90_vs_full_batch"].baseline == pytest.approx(8.0)
+    assert "high_band_ttft_p90_vs_full_batch" not in figures

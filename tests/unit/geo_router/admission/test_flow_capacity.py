@@ -7,6 +7,7 @@ from __future__ import annotations
 from router_harness import MODEL, make_table, node
 
 from geo_router.admission.flow_capacity import CACHE_S, pool_capacity
+from geo_router.admission.flow_control import Peers
 from geo_router.state.health import InProcessFleetState
 from geo_router.state.node_load import NodeLoad
 from geo_router.state.table import LoadedTable
@@ -64,3 +65,18 @@ def test_other_routers_requests_are_the_reports_beyond_this_routers_own_summed_o
     assert capacity(("eu", MODEL)).others == 3  # measured a moment ago: kept
     clock.advance(CACHE_S)
     assert capacity(("eu", MODEL)).others == 0  # never below nothing
+
+
+def test_the_other_routers_as_they_published_themselves_replace_the_reports_while_fresh() -> None:
+    fleet = InProcessFleetState.from_settings(SETTINGS)
+    loads = {"eu-1": NodeLoad(running=8, waiting=2, own_in_flight=6)}
+    peers = Peers(others=5, others_demand=(30,), own_demand=10)
+    published: dict[tuple[str, str], Peers] = {("eu", MODEL): peers}
+    clock = ManualClock()
+    capacity = pool_capacity(SETTINGS, _table, fleet, loads.get, clock, published.get)
+    got = capacity(("eu", MODEL))
+    assert (got.others, got.peers) == (5, peers)
+    published.clear()  # the view lapsed (Redis unreachable): the nodes' reports again
+    clock.advance(CACHE_S)
+    got = capacity(("eu", MODEL))
+    assert (got.others, got.peers) == (4, None)
