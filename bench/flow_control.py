@@ -1,7 +1,7 @@
 """Flow control under saturation: a noisy neighbour, fair shares, weights, a priority band and
 two routers, each against the same load sent through a router without flow control.
 
-    python -m bench.flow_control [--seconds S] [--runs alone,flood,flood_off,...]
+    python -m bench.flow_control [--seconds S] [--runs alone,flood,flood_off,...] [--repeats N]
 
 One local fabric: a control plane and two torch-engine nodes in one region, each running at
 most `slots` sequences at once (the fleet's capacity is 2 x slots streams), with a router
@@ -384,7 +384,23 @@ def _shared(load: Load) -> dict[str, str]:
     return {"MERIDIAN_ROUTER_REDIS_URL": load.redis_url, "MERIDIAN_ROUTER_FLEET_KEY_PREFIX": f"bench-flow-{os.getpid()}:"}
 
 
-def run(load: Load = Load(), only: frozenset[str] | None = None) -> list[Figure]:
+def median_figures(rounds: list[list[Figure]]) -> list[Figure]:
+    """Per metric, the figure of the round whose ratio is the median (the lower of the two
+    middle ones for an even count): a round's ours and baseline stay together, measured in
+    the same window of the same box."""
+    by_metric: dict[str, list[Figure]] = defaultdict(list)
+    for figures in rounds:
+        for fig in figures:
+            by_metric[fig.metric].append(fig)
+    out = []
+    for metric, figs in by_metric.items():
+        ranked = sorted(figs, key=lambda f: f.ratio)
+        log(f"{metric}: ratios {[round(f.ratio, 3) for f in figs]}")
+        out.append(ranked[(len(ranked) - 1) // 2])
+    return out
+
+
+def run(load: Load = Load(), only: frozenset[str] | None = None, repeats: int = 1) -> list[Figure]:
     with tempfile.TemporaryDirectory() as tmp, local_fabric(_fabric_spec(Path(tmp), load), on_step=log) as fabric:
         keys, admin = _tenants(fabric)
         on = {"MERIDIAN_ROUTER_FLOW_RESERVE_SHARE": str(load.reserve_share)} if load.reserve_share is not None else {}
@@ -392,15 +408,20 @@ def run(load: Load = Load(), only: frozenset[str] | None = None) -> list[Figure]
                    "off": [fabric.start_router({"MERIDIAN_ROUTER_FLOW_CONTROL": "false"}).url],
                    "two": [fabric.start_router({**on, **_shared(load)}).url for _ in range(2)]}
         time.sleep(3.0)  # the routers' first probes read the nodes' load
-        bench = Bench(fabric, routers, keys, admin, load)
+        rounds = []
+        for n in range(repeats):
+            if repeats > 1:
+                log(f"round {n + 1} of {repeats}")
+            bench = Bench(fabric, routers, keys, admin, load)
 
-        async def measure_all() -> None:
-            for name, measure in RUNS.items():
-                if only is None or name in only:
-                    await measure(bench)
+            async def measure_all(bench: Bench = bench) -> None:
+                for name, measure in RUNS.items():
+                    if only is None or name in only:
+                        await measure(bench)
 
-        asyncio.run(measure_all())
-    return _figures(bench)
+            asyncio.run(measure_all())
+            rounds.append(_figures(bench))
+    return median_figures(rounds)
 
 
 def main() -> None:
@@ -411,9 +432,10 @@ def main() -> None:
     ap.add_argument("--reserve", type=float, default=None, help="the routers' flow_reserve_share")
     ap.add_argument("--redis", default=defaults.redis_url, help="the two routers' Redis ('' for none)")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"which runs ({', '.join(RUNS)})")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds of every run; each figure the median round's")
     args = ap.parse_args()
     load = Load(slots=args.slots, seconds=args.seconds, reserve_share=args.reserve, redis_url=args.redis or None)
-    for fig in run(load, frozenset(args.runs.split(","))):
+    for fig in run(load, frozenset(args.runs.split(",")), max(1, args.repeats)):
         print(fig.json_line(), flush=True)
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.flow_control import Bench, Load, Tally, _figures, jain, share_error
+from bench.common import Figure
+from bench.flow_control import Bench, Load, Tally, _figures, jain, median_figures, share_error
 
 
 def test_jain_is_one_for_equal_shares_and_one_over_n_when_one_takes_all() -> None:
@@ -51,3 +52,15 @@ def test_the_figures_compare_the_right_runs() -> None:
     assert figures["noisy_neighbour_ttft_p90_vs_full_batch"].ratio == pytest.approx(1.5)
     assert figures["noisy_neighbour_ttft_p90_vs_full_batch"].baseline == pytest.approx(8.0)
     assert "high_band_ttft_p90_vs_full_batch" not in figures
+
+
+def test_repeated_rounds_report_each_metric_from_its_median_round() -> None:
+    def fig(metric: str, ours: float, baseline: float) -> Figure:
+        return Figure("flow_control", metric, ours, baseline, "b", "g", "ms")
+
+    rounds = [[fig("a", 30, 10), fig("b", 1, 1)], [fig("a", 50, 10), fig("b", 4, 1)],
+              [fig("a", 12, 3), fig("b", 2, 1)]]
+    got = {f.metric: f for f in median_figures(rounds)}
+    assert (got["a"].ours, got["a"].baseline) == (12, 3)  # ratio 4: the middle of 3, 4 and 5
+    assert got["b"].ours == 2
+    assert median_figures([[fig("a", 1, 1)], [fig("a", 3, 1)]])[0].ours == 1  # even: the lower
