@@ -93,6 +93,15 @@ def test_a_duplicated_or_missing_run_at_the_seam_is_a_token_mismatch() -> None:
     assert "token_mismatches" in failures(h, drill())
 
 
+def test_a_divergence_after_a_seam_is_not_read_as_a_shift_however_well_one_fits() -> None:
+    # The continuation matched the reference for 10 tokens after the seam, then took the
+    # tokens the reference has 3 further on (as greedy output in a cycle does): a divergence.
+    h = History()
+    stream(h, "k0", REF[:30] + REF[33:40], resume_at=20)
+    s = check(h, drill(), ZONES).streams
+    assert s is not None and s.diverged == ("k0",) and s.token_mismatches == ()
+
+
 def test_a_greedy_divergence_away_from_any_seam_is_counted_apart_within_its_bound() -> None:
     h = History()
     stream(h, "k0", REF[:30] + (1, 2, 3, 4, 5, 6, 7, 8, 9, 10), resume_at=20)
