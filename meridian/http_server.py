@@ -86,8 +86,11 @@ H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # than one read (asyncio reads at most 256 KiB) means something resumed reading anyway.
 _MAX_HELD_BYTES = 1 << 20
 
-# How long a refused connection's further bytes are read and dropped before it is closed.
-LINGER_S = 2.0
+# How long a refused connection's further bytes are read and dropped before it is closed
+# (nginx's lingering_timeout). Past it the close resets the connection, and a client that had
+# not read yet loses what it was sent: a CI run's flooding client, stalled over 2 s on a
+# loaded box, got neither SETTINGS nor GOAWAY back.
+LINGER_S = 5.0
 
 # How long a listener keeps an idle connection: longer than any client of ours keeps one
 # pooled (CLIENT_KEEPALIVE_S) and than the load balancers that usually sit in front of
