@@ -35,24 +35,24 @@ tenant's estimates are scaled by what its answers turned out to be (`calibrated`
 Retry-After. A client that leaves takes its place out of the queue. A request let go is
 never taken back: streams already running are never preempted.
 
-**Several routers.** Were each router to fill all the room it saw free, several routers would
-each fill the same room. Seen through the nodes' reports (at most a probe interval stale, and
-noisy: geo_router.admission.flow_peers) the pool swung between overfull and underfull every
-interval, and a light tenant's request waited out the swing (bench.flow_control, two
-routers: B's TTFT p90 1.57 s, 1.55 s of it held here). With Redis, each router publishes its
-requests running and its demand (running + waiting) per pool every 0.1 s
-(geo_router.admission.flow_peers), and the slots below the reserve are split between the
-routers max-min fairly by demand (`Peers.quota`: a router asking less than an equal share
-gets what it asks, the others split the rest equally, rounded down): while other routers
-have requests waiting, a router lets requests go only below its own quota, which no other
-router's momentary count moves, so two routers never fill the same hole; room no other
-router waits for is anyone's (work-conserving). (In proportion to demand, two backlogged routers' quotas moved with
-their queues' lengths and, read at different moments, summed to one more than the slots
-half the time: the reserve went to the flood.) The reserve is counted by what is in use (every router's running as
-published): a light tenant's request goes in beside any router's flood. Without Redis (or
-while the published view is stale) a router counts the others from the nodes' reports and
-fills what it sees free. The work counters are shared through Redis as well
-(geo_router.admission.flow_counters).
+**Several routers.** Were each router to fill all the room it saw free, several routers
+would each fill the same room. Seen through the nodes' reports (at most a probe interval
+stale, and noisy: geo_router.admission.flow_peers) the pool swung between overfull and
+underfull every interval, and a light tenant's request waited out the swing
+(bench.flow_control, two routers: B's TTFT p90 1.57 s, 1.55 s of it held here). With Redis,
+each router publishes its requests running and its demand (running + waiting) per pool every
+0.1 s (geo_router.admission.flow_peers), and the slots below the reserve are split between
+the routers max-min fairly by demand (`Peers.quota`: a router asking less than an equal
+share gets what it asks, the others split the rest equally, rounded down): while other
+routers have requests waiting, a router lets requests go only below its own quota, which no
+other router's momentary count moves, so two routers never fill the same hole; room no other
+router waits for is anyone's (work-conserving). (In proportion to demand, two backlogged
+routers' quotas moved with their queues' lengths and, read at different moments, summed to
+one more than the slots half the time: the reserve went to the flood.) The reserve is
+counted by what is in use (every router's running as published): a light tenant's request
+goes in beside any router's flood. Without Redis (or while the published view is stale) a
+router counts the others from the nodes' reports and fills what it sees free. The work
+counters are shared through Redis as well (geo_router.admission.flow_counters).
 
 **Seen by the autoscaler.** The backlog held here is on no node's report, so each router
 tells the control plane what it holds (geo_router.admission.flow_report), and the

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import httpx
 import pytest
@@ -21,6 +20,7 @@ from router_harness import (
     node,
     node_app,
     router_settings,
+    started_stream,
 )
 
 from geo_router import create_app
@@ -30,15 +30,6 @@ from meridian.clock import ManualClock
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 EU = {"authorization": f"Bearer {EU_KEY}"}
-
-
-async def _first_event(http: httpx.AsyncClient, stack: contextlib.AsyncExitStack) -> AsyncIterator[str]:
-    response = await stack.enter_async_context(
-        http.stream("POST", "/v1/chat/completions", json=CHAT | {"stream": True}, headers=EU))
-    assert response.status_code == 200
-    lines = response.aiter_lines()
-    await anext(lines)
-    return lines
 
 
 async def _sync(*apps: FastAPI) -> None:
@@ -64,9 +55,9 @@ async def test_a_router_holds_its_request_while_another_routers_streams_fill_the
         urls = [await servers.start(app) for app in apps]
         async with httpx.AsyncClient(base_url=urls[0], timeout=10) as a, \
                 httpx.AsyncClient(base_url=urls[1], timeout=10) as b, contextlib.AsyncExitStack() as stack:
-            streams = [await _first_event(b, stack)]
+            streams = [await started_stream(b, stack, CHAT, EU)]
             await _sync(*apps)
-            streams.append(await _first_event(a, stack))
+            streams.append(await started_stream(a, stack, CHAT, EU))
             await _sync(*apps)  # each publishes its stream and reads the other's
             held = asyncio.ensure_future(b.post("/v1/chat/completions", json=CHAT, headers=EU))
             await eventually(lambda: sum(apps[1].state.router.flow.gauges().waiting.values()) == 1)

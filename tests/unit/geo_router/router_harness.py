@@ -92,6 +92,18 @@ async def eventually(condition: Callable[[], bool], timeout_s: float = 15.0) -> 
     raise AssertionError("condition not met in time")
 
 
+async def started_stream(http: httpx.AsyncClient, stack: contextlib.AsyncExitStack, body: dict[str, Any],
+                         headers: dict[str, str]) -> AsyncIterator[str]:
+    """A chat stream that has started (its first event read) and holds its slot until the node
+    lets it end; its lines, kept open on `stack` (an iterator let go closes the stream)."""
+    response = await stack.enter_async_context(
+        http.stream("POST", "/v1/chat/completions", json=body | {"stream": True}, headers=headers))
+    assert response.status_code == 200
+    lines = response.aiter_lines()
+    await anext(lines)
+    return lines
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """The value of sample `name` with exactly `labels` in Prometheus text; 0 when absent."""
     for family in text_string_to_metric_families(text):

@@ -6,6 +6,7 @@ less urgent first. Time is the ManualClock's."""
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import pytest
@@ -352,7 +353,6 @@ async def _two_routers_flooded(shared: bool, ticks: int = 6000) -> tuple[int, in
     nodes scraped at different moments). Ticks of 10 ms. The most and fewest requests the pool
     ran once warm, and the share of the time all 32 slots were taken (a light tenant's request
     beside the flood found no slot: the reserve was eaten)."""
-    import random
     rng, clock = random.Random(7), ManualClock()
     fleet = [_Router(clock) for _ in range(2)]
     most, fewest, full = 0, 32, 0

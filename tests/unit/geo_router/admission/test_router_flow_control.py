@@ -30,6 +30,7 @@ from router_harness import (
     node,
     node_app,
     router_settings,
+    started_stream,
 )
 
 from geo_router import create_app
@@ -75,20 +76,9 @@ async def one_slow_node(**overrides: Any) -> AsyncIterator[Saturated]:
         await servers.stop()
 
 
-async def _first_event(http: httpx.AsyncClient, stack: contextlib.AsyncExitStack) -> AsyncIterator[str]:
-    """A stream that has started (its first event read) and holds its slot until released;
-    its lines, kept (an iterator let go closes the stream)."""
-    response = await stack.enter_async_context(
-        http.stream("POST", "/v1/chat/completions", json=CHAT | {"stream": True}, headers=EU))
-    assert response.status_code == 200
-    lines = response.aiter_lines()
-    await anext(lines)
-    return lines
-
-
 async def test_the_third_request_waits_at_the_router_and_goes_when_a_stream_ends() -> None:
     async with one_slow_node() as f, contextlib.AsyncExitStack() as stack:
-        streams = [await _first_event(f.http, stack) for _ in range(2)]
+        streams = [await started_stream(f.http, stack, CHAT, EU) for _ in range(2)]
         third = asyncio.ensure_future(f.http.post("/v1/chat/completions", json=CHAT, headers=EU))
         await eventually(lambda: f.waiting() == 1)
         assert f.node.hits == 2  # held here, not queued at the node
@@ -111,7 +101,7 @@ async def test_the_router_tells_its_control_plane_what_waits_and_when_nothing_do
         cp_url = await stack.enter_async_context(cp.serving())
         f = await stack.enter_async_context(
             one_slow_node(control_plane_url=cp_url, flow_backlog_report_s=2.0, router_id="edge-eu-1"))
-        streams = [await _first_event(f.http, stack) for _ in range(2)]
+        streams = [await started_stream(f.http, stack, CHAT, EU) for _ in range(2)]
         third = asyncio.ensure_future(f.http.post("/v1/chat/completions", json=CHAT, headers=EU))
         await eventually(lambda: f.waiting() == 1)
         await f.clock.advance_async(2.0)
@@ -131,7 +121,7 @@ async def test_the_router_tells_its_control_plane_what_waits_and_when_nothing_do
 
 async def test_a_request_past_its_queue_ttl_gets_503_queue_timeout_with_retry_after() -> None:
     async with one_slow_node() as f, contextlib.AsyncExitStack() as stack:
-        streams = [await _first_event(f.http, stack) for _ in range(2)]
+        streams = [await started_stream(f.http, stack, CHAT, EU) for _ in range(2)]
         client = openai.AsyncOpenAI(api_key=EU_KEY, base_url=f"{f.url}/v1", max_retries=0)
         late = asyncio.ensure_future(client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
@@ -153,7 +143,7 @@ async def test_a_request_past_its_queue_ttl_gets_503_queue_timeout_with_retry_af
 
 async def test_a_client_that_leaves_while_queued_is_never_sent() -> None:
     async with one_slow_node() as f, contextlib.AsyncExitStack() as stack:
-        streams = [await _first_event(f.http, stack) for _ in range(2)]
+        streams = [await started_stream(f.http, stack, CHAT, EU) for _ in range(2)]
         gone = asyncio.ensure_future(f.http.post("/v1/chat/completions", json=CHAT, headers=EU))
         await eventually(lambda: f.waiting() == 1)
         gone.cancel()  # the client hangs up
