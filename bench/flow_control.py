@@ -15,9 +15,12 @@ run) and `urgent` (priority 5). Every run is closed-loop for a fixed window afte
 - **flood / flood_off**: A keeps 5 x the fleet's slots of long streams in flight (400-word
   prompts, 200 tokens), B as in `alone`; with and without flow control. B's TTFT p90, and
   every tenant's generated tokens per second (throughput).
-- **fair / fair_off**: three tenants, each with the fleet's slots of streams in flight and
-  prompts of 50, 200 and 400 words: Jain's index over the tokens (prompt + generated) each
-  was served in the window.
+- **fair / fair_off**: three tenants, each with 1.5 x the fleet's slots of streams in flight
+  and prompts of 50, 200 and 400 words: Jain's index over the tokens (prompt + generated) each
+  was served in the window. Every tenant stays backlogged: the weight-2 tenant of the next
+  run, of the shortest prompts, needs three quarters of the slots for half the tokens, and
+  with only the fleet's slots of users its requests, all of one length, ended in waves that
+  emptied its queue for a moment each time (and gave its turn away: work-conserving).
 - **weighted / weighted_off**: the same with weights 2:1:1: the largest relative error of a
   tenant's share against 2:1:1.
 - **urgent**: A floods, `urgent` (band 5) sends B's light load: its TTFT p90 against `alone`.
@@ -32,8 +35,9 @@ run) and `urgent` (priority 5). Every run is closed-loop for a fixed window afte
   local one by default; without one answering, the two routers each count alone and the log
   says so).
 
-Tokens served are the answers' own usage (stream_options.include_usage), counted for the
-requests that ended inside the window. TTFT is the client's: request sent to first token.
+Tokens served are counted as they are served: a prompt's (its usage, stream_options.include_usage)
+at its first token, each generated token as it arrives, when that is inside the window.
+TTFT is the client's: request sent to first token.
 """
 
 from __future__ import annotations
@@ -93,8 +97,13 @@ class Tally:
     ttfts: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     # Of those, the time the router held the request for room (x-meridian-queue-wait-ms).
     queued: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    # Prompt and generated tokens served in the window (each counted as it is served).
     tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     generated: int = 0
+    # The prompt tokens of each tenant's last answer (its prompts are all about one length).
+    prompt_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Generated tokens per chunk of text in each tenant's last answer.
+    per_chunk: dict[str, float] = field(default_factory=lambda: defaultdict(lambda: 1.0))
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     window: tuple[float, float] = (0.0, 0.0)
 
@@ -112,14 +121,20 @@ def _prompt(rng: random.Random, words: int) -> str:
 
 async def _stream(http: httpx.AsyncClient, url: str, key: str, prompt: str, max_tokens: int,
                   tenant: str, tally: Tally) -> None:
-    """One streamed chat request: its TTFT (when it starts in the window) and, when it ends in
-    the window, its usage."""
+    """One streamed chat request: its TTFT (when it is sent in the window) and the tokens it
+    was served in the window, each when it was served: the prompt's at the first token (its
+    prefill is done), each generated token as it arrives.
+
+    Counted as served, not as a request ends: a tenant of 400-word prompts has a request's
+    worth of work in each of its streams running, and whether those end just inside or just
+    outside a 20 s window moved its share by a tenth from one round to the next."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": True}
     sent = time.perf_counter()
     first: float | None = None
-    usage: dict[str, int] | None = None
+    prompt_tokens: int | None = None
+    chunks: list[float] = []  # when each chunk of generated text came
     try:
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
                                headers={"authorization": f"Bearer {key}"}) as r:
@@ -131,20 +146,38 @@ async def _stream(http: httpx.AsyncClient, url: str, key: str, prompt: str, max_
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
                     continue
-                if first is None:
-                    first = time.perf_counter()
-                if '"usage"' in line:
-                    usage = json.loads(line[6:]).get("usage") or usage
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if first is None:  # the role chunk, sent with the first token
+                    first = now
+                    if tally.in_window(sent):
+                        tally.ttfts[tenant].append(first - sent)
+                        tally.queued[tenant].append(queued_s)
+                if usage := chunk.get("usage"):  # the last: the request's usage, no token
+                    prompt_tokens = int(usage.get("prompt_tokens", 0))
+                    tally.prompt_tokens[tenant] = prompt_tokens
+                    if chunks:
+                        tally.per_chunk[tenant] = int(usage.get("completion_tokens", 0)) / len(chunks)
+                elif chunk.get("choices") and "role" not in chunk["choices"][0]["delta"]:
+                    chunks.append(now)
     except httpx.HTTPError:
         tally.errors[tenant] += 1
         return
-    ended = time.perf_counter()
-    if first is not None and tally.in_window(sent):
-        tally.ttfts[tenant].append(first - sent)
-        tally.queued[tenant].append(queued_s)
-    if usage is not None and tally.in_window(ended):
-        tally.tokens[tenant] += int(usage.get("prompt_tokens", 0)) + int(usage.get("completion_tokens", 0))
-        tally.generated += int(usage.get("completion_tokens", 0))
+    finally:
+        _count_served(tally, tenant, first, prompt_tokens, chunks)
+
+
+def _count_served(tally: Tally, tenant: str, first: float | None, prompt_tokens: int | None,
+                  chunks: list[float]) -> None:
+    """What one stream was served inside the window. A chunk is not always one token (a token
+    of half a character sends none; the finish has its own), so chunks count as the tokens
+    per chunk of the tenant's last whole answer; a stream the window's end cut off counts its
+    prompt as that answer's."""
+    if first is not None and tally.in_window(first):
+        tally.tokens[tenant] += prompt_tokens if prompt_tokens is not None else tally.prompt_tokens[tenant]
+    generated = round(sum(1 for t in chunks if tally.in_window(t)) * tally.per_chunk[tenant])
+    tally.tokens[tenant] += generated
+    tally.generated += generated
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +281,7 @@ def _full(load: Load) -> Clients:
 
 def _fair(load: Load) -> list[Clients]:
     names = ("first", "second", "third")
-    return [Clients(n, 2 * load.slots, w, load.fair_tokens) for n, w in zip(names, load.fair_words, strict=True)]
+    return [Clients(n, 3 * load.slots, w, load.fair_tokens) for n, w in zip(names, load.fair_words, strict=True)]
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.common import Figure
-from bench.flow_control import Bench, Load, Tally, _figures, jain, median_figures, share_error
+from bench.flow_control import Bench, Load, Tally, _count_served, _figures, jain, median_figures, share_error
 
 
 def test_jain_is_one_for_equal_shares_and_one_over_n_when_one_takes_all() -> None:
@@ -64,3 +64,20 @@ def test_repeated_rounds_report_each_metric_from_its_median_round() -> None:
     assert (got["a"].ours, got["a"].baseline) == (12, 3)  # ratio 4: the middle of 3, 4 and 5
     assert got["b"].ours == 2
     assert median_figures([[fig("a", 1, 1)], [fig("a", 3, 1)]])[0].ours == 1  # even: the lower
+
+
+def test_tokens_count_when_they_are_served_not_when_the_request_ends() -> None:
+    tally = Tally(window=(10.0, 20.0))
+    # Prefilled before the window, four chunks after it opened, ended in it: the chunks only.
+    _count_served(tally, "third", 9.0, 500, [9.5, 11.0, 12.0, 13.0, 14.0])
+    assert tally.tokens["third"] == 4
+    # Its answer said 2 tokens a chunk: later chunks count 2 each.
+    tally.per_chunk["third"] = 2.0
+    tally.prompt_tokens["third"] = 500
+    # Prefilled inside, cut off at the window's end: its prompt as the last one's, its chunks.
+    _count_served(tally, "third", 19.0, None, [19.5, 20.5])
+    assert tally.tokens["third"] == 4 + 500 + 2
+    assert tally.generated == 4 + 2
+    # Never started: nothing.
+    _count_served(tally, "third", None, None, [])
+    assert tally.tokens["third"] == 506
