@@ -30,6 +30,12 @@ run) and `urgent` (priority 5). Every run is closed-loop for a fixed window afte
   `*_vs_full_batch` figures divide by it, so what is left of a ratio above 1 is the wait the
   router (or a node's queue) added, and what `*_vs_alone` shows beyond it is the engine's
   step time with a full batch against an empty one.
+- **shed**: A keeps 3 x the fleet's slots of streams in flight, `batch` (band -1, sheddable)
+  2 x, through a router whose queue holds at most the fleet's slots of requests: A alone
+  never fills it, the two do. Of the requests refused (503 queue_full: shed from the queue
+  for a more urgent arrival, or not queued), the share that were not batch's: 0 when the
+  sheddable band is shed first; a drop blind to bands would refuse A's in proportion to
+  what it sent. A refused client waits a second before it sends again.
 - **two**: `flood` through two routers with flow control, every request to either at random,
   sharing their work counters and their requests running through Redis (`--redis`, the
   local one by default; without one answering, the two routers each count alone and the log
@@ -70,7 +76,13 @@ REGION = "aws:us-east-1"
 MODEL = "bench-llama"
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
          "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
-TENANTS = ("flood", "light", "first", "second", "third", "urgent")
+# Each tenant's priority band (the tenants not named here are in band 0); `batch`'s is
+# sheddable (below meridian.contracts.SHEDDABLE_BELOW).
+BANDS = {"urgent": 5, "batch": -1}
+TENANTS = ("flood", "light", "first", "second", "third", "urgent", "batch")
+# A refused client waits this long before it sends again (the router's Retry-After is at
+# least a second): without it, a refused client's loop would be a flood of its own.
+RETRY_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +117,9 @@ class Tally:
     # Generated tokens per chunk of text in each tenant's last answer.
     per_chunk: dict[str, float] = field(default_factory=lambda: defaultdict(lambda: 1.0))
     errors: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # Requests sent in the window, and of those, refused (503 queue_full: shed or not queued).
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    refused: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     window: tuple[float, float] = (0.0, 0.0)
 
     def in_window(self, t: float) -> bool:
@@ -120,14 +135,16 @@ def _prompt(rng: random.Random, words: int) -> str:
 
 
 async def _stream(http: httpx.AsyncClient, url: str, key: str, prompt: str, max_tokens: int,
-                  tenant: str, tally: Tally) -> None:
+                  tenant: str, tally: Tally) -> bool:
     """One streamed chat request: its TTFT (when it is sent in the window) and the tokens it
     was served in the window, each when it was served: the prompt's at the first token (its
     prefill is done), each generated token as it arrives.
 
     Counted as served, not as a request ends: a tenant of 400-word prompts has a request's
     worth of work in each of its streams running, and whether those end just inside or just
-    outside a 20 s window moved its share by a tenth from one round to the next."""
+    outside a 20 s window moved its share by a tenth from one round to the next.
+
+    False when it was refused or failed."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
             "ignore_eos": True}
@@ -135,13 +152,17 @@ async def _stream(http: httpx.AsyncClient, url: str, key: str, prompt: str, max_
     first: float | None = None
     prompt_tokens: int | None = None
     chunks: list[float] = []  # when each chunk of generated text came
+    if tally.in_window(sent):
+        tally.sent[tenant] += 1
     try:
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
                                headers={"authorization": f"Bearer {key}"}) as r:
             if r.status_code != 200:
-                await r.aread()
+                body = await r.aread()
+                if r.status_code == 503 and b"queue_full" in body and tally.in_window(sent):
+                    tally.refused[tenant] += 1
                 tally.errors[tenant] += 1
-                return
+                return False
             queued_s = float(r.headers.get(HEADER_QUEUE_WAIT_MS, "0")) / 1000
             async for line in r.aiter_lines():
                 if not line.startswith("data: {"):
@@ -162,9 +183,10 @@ async def _stream(http: httpx.AsyncClient, url: str, key: str, prompt: str, max_
                     chunks.append(now)
     except httpx.HTTPError:
         tally.errors[tenant] += 1
-        return
+        return False
     finally:
         _count_served(tally, tenant, first, prompt_tokens, chunks)
+    return True
 
 
 def _count_served(tally: Tally, tenant: str, first: float | None, prompt_tokens: int | None,
@@ -202,8 +224,10 @@ async def _run(urls: list[str], keys: dict[str, str], clients: list[Clients], lo
     async def user(http: httpx.AsyncClient, c: Clients, seed: int) -> None:
         rng = random.Random(seed)
         while time.perf_counter() < stop_at:
-            await _stream(http, rng.choice(urls), keys[c.tenant], _prompt(rng, c.words), c.tokens, c.tenant, tally)
-            if c.think_s:
+            if not await _stream(http, rng.choice(urls), keys[c.tenant], _prompt(rng, c.words), c.tokens,
+                                 c.tenant, tally):
+                await asyncio.sleep(RETRY_S)
+            elif c.think_s:
                 await asyncio.sleep(rng.expovariate(1 / c.think_s))
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10), limits=limits) as http:
@@ -279,6 +303,13 @@ def _full(load: Load) -> Clients:
     return Clients("flood", 2 * load.slots - load.light_users, load.flood_words, load.flood_tokens)
 
 
+def _shed(load: Load) -> list[Clients]:
+    """A's streams, more than the fleet's slots but fewer waiting than the queue's cap, and
+    `batch` (sheddable) with as many again: only batch's requests may be refused."""
+    return [Clients("flood", 3 * load.slots, load.flood_words, load.flood_tokens),
+            Clients("batch", 2 * load.slots, load.flood_words, load.flood_tokens)]
+
+
 def _fair(load: Load) -> list[Clients]:
     names = ("first", "second", "third")
     return [Clients(n, 3 * load.slots, w, load.fair_tokens) for n, w in zip(names, load.fair_words, strict=True)]
@@ -331,6 +362,7 @@ RUNS: dict[str, Callable[[Bench], Awaitable[None]]] = {
     "urgent": lambda b: b.measure("urgent", "on", [_flood(b.load), _light("urgent", b.load)]),
     "two": lambda b: b.measure("two", "two", [_flood(b.load), _light("light", b.load)]),
     "full": lambda b: b.measure("full", "off", [_full(b.load), _light("light", b.load)]),
+    "shed": lambda b: b.measure("shed", "capped", _shed(b.load)),
 }
 
 
@@ -371,6 +403,13 @@ def _figures(b: Bench) -> list[Figure]:
         out.append(Figure(BENCH, "two_routers_noisy_neighbour_ttft_p90_vs_alone", _p90(b, "two", "light"),
                           _p90(b, "alone", "light"), "B alone",
                           "ratio <= 1.3 (two routers, each request to either)", "ms"))
+    if "shed" in have:
+        t = b.tallies["shed"]
+        refused, sent = sum(t.refused.values()), sum(t.sent.values())
+        out.append(Figure(BENCH, "refused_outside_the_sheddable_band",
+                          (refused - t.refused["batch"]) / max(refused, 1), (sent - t.sent["batch"]) / max(sent, 1),
+                          "a drop blind to bands (band 0's share of the requests sent)",
+                          "ours = 0 (the queue at its cap: only the sheddable band refused)", "share"))
     for run, tenant, name in (("flood", "light", "noisy_neighbour"), ("urgent", "urgent", "high_band"),
                               ("two", "light", "two_routers_noisy_neighbour")):
         if {run, "full"} <= have:
@@ -399,7 +438,7 @@ def _tenants(fabric: LocalFabric) -> tuple[dict[str, str], Callable[[], AdminCli
     keys = {}
     with admin() as a:
         for name in TENANTS:
-            a.create_tenant(TenantCreate(name=name, priority=5 if name == "urgent" else 0))
+            a.create_tenant(TenantCreate(name=name, priority=BANDS.get(name, 0)))
             keys[name] = a.create_key(ApiKeyCreate(name=name, tenant=name, scopes=[Scope.INFERENCE])).key
     return keys, admin
 
@@ -415,6 +454,11 @@ def _shared(load: Load) -> dict[str, str]:
         log(f"Redis at {load.redis_url} does not answer ({exc}): the two routers count alone")
         return {}
     return {"MERIDIAN_ROUTER_REDIS_URL": load.redis_url, "MERIDIAN_ROUTER_FLEET_KEY_PREFIX": f"bench-flow-{os.getpid()}:"}
+
+
+def _capped(load: Load) -> dict[str, str]:
+    """A router whose queue holds at most the fleet's slots of requests (the shedding run)."""
+    return {"MERIDIAN_ROUTER_FLOW_QUEUE_MAX_ENTRIES": str(2 * load.slots)}
 
 
 def median_figures(rounds: list[list[Figure]]) -> list[Figure]:
@@ -439,7 +483,8 @@ def run(load: Load = Load(), only: frozenset[str] | None = None, repeats: int = 
         on = {"MERIDIAN_ROUTER_FLOW_RESERVE_SHARE": str(load.reserve_share)} if load.reserve_share is not None else {}
         routers = {"on": [fabric.start_router(on).url],
                    "off": [fabric.start_router({"MERIDIAN_ROUTER_FLOW_CONTROL": "false"}).url],
-                   "two": [fabric.start_router({**on, **_shared(load)}).url for _ in range(2)]}
+                   "two": [fabric.start_router({**on, **_shared(load)}).url for _ in range(2)],
+                   "capped": [fabric.start_router({**on, **_capped(load)}).url]}
         time.sleep(3.0)  # the routers' first probes read the nodes' load
         rounds = []
         for n in range(repeats):

@@ -81,3 +81,14 @@ def test_tokens_count_when_they_are_served_not_when_the_request_ends() -> None:
     # Never started: nothing.
     _count_served(tally, "third", None, None, [])
     assert tally.tokens["third"] == 506
+
+
+def test_the_shedding_figure_is_the_share_of_refusals_outside_the_sheddable_band() -> None:
+    bench = Bench(fabric=None, routers={}, keys={}, admin=lambda: None, load=Load())  # type: ignore[arg-type]
+    shed = Tally()
+    shed.sent.update({"flood": 20, "batch": 80})
+    shed.refused.update({"flood": 3, "batch": 9})
+    bench.tallies = {"shed": shed}
+    figure = {f.metric: f for f in _figures(bench)}["refused_outside_the_sheddable_band"]
+    # A quarter of the refusals were band 0's; a drop blind to bands would refuse a fifth.
+    assert (figure.ours, figure.baseline) == (pytest.approx(0.25), pytest.approx(0.2))
