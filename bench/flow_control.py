@@ -83,6 +83,9 @@ TENANTS = ("flood", "light", "first", "second", "third", "urgent", "batch")
 # A refused client waits this long before it sends again (the router's Retry-After is at
 # least a second): without it, a refused client's loop would be a flood of its own.
 RETRY_S = 1.0
+# A little over the routers' probe interval (probe_interval_s, 1 s): after it every router has
+# read each node's load afresh.
+PROBE_SETTLE_S = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +288,10 @@ async def _drain(fabric: LocalFabric) -> None:
                     if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")):
                         busy += float(line.rsplit(" ", 1)[1])
             if not busy:
+                # And until every router has probed them idle: a run that starts on a report of
+                # the last run's load sees the pool full, queues its first arrivals and, its
+                # queue at its cap, refuses some (the shedding run refused 15 of A's at its start).
+                await asyncio.sleep(PROBE_SETTLE_S)
                 return
             await asyncio.sleep(0.5)
     log("the nodes did not drain within 60 s")
