@@ -458,9 +458,9 @@ def checkpoint(model_dir: Path | None, seed: int) -> Iterator[Path]:
 
 
 def run(*, full: bool = False, device: str = "cpu", dtype: str = "auto", engine: str = "torch",
-        model_dir: Path | None = None, seed: int = 0) -> list[Figure]:
-    """Measure every figure of this bench; quick form unless `full`."""
-    work = FULL if full else QUICK
+        model_dir: Path | None = None, seed: int = 0, work: Workload | None = None) -> list[Figure]:
+    """Measure every figure of this bench; quick form unless `full` (or `work`'s sizes)."""
+    work = work or (FULL if full else QUICK)
     device = resolve_device(device)
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"

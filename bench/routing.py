@@ -74,6 +74,9 @@ class Workload:
     # a node when each lives on one) but one node does not, which is the case KV-aware
     # routing exists for. Round robin copies conversations onto every node and evicts.
     cache_tokens_per_node: int = 4096
+    # The generated model (None: this bench's ARCH; bench.gpu_proof passes a bigger one, whose
+    # prefill costs a GPU real time).
+    arch: TinyArch | None = None
 
 
 QUICK = Workload()
@@ -304,7 +307,8 @@ FIGURES = (
 def _fabric_spec(tmp: Path, w: Workload) -> FabricSpec:
     """One region of `w.nodes` torch-engine nodes on the bench checkpoint, each KV cache
     sized to `w.cache_tokens_per_node`."""
-    model_dir = make_tiny_checkpoint(tmp / MODEL, seed=0, arch=ARCH)
+    arch = w.arch or ARCH
+    model_dir = make_tiny_checkpoint(tmp / MODEL, seed=0, arch=arch)
     return FabricSpec(
         work_dir=tmp / "fabric",
         regions=(REGION,),
@@ -314,7 +318,7 @@ def _fabric_spec(tmp: Path, w: Workload) -> FabricSpec:
         default_client_location=REGION,
         node_env={
             "MERIDIAN_NODE_MAX_MODEL_LEN": "4096",
-            "MERIDIAN_NODE_KV_CACHE_MEMORY_BYTES": str(kv_cache_bytes(ARCH, w.cache_tokens_per_node)),
+            "MERIDIAN_NODE_KV_CACHE_MEMORY_BYTES": str(kv_cache_bytes(arch, w.cache_tokens_per_node)),
         },
     )
 
@@ -369,10 +373,11 @@ def _figures(runs: dict[str, list[RunResult]], nodes: int) -> list[Figure]:
     ]
 
 
-def run(full: bool = False, repeats: int = 1, only: frozenset[str] | None = None) -> list[Figure]:
+def run(full: bool = False, repeats: int = 1, only: frozenset[str] | None = None,
+        workload: Workload | None = None) -> list[Figure]:
     """Start the fabric and its routers, measure the runs (`only` those named), and
-    return the figures whose pairs were measured."""
-    w = FULL if full else QUICK
+    return the figures whose pairs were measured (`workload`: other sizes than quick's or full's)."""
+    w = workload or (FULL if full else QUICK)
     redis_url = _redis_url()
     if redis_url is None:
         log("no Redis answers: the two-router run is left out")

@@ -58,16 +58,26 @@ def p90_ms(r: RunResult) -> float:
     return percentile(r.ttfts, 0.9) * 1000
 
 
-def run(full: bool = False, repeats: int = 1) -> list[Figure]:
-    w = FULL if full else QUICK
+def _engine_spec(device: str, nodes: int) -> dict[str, object]:
+    """What the vLLM nodes run with beyond the model: the CPU build's KV space and threads, or
+    on a GPU, bfloat16 and a share of the GPU's memory per node (every node on one GPU)."""
+    if device.startswith("cuda"):
+        return {"dtype": "bfloat16", "gpu_memory_utilization": round(0.8 / nodes, 3)}
+    return {"dtype": "float32", "cpu_kvcache_space_gib": 1, "cpu_threads_bind": "nobind"}
+
+
+def run(full: bool = False, repeats: int = 1, workload: Workload | None = None, device: str = "cpu") -> list[Figure]:
+    """`workload`: other sizes than quick's or full's; `device`: cuda where vLLM's GPU build is
+    the one in .venv-vllm."""
+    w = workload or (FULL if full else QUICK)
     if ".venv-vllm" not in default_vllm_python():
-        raise SystemExit("vLLM's CPU build is not installed: run `make vllm` first")
+        raise SystemExit("vLLM is not installed in .venv-vllm: run `make vllm` first (its CPU build)")
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_checkpoint(Path(tmp) / MODEL, seed=0, arch=ARCH)
+        model_dir = make_tiny_checkpoint(Path(tmp) / MODEL, seed=0, arch=w.arch or ARCH)
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps({
             "name": MODEL, "model": MODEL, "max_model_len": 2048, "max_num_seqs": 16, "block_size": BLOCK,
-            "dtype": "float32", "cpu_kvcache_space_gib": 1, "cpu_threads_bind": "nobind",
+            **_engine_spec(device, w.nodes),
             "extra_args": ["--num-gpu-blocks-override", str(w.cache_tokens_per_node // BLOCK)],
         }))
         spec = FabricSpec(

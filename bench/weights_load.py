@@ -193,9 +193,10 @@ def _h2d_figure(files: list[Path], total: int, device: str, repeats: int) -> Fig
                   "pinned host->device copy_", ">= 0.7", "bytes/s")
 
 
-def run(work_dir: Path, *, full: bool = False, device: str = "cpu") -> list[Figure]:
-    """Measure every figure of this bench on shards written into `work_dir`; quick unless `full`."""
-    work = FULL if full else QUICK
+def run(work_dir: Path, *, full: bool = False, device: str = "cpu", work: Workload | None = None) -> list[Figure]:
+    """Measure every figure of this bench on shards written into `work_dir`; quick unless `full`
+    (or `work`'s sizes)."""
+    work = work or (FULL if full else QUICK)
     device = resolve_device(device)
     files = make_shards(work_dir, work)
     total = sum(f.stat().st_size for f in files)
