@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from gpu_proof_check import check_dry_run
 
 from bench.gpu_proof import STEPS
+
+# Minutes on CI's loaded box (pytest's default is 5); the dry run's own timeout (1500 s) fires first.
+pytestmark = pytest.mark.timeout(1600)
 
 
 def test_the_dry_run_of_the_torch_engine_steps_leaves_tagged_figures_and_a_summary(tmp_path: Path) -> None:
