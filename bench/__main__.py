@@ -1,11 +1,15 @@
 """`python -m bench` (`make bench`): every benchmark in its quick form, JSON lines out."""
 
+import tempfile
+from pathlib import Path
+
 from bench import (
     attacks,
     engine,
     engine_vllm,
     failover,
     flow_control,
+    gpu_proof,
     kv_index,
     lease_writes,
     migration,
@@ -85,6 +89,12 @@ def main() -> None:
     for result in attacks.run():
         for fig in attacks.figures(result):
             print(fig.json_line(), flush=True)
+    # The GPU proof's dry run (issue 38): every step of `python -m bench.gpu_proof` on the CPU
+    # at its smallest, about 9 minutes, so that the script a GPU machine will run has run; its
+    # figures are plumbing, not measurements, and stay in its own folder, not printed.
+    with tempfile.TemporaryDirectory(prefix="meridian-gpu-proof-") as tmp:
+        if gpu_proof.dry_run(Path(tmp) / "proof") != 0:
+            raise SystemExit("bench.gpu_proof --dry-run: a step failed (its progress above says which)")
 
 
 if __name__ == "__main__":
