@@ -161,8 +161,8 @@ async def _stream(http: httpx.AsyncClient, url: str, key: str, prompt: str, max_
         async with http.stream("POST", f"{url}/v1/chat/completions", json=body,
                                headers={"authorization": f"Bearer {key}"}) as r:
             if r.status_code != 200:
-                body = await r.aread()
-                if r.status_code == 503 and b"queue_full" in body and tally.in_window(sent):
+                refusal = await r.aread()
+                if r.status_code == 503 and b"queue_full" in refusal and tally.in_window(sent):
                     tally.refused[tenant] += 1
                 tally.errors[tenant] += 1
                 return False
