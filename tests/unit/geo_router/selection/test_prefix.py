@@ -226,22 +226,30 @@ def test_only_the_first_max_tokens_are_hashed_and_they_match_the_whole_prompts(
     assert ids.truncated and ids.num_tokens == cap and ids.token_hashes == expected[: cap // BLOCK]
 
 
-def test_building_keys_for_a_2k_token_chat_is_cheap(checkpoint: Path, tokenizer: ChatTokenizer) -> None:
+def test_building_keys_for_a_2k_token_chat_costs_little_more_than_tokenizing_it(
+        checkpoint: Path, tokenizer: ChatTokenizer) -> None:
+    """The keys cost about what the chat's tokens cost (rendering and encoding it, which the
+    router cannot avoid), not a multiple: no second encode, no per-block re-tokenizing.
+    Timed against the tokenizer, pair by pair, so that a loaded machine slows both alike
+    (an absolute 50 ms bound read 122 ms on CI's loaded two cores; the ratio was 1.2 here)."""
     turns = 1
     while len(tokenizer.apply_chat_template(conversation(turns))) < 2048:
         turns += 1
     messages = conversation(turns)
     b = builder(checkpoint, prefix_max_tokens=8192)
     payload = {"messages": messages}
-    times = []
-    for _ in range(20):
+    prefix = b.build(MODEL, payload, 16)
+    ratios = []
+    for _ in range(21):
         t0 = time.perf_counter()
-        prefix = b.build(MODEL, payload, 16)
-        times.append(time.perf_counter() - t0)
-    ms = statistics.median(times) * 1000
-    print(f"\nprefix keys of a {prefix.num_tokens}-token chat: {ms:.2f} ms (median of 20)")
+        b.build(MODEL, payload, 16)
+        t1 = time.perf_counter()
+        tokenizer.apply_chat_template(messages)
+        ratios.append((t1 - t0) / (time.perf_counter() - t1))
+    ratio = statistics.median(ratios)
+    print(f"\nprefix keys of a {prefix.num_tokens}-token chat: {ratio:.2f} x its tokenizing (median of 21)")
     assert prefix.num_tokens >= 2048 and not prefix.truncated
-    assert ms < 50, f"{ms:.1f} ms to build the keys of a 2k-token chat"
+    assert ratio < 3, f"building the keys of a 2k-token chat cost {ratio:.1f} x tokenizing it"
 
 
 # --- tokenizers that are missing, broken or still loading ----------------------------------
