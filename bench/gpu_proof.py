@@ -27,7 +27,9 @@ then the torch engine's):
 | flow_control | noisy neighbour, band 5 and the engines' floor on GPU nodes (the ratios issue 37 could not meet on two CPU cores) | 90 s |
 
 The vLLM steps are skipped at once when the install step fails (a machine that reaches no
-package registry and was given no wheelhouse: the summary says why). The torch-engine
+package registry and was given no wheelhouse: the summary says why). On such a machine
+Meridian's own install travels as wheels too: bench.gpu_kit writes them, and says how the
+run begins. The torch-engine
 nodes run on the GPU through `MERIDIAN_NODE_DEVICE=cuda`, which the local fabric passes to
 every node.
 
