@@ -13,11 +13,22 @@ replicas the zone's tenants may use and that are not ejected. Its occupancy is t
 own requests let go and not finished (exact, at once) plus what other routers have there:
 each node's last reported running + waiting less this router's own in flight there when the
 page was read (the prober's scrape, about once a second; geo_router.admission.flow_capacity). A pool is full at
-its slots less a reserve (`flow_reserve_share` of them), which only a light tenant may use:
-one whose requests running and waiting are fewer than slots / (tenants active in the pool +
-1). A light tenant's request beside a flood starts at once, in the batch, instead of waiting
-for a flooding tenant's request to end; a backlogged tenant is never light, so the reserve
-never reorders backlogged tenants. So node queues stay empty: the router, not the node, holds the backlog.
+its slots less a reserve, which only a light tenant may use: one whose requests running and
+waiting are fewer than slots / (tenants active in the pool + 1). A light tenant's request
+beside a flood starts at once, in the batch, instead of waiting for a flooding tenant's
+request to end; a backlogged tenant is never light, so the reserve never reorders backlogged
+tenants. So node queues stay empty: the router, not the node, holds the backlog.
+
+**The reserve** is `flow_reserve_share` of the slots, or, when light tenants have lately had
+more requests at once (`LightPeak`: the most, running and waiting, over the last one to two
+`flow_reserve_window_s`), that many and one more, up to half the slots; and the light
+tenants' requests running count against it, not against the slots below it. A fixed reserve
+was too small beside a flood: the light tenant of bench.flow_control (three users, a short
+think time) had three requests at once against a reserve of two, the flood refilled the
+reserve's slots whenever the light tenant paused, and its third request waited for a flood's
+to end (held p90 100-260 ms). Sized by their demand, a light tenant's next request finds a
+slot; the flood is kept one slot, plus what the light tenants are not using at the moment,
+below the slots.
 
 **Work-conserving.** A request that finds room and nobody waiting goes at once (`admit_now`:
 no task, no timer, no future; the pool's capacity is measured at most every 50 ms). A
@@ -131,17 +142,20 @@ class Room:
     in_use: int | None = None
 
     @staticmethod
-    def of(capacity: Capacity, running: int, reserve: int) -> Room:
-        """The room as this router sees it with `running` of its requests let go (module doc,
-        Several routers): below the reserve, room no other router waits for, or its quota."""
+    def of(capacity: Capacity, running: int, reserve: int, light: int = 0) -> Room:
+        """The room as this router sees it with `running` of its requests let go, `light` of
+        them light tenants' (they count against the reserve, not the slots below it; module
+        doc, The reserve and Several routers): below the reserve, room no other router waits
+        for, or its quota."""
         in_use = running + capacity.others
         if capacity.peers is None:
-            return Room(capacity.slots, reserve, in_use, in_use)
+            return Room(capacity.slots, reserve, in_use - light, in_use)
         below = capacity.slots - reserve
         # Room no other router waits for is anyone's (work-conserving: a burst does not wait
         # for the next sync to raise this router's demand); room they wait for goes by quota.
         unclaimed = in_use + capacity.peers.others_waiting
-        return Room(capacity.slots, reserve, min(unclaimed, running + below - capacity.peers.quota(below)), in_use)
+        occupied = min(unclaimed, running + below - capacity.peers.quota(below))
+        return Room(capacity.slots, reserve, occupied - light, in_use)
 
     def admits(self, light: bool) -> bool:
         """Whether one more request fits: below the slots less the reserve (with peers, below
@@ -153,9 +167,43 @@ class Room:
         return light and in_use < self.slots
 
 
-def reserve_of(slots: int, share: float) -> int:
-    """The slots kept for tenants below their fair share (rounded down: a small pool keeps none)."""
-    return math.floor(slots * share)
+def reserve_of(slots: int, share: float, light_peak: int = 0) -> int:
+    """The slots kept for tenants below their fair share: `share` of them (rounded down: a
+    small pool, or a share of 0, keeps none), or room for one more request than the light
+    tenants lately had at once (`light_peak`), up to half the slots (module doc, The reserve)."""
+    base = math.floor(slots * share)
+    if base == 0:
+        return 0
+    return max(base, min(light_peak + 1, slots // 2))
+
+
+@dataclass(slots=True)
+class LightPeak:
+    """The most requests (running and waiting) a pool's light tenants had at once, over the
+    last one to two windows: a maximum kept in two buckets, so that a light tenant pausing
+    between its requests does not shrink the reserve the moment it pauses, and one that has
+    gone gives it back within two windows."""
+
+    window_s: float
+    current: int = 0
+    previous: int = 0
+    bucket_ends: float = -math.inf
+
+    def observe(self, demand: int, now: float) -> None:
+        self._roll(now)
+        self.current = max(self.current, demand)
+
+    def peak(self, now: float) -> int:
+        self._roll(now)
+        return max(self.current, self.previous)
+
+    def _roll(self, now: float) -> None:
+        if now < self.bucket_ends:
+            return
+        # A bucket ended: it becomes the previous one, unless a whole window passed since.
+        self.previous = self.current if now < self.bucket_ends + self.window_s else 0
+        self.current = 0
+        self.bucket_ends = now + self.window_s
 
 
 def below_fair_share(demand: int, slots: int, tenants: int) -> bool:
@@ -204,6 +252,8 @@ class _Pool:
     # Its waiting requests, and those this router let go and that have not finished (the
     # queue's `running`: charged when they go, settled when they end).
     queue: FlowQueue[asyncio.Future[bool]]
+    # The most requests its light tenants had at once lately: what sizes the reserve.
+    light: LightPeak
 
 
 @dataclass(slots=True, eq=False)
@@ -273,7 +323,7 @@ class FlowControl:
         if len(pool.queue):
             return None
         room = self._room(pool, capacity)
-        if not (room.admits(False) or room.admits(self._light(pool, request.tenant, capacity))):
+        if not (room.admits(False) or room.admits(self._light(pool, request.tenant, capacity, 1))):
             return None
         entry = self._entry(request, self._passed())
         pool.queue.charge(entry)  # nobody waits: no order to keep
@@ -291,6 +341,7 @@ class FlowControl:
             victim.item.set_exception(QueueFull(request.pool[1], self._retry_after_s(), shed=True))
         if refusal is not None:
             raise QueueFull(request.pool[1], self._retry_after_s())
+        pool.light.observe(self._light_load(pool, capacity)[1], self._clock.monotonic())
         self._pump(request.pool, pool, capacity)  # it may be next, and fit
         if not entry.item.done():
             self._ticking()
@@ -378,7 +429,8 @@ class FlowControl:
     def _pool(self, key: PoolKey) -> _Pool:
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = _Pool(FlowQueue(self._caps, self._counters(key)))
+            pool = self._pools[key] = _Pool(FlowQueue(self._caps, self._counters(key)),
+                                            LightPeak(self._settings.flow_reserve_window_s))
         return pool
 
     def _pump(self, key: PoolKey, pool: _Pool, capacity: Capacity) -> None:
@@ -398,16 +450,38 @@ class FlowControl:
         entry.item.set_result(True)
 
     def _room(self, pool: _Pool, capacity: Capacity) -> Room:
-        return Room.of(capacity, pool.queue.running, reserve_of(capacity.slots, self._settings.flow_reserve_share))
+        """The room, the light tenants' requests running counted against the reserve. Their
+        count (a pass over the pool's tenants) is made only when the pool is past its slots
+        less the reserve without it: an unsaturated pool's requests never pay for it."""
+        share = self._settings.flow_reserve_share
+        peak = pool.light.peak(self._clock.monotonic()) if share else 0
+        reserve = reserve_of(capacity.slots, share, peak)
+        room = Room.of(capacity, pool.queue.running, reserve)
+        if not peak or room.admits(False):
+            return room
+        return Room.of(capacity, pool.queue.running, reserve, self._light_load(pool, capacity)[0])
 
-    def _light(self, pool: _Pool, tenant: str, capacity: Capacity) -> bool:
+    def _light(self, pool: _Pool, tenant: str, capacity: Capacity, arriving: int = 0) -> bool:
         """Whether `tenant` asks for less than a fair share of the pool: its requests running
-        and waiting here are fewer than the slots shared by the active tenants and one more.
-        A backlogged tenant is never light, so the reserve never reorders backlogged tenants:
-        their shares stay the counters' (the weights), however short their requests."""
+        and waiting here (and `arriving`, one not yet queued) are fewer than the slots shared
+        by the active tenants and one more. A backlogged tenant is never light, so the reserve
+        never reorders backlogged tenants: their shares stay the counters' (the weights),
+        however short their requests."""
         tenants = len(pool.queue.running_tenants() | pool.queue.tenants() | {tenant})
-        demand = pool.queue.running_of(tenant) + pool.queue.waiting_of(tenant)
+        demand = pool.queue.running_of(tenant) + pool.queue.waiting_of(tenant) + arriving
         return below_fair_share(demand, capacity.slots, tenants)
+
+    def _light_load(self, pool: _Pool, capacity: Capacity) -> tuple[int, int]:
+        """The light tenants' requests running here, and running and waiting."""
+        queue = pool.queue
+        tenants = queue.running_tenants() | queue.tenants()
+        running = demand = 0
+        for tenant in tenants:
+            mine = queue.running_of(tenant)
+            total = mine + queue.waiting_of(tenant)
+            if below_fair_share(total, capacity.slots, len(tenants)):
+                running, demand = running + mine, demand + total
+        return running, demand
 
     async def _wait(self, request: FlowRequest, pool: _Pool, entry: Entry[asyncio.Future[bool]]) -> Ticket:
         """Until `pump` lets the entry go (True), finds it late (False) or sheds it (QueueFull).

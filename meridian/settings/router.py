@@ -169,12 +169,15 @@ class RouterSettings(ListenerSettings):
     # full, requests wait at the router, ordered by priority band and fair share, instead of
     # in each node's first-come queue. "Full" is the replicas' batch slots (each node's
     # max_num_seqs as it registered it; flow_default_slots for one that did not say) less a
-    # reserve of flow_reserve_share of them, kept for tenants below their fair share of the
-    # pool: a light tenant's request starts at once beside a flood instead of waiting for a
-    # flooding tenant's request to finish. Nothing waits while there is room.
+    # reserve of flow_reserve_share of them (0: none), kept for tenants below their fair share
+    # of the pool: a light tenant's request starts at once beside a flood instead of waiting for
+    # a flooding tenant's request to finish. When the light tenants have lately had more
+    # requests at once (the most over the last one to two flow_reserve_window_s), the reserve
+    # is that many and one more, up to half the slots. Nothing waits while there is room.
     flow_control: bool = True
     flow_default_slots: int = Field(32, ge=1)
     flow_reserve_share: float = Field(0.0625, ge=0, lt=1)
+    flow_reserve_window_s: float = Field(10.0, gt=0)
     # How long a request may wait for room (x-meridian-queue-ttl asks for less or more, up to
     # the max); past it: 503 queue_timeout with Retry-After.
     flow_queue_ttl_s: float = Field(30.0, gt=0)
