@@ -228,10 +228,10 @@ def calibrated(ratio: float, estimate: float, actual: float) -> float:
 @dataclass(slots=True)
 class FlowGauges:
     """Requests waiting per (zone, model, band, tenant); per pool, the requests this router let
-    go and that have not finished, its slots, and other routers' requests there."""
+    go and that have not finished, its slots, other routers' requests there, and its reserve."""
 
     waiting: dict[tuple[str, str, int, str], int] = field(default_factory=dict)
-    pools: dict[PoolKey, tuple[int, int, int]] = field(default_factory=dict)
+    pools: dict[PoolKey, tuple[int, int, int, int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -370,7 +370,8 @@ class FlowControl:
             for (band, tenant), n in pool.queue.waiting().items():
                 gauges.waiting[(*key, band, tenant)] = n
             capacity = self._capacity(key)
-            gauges.pools[key] = (pool.queue.running, capacity.slots, capacity.others)
+            reserve = self._room(pool, capacity).reserve
+            gauges.pools[key] = (pool.queue.running, capacity.slots, capacity.others, reserve)
         return gauges
 
     def held(self) -> dict[PoolKey, int]:

@@ -80,21 +80,25 @@ class _FlowQueues(Collector):
                               "control counts them (each node's max_num_seqs).", labels=pool),
             GaugeMetricFamily("meridian_router_flow_others", "Requests of other routers on a pool's replicas, as "
                               "the nodes' reports show them beyond this router's own.", labels=pool),
+            GaugeMetricFamily("meridian_router_flow_reserve", "Slots of a pool kept for tenants below their fair "
+                              "share: flow_reserve_share of them, or one more than the light tenants lately had "
+                              "at once.", labels=pool),
         )
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        waiting, running, slots, others = self._families()
+        waiting, running, slots, others, reserve = self._families()
         gauges = self.read()
         for (zone, model, band, tenant), count in sorted(gauges.waiting.items()):
             waiting.add_metric([zone, model, str(band), tenant], count)
-        for (zone, model), (let_go, n, other) in sorted(gauges.pools.items()):
+        for (zone, model), (let_go, n, other, kept) in sorted(gauges.pools.items()):
             running.add_metric([zone, model], let_go)
             slots.add_metric([zone, model], n)
             others.add_metric([zone, model], other)
-        yield from (waiting, running, slots, others)
+            reserve.add_metric([zone, model], kept)
+        yield from (waiting, running, slots, others, reserve)
 
 
 class RouterMetrics:

@@ -156,6 +156,8 @@ async def test_the_reserve_lets_a_tenant_below_its_fair_share_in_beside_a_flood(
     light.release(10)
     await asyncio.wait_for(third, 1)
     assert _state(control) == ({}, 16)
+    # The light tenant had three at once: the reserve is now one more than that (the gauge).
+    assert control.gauges().pools[POOL][3] == 4
 
 
 async def test_a_higher_band_goes_first_and_a_lower_arrival_waits_behind_it() -> None:
