@@ -21,14 +21,16 @@ tenants. So node queues stay empty: the router, not the node, holds the backlog.
 
 **The reserve** is `flow_reserve_share` of the slots, or, when light tenants have lately had
 more requests at once (`LightPeak`: the most, running and waiting, over the last one to two
-`flow_reserve_window_s`), that many and one more, up to half the slots; and the light
-tenants' requests running count against it, not against the slots below it. A fixed reserve
-was too small beside a flood: the light tenant of bench.flow_control (three users, a short
-think time) had three requests at once against a reserve of two, the flood refilled the
-reserve's slots whenever the light tenant paused, and its third request waited for a flood's
-to end (held p90 100-260 ms). Sized by their demand, a light tenant's next request finds a
-slot; the flood is kept one slot, plus what the light tenants are not using at the moment,
-below the slots.
+`flow_reserve_window_s`), that many, up to half the slots; and the light tenants' requests
+running count against it, not against the slots below it. A fixed reserve was too small
+beside a flood: a light tenant with three requests at once (bench.flow_control's B: three
+users, a short think time) against a reserve of two lost the reserve's slots to the flood
+whenever it paused, and its third request waited for one of the flood's to end (held p90
+100-260 ms on a slower box; half of its requests waited in a simulation of it, 3% with
+the reserve of two counted as before, none sized by its demand: the unit tests). Sized by
+their demand, a light tenant's next request finds a slot unless it asks for more than it
+lately did, and the flood fills everything else: the slots idle are what the light tenants
+are not using at the moment.
 
 **Work-conserving.** A request that finds room and nobody waiting goes at once (`admit_now`:
 no task, no timer, no future; the pool's capacity is measured at most every 50 ms). A
@@ -168,13 +170,15 @@ class Room:
 
 
 def reserve_of(slots: int, share: float, light_peak: int = 0) -> int:
-    """The slots kept for tenants below their fair share: `share` of them (rounded down: a
-    small pool, or a share of 0, keeps none), or room for one more request than the light
-    tenants lately had at once (`light_peak`), up to half the slots (module doc, The reserve)."""
-    base = math.floor(slots * share)
-    if base == 0:
+    """The slots kept for tenants below their fair share: `share` of them (rounded down), or,
+    while light tenants come, as many as they lately had at once (`light_peak`), up to half
+    the slots (module doc, The reserve). A share of 0 keeps none; a small pool whose share
+    rounds to none keeps room for its light tenants alone (with 8 slots and the default
+    share, a flood otherwise took every slot and each light request waited for one of the
+    flood's to end: 0.5 s at p90 on two CPU cores)."""
+    if share <= 0:
         return 0
-    return max(base, min(light_peak + 1, slots // 2))
+    return max(math.floor(slots * share), min(light_peak, slots // 2))
 
 
 @dataclass(slots=True)

@@ -81,7 +81,7 @@ class _FlowQueues(Collector):
             GaugeMetricFamily("meridian_router_flow_others", "Requests of other routers on a pool's replicas, as "
                               "the nodes' reports show them beyond this router's own.", labels=pool),
             GaugeMetricFamily("meridian_router_flow_reserve", "Slots of a pool kept for tenants below their fair "
-                              "share: flow_reserve_share of them, or one more than the light tenants lately had "
+                              "share: flow_reserve_share of them, or as many as the light tenants lately had "
                               "at once.", labels=pool),
         )
 

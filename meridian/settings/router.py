@@ -173,7 +173,7 @@ class RouterSettings(ListenerSettings):
     # of the pool: a light tenant's request starts at once beside a flood instead of waiting for
     # a flooding tenant's request to finish. When the light tenants have lately had more
     # requests at once (the most over the last one to two flow_reserve_window_s), the reserve
-    # is that many and one more, up to half the slots. Nothing waits while there is room.
+    # is that many, up to half the slots. Nothing waits while there is room.
     flow_control: bool = True
     flow_default_slots: int = Field(32, ge=1)
     flow_reserve_share: float = Field(0.0625, ge=0, lt=1)

@@ -156,8 +156,8 @@ async def test_the_reserve_lets_a_tenant_below_its_fair_share_in_beside_a_flood(
     light.release(10)
     await asyncio.wait_for(third, 1)
     assert _state(control) == ({}, 16)
-    # The light tenant had three at once: the reserve is now one more than that (the gauge).
-    assert control.gauges().pools[POOL][3] == 4
+    # The light tenant had three at once: the reserve is now that many (the gauge).
+    assert control.gauges().pools[POOL][3] == 3
 
 
 async def test_a_higher_band_goes_first_and_a_lower_arrival_waits_behind_it() -> None:
@@ -436,11 +436,11 @@ async def _light_beside_a_flood(window_s: float, ticks: int = 4000) -> tuple[flo
 async def test_the_reserve_grows_to_the_light_tenants_demand_so_their_requests_never_wait() -> None:
     """Three light requests at once against a reserve of two: with the reserve sized by the
     light tenants' recent peak, none of its requests waits for a flood's to end, and the
-    flood still fills the slots the light tenant is not using."""
+    flood still fills the slots the light tenant is not using (31.3 of 32 running)."""
     waited, running = await _light_beside_a_flood(window_s=10.0)
-    assert waited == 0.0 and running >= 29.5, (waited, running)
+    assert waited == 0.0 and running >= 30.5, (waited, running)
     # A window too short to remember the light tenant's last burst: the flood refills the
-    # reserve while the light tenant thinks, and now and then its next burst waits (as
-    # every one of its requests did 3% of the time with a fixed reserve of two).
+    # reserve while the light tenant thinks, and its next burst waits (half its requests;
+    # 3% with a fixed reserve of two that the light tenant's requests counted against).
     waited, _ = await _light_beside_a_flood(window_s=0.01)
-    assert waited > 0.02, waited
+    assert waited > 0.2, waited
