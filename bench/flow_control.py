@@ -264,13 +264,28 @@ async def _routing_versions(routers: dict[str, list[str]]) -> dict[str, int]:
                 for urls in routers.values() for url in urls}
 
 
-async def _newer_tables(routers: dict[str, list[str]], versions: dict[str, int]) -> None:
-    """Until every router has a newer table than `versions` (a tenant's new weight reaches
-    a router by its long-poll: a fixed wait was too short on a loaded box, and a run then
-    measured the old weights)."""
+async def _weights_in_tables(fabric: LocalFabric, routers: dict[str, list[str]], weights: dict[str, float]) -> None:
+    """Until the control plane's routing table gives the tenants `weights` and every router
+    has loaded that table or a newer one. A tenant's new weight reaches a router by its
+    long-poll. Waiting for any newer table than the routers had was not enough: on a fresh
+    fabric the table's version moves for other reasons (nodes coming up), the wait ended on
+    one of those, and the first weighted round of a fabric measured 2:1:1 as 1:1:1 (every
+    outlier round of the weighted share error, 0.22-0.71, was a fabric's first)."""
+    info = fabric.info
+    assert info is not None
+    async with httpx.AsyncClient(timeout=10) as http:
+        for _ in range(120):
+            r = await http.get(f"{info.control_plane_url}/v1/routing-table",
+                               headers={"authorization": f"Bearer {info.cluster_token}"})
+            table = r.json()
+            have = {t["tenant"]: float(t.get("weight", 1.0)) for t in table["tenants"] if t["tenant"] in weights}
+            if have == weights:
+                break
+            await asyncio.sleep(0.25)
+        else:
+            raise RuntimeError(f"the control plane's table did not give the weights {weights} within 30 s")
     for _ in range(120):
-        now = await _routing_versions(routers)
-        if all(now[url] > v for url, v in versions.items()):
+        if all(v >= table["version"] for v in (await _routing_versions(routers)).values()):
             return
         await asyncio.sleep(0.25)
     raise RuntimeError("the routers did not load the new routing table within 30 s")
@@ -332,11 +347,9 @@ class Bench:
     tallies: dict[str, Tally] = field(default_factory=dict)
 
     async def measure(self, name: str, router: str, clients: list[Clients],
-                      before: Callable[[], bool] | None = None) -> None:
+                      before: Callable[[], dict[str, float]] | None = None) -> None:
         if before is not None:
-            versions = await _routing_versions(self.routers)
-            if before():
-                await _newer_tables(self.routers, versions)
+            await _weights_in_tables(self.fabric, self.routers, before())
         tally = await _run(self.routers[router], self.keys, clients, self.load)
         await _drain(self.fabric)
         self.tallies[name] = tally
@@ -345,16 +358,15 @@ class Bench:
         log(f"{name:12s} TTFT p90 ms {p90} (held at the router, p90 ms {held}), tokens {dict(tally.tokens)}, generated/s "
             f"{tally.generated / self.load.seconds:.0f}, errors {dict(tally.errors)}")
 
-    def weights(self, w: tuple[float, float, float]) -> Callable[[], bool]:
-        """Set the fairness tenants' weights; True when that changed any (a new table comes)."""
-        def apply() -> bool:
-            changed = False
+    def weights(self, w: tuple[float, float, float]) -> Callable[[], dict[str, float]]:
+        """Set the fairness tenants' weights; returns them, by tenant."""
+        def apply() -> dict[str, float]:
+            wanted = dict(zip(("first", "second", "third"), w, strict=True))
             with self.admin() as admin:
-                for name, weight in zip(("first", "second", "third"), w, strict=True):
+                for name, weight in wanted.items():
                     if admin.tenant(name).weight != weight:
                         admin.update_tenant(name, TenantPatch(weight=weight))
-                        changed = True
-            return changed
+            return wanted
         return apply
 
 

@@ -160,6 +160,31 @@ async def test_the_reserve_lets_a_tenant_below_its_fair_share_in_beside_a_flood(
     assert control.gauges().pools[POOL][3] == 3
 
 
+async def test_the_reserve_grows_to_what_light_tenants_ask_and_shrinks_when_they_have_none() -> None:
+    clock = ManualClock()
+    control = _control(Pool(16), clock, flow_reserve_share=0.125)  # 2 slots kept
+    flood = [await control.admit(_request("flood")) for _ in range(14)]
+    backlog = [asyncio.ensure_future(control.admit(_request("flood"))) for _ in range(6)]
+    light = [asyncio.ensure_future(control.admit(_request("light"))) for _ in range(5)]  # 5 < 16 / 3
+    await _settle()
+    assert sum(t.done() for t in light) == 2  # the reserve's two slots
+    for ticket in flood[:3]:
+        ticket.release(100)
+        await _settle()
+    # The light tenant asked for five at once: the three slots went to it, not the flood.
+    assert all(t.done() for t in light) and not any(t.done() for t in backlog)
+    assert control.gauges().pools[POOL][3] == 5
+    for task in light:
+        task.result().release(10)
+    await _settle()
+    # No light tenant has a request: the reserve is its share again, and the flood fills to 14.
+    assert sum(t.done() for t in backlog) == 3 and _state(control)[1] == 14
+    assert control.gauges().pools[POOL][3] == 2
+    for task in backlog:
+        task.cancel()
+    await asyncio.gather(*backlog, return_exceptions=True)
+
+
 async def test_a_higher_band_goes_first_and_a_lower_arrival_waits_behind_it() -> None:
     clock = ManualClock()
     control = _control(Pool(1), clock)
