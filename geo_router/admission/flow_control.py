@@ -201,6 +201,12 @@ class LightPeak:
         self._roll(now)
         return max(self.current, self.previous)
 
+    @property
+    def seen(self) -> bool:
+        """Whether any light demand is kept at all (a pool that never had a light tenant's
+        request waiting reads no clock for its reserve)."""
+        return bool(self.current or self.previous)
+
     def _roll(self, now: float) -> None:
         if now < self.bucket_ends:
             return
@@ -463,7 +469,7 @@ class FlowControl:
         pool's tenants) is made only when the pool is past its slots less that reserve: an
         unsaturated pool's requests never pay for it."""
         share = self._settings.flow_reserve_share
-        peak = pool.light.peak(self._clock.monotonic()) if share else 0
+        peak = pool.light.peak(self._clock.monotonic()) if share and pool.light.seen else 0
         reserve = reserve_of(capacity.slots, share, peak)
         room = Room.of(capacity, pool.queue.running, reserve)
         if not peak or room.admits(False):
